@@ -1,0 +1,33 @@
+//! `strata`: the command-line tool. Each subcommand lives in its own module; this file only
+//! parses arguments and reports errors (with their context chain) on stderr.
+
+use clap::{Parser, Subcommand};
+
+mod inspect;
+
+#[derive(Parser)]
+#[command(name = "strata", version, about = "Inference engine for huge Mixture-of-Experts models in GGUF files")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show a GGUF file's metadata and tensors, or dump one tensor dequantized to .npy
+    Inspect(inspect::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect(a) => inspect::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! Run-time ISA selection. Each family's x86 kernels live in `<family>_x86.rs` and export
+//! `dot(ty, isa) -> Option<DotFn>`; kernels are `#[target_feature]` functions behind safe
+//! wrappers that are only handed out after `supported(isa)` said yes.
+
+use crate::{DotFn, GgmlType};
+
+pub mod fp_x86;
+pub mod iquants_x86;
+pub mod kquants_x86;
+pub mod legacy_x86;
+pub mod lowbit_x86;
+
+/// Instruction-set levels a kernel can target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// The scalar reference.
+    Scalar,
+    /// x86-64 AVX2 + FMA (+ F16C).
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL (+ VNNI, BF16 where the kernel says so).
+    Avx512,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+/// Whether this CPU can run kernels for `isa`.
+pub fn supported(isa: Isa) -> bool {
+    match isa {
+        Isa::Scalar => true,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            supported(Isa::Avx2)
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => false,
+    }
+}
+
+/// The best ISA this CPU supports (overridable with `STRATA_ISA=scalar|avx2|avx512`).
+pub fn best() -> Isa {
+    static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *BEST.get_or_init(|| {
+        let wanted = std::env::var("STRATA_ISA").ok();
+        let order = [Isa::Avx512, Isa::Avx2, Isa::Scalar];
+        if let Some(w) = wanted {
+            if let Some(i) = order.iter().find(|i| i.name() == w) {
+                if supported(*i) {
+                    return *i;
+                }
+            }
+        }
+        order.into_iter().find(|i| supported(*i)).unwrap_or(Isa::Scalar)
+    })
+}
+
+/// The SIMD kernel for `ty` on `isa`, if a family has one. Callers check `supported(isa)`.
+pub(crate) fn dot(ty: GgmlType, isa: Isa) -> Option<DotFn> {
+    if isa == Isa::Scalar {
+        return None;
+    }
+    fp_x86::dot(ty, isa)
+        .or_else(|| legacy_x86::dot(ty, isa))
+        .or_else(|| lowbit_x86::dot(ty, isa))
+        .or_else(|| kquants_x86::dot(ty, isa))
+        .or_else(|| iquants_x86::dot(ty, isa))
+}
