@@ -15,6 +15,7 @@ pub mod kquants;
 pub mod legacy;
 pub mod lowbit;
 pub mod simd;
+pub mod synth;
 pub mod types;
 
 pub use simd::Isa;
