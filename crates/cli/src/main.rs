@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod inspect;
 
 #[derive(Parser)]
@@ -16,12 +17,15 @@ struct Cli {
 enum Command {
     /// Show a GGUF file's metadata and tensors, or dump one tensor dequantized to .npy
     Inspect(inspect::Args),
+    /// Throughput programs: `bench formats` (block formats)
+    Bench(bench::Args),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(a) => inspect::run(a),
+        Command::Bench(a) => bench::run(a),
     };
     match result {
         Ok(code) => code,
