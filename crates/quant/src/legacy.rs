@@ -1,7 +1,313 @@
-//! The `legacy` family of block formats.
+//! The "legacy" 32-element block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 and IQ4_NL.
+//! This module owns their layouts, dequantizers, quantizers (ggml's reference ones for weights,
+//! the CPU backend's `from_float` ones for the activation types Q8_0/Q8_1) and the scalar
+//! reference dot products that `simd::legacy_x86` reproduces bit for bit.
 
+use crate::dot::{f32_to_f16, le_f16, le_u32};
 use crate::{FormatFns, GgmlType};
 
-pub(crate) fn fns(_ty: GgmlType) -> Option<FormatFns> {
-    None
+/// Elements per block for every type of this family.
+pub const QK: usize = 32;
+
+/// IQ4_NL's 16 non-linear levels (ggml's `kvalues_iq4nl`).
+pub const IQ4NL_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+pub(crate) fn fns(ty: GgmlType) -> Option<FormatFns> {
+    use GgmlType::*;
+    let f = |dequantize: fn(&[u8], &mut [f32]), quantize: fn(&[f32], &mut [u8]), dot| FormatFns {
+        dequantize: Some(dequantize),
+        quantize: Some(quantize),
+        dot,
+    };
+    Some(match ty {
+        Q4_0 => f(dequantize_q4_0, quantize_row_q4_0, None),
+        Q4_1 => f(dequantize_q4_1, quantize_row_q4_1, None),
+        Q5_0 => f(dequantize_q5_0, quantize_row_q5_0, None),
+        Q5_1 => f(dequantize_q5_1, quantize_row_q5_1, None),
+        Q8_0 => f(dequantize_q8_0, quantize_row_q8_0_act, None),
+        Q8_1 => f(dequantize_q8_1, quantize_row_q8_1, None),
+        IQ4_NL => FormatFns {
+            dequantize: Some(dequantize_iq4_nl),
+            quantize: None,
+            dot: None,
+        },
+        _ => return None,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block layouts (bytes): Q4_0 d:f16 qs[16] | Q4_1 d m qs[16] | Q5_0 d qh:u32 qs[16]
+// | Q5_1 d m qh qs[16] | Q8_0 d qs:i8[32] | Q8_1 d s qs[32] | IQ4_NL d qs[16].
+// Nibble j of qs holds element j (low) and element j+16 (high).
+
+fn put_f16(b: &mut [u8], o: usize, x: f32) {
+    b[o..o + 2].copy_from_slice(&f32_to_f16(x).to_le_bytes());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization: ggml-base is built without FMA, so `q*d + m` is a rounded product then a
+// rounded sum, never fused.
+
+fn dequantize_q4_0(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(18).zip(dst.chunks_exact_mut(QK)) {
+        let d = le_f16(b, 0);
+        for j in 0..16 {
+            y[j] = ((b[2 + j] & 0xf) as i32 - 8) as f32 * d;
+            y[j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+fn dequantize_q4_1(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(20).zip(dst.chunks_exact_mut(QK)) {
+        let d = le_f16(b, 0);
+        let m = le_f16(b, 2);
+        for j in 0..16 {
+            y[j] = (b[4 + j] & 0xf) as f32 * d + m;
+            y[j + 16] = (b[4 + j] >> 4) as f32 * d + m;
+        }
+    }
+}
+
+/// The 5-bit codes of a Q5 block: low nibbles from `qs`, bit 4 from `qh` (bit j for element j).
+fn q5_codes(qh: u32, qs: &[u8]) -> [u8; 32] {
+    let mut c = [0u8; 32];
+    for j in 0..16 {
+        c[j] = (qs[j] & 0xf) | ((((qh >> j) & 1) as u8) << 4);
+        c[j + 16] = (qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+    }
+    c
+}
+
+fn dequantize_q5_0(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(22).zip(dst.chunks_exact_mut(QK)) {
+        let d = le_f16(b, 0);
+        let c = q5_codes(le_u32(b, 2), &b[6..22]);
+        for j in 0..QK {
+            y[j] = (c[j] as i32 - 16) as f32 * d;
+        }
+    }
+}
+
+fn dequantize_q5_1(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(24).zip(dst.chunks_exact_mut(QK)) {
+        let d = le_f16(b, 0);
+        let m = le_f16(b, 2);
+        let c = q5_codes(le_u32(b, 4), &b[8..24]);
+        for j in 0..QK {
+            y[j] = c[j] as f32 * d + m;
+        }
+    }
+}
+
+fn dequantize_q8_0(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(34).zip(dst.chunks_exact_mut(QK)) {
+        let d = le_f16(b, 0);
+        for j in 0..QK {
+            y[j] = b[2 + j] as i8 as f32 * d;
+        }
+    }
+}
+
+fn dequantize_q8_1(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(36).zip(dst.chunks_exact_mut(QK)) {
+        let d = le_f16(b, 0);
+        for j in 0..QK {
+            y[j] = b[4 + j] as i8 as f32 * d;
+        }
+    }
+}
+
+fn dequantize_iq4_nl(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(18).zip(dst.chunks_exact_mut(QK)) {
+        let d = le_f16(b, 0);
+        for j in 0..16 {
+            y[j] = d * IQ4NL_VALUES[(b[2 + j] & 0xf) as usize] as f32;
+            y[j + 16] = d * IQ4NL_VALUES[(b[2 + j] >> 4) as usize] as f32;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantization.
+
+/// Largest |x| of a block, starting from 0 (so an all-zero block gives 0).
+fn amax(x: &[f32]) -> f32 {
+    x.iter().fold(0f32, |m, v| m.max(v.abs()))
+}
+
+/// ggml's reference Q8_0 quantizer (`quantize_row_q8_0_ref`, used by `ggml_quantize_chunk`, so
+/// by model converters): `d = amax/127`, `q = round_half_away(x * (1/d))`. This is what a Q8_0
+/// *weight* file holds. Activations are quantized differently by ggml's CPU backend: see
+/// [`quantize_row_q8_0_act`].
+pub fn quantize_row_q8_0_ref(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(34)) {
+        let d = amax(x) / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        put_f16(b, 0, d);
+        for j in 0..QK {
+            b[2 + j] = (x[j] * id).round() as i8 as u8;
+        }
+    }
+}
+
+/// ggml's x86 CPU-backend activation quantizer for Q8_0 (`from_float`, the AVX path): it differs
+/// from [`quantize_row_q8_0_ref`] twice: the multiplier is `127/amax` (not `1/(amax/127)`), and it
+/// rounds ties to even (`_mm256_round_ps`), so a few codes differ by one. ggml's matmuls quantize
+/// activations with this, so dot products that must match ggml use it. Saturates to ±127/−128.
+pub fn quantize_row_q8_0_act(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(34)) {
+        let m = amax(x);
+        let d = m / 127.0;
+        let id = if m != 0.0 { 127.0 / m } else { 0.0 };
+        put_f16(b, 0, d);
+        for j in 0..QK {
+            b[2 + j] = (x[j] * id).round_ties_even() as i8 as u8;
+        }
+    }
+}
+
+/// ggml's x86 CPU-backend Q8_1 quantizer (`from_float`, as [`quantize_row_q8_0_act`]) plus the
+/// block sum `s = f16(d * sum(q))`. Q8_1 exists only as the activation type of Q4_1/Q5_1.
+pub fn quantize_row_q8_1(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(36)) {
+        let m = amax(x);
+        let d = m / 127.0;
+        let id = if m != 0.0 { 127.0 / m } else { 0.0 };
+        put_f16(b, 0, d);
+        let mut sum = 0i32;
+        for j in 0..QK {
+            let q = (x[j] * id).round_ties_even() as i8;
+            sum += q as i32;
+            b[4 + j] = q as u8;
+        }
+        put_f16(b, 2, d * sum as f32);
+    }
+}
+
+/// ggml's reference Q8_1 quantizer (`quantize_row_q8_1_ref`): `1/d` multiplier, ties away.
+pub fn quantize_row_q8_1_ref(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(36)) {
+        let d = amax(x) / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        put_f16(b, 0, d);
+        let mut sum = 0i32;
+        for j in 0..QK {
+            let q = (x[j] * id).round() as i8;
+            sum += q as i32;
+            b[4 + j] = q as u8;
+        }
+        put_f16(b, 2, sum as f32 * d);
+    }
+}
+
+/// Largest |x| of a block and the signed value that has it (the first one on ties).
+fn signed_amax(x: &[f32]) -> (f32, f32) {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    (amax, max)
+}
+
+/// Smallest and largest value of a block.
+fn min_max(x: &[f32]) -> (f32, f32) {
+    let (mut min, mut max) = (f32::MAX, -f32::MAX);
+    for &v in x {
+        if v < min {
+            min = v;
+        }
+        if v > max {
+            max = v;
+        }
+    }
+    (min, max)
+}
+
+/// C's float-to-`int8_t` then clamp, as ggml writes `MIN(top, (int8_t)(v + bias))`: truncation
+/// toward zero; `as i8` saturates where C would be undefined.
+fn trunc_code(v: f32, top: i32) -> u8 {
+    (v as i8 as i32).min(top) as u8
+}
+
+/// ggml's `quantize_row_q4_0_ref`: `d = max/-8` (max = the signed value of largest magnitude),
+/// `q = min(15, trunc(x/d + 8.5))`.
+pub fn quantize_row_q4_0(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(18)) {
+        let (_, max) = signed_amax(x);
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        put_f16(b, 0, d);
+        for j in 0..16 {
+            let lo = trunc_code(x[j] * id + 8.5, 15);
+            let hi = trunc_code(x[j + 16] * id + 8.5, 15);
+            b[2 + j] = lo | (hi << 4);
+        }
+    }
+}
+
+/// ggml's `quantize_row_q4_1_ref`: `d = (max-min)/15`, `m = min`, `q = min(15, trunc((x-min)/d + 0.5))`.
+pub fn quantize_row_q4_1(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(20)) {
+        let (min, max) = min_max(x);
+        let d = (max - min) / 15.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        put_f16(b, 0, d);
+        put_f16(b, 2, min);
+        for j in 0..16 {
+            let lo = trunc_code((x[j] - min) * id + 0.5, 15);
+            let hi = trunc_code((x[j + 16] - min) * id + 0.5, 15);
+            b[4 + j] = lo | (hi << 4);
+        }
+    }
+}
+
+/// Pack 32 five-bit codes as Q5 stores them: `qh` bit j = bit 4 of code j, nibbles as Q4.
+fn put_q5(codes: &[u8; 32], qh_out: &mut [u8], qs_out: &mut [u8]) {
+    let mut qh = 0u32;
+    for j in 0..16 {
+        qs_out[j] = (codes[j] & 0xf) | ((codes[j + 16] & 0xf) << 4);
+        qh |= (((codes[j] >> 4) & 1) as u32) << j;
+        qh |= (((codes[j + 16] >> 4) & 1) as u32) << (j + 16);
+    }
+    qh_out.copy_from_slice(&qh.to_le_bytes());
+}
+
+/// ggml's `quantize_row_q5_0_ref`: `d = max/-16`, `q = min(31, trunc(x/d + 16.5))`.
+pub fn quantize_row_q5_0(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(22)) {
+        let (_, max) = signed_amax(x);
+        let d = max / -16.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        put_f16(b, 0, d);
+        let mut c = [0u8; 32];
+        for j in 0..QK {
+            c[j] = trunc_code(x[j] * id + 16.5, 31);
+        }
+        let (qh, qs) = b[2..].split_at_mut(4);
+        put_q5(&c, qh, qs);
+    }
+}
+
+/// ggml's `quantize_row_q5_1_ref`: `d = (max-min)/31`, `m = min`, `q = trunc((x-min)/d + 0.5)`
+/// (ggml does not clamp here; only the low 5 bits are stored).
+pub fn quantize_row_q5_1(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(24)) {
+        let (min, max) = min_max(x);
+        let d = (max - min) / 31.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        put_f16(b, 0, d);
+        put_f16(b, 2, min);
+        let mut c = [0u8; 32];
+        for j in 0..QK {
+            c[j] = ((x[j] - min) * id + 0.5) as u8;
+        }
+        let (qh, qs) = b[4..].split_at_mut(4);
+        put_q5(&c, qh, qs);
+    }
 }
