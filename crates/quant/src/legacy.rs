@@ -3,8 +3,8 @@
 //! the CPU backend's `from_float` ones for the activation types Q8_0/Q8_1) and the scalar
 //! reference dot products that `simd::legacy_x86` reproduces bit for bit.
 
-use crate::dot::{f32_to_f16, le_f16, le_u32};
-use crate::{FormatFns, GgmlType};
+use crate::dot::{f32_to_f16, le_f16, le_u32, reduce8};
+use crate::{DequantFn, DotFn, FormatFns, GgmlType, QuantFn};
 
 /// Elements per block for every type of this family.
 pub const QK: usize = 32;
@@ -16,23 +16,39 @@ pub const IQ4NL_VALUES: [i8; 16] = [
 
 pub(crate) fn fns(ty: GgmlType) -> Option<FormatFns> {
     use GgmlType::*;
-    let f = |dequantize: fn(&[u8], &mut [f32]), quantize: fn(&[f32], &mut [u8]), dot| FormatFns {
+    let f = |dequantize: DequantFn, quantize: Option<QuantFn>, dot: Option<DotFn>| FormatFns {
         dequantize: Some(dequantize),
-        quantize: Some(quantize),
+        quantize,
         dot,
     };
     Some(match ty {
-        Q4_0 => f(dequantize_q4_0, quantize_row_q4_0, None),
-        Q4_1 => f(dequantize_q4_1, quantize_row_q4_1, None),
-        Q5_0 => f(dequantize_q5_0, quantize_row_q5_0, None),
-        Q5_1 => f(dequantize_q5_1, quantize_row_q5_1, None),
-        Q8_0 => f(dequantize_q8_0, quantize_row_q8_0_act, None),
-        Q8_1 => f(dequantize_q8_1, quantize_row_q8_1, None),
-        IQ4_NL => FormatFns {
-            dequantize: Some(dequantize_iq4_nl),
-            quantize: None,
-            dot: None,
-        },
+        Q4_0 => f(
+            dequantize_q4_0,
+            Some(quantize_row_q4_0),
+            Some(dot_q4_0_q8_0),
+        ),
+        Q4_1 => f(
+            dequantize_q4_1,
+            Some(quantize_row_q4_1),
+            Some(dot_q4_1_q8_1),
+        ),
+        Q5_0 => f(
+            dequantize_q5_0,
+            Some(quantize_row_q5_0),
+            Some(dot_q5_0_q8_0),
+        ),
+        Q5_1 => f(
+            dequantize_q5_1,
+            Some(quantize_row_q5_1),
+            Some(dot_q5_1_q8_1),
+        ),
+        Q8_0 => f(
+            dequantize_q8_0,
+            Some(quantize_row_q8_0_act),
+            Some(dot_q8_0_q8_0),
+        ),
+        Q8_1 => f(dequantize_q8_1, Some(quantize_row_q8_1), None),
+        IQ4_NL => f(dequantize_iq4_nl, None, Some(dot_iq4_nl_q8_0)),
         _ => return None,
     })
 }
@@ -310,4 +326,165 @@ pub fn quantize_row_q5_1(src: &[f32], dst: &mut [u8]) {
         let (qh, qs) = b[4..].split_at_mut(4);
         put_q5(&c, qh, qs);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar reference dot products.
+//
+// Every legacy dot uses one accumulation order, chosen so that an 8-lane (AVX2) and a 16-lane
+// (AVX-512) kernel both reproduce it while keeping four independent FMA chains in flight:
+// - block b, lane l (0..8): `p[b][l] = Σ_{k<4} w[b][4l+k] * x[b][4l+k]`, an exact i32 sum of the
+//   integer codes (what `maddubs`+`madd` or `dpbusd` leave in 32-bit lane l);
+// - `d_b = f16(w.d) * f16(x.d)`, one f32 rounding;
+// - `acc[b % 4][l] = mul_add(d_b, p[b][l] as f32, acc[b % 4][l])`, all accumulators from +0;
+// - result: `s[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l])`, then `reduce8(s)`.
+// A 16-lane kernel that keeps blocks (4i, 4i+1) and (4i+2, 4i+3) in the two halves of two zmm
+// accumulators A and B gets exactly this from `A + B` then `reduce16`.
+// The Q8_1 pairs add a second term per block, `m_w * s_x`, accumulated in `macc[b % 4]` with
+// `mul_add`, and return `reduce8(s) + ((macc[0] + macc[2]) + (macc[1] + macc[3]))`.
+
+/// Number of interleaved accumulator groups (blocks are dealt round-robin among them).
+pub const GROUPS: usize = 4;
+
+/// The shared accumulation: `block(b)` gives `d_b` and the eight lane sums of block `b`.
+#[inline(always)]
+fn accumulate(nb: usize, mut block: impl FnMut(usize) -> (f32, [i32; 8])) -> f32 {
+    let mut acc = [[0f32; 8]; GROUPS];
+    for b in 0..nb {
+        let (d, p) = block(b);
+        let a = &mut acc[b % GROUPS];
+        for l in 0..8 {
+            a[l] = d.mul_add(p[l] as f32, a[l]);
+        }
+    }
+    reduce8(combine_groups(&acc))
+}
+
+/// `(acc0 + acc2) + (acc1 + acc3)` per lane.
+#[inline(always)]
+fn combine_groups(acc: &[[f32; 8]; GROUPS]) -> [f32; 8] {
+    let mut s = [0f32; 8];
+    for l in 0..8 {
+        s[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    s
+}
+
+/// Lane sums of 32 signed weight codes against 32 activation codes.
+#[inline(always)]
+fn lane_sums(w: &[i32; 32], x: &[u8]) -> [i32; 8] {
+    let mut p = [0i32; 8];
+    for l in 0..8 {
+        for k in 0..4 {
+            p[l] += w[4 * l + k] * (x[4 * l + k] as i8 as i32);
+        }
+    }
+    p
+}
+
+/// Q8_0 block `b` of row `x`: (scale, the 32 code bytes).
+#[inline(always)]
+fn q8_0_block(x: &[u8], b: usize) -> (f32, &[u8]) {
+    let blk = &x[b * 34..b * 34 + 34];
+    (le_f16(blk, 0), &blk[2..])
+}
+
+/// Signed codes of a nibble-packed block: element j from the low nibble of `qs[j]`, element j+16
+/// from the high nibble, each mapped through `map`.
+#[inline(always)]
+fn nibbles(qs: &[u8], map: impl Fn(u8) -> i32) -> [i32; 32] {
+    let mut w = [0i32; 32];
+    for j in 0..16 {
+        w[j] = map(qs[j] & 0xf);
+        w[j + 16] = map(qs[j] >> 4);
+    }
+    w
+}
+
+/// Q4_0 weight row · Q8_0 activation row (codes `q - 8`), in the order described above.
+pub fn dot_q4_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    accumulate(n / QK, |b| {
+        let wb = &w[b * 18..b * 18 + 18];
+        let (dx, xq) = q8_0_block(x, b);
+        let c = nibbles(&wb[2..], |q| q as i32 - 8);
+        (le_f16(wb, 0) * dx, lane_sums(&c, xq))
+    })
+}
+
+/// Q5_0 weight row · Q8_0 activation row (codes `q - 16`), in the order described above.
+pub fn dot_q5_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    accumulate(n / QK, |b| {
+        let wb = &w[b * 22..b * 22 + 22];
+        let (dx, xq) = q8_0_block(x, b);
+        let codes = q5_codes(le_u32(wb, 2), &wb[6..22]);
+        let c: [i32; 32] = std::array::from_fn(|j| codes[j] as i32 - 16);
+        (le_f16(wb, 0) * dx, lane_sums(&c, xq))
+    })
+}
+
+/// Q8_0 weight row · Q8_0 activation row, in the order described above.
+pub fn dot_q8_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    accumulate(n / QK, |b| {
+        let (dw, wq) = q8_0_block(w, b);
+        let (dx, xq) = q8_0_block(x, b);
+        let c: [i32; 32] = std::array::from_fn(|j| wq[j] as i8 as i32);
+        (dw * dx, lane_sums(&c, xq))
+    })
+}
+
+/// IQ4_NL weight row · Q8_0 activation row (codes through [`IQ4NL_VALUES`]), in the order
+/// described above.
+pub fn dot_iq4_nl_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    accumulate(n / QK, |b| {
+        let wb = &w[b * 18..b * 18 + 18];
+        let (dx, xq) = q8_0_block(x, b);
+        let c = nibbles(&wb[2..], |q| IQ4NL_VALUES[q as usize] as i32);
+        (le_f16(wb, 0) * dx, lane_sums(&c, xq))
+    })
+}
+
+/// The Q8_1-paired accumulation: as [`accumulate`], plus `macc[b % 4] = mul_add(m_w, s_x, ..)`;
+/// `block(b)` gives `(d_b, m_w, s_x, lane sums)`.
+#[inline(always)]
+fn accumulate_q8_1(nb: usize, mut block: impl FnMut(usize) -> (f32, f32, f32, [i32; 8])) -> f32 {
+    let mut acc = [[0f32; 8]; GROUPS];
+    let mut macc = [0f32; GROUPS];
+    for b in 0..nb {
+        let (d, m, s, p) = block(b);
+        let g = b % GROUPS;
+        for l in 0..8 {
+            acc[g][l] = d.mul_add(p[l] as f32, acc[g][l]);
+        }
+        macc[g] = m.mul_add(s, macc[g]);
+    }
+    reduce8(combine_groups(&acc)) + ((macc[0] + macc[2]) + (macc[1] + macc[3]))
+}
+
+/// Q8_1 block `b` of row `x`: (d, s, the 32 code bytes).
+#[inline(always)]
+fn q8_1_block(x: &[u8], b: usize) -> (f32, f32, &[u8]) {
+    let blk = &x[b * 36..b * 36 + 36];
+    (le_f16(blk, 0), le_f16(blk, 2), &blk[4..])
+}
+
+/// Q4_1 weight row · Q8_1 activation row: `d_w*d_x * Σ q*x` (unsigned codes) in the order
+/// described above, plus the `m_w * s_x` terms.
+pub fn dot_q4_1_q8_1(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    accumulate_q8_1(n / QK, |b| {
+        let wb = &w[b * 20..b * 20 + 20];
+        let (dx, sx, xq) = q8_1_block(x, b);
+        let c = nibbles(&wb[4..], |q| q as i32);
+        (le_f16(wb, 0) * dx, le_f16(wb, 2), sx, lane_sums(&c, xq))
+    })
+}
+
+/// Q5_1 weight row · Q8_1 activation row, as [`dot_q4_1_q8_1`] with 5-bit codes.
+pub fn dot_q5_1_q8_1(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    accumulate_q8_1(n / QK, |b| {
+        let wb = &w[b * 24..b * 24 + 24];
+        let (dx, sx, xq) = q8_1_block(x, b);
+        let codes = q5_codes(le_u32(wb, 4), &wb[8..24]);
+        let c: [i32; 32] = std::array::from_fn(|j| codes[j] as i32);
+        (le_f16(wb, 0) * dx, le_f16(wb, 2), sx, lane_sums(&c, xq))
+    })
 }

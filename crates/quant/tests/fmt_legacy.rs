@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{assert_bits_eq, assert_bytes_eq, Vectors};
+use common::{assert_bytes_eq, Vectors};
 use strata_quant::legacy;
 use strata_quant::GgmlType;
 
@@ -96,12 +96,36 @@ fn q8_0_tie_rounding_differs_between_paths() {
 }
 
 #[test]
-fn q8_0_dequantize_matches_fixtures() {
-    let v = Vectors::load(GgmlType::Q8_0);
-    for (blocks, deq) in [("blocks_raw", "deq_raw"), ("blocks_q", "deq_q")] {
-        let want = v.f32s(deq);
-        let mut got = vec![0f32; want.len()];
-        strata_quant::dequantize(GgmlType::Q8_0, v.bytes(blocks), &mut got).expect("dequantize");
-        assert_bits_eq(&format!("Q8_0 {deq}"), &got, &want);
-    }
+fn q4_0_fixture() {
+    common::check_type(GgmlType::Q4_0, true, 1e-5);
+}
+
+#[test]
+fn q4_1_fixture() {
+    common::check_type(GgmlType::Q4_1, true, 2e-3);
+}
+
+#[test]
+fn q5_0_fixture() {
+    common::check_type(GgmlType::Q5_0, true, 1e-5);
+}
+
+#[test]
+fn q5_1_fixture() {
+    common::check_type(GgmlType::Q5_1, true, 2e-3);
+}
+
+#[test]
+fn q8_0_fixture() {
+    common::check_type(GgmlType::Q8_0, true, 1e-5);
+}
+
+#[test]
+fn q8_1_fixture() {
+    common::check_type(GgmlType::Q8_1, true, 0.0);
+}
+
+#[test]
+fn iq4_nl_fixture() {
+    common::check_type(GgmlType::IQ4_NL, false, 1e-5);
 }
