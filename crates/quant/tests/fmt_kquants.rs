@@ -57,3 +57,28 @@ fn q8_k_zero_block_and_extremes() {
     assert_eq!(y[256 + 7], d * -127.0);
     assert!((y[256 + 7] + 3.0).abs() < 1e-6);
 }
+
+#[test]
+fn q2_k_fixture() {
+    common::check_type(GgmlType::Q2_K, true, 1e-5);
+}
+
+#[test]
+fn q3_k_fixture() {
+    common::check_type(GgmlType::Q3_K, true, 1e-5);
+}
+
+#[test]
+fn q4_k_fixture() {
+    common::check_type(GgmlType::Q4_K, true, 1e-5);
+}
+
+#[test]
+fn q5_k_fixture() {
+    common::check_type(GgmlType::Q5_K, true, 1e-5);
+}
+
+#[test]
+fn q6_k_fixture() {
+    common::check_type(GgmlType::Q6_K, true, 1e-5);
+}
