@@ -48,7 +48,11 @@ pub(crate) fn fns(ty: GgmlType) -> Option<FormatFns> {
             Some(dot_q8_0_q8_0),
         ),
         Q8_1 => f(dequantize_q8_1, Some(quantize_row_q8_1), None),
-        IQ4_NL => f(dequantize_iq4_nl, None, Some(dot_iq4_nl_q8_0)),
+        IQ4_NL => f(
+            dequantize_iq4_nl,
+            Some(quantize_row_iq4_nl),
+            Some(dot_iq4_nl_q8_0),
+        ),
         _ => return None,
     })
 }
@@ -325,6 +329,93 @@ pub fn quantize_row_q5_1(src: &[f32], dst: &mut [u8]) {
         }
         let (qh, qs) = b[4..].split_at_mut(4);
         put_q5(&c, qh, qs);
+    }
+}
+
+/// Index of the level of `values` (ascending) nearest to `x`; ties go to the upper level, as
+/// ggml's `best_index_int8`.
+fn best_index(values: &[i8; 16], x: f32) -> usize {
+    if x <= values[0] as f32 {
+        return 0;
+    }
+    if x >= values[15] as f32 {
+        return 15;
+    }
+    let (mut lo, mut hi) = (0usize, 15usize);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if x < values[mid] as f32 {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    if x - (values[hi - 1] as f32) < (values[hi] as f32) - x {
+        hi - 1
+    } else {
+        hi
+    }
+}
+
+/// One IQ4_NL block by ggml's search (`quantize_row_iq4_nl_impl` with one 32-element block and
+/// `ntry = 7`): a first scale from the largest value, then 15 trial scales, keeping the one
+/// with the best weighted fit. `qw`: None gives ggml's `x²` weighting (no importance matrix),
+/// Some(qw) gives `qw[j] * sqrt(sigma2 + x[j]²)` (not checked against ggml: the fixtures hold
+/// no imatrix quantization).
+fn quantize_block_iq4_nl(x: &[f32], qw: Option<&[f32]>, out: &mut [u8]) {
+    const NTRY: i32 = 7;
+    let values = &IQ4NL_VALUES;
+    let mut sigma2 = 0f32;
+    for &v in x {
+        sigma2 += v * v;
+    }
+    sigma2 *= 2.0 / QK as f32;
+    let mut weight = [0f32; QK];
+    for j in 0..QK {
+        weight[j] = match qw {
+            Some(q) => q[j] * (sigma2 + x[j] * x[j]).sqrt(),
+            None => x[j] * x[j],
+        };
+    }
+    let (amax, max) = signed_amax(x);
+    let mut d = 0f32;
+    if amax >= 1e-15 {
+        let fit = |id: f32| {
+            let (mut sumqx, mut sumq2) = (0f32, 0f32);
+            for j in 0..QK {
+                let q = values[best_index(values, id * x[j])] as f32;
+                let w = weight[j];
+                sumqx += w * q * x[j];
+                sumq2 += w * q * q;
+            }
+            (sumqx, sumq2)
+        };
+        let d0 = -max / values[0] as f32;
+        let (sumqx, sumq2) = fit(1.0 / d0);
+        d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
+        let mut best = d * sumqx;
+        for itry in -NTRY..=NTRY {
+            let (sumqx, sumq2) = fit((itry + values[0] as i32) as f32 / max);
+            if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+                d = sumqx / sumq2;
+                best = d * sumqx;
+            }
+        }
+    }
+    put_f16(out, 0, d);
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    for j in 0..16 {
+        let lo = best_index(values, id * x[j]) as u8;
+        let hi = best_index(values, id * x[j + 16]) as u8;
+        out[2 + j] = lo | (hi << 4);
+    }
+}
+
+/// ggml's IQ4_NL quantizer as `ggml_quantize_chunk` runs it without an importance matrix
+/// (`quantize_iq4_nl(.., NULL)`: weights `x²`, 15 trial scales per block).
+pub fn quantize_row_iq4_nl(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(18)) {
+        quantize_block_iq4_nl(x, None, b);
     }
 }
 
