@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod fetch;
 mod inspect;
 
 #[derive(Parser)]
@@ -19,6 +20,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Throughput programs: `bench formats` (block formats)
     Bench(bench::Args),
+    /// Download the default model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M) into the cache
+    Fetch(fetch::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -26,6 +29,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Fetch(a) => fetch::run(a),
     };
     match result {
         Ok(code) => code,
