@@ -129,3 +129,91 @@ fn q8_1_fixture() {
 fn iq4_nl_fixture() {
     common::check_type(GgmlType::IQ4_NL, true, 1e-5);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Properties on random blocks: every ISA gives the scalar reference's bits.
+
+use proptest::prelude::*;
+use strata_quant::Isa;
+
+/// Weight types of this family that have a dot product, with the offsets of their f16 fields.
+const DOT_TYPES: [(GgmlType, &[usize]); 6] = [
+    (GgmlType::Q4_0, &[0]),
+    (GgmlType::Q4_1, &[0, 2]),
+    (GgmlType::Q5_0, &[0]),
+    (GgmlType::Q5_1, &[0, 2]),
+    (GgmlType::Q8_0, &[0]),
+    (GgmlType::IQ4_NL, &[0]),
+];
+
+/// Finite f16 bit patterns: zeros, subnormals, and normals of either sign, with extra weight on
+/// the special ones.
+fn finite_f16() -> impl Strategy<Value = u16> {
+    prop_oneof![
+        Just(0u16),
+        Just(0x8000u16),
+        (0u16..0x400).prop_map(|m| m | 0x8000),
+        0u16..0x400,
+        any::<u16>().prop_map(|b| if b & 0x7c00 == 0x7c00 { b & !0x4000 } else { b }),
+    ]
+}
+
+/// `nb` blocks of `ty` from random bytes, the f16 fields at `f16_offsets` replaced by `scales`.
+fn with_scales(ty: GgmlType, mut bytes: Vec<u8>, scales: &[u16], f16_offsets: &[usize]) -> Vec<u8> {
+    let ts = ty.type_size();
+    let mut s = scales.iter().cycle();
+    for blk in bytes.chunks_exact_mut(ts) {
+        for &o in f16_offsets {
+            blk[o..o + 2].copy_from_slice(&s.next().copied().unwrap_or(0).to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// A random row of `nb` blocks for each weight type and its activation type.
+fn rows() -> impl Strategy<Value = (usize, Vec<u8>, Vec<u16>, Vec<u8>, Vec<u16>)> {
+    prop_oneof![0usize..=9, 10usize..=40, Just(128usize)].prop_flat_map(|nb| {
+        (
+            Just(nb),
+            proptest::collection::vec(any::<u8>(), nb * 36),
+            proptest::collection::vec(finite_f16(), 2 * nb.max(1)),
+            proptest::collection::vec(any::<u8>(), nb * 36),
+            proptest::collection::vec(finite_f16(), 2 * nb.max(1)),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 384, ..ProptestConfig::default() })]
+
+    #[test]
+    fn simd_dots_equal_scalar_reference((nb, wbytes, wscales, xbytes, xscales) in rows()) {
+        let n = nb * 32;
+        for (ty, offs) in DOT_TYPES {
+            let xty = ty.vec_dot_type().unwrap();
+            let xoffs: &[usize] = if xty == GgmlType::Q8_1 { &[0, 2] } else { &[0] };
+            let w = with_scales(ty, wbytes[..nb * ty.type_size()].to_vec(), &wscales, offs);
+            let x = with_scales(xty, xbytes[..nb * xty.type_size()].to_vec(), &xscales, xoffs);
+            let want = strata_quant::vec_dot_isa(ty, Isa::Scalar, n, &w, &x).unwrap();
+            for isa in [Isa::Avx2, Isa::Avx512] {
+                if !strata_quant::simd::supported(isa) {
+                    continue;
+                }
+                let got = strata_quant::vec_dot_isa(ty, isa, n, &w, &x).unwrap();
+                prop_assert_eq!(got.to_bits(), want.to_bits(), "{} {} nb={}: {:e} vs {:e}", ty, isa.name(), nb, got, want);
+            }
+            // The reference itself is a dot product: within f32 rounding of an f64 sum of the
+            // dequantized rows (Q8_0 pairs; random Q8_1 sums are not Σx, so those are skipped).
+            if xty == GgmlType::Q8_0 {
+                let mut wf = vec![0f32; n];
+                let mut xf = vec![0f32; n];
+                strata_quant::dequantize(ty, &w, &mut wf).unwrap();
+                strata_quant::dequantize(xty, &x, &mut xf).unwrap();
+                let exact: f64 = wf.iter().zip(&xf).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mag: f64 = wf.iter().zip(&xf).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                prop_assert!((want as f64 - exact).abs() <= 1e-6 * mag + 1e-37,
+                    "{} nb={}: scalar {:e} vs f64 {:e}", ty, nb, want, exact);
+            }
+        }
+    }
+}
