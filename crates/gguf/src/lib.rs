@@ -4,6 +4,8 @@
 //! tensors; it does no math on tensor data.
 
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod reader;
 mod value;
 pub mod writer;
