@@ -557,10 +557,14 @@ mod tests {
 
     #[test]
     fn ue4m3_round_trips_every_code() {
-        // Every finite code except the NaN pattern decodes and re-encodes to itself.
-        for c in 1u8..0x7f {
+        // Every code below exponent 15 decodes and re-encodes to itself.
+        for c in 1u8..0x78 {
             let v = ue4m3_to_f32(c) * 2.0;
             assert_eq!(f32_to_ue4m3(v), c, "code {c:#x} value {v}");
+        }
+        // ggml's encoder saturates the whole top binade (256..448) to 0x7E.
+        for c in 0x78u8..0x7f {
+            assert_eq!(f32_to_ue4m3(ue4m3_to_f32(c) * 2.0), 0x7e, "code {c:#x}");
         }
         assert_eq!(f32_to_ue4m3(1e9), 0x7e);
         assert_eq!(f32_to_ue4m3(-1.0), 0);
