@@ -16,10 +16,12 @@
 //!   `accm = accm + (x.d * w.dmin) * (msum_b as f32)`;
 //! - the result is `acc - accm` (Q3_K, Q6_K: `acc`). Both accumulators start at +0.0.
 //!
-//! Weight codes: Q2_K `q` in 0..=3; Q3_K `q - 4·(hmask bit clear)` in −4..=3 with scale
-//! `sc − 32`; Q4_K `q` in 0..=15; Q5_K `q` in 0..=31; Q6_K uses `Σ sc·Σ q·qx − 32·Σ sc·bsum`
-//! with `q` in 0..=63 (equal to `Σ sc·Σ (q−32)·qx` whenever `bsums` are the sums of `qs`, and
-//! the form a SIMD kernel computes with unsigned×signed byte products).
+//! Weight codes: Q2_K `q` in 0..=3; Q4_K `q` in 0..=15; Q5_K `q` in 0..=31. The two
+//! symmetric types keep their codes unsigned and move the offset onto `bsums`, the form a SIMD
+//! kernel computes with unsigned×signed byte products: Q3_K sub-block `s` contributes
+//! `(sc_s − 32)·(Σ q·qx − 4·bsum_s)` with `q = low 2 bits | hmask bit << 2` in 0..=7, Q6_K
+//! `sc_s·(Σ q·qx − 32·bsum_s)` with `q` in 0..=63. Both equal the signed-code sums whenever
+//! `bsums` are the sums of `qs`, as Q8_K guarantees.
 
 // Loops index several arrays with layout arithmetic; iterators would obscure the layout.
 #![allow(clippy::needless_range_loop)]
@@ -851,9 +853,11 @@ fn dot_q3_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
             let bit = 1u8 << (4 * half + j);
             let mut t = 0i32;
             for l in 0..16 {
-                let v = ((q[l] >> (2 * j)) & 3) as i32 - if hm[l] & bit != 0 { 0 } else { 4 };
-                t = t.wrapping_add(v * q8k_q(y, 16 * s + l));
+                let v = ((q[l] >> (2 * j)) & 3) | if hm[l] & bit != 0 { 4 } else { 0 };
+                t = t.wrapping_add(v as i32 * q8k_q(y, 16 * s + l));
             }
+            // The −4 offset goes through bsums (see the module doc).
+            let t = t.wrapping_sub(4 * q8k_bsum(y, s));
             isum = isum.wrapping_add(t.wrapping_mul(sc[s] as i32));
         }
         acc += (q8k_d(y) * le_f16(b, 108)) * isum as f32;

@@ -82,3 +82,191 @@ fn q5_k_fixture() {
 fn q6_k_fixture() {
     common::check_type(GgmlType::Q6_K, true, 1e-5);
 }
+
+// ---------------------------------------------------------------------------------------------
+// SIMD kernels against the scalar reference, bit for bit.
+
+use proptest::prelude::*;
+use strata_quant::Isa;
+
+const WEIGHT_TYPES: [GgmlType; 5] = [
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// Byte offsets of the f16 super-block scales (d, and dmin where the type has one).
+fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => unreachable!(),
+    }
+}
+
+/// Finite f16 bit patterns, weighted towards the edge cases.
+fn finite_f16() -> impl Strategy<Value = u16> {
+    prop_oneof![
+        3 => (any::<bool>(), 0x0400u16..0x7C00).prop_map(|(s, m)| m | if s { 0x8000 } else { 0 }),
+        1 => (any::<bool>(), 1u16..0x0400).prop_map(|(s, m)| m | if s { 0x8000 } else { 0 }),
+        1 => prop_oneof![Just(0u16), Just(0x8000u16), Just(0x7BFF), Just(0xFBFF)],
+    ]
+}
+
+/// One activation block of f32: a random power-of-two scale (tiny to huge) times values in
+/// [-1, 1], sometimes with a single outlier.
+fn act_block() -> impl Strategy<Value = Vec<f32>> {
+    (
+        -60i32..60,
+        prop::collection::vec(-1f32..1.0, 256),
+        any::<u8>(),
+        -100f32..100.0,
+    )
+        .prop_map(|(e, mut v, pos, out)| {
+            let s = 2f32.powi(e);
+            for x in &mut v {
+                *x *= s;
+            }
+            if pos % 3 == 0 {
+                v[pos as usize] = out * s;
+            }
+            v
+        })
+}
+
+fn weights(ty: GgmlType, nb: usize) -> impl Strategy<Value = Vec<u8>> {
+    let ts = ty.type_size();
+    (
+        prop::collection::vec(any::<u8>(), nb * ts),
+        prop::collection::vec(finite_f16(), 2 * nb),
+    )
+        .prop_map(move |(mut w, scales)| {
+            for (b, blk) in w.chunks_exact_mut(ts).enumerate() {
+                for (i, &o) in f16_fields(ty).iter().enumerate() {
+                    blk[o..o + 2].copy_from_slice(&scales[2 * b + i].to_le_bytes());
+                }
+            }
+            w
+        })
+}
+
+fn check_isas_equal(ty: GgmlType, w: &[u8], xq: &[u8]) -> Result<(), TestCaseError> {
+    let n = xq.len() / 292 * 256;
+    let want = strata_quant::vec_dot_isa(ty, Isa::Scalar, n, w, xq).unwrap();
+    for isa in [Isa::Avx2, Isa::Avx512] {
+        if !strata_quant::has_simd_dot(ty, isa) {
+            continue;
+        }
+        let got = strata_quant::vec_dot_isa(ty, isa, n, w, xq).unwrap();
+        prop_assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "{ty} {}: got {got:e} ({:#010x}), scalar {want:e} ({:#010x})",
+            isa.name(),
+            got.to_bits(),
+            want.to_bits()
+        );
+    }
+    Ok(())
+}
+
+fn quantized_row(blocks: &[Vec<f32>]) -> Vec<u8> {
+    let x: Vec<f32> = blocks.concat();
+    let mut xq = vec![0u8; x.len() / 256 * 292];
+    strata_quant::quantize(GgmlType::Q8_K, &x, &mut xq).unwrap();
+    xq
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// Random weight blocks × Q8_K rows quantized from random f32: every ISA equals scalar.
+    #[test]
+    fn simd_dots_equal_scalar(
+        (ty, w, xs) in (0usize..5, 1usize..7).prop_flat_map(|(t, nb)| {
+            let ty = WEIGHT_TYPES[t];
+            (Just(ty), weights(ty, nb), prop::collection::vec(act_block(), nb))
+        })
+    ) {
+        check_isas_equal(ty, &w, &quantized_row(&xs))?;
+    }
+
+    /// Arbitrary Q8_K bytes (codes down to −128, bsums that need not match the codes, any
+    /// finite d): the integer work wraps identically in every kernel.
+    #[test]
+    fn simd_dots_equal_scalar_on_raw_q8k(
+        (ty, w, mut xq, ds) in (0usize..5, 1usize..4).prop_flat_map(|(t, nb)| {
+            let ty = WEIGHT_TYPES[t];
+            (
+                Just(ty),
+                weights(ty, nb),
+                prop::collection::vec(any::<u8>(), nb * 292),
+                prop::collection::vec(prop::num::f32::NORMAL | prop::num::f32::ZERO, nb),
+            )
+        })
+    ) {
+        for (blk, d) in xq.chunks_exact_mut(292).zip(&ds) {
+            blk[..4].copy_from_slice(&d.to_le_bytes());
+        }
+        check_isas_equal(ty, &w, &xq)?;
+    }
+}
+
+/// The kernels this CPU runs: the fixture dot products go through every one of them.
+#[test]
+fn simd_kernels_present() {
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            if strata_quant::simd::supported(isa) {
+                assert!(
+                    strata_quant::has_simd_dot(ty, isa),
+                    "{ty} has no {} kernel",
+                    isa.name()
+                );
+            }
+        }
+    }
+}
+
+/// Throughput of every kernel, in GB/s of weight bytes, on one core: a cache-resident matrix
+/// (64 rows) and a memory-sized one (8192 rows) of 4096-element rows.
+/// Run: `cargo test --release -p strata-quant --test fmt_kquants -- --ignored --nocapture bench`
+#[test]
+#[ignore = "benchmark"]
+fn bench_kquant_dots() {
+    let n = 4096;
+    let x: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let mut xq = vec![0u8; GgmlType::Q8_K.row_bytes(n).unwrap()];
+    strata_quant::quantize(GgmlType::Q8_K, &x, &mut xq).unwrap();
+    for ty in WEIGHT_TYPES {
+        let rb = ty.row_bytes(n).unwrap();
+        for rows in [64usize, 8192] {
+            let w = strata_quant::synth::random_blocks(ty, rows * n / 256, 7);
+            for isa in Isa::ALL {
+                if !strata_quant::simd::supported(isa) {
+                    continue;
+                }
+                let f = strata_quant::dot_fn(ty, isa).unwrap();
+                let reps = (64 << 20) / (rows * rb) + 1;
+                let mut sink = 0f32;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    for r in 0..rows {
+                        sink += f(n, &w[r * rb..(r + 1) * rb], &xq);
+                    }
+                }
+                let s = t.elapsed().as_secs_f64();
+                let gbs = (reps * rows * rb) as f64 / s / 1e9;
+                println!(
+                    "{ty} {:>6} rows={rows:5}: {gbs:6.2} GB/s  (sink {sink:e})",
+                    isa.name()
+                );
+            }
+        }
+    }
+}
