@@ -1,0 +1,137 @@
+//! `pick`: greedy choice over the draft logits (the report's `mtp_pick`): the index of the
+//! largest value, ties to the lower index (−0.0 ties +0.0), NaN never chosen unless every value
+//! is NaN (then index 0), mapped back to a full-vocabulary token id through `draft_ids`.
+
+use super::registry::{Op, Variant, BASELINE, OPTIMIZED};
+use super::{check_len, KernelError};
+
+/// The pick of one row: draft index, full-vocabulary token id, and the value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Picked {
+    pub index: usize,
+    pub token: i32,
+    pub value: f32,
+}
+
+/// `logits`: `nv` draft logits; `draft_ids`: `nv` token ids.
+pub type PickFn = fn(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, KernelError>;
+
+fn done(logits: &[f32], draft_ids: &[i32], index: usize) -> Picked {
+    Picked {
+        index,
+        token: draft_ids.get(index).copied().unwrap_or(-1),
+        value: logits.get(index).copied().unwrap_or(f32::NAN),
+    }
+}
+
+pub fn pick_baseline(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, KernelError> {
+    check_len("pick", "draft ids", draft_ids.len(), logits.len())?;
+    let mut best = f32::NEG_INFINITY;
+    let mut bi = usize::MAX;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best || (v == best && bi == usize::MAX) {
+            best = v;
+            bi = i;
+        }
+    }
+    Ok(done(
+        logits,
+        draft_ids,
+        if bi == usize::MAX { 0 } else { bi },
+    ))
+}
+
+/// Sixteen independent lanes (each keeps its first maximum), merged by (value, lower index).
+pub fn pick_optimized(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, KernelError> {
+    check_len("pick", "draft ids", draft_ids.len(), logits.len())?;
+    const L: usize = 16;
+    let mut bv = [f32::NEG_INFINITY; L];
+    let mut bi = [usize::MAX; L];
+    let mut chunks = logits.chunks_exact(L);
+    let mut base = 0;
+    for c in &mut chunks {
+        for j in 0..L {
+            let v = c[j];
+            if v > bv[j] || (v == bv[j] && bi[j] == usize::MAX) {
+                bv[j] = v;
+                bi[j] = base + j;
+            }
+        }
+        base += L;
+    }
+    for (j, &v) in chunks.remainder().iter().enumerate() {
+        if v > bv[j] || (v == bv[j] && bi[j] == usize::MAX) {
+            bv[j] = v;
+            bi[j] = base + j;
+        }
+    }
+    let (mut v, mut i) = (f32::NEG_INFINITY, usize::MAX);
+    for j in 0..L {
+        if bi[j] == usize::MAX {
+            continue;
+        }
+        if i == usize::MAX || bv[j] > v || (bv[j] == v && bi[j] < i) {
+            v = bv[j];
+            i = bi[j];
+        }
+    }
+    Ok(done(logits, draft_ids, if i == usize::MAX { 0 } else { i }))
+}
+
+pub static PICK: Op<PickFn> = Op {
+    name: "pick",
+    variants: &[
+        Variant {
+            name: BASELINE,
+            f: pick_baseline,
+        },
+        Variant {
+            name: OPTIMIZED,
+            f: pick_optimized,
+        },
+    ],
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testdata::Rng;
+
+    #[test]
+    fn variants_agree_with_ties_and_specials() {
+        let mut rng = Rng::new(51);
+        for &nv in &[40525usize, 1000, 17, 1] {
+            for trial in 0..6 {
+                let mut l = rng.f32_vec_special(nv, 3.0);
+                let ids: Vec<i32> = (0..nv as i32).map(|i| i * 3 + 1).collect();
+                if trial == 1 && nv > 10 {
+                    let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    l[nv - 1] = m;
+                    l[nv / 2] = m; // tie: the lower index must win
+                }
+                if trial == 2 {
+                    l.iter_mut().for_each(|v| *v = -0.0);
+                    l[nv - 1] = 0.0;
+                }
+                if trial == 3 {
+                    l.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+                }
+                if trial == 4 && nv > 3 {
+                    l[2] = f32::NAN;
+                }
+                let a = pick_baseline(&l, &ids).unwrap();
+                let b = pick_optimized(&l, &ids).unwrap();
+                assert_eq!(a.index, b.index, "nv={nv} trial={trial}");
+                assert_eq!(a.token, ids[a.index]);
+                // The chosen value is a maximum, and no earlier index holds an equal value.
+                let m = l
+                    .iter()
+                    .cloned()
+                    .filter(|v| !v.is_nan())
+                    .fold(f32::NEG_INFINITY, f32::max);
+                assert!(a.value == m, "nv={nv} trial={trial}");
+                assert!(l[..a.index].iter().all(|&v| v.is_nan() || v < m));
+            }
+        }
+    }
+}
