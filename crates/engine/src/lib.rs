@@ -1,4 +1,13 @@
 //! strata-engine: model definitions, the Backend trait and its CPU implementation, per-sequence
 //! state, sampler, MTP head and speculative controller.
 
+pub mod backend;
+pub mod cpu;
+pub mod error;
 pub mod kernels;
+pub mod qwen4exp;
+
+pub use backend::{Backend, DeviceBuf, DeviceWeight, QsaRule, Usage};
+pub use cpu::{CpuBackend, CpuBuf, CpuWeight, FloatActivations};
+pub use error::{EngineError, Result};
+pub use qwen4exp::{LoadOptions, Model, Outputs, State, Want};

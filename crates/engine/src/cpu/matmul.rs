@@ -1,0 +1,182 @@
+//! Matrix products on the CPU: quantize each activation row once to the weight's
+//! `vec_dot_type` (FORMATS.md pairing), then one `DotFn` call per (output row, activation row).
+//! Output rows are split across threads; each dot is computed whole by one thread, so the result
+//! does not depend on the thread count or on how many activation rows share the call.
+
+use rayon::prelude::*;
+use strata_quant::{GgmlType, Isa};
+
+use crate::error::{EngineError, Result};
+
+/// Activation rows in a weight's paired format.
+pub(crate) struct Prepared {
+    pub ty: GgmlType,
+    pub k: usize,
+    pub n: usize,
+    pub row_bytes: usize,
+    pub bytes: Vec<u8>,
+}
+
+/// Quantize `n` rows of `k` f32 values to the activation type that `wty` pairs with.
+pub(crate) fn prepare(wty: GgmlType, x: &[f32], k: usize, name: &str) -> Result<Prepared> {
+    let xty = wty.vec_dot_type().ok_or_else(|| {
+        EngineError::shape("matmul", format!("{name}: type {wty} has no dot product"))
+    })?;
+    let row_bytes = xty.row_bytes(k).ok_or_else(|| {
+        EngineError::shape(
+            "matmul",
+            format!(
+                "{name}: rows of {k} are not a whole number of {xty} blocks ({})",
+                xty.block_size()
+            ),
+        )
+    })?;
+    if k == 0 || x.len() % k != 0 {
+        return Err(EngineError::shape(
+            "matmul",
+            format!("{name}: {} activations are not rows of {k}", x.len()),
+        ));
+    }
+    let n = x.len() / k;
+    let mut bytes = vec![0u8; n * row_bytes];
+    if xty == GgmlType::F32 {
+        bytes.copy_from_slice(bytemuck::cast_slice(x));
+    } else {
+        let quantize_row = |(src, dst): (&[f32], &mut [u8])| strata_quant::quantize(xty, src, dst);
+        if n > 1 {
+            x.par_chunks(k)
+                .zip(bytes.par_chunks_mut(row_bytes))
+                .try_for_each(quantize_row)?;
+        } else {
+            x.chunks(k)
+                .zip(bytes.chunks_mut(row_bytes))
+                .try_for_each(quantize_row)?;
+        }
+    }
+    Ok(Prepared {
+        ty: xty,
+        k,
+        n,
+        row_bytes,
+        bytes,
+    })
+}
+
+/// `out[r][o] = dot(w row o, x row r)` for `m` weight rows of `k` elements in `w` (type `wty`).
+pub(crate) fn matmul_prepared(
+    isa: Isa,
+    wty: GgmlType,
+    w: &[u8],
+    m: usize,
+    x: &Prepared,
+    name: &str,
+) -> Result<Vec<f32>> {
+    let k = x.k;
+    let n = x.n;
+    let dot = strata_quant::dot_fn(wty, isa)
+        .ok_or_else(|| EngineError::shape("matmul", format!("{name}: no dot product for {wty}")))?;
+    if wty.vec_dot_type() != Some(x.ty) {
+        return Err(EngineError::shape(
+            "matmul",
+            format!(
+                "{name}: activations prepared as {} for a {wty} weight",
+                x.ty
+            ),
+        ));
+    }
+    let w_row = wty.row_bytes(k).ok_or_else(|| {
+        EngineError::shape(
+            "matmul",
+            format!("{name}: rows of {k} are not whole {wty} blocks"),
+        )
+    })?;
+    if w.len() < m * w_row {
+        return Err(EngineError::shape(
+            "matmul",
+            format!(
+                "{name}: {} bytes hold fewer than {m} rows of {w_row}",
+                w.len()
+            ),
+        ));
+    }
+    let xr = x.row_bytes;
+    let xb = &x.bytes;
+    // Keep each task above ~64k multiply-adds so small products do not drown in scheduling.
+    let min_len = (65536 / (k * n).max(1)).max(1);
+    let mut out_t = vec![0f32; m * n];
+    out_t
+        .par_chunks_mut(n)
+        .with_min_len(min_len)
+        .enumerate()
+        .for_each(|(o, col)| {
+            let wr = &w[o * w_row..(o + 1) * w_row];
+            for (r, c) in col.iter_mut().enumerate() {
+                *c = dot(k, wr, &xb[r * xr..(r + 1) * xr]);
+            }
+        });
+    if n == 1 {
+        return Ok(out_t);
+    }
+    let mut out = vec![0f32; n * m];
+    for o in 0..m {
+        for r in 0..n {
+            out[r * m + o] = out_t[o * n + r];
+        }
+    }
+    Ok(out)
+}
+
+/// `out[r][o] = dot(w row o widened to f32, x row r in f32)` for float weights (F16/BF16): the
+/// "exact" mode that skips activation rounding, to separate it from everything else in tests.
+pub(crate) fn matmul_widened(
+    isa: Isa,
+    wty: GgmlType,
+    w: &[u8],
+    m: usize,
+    k: usize,
+    x: &[f32],
+    name: &str,
+) -> Result<Vec<f32>> {
+    let dot = strata_quant::dot_fn(GgmlType::F32, isa)
+        .ok_or_else(|| EngineError::shape("matmul", format!("{name}: no f32 dot product")))?;
+    let w_row = wty.row_bytes(k).ok_or_else(|| {
+        EngineError::shape(
+            "matmul",
+            format!("{name}: rows of {k} are not whole {wty} blocks"),
+        )
+    })?;
+    if k == 0 || x.len() % k != 0 || w.len() < m * w_row {
+        return Err(EngineError::shape(
+            "matmul",
+            format!(
+                "{name}: {} activations in rows of {k}, {} weight bytes for {m} rows",
+                x.len(),
+                w.len()
+            ),
+        ));
+    }
+    let n = x.len() / k;
+    let xb: &[u8] = bytemuck::cast_slice(x);
+    let min_len = (65536 / (k * n).max(1)).max(1);
+    let mut out_t = vec![0f32; m * n];
+    out_t
+        .par_chunks_mut(n)
+        .with_min_len(min_len)
+        .enumerate()
+        .try_for_each(|(o, col)| -> Result<()> {
+            let mut row = vec![0f32; k];
+            strata_quant::dequantize(wty, &w[o * w_row..(o + 1) * w_row], &mut row)?;
+            let rb: &[u8] = bytemuck::cast_slice(&row);
+            for (r, c) in col.iter_mut().enumerate() {
+                *c = dot(k, rb, &xb[r * k * 4..(r + 1) * k * 4]);
+            }
+            Ok(())
+        })?;
+    let mut out = vec![0f32; n * m];
+    for o in 0..m {
+        for r in 0..n {
+            out[r * m + o] = out_t[o * n + r];
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,584 @@
+//! qwen4exp (Qwen3.8-Flash-Next) inference, written once against [`Backend`]. Each function
+//! below is one block of `SPEC-qwen4exp.md` and is named after it; the weights are in llama.cpp's
+//! GGUF layout (norms with 1 + w folded, GDN value heads tiled, experts split, indexer split).
+
+pub mod config;
+mod ngram;
+pub mod state;
+pub mod weights;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use strata_gguf::GgufFile;
+
+use crate::backend::{Backend, DeviceBuf, ExpertWeights, GdnParams, HcWeights, QsaSelect};
+use crate::error::{EngineError, Result};
+
+pub use config::{Config, LayerKind, LoadOptions, DOCUMENTED_QSA_RATIO};
+use state::{AttnCache, LayerState};
+pub use state::{Checkpoint, State};
+use weights::{AttnW, Binder, GdnW, HcW, IndexerW, LayerW, MixerW, MoeW, PleW, Weights};
+
+/// What a forward call returns besides the logits.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Want {
+    /// The multi-stream residual after every layer (`layer_out.{i}` in the goldens).
+    pub layer_out: bool,
+    /// The pre-mixer residual after the last layer (the MTP head's input).
+    pub hidden: bool,
+    /// Logits of the last token only.
+    pub last_only: bool,
+}
+
+/// Host copies of a forward call's results, row-major.
+#[derive(Clone, Debug, Default)]
+pub struct Outputs {
+    /// `[rows, n_vocab]` (rows = tokens, or 1 with `Want::last_only`).
+    pub logits: Vec<f32>,
+    pub n_vocab: usize,
+    /// Per layer, `[tokens, S·H]`.
+    pub layer_out: Vec<Vec<f32>>,
+    /// `[tokens, S·H]`.
+    pub hidden: Option<Vec<f32>>,
+}
+
+impl Outputs {
+    pub fn rows(&self) -> usize {
+        self.logits.len().checked_div(self.n_vocab).unwrap_or(0)
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.logits[r * self.n_vocab..(r + 1) * self.n_vocab]
+    }
+}
+
+pub struct Model<B: Backend> {
+    backend: B,
+    config: Config,
+    weights: Weights<B::Weight>,
+    warnings: Vec<String>,
+    file: Arc<GgufFile>,
+}
+
+impl<B: Backend> Model<B> {
+    /// Opens a qwen4exp GGUF and binds every tensor on `backend`.
+    pub fn load(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
+        let file = Arc::new(GgufFile::open(path)?);
+        Self::from_file(file, backend, opts)
+    }
+
+    /// As [`Model::load`], from a file already open (or built in memory).
+    pub fn from_file(file: Arc<GgufFile>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
+        let arch = file.architecture()?;
+        if arch != config::ARCH {
+            return Err(EngineError::UnsupportedArch {
+                file: file.name().to_string(),
+                found: arch.to_string(),
+                expected: config::ARCH.to_string(),
+            });
+        }
+        let n_embd = file.get_u32(&format!("{}.embedding_length", config::ARCH))? as usize;
+        let embd = file
+            .tensor("token_embd.weight")
+            .ok_or_else(|| EngineError::MissingTensor {
+                file: file.name().to_string(),
+                tensor: "token_embd.weight".to_string(),
+                expected: format!("shape [{n_embd}, n_vocab]"),
+            })?;
+        if embd.dims.len() != 2 || embd.ne(0) != n_embd as u64 {
+            return Err(EngineError::TensorShape {
+                file: file.name().to_string(),
+                tensor: embd.name.clone(),
+                found: embd.dims.clone(),
+                expected: vec![n_embd as u64, embd.ne(1)],
+            });
+        }
+        let n_vocab = embd.ne(1) as usize;
+        let mut config = Config::from_gguf(&file, n_vocab, opts)?;
+        let weights = Binder {
+            file: &file,
+            backend: &backend,
+        }
+        .weights(&config)?;
+        let mut warnings = Vec::new();
+        resolve_qsa_ratios(&mut config, &weights, opts, file.name(), &mut warnings)?;
+        Ok(Model {
+            backend,
+            config,
+            weights,
+            warnings,
+            file,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Things about the file worth telling the user (e.g. a converter fault worked around).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    pub fn file(&self) -> &Arc<GgufFile> {
+        &self.file
+    }
+
+    /// A fresh sequence state (position 0).
+    pub fn new_state(&self) -> Result<State<B>> {
+        let b = &self.backend;
+        let c = &self.config;
+        let g = c.gdn;
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for kind in &c.layers {
+            layers.push(match kind {
+                LayerKind::Gdn => LayerState::Gdn {
+                    conv: b.zeros(g.conv_kernel - 1, g.conv_dim())?,
+                    s: b.zeros(g.n_v_heads, g.head_k * g.head_v)?,
+                },
+                LayerKind::Attention { .. } => {
+                    let kv = c.attn.n_head_kv * c.attn.head_dim;
+                    LayerState::Attn(AttnCache {
+                        k: b.zeros(0, kv)?,
+                        v: b.zeros(0, kv)?,
+                        kraw: b.zeros(0, c.indexer.head_dim)?,
+                        blocks: b.zeros(0, c.indexer.head_dim)?,
+                    })
+                }
+            });
+        }
+        let ple_conv = match &c.ple {
+            Some(p) => Some(b.zeros(p.history(), c.residual_dim())?),
+            None => None,
+        };
+        Ok(State {
+            pos: 0,
+            tokens: Vec::new(),
+            layers,
+            ple_conv,
+        })
+    }
+
+    /// Copies of the recurrent states, to roll `st` back to this point later.
+    pub fn checkpoint(&self, st: &State<B>) -> Result<Checkpoint<B>> {
+        let b = &self.backend;
+        let recurrent = st
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Gdn { conv, s } => Ok(Some((b.copy(conv)?, b.copy(s)?))),
+                LayerState::Attn(_) => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ple_conv = st.ple_conv.as_ref().map(|p| b.copy(p)).transpose()?;
+        Ok(Checkpoint {
+            pos: st.pos,
+            recurrent,
+            ple_conv,
+        })
+    }
+
+    /// Rolls `st` back to `cp` (taken from this state, at or before its position): caches are
+    /// truncated, recurrent states restored.
+    pub fn restore(&self, st: &mut State<B>, cp: &Checkpoint<B>) -> Result<()> {
+        if cp.pos > st.pos || cp.recurrent.len() != st.layers.len() {
+            return Err(EngineError::Input(format!(
+                "checkpoint at position {} does not belong to this state (position {})",
+                cp.pos, st.pos
+            )));
+        }
+        let b = &self.backend;
+        for ((layer, saved), kind) in st
+            .layers
+            .iter_mut()
+            .zip(&cp.recurrent)
+            .zip(&self.config.layers)
+        {
+            match (layer, saved) {
+                (LayerState::Gdn { conv, s }, Some((c0, s0))) => {
+                    *conv = b.copy(c0)?;
+                    *s = b.copy(s0)?;
+                }
+                (LayerState::Attn(cache), None) => {
+                    b.truncate_rows(&mut cache.k, cp.pos)?;
+                    b.truncate_rows(&mut cache.v, cp.pos)?;
+                    if cache.kraw.rows() > cp.pos {
+                        b.truncate_rows(&mut cache.kraw, cp.pos)?;
+                    }
+                    if let LayerKind::Attention { ratio: Some(r) } = kind {
+                        let nb = cp.pos / r;
+                        if cache.blocks.rows() > nb {
+                            b.truncate_rows(&mut cache.blocks, nb)?;
+                        }
+                    }
+                }
+                _ => {
+                    return Err(EngineError::Input(
+                        "checkpoint layers do not match the state".to_string(),
+                    ));
+                }
+            }
+        }
+        if let (Some(p), Some(p0)) = (st.ple_conv.as_mut(), cp.ple_conv.as_ref()) {
+            *p = b.copy(p0)?;
+        }
+        st.pos = cp.pos;
+        st.tokens.truncate(cp.pos);
+        Ok(())
+    }
+
+    /// Logits of every token of `tokens`, continuing `st` (prefill when many, decode when one).
+    pub fn forward(&self, st: &mut State<B>, tokens: &[u32]) -> Result<Outputs> {
+        self.forward_with(st, tokens, Want::default())
+    }
+
+    /// The forward pass (spec §3). Every operation works row by row, so N tokens in one call give
+    /// the same bits as N calls of one token. On error the state is left part-way; restore a
+    /// checkpoint before using it again.
+    pub fn forward_with(&self, st: &mut State<B>, tokens: &[u32], want: Want) -> Result<Outputs> {
+        let b = &self.backend;
+        let c = &self.config;
+        let w = &self.weights;
+        if tokens.is_empty() {
+            return Err(EngineError::Input("forward: no tokens".to_string()));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+            return Err(EngineError::Input(format!(
+                "token id {t} is out of range (vocabulary {})",
+                c.n_vocab
+            )));
+        }
+        let n = tokens.len();
+        let positions: Vec<u32> = (st.pos..st.pos + n)
+            .map(|p| {
+                u32::try_from(p)
+                    .map_err(|_| EngineError::Input(format!("position {p} is too large")))
+            })
+            .collect::<Result<_>>()?;
+
+        let ple_rows = match &c.ple {
+            Some(p) => Some(ngram::row_ids(p, &st.tokens, tokens)?),
+            None => None,
+        };
+
+        // X_t = [E[x_t]; …; E[x_t]]: the streams start as copies of the embedding.
+        let mut x = b.embed_rows(&w.token_embd, tokens, c.hc_streams)?;
+        let mut layer_out = Vec::new();
+        for (l, lw) in w.layers.iter().enumerate() {
+            if let (Some(pw), Some(rows)) = (&lw.ple, &ple_rows) {
+                self.ple_block(pw, rows, &mut x, st.ple_conv.as_mut())?;
+            }
+            self.decoder_layer(l, lw, &mut x, &positions, &mut st.layers[l])?;
+            if want.layer_out {
+                layer_out.push(b.download(&x)?);
+            }
+        }
+        let hidden = if want.hidden {
+            Some(b.download(&x)?)
+        } else {
+            None
+        };
+        if want.last_only {
+            x = b.reshape(x, n, c.residual_dim())?;
+            x = self.last_row(x, n)?;
+        }
+        let logits = self.lm_head(&x)?;
+        st.pos += n;
+        st.tokens.extend_from_slice(tokens);
+        Ok(Outputs {
+            logits: b.download(&logits)?,
+            n_vocab: c.n_vocab,
+            layer_out,
+            hidden,
+        })
+    }
+
+    fn last_row(&self, x: B::Buf, n: usize) -> Result<B::Buf> {
+        let b = &self.backend;
+        let cols = x.cols();
+        // The last row as a buffer of its own: view the batch as one long row and slice it.
+        let flat = b.reshape(x, 1, n * cols)?;
+        b.slice_cols(&flat, (n - 1) * cols, cols)
+    }
+
+    /// One decoder layer: token mixer and MoE, each behind a hyper-connection mix and combine.
+    fn decoder_layer(
+        &self,
+        l: usize,
+        lw: &LayerW<B::Weight>,
+        x: &mut B::Buf,
+        positions: &[u32],
+        st: &mut LayerState<B>,
+    ) -> Result<()> {
+        let (u, inj) = self.hc_mix(&lw.hc_attn, x)?;
+        let y = match (&lw.mixer, st, &self.config.layers[l]) {
+            (MixerW::Gdn(gw), LayerState::Gdn { conv, s }, _) => {
+                self.gated_deltanet(gw, &u, conv, s)?
+            }
+            (MixerW::Attn(aw), LayerState::Attn(cache), LayerKind::Attention { ratio }) => {
+                self.qsa_attention(aw, &u, positions, cache, *ratio)?
+            }
+            _ => {
+                return Err(EngineError::Input(format!(
+                    "layer {l}: state does not match the model"
+                )))
+            }
+        };
+        self.hc_combine(x, &y, inj.as_ref())?;
+        let (u, inj) = self.hc_mix(&lw.hc_ffn, x)?;
+        let y = self.moe(&lw.moe, &u)?;
+        self.hc_combine(x, &y, inj.as_ref())
+    }
+
+    // ---- §4 hyper-connections
+
+    fn hc_mix(&self, hc: &HcW<B::Weight>, x: &B::Buf) -> Result<(B::Buf, Option<B::Buf>)> {
+        self.backend.hc_mix(
+            &HcWeights {
+                norm: &hc.norm,
+                down: &hc.down,
+                up: &hc.up,
+                inject: hc.inject.as_ref(),
+                streams: self.config.hc_streams,
+                eps: self.config.eps,
+            },
+            x,
+        )
+    }
+
+    fn hc_combine(&self, x: &mut B::Buf, y: &B::Buf, inj: Option<&B::Buf>) -> Result<()> {
+        let inj =
+            inj.ok_or_else(|| EngineError::shape("hc_combine", "mix without inject weights"))?;
+        self.backend.hc_combine(x, y, inj)
+    }
+
+    // ---- §5 PLE
+
+    /// `X += G + silu(conv(RMSg(G)))`, `G_s = γ_s·V`, `γ_s` from the key/query agreement.
+    fn ple_block(
+        &self,
+        pw: &PleW<B::Weight>,
+        rows: &[u32],
+        x: &mut B::Buf,
+        hist: Option<&mut B::Buf>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let c = &self.config;
+        let (Some(pc), Some(table), Some(hist)) = (&c.ple, &self.weights.ple_table, hist) else {
+            return Err(EngineError::shape(
+                "ple",
+                "PLE layer without its table or state",
+            ));
+        };
+        let (h, eps) = (c.n_embd, c.eps);
+        let n = x.rows();
+        // e_t = concat_j T[id_j]
+        let e = b.embed_rows(table, rows, 1)?;
+        let e = b.reshape(e, n, pc.embed_dim())?;
+        let k = b.rms_norm(&b.matmul(&pw.key, &e)?, &pw.norm_key, h, eps)?;
+        let v = b.matmul(&pw.value, &e)?;
+        let q = b.rms_norm(x, &pw.norm_query, h, eps)?;
+        let mut g = b.ple_gate(&k, &q, &v, c.hc_streams)?;
+        let cn = b.rms_norm(&g, &pw.norm_conv, h, eps)?;
+        let conv = b.conv1d_silu(&cn, &pw.conv, hist, pc.ngram_size)?;
+        b.add_assign(&mut g, &conv)?;
+        b.add_assign(x, &g)
+    }
+
+    // ---- §6 Gated DeltaNet
+
+    fn gated_deltanet(
+        &self,
+        gw: &GdnW<B::Weight>,
+        u: &B::Buf,
+        conv: &mut B::Buf,
+        s: &mut B::Buf,
+    ) -> Result<B::Buf> {
+        let b = &self.backend;
+        let m = b.matmul(&gw.qkv, u)?;
+        let m = b.conv1d_silu(&m, &gw.conv, conv, 1)?;
+        let z = b.matmul(&gw.z, u)?;
+        let beta = b.matmul(&gw.beta, u)?;
+        let alpha = b.matmul(&gw.alpha, u)?;
+        let params = GdnParams {
+            a: &gw.a,
+            dt_bias: &gw.dt_bias,
+            norm: &gw.norm,
+            dims: self.config.gdn,
+            eps: self.config.eps,
+        };
+        let o = b.gdn_step(&params, &m, &z, &alpha, &beta, s)?;
+        b.matmul(&gw.out, &o)
+    }
+
+    // ---- §7 QSA attention
+
+    fn qsa_attention(
+        &self,
+        aw: &AttnW<B::Weight>,
+        u: &B::Buf,
+        positions: &[u32],
+        cache: &mut AttnCache<B>,
+        ratio: Option<usize>,
+    ) -> Result<B::Buf> {
+        let b = &self.backend;
+        let c = &self.config;
+        let (hd, eps) = (c.attn.head_dim, c.eps);
+        let qg = b.matmul(&aw.q, u)?;
+        let mut parts = b.deinterleave(&qg, hd, 2)?.into_iter();
+        let (Some(q), Some(gate)) = (parts.next(), parts.next()) else {
+            return Err(EngineError::shape("qsa", "q/gate split"));
+        };
+        let mut q = b.rms_norm(&q, &aw.q_norm, hd, eps)?;
+        b.rope_neox(&mut q, hd, c.rot_dims, c.rope_theta, positions)?;
+        let mut k = b.rms_norm(&b.matmul(&aw.k, u)?, &aw.k_norm, hd, eps)?;
+        b.rope_neox(&mut k, hd, c.rot_dims, c.rope_theta, positions)?;
+        let v = b.matmul(&aw.v, u)?;
+        b.append_rows(&mut cache.k, &k)?;
+        b.append_rows(&mut cache.v, &v)?;
+        let sel = match (&aw.indexer, ratio) {
+            (Some(ix), Some(ratio)) => self.qsa_index(ix, u, positions, cache, ratio)?,
+            _ => b.select_causal(positions)?,
+        };
+        let a = b.attend(&q, &cache.k, &cache.v, &sel, c.attn)?;
+        let a = b.mul_sigmoid(&a, &gate)?;
+        b.matmul(&aw.o, &a)
+    }
+
+    /// §7.3: indexer queries, raw keys into the cache, newly completed blocks pooled, selection.
+    fn qsa_index(
+        &self,
+        ix: &IndexerW<B::Weight>,
+        u: &B::Buf,
+        positions: &[u32],
+        cache: &mut AttnCache<B>,
+        ratio: usize,
+    ) -> Result<B::Selection> {
+        let b = &self.backend;
+        let c = &self.config;
+        let (di, eps) = (c.indexer.head_dim, c.eps);
+        let mut qi = b.rms_norm(&b.matmul(&ix.q, u)?, &ix.q_norm, di, eps)?;
+        b.rope_neox(&mut qi, di, c.rot_dims, c.rope_theta, positions)?;
+        b.append_rows(&mut cache.kraw, &b.matmul(&ix.k, u)?)?;
+        let complete = cache.kraw.rows() / ratio;
+        let have = cache.blocks.rows();
+        if complete > have {
+            let pooled = b.qsa_pool_blocks(&cache.kraw, have, complete - have, ratio)?;
+            let mut kb = b.rms_norm(&pooled, &ix.k_norm, di, eps)?;
+            // RoPE at the block's first token.
+            let first: Vec<u32> = (have..complete).map(|blk| (blk * ratio) as u32).collect();
+            b.rope_neox(&mut kb, di, c.rot_dims, c.rope_theta, &first)?;
+            b.append_rows(&mut cache.blocks, &kb)?;
+        }
+        let sel = QsaSelect {
+            ratio,
+            budget: c.indexer.budget,
+            rule: c.qsa_rule,
+        };
+        b.qsa_select(&qi, &cache.blocks, positions, sel)
+    }
+
+    // ---- §8 MoE
+
+    fn moe(&self, mw: &MoeW<B::Weight>, u: &B::Buf) -> Result<B::Buf> {
+        let b = &self.backend;
+        let logits = b.matmul(&mw.router, u)?;
+        let routes = b.route(&logits, self.config.moe.n_used)?;
+        let experts = ExpertWeights {
+            gate: &mw.gate_exps,
+            up: &mw.up_exps,
+            down: &mw.down_exps,
+        };
+        let mut y = b.moe_experts(&experts, u, &routes)?;
+        let hid = b.swiglu(&b.matmul(&mw.gate_shexp, u)?, &b.matmul(&mw.up_shexp, u)?)?;
+        let shared = b.matmul(&mw.down_shexp, &hid)?;
+        let gate = b.matmul(&mw.shexp_gate, u)?;
+        b.add_sigmoid_gated(&mut y, &shared, &gate)?;
+        Ok(y)
+    }
+
+    // ---- §9 final mixer and LM head
+
+    fn lm_head(&self, x: &B::Buf) -> Result<B::Buf> {
+        let (h, _) = self.hc_mix(&self.weights.output_hc, x)?;
+        self.backend.matmul(&self.weights.output, &h)
+    }
+}
+
+/// Decides each attention layer's QSA block size from the file, the indexer tensors present and
+/// the user's override; warns about the converter fault that writes zero ratios.
+fn resolve_qsa_ratios<W>(
+    config: &mut Config,
+    weights: &Weights<W>,
+    opts: &LoadOptions,
+    file: &str,
+    warnings: &mut Vec<String>,
+) -> Result<()> {
+    let budget = config.indexer.budget;
+    if opts.qsa_ratio == Some(0) {
+        return Err(EngineError::Input(
+            "--qsa-ratio must be greater than zero".to_string(),
+        ));
+    }
+    let mut zeroed = Vec::new();
+    for (l, (kind, lw)) in config.layers.iter_mut().zip(&weights.layers).enumerate() {
+        let LayerKind::Attention { ratio } = kind else {
+            continue;
+        };
+        let has_indexer = matches!(&lw.mixer, MixerW::Attn(a) if a.indexer.is_some());
+        if !has_indexer {
+            if ratio.is_some() {
+                warnings.push(format!(
+                    "{file}: layer {l} has a QSA compress ratio but no indexer tensors; it runs dense causal attention"
+                ));
+            }
+            *ratio = None;
+            continue;
+        }
+        let chosen = match (opts.qsa_ratio, *ratio) {
+            (Some(r), Some(f)) => {
+                if r != f {
+                    warnings.push(format!(
+                        "{file}: layer {l}: QSA ratio {r} (--qsa-ratio) replaces the file's {f}"
+                    ));
+                }
+                r
+            }
+            (None, Some(f)) => f,
+            (over, None) => {
+                zeroed.push(l);
+                over.unwrap_or(DOCUMENTED_QSA_RATIO)
+            }
+        };
+        if budget / chosen == 0 {
+            return Err(EngineError::BadKey {
+                file: file.to_string(),
+                key: format!("{}.attention.indexer.top_k", config::ARCH),
+                problem: format!(
+                    "budget {budget} holds no whole block of {chosen} tokens (layer {l})"
+                ),
+            });
+        }
+        *ratio = Some(chosen);
+    }
+    if !zeroed.is_empty() {
+        let how = match opts.qsa_ratio {
+            Some(r) => format!("using ratio {r} from --qsa-ratio"),
+            None => format!(
+                "using ratio {DOCUMENTED_QSA_RATIO}, the model's documented indexer_compress_ratio (override with --qsa-ratio)"
+            ),
+        };
+        warnings.push(format!(
+            "{file}: {}.attention.compress_ratios is 0 for QSA layer(s) {zeroed:?}, which carry indexer tensors \
+             (a known llama.cpp converter fault: newer transformers rename the layer type, and the converter then \
+             writes 0, which llama.cpp runs as dense attention); {how}",
+            config::ARCH
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,59 @@
+//! Per-sequence state (DESIGN.md §2.2): QSA layers' K/V (post-norm, post-RoPE), raw indexer keys
+//! and pooled block keys; GDN layers' fp32 recurrent state and conv history; the PLE conv history;
+//! the token history the n-gram hash reads. Caches that only grow are rolled back by truncation,
+//! recurrent states by restoring a [`Checkpoint`].
+
+use crate::backend::Backend;
+
+pub(crate) struct AttnCache<B: Backend> {
+    pub k: B::Buf,
+    pub v: B::Buf,
+    /// Raw indexer keys, one row per token (no norm, no RoPE).
+    pub kraw: B::Buf,
+    /// Pooled, normed, rotated block keys, one row per complete block.
+    pub blocks: B::Buf,
+}
+
+pub(crate) enum LayerState<B: Backend> {
+    Gdn {
+        /// The last `K − 1` raw `[q | k | v]` projection rows.
+        conv: B::Buf,
+        /// `[n_v_heads, head_k · head_v]`, fp32.
+        s: B::Buf,
+    },
+    Attn(AttnCache<B>),
+}
+
+/// One sequence's state: create with `Model::new_state`, advance with `Model::forward`.
+pub struct State<B: Backend> {
+    pub(crate) pos: usize,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) layers: Vec<LayerState<B>>,
+    /// The last `(K − 1) · dilation` rows of the PLE conv input.
+    pub(crate) ple_conv: Option<B::Buf>,
+}
+
+impl<B: Backend> State<B> {
+    /// Tokens consumed so far (the position of the next token).
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
+/// What a roll-back needs: the position and copies of every recurrent state at that point.
+pub struct Checkpoint<B: Backend> {
+    pub(crate) pos: usize,
+    /// Per layer: the GDN conv history and state (None for attention layers).
+    pub(crate) recurrent: Vec<Option<(B::Buf, B::Buf)>>,
+    pub(crate) ple_conv: Option<B::Buf>,
+}
+
+impl<B: Backend> Checkpoint<B> {
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+}
