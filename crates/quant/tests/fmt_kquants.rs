@@ -181,7 +181,7 @@ fn quantized_row(blocks: &[Vec<f32>]) -> Vec<u8> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     /// Random weight blocks × Q8_K rows quantized from random f32: every ISA equals scalar.
     #[test]
@@ -218,7 +218,7 @@ proptest! {
 /// The kernels this CPU runs: the fixture dot products go through every one of them.
 #[test]
 fn simd_kernels_present() {
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+    for ty in WEIGHT_TYPES {
         for isa in [Isa::Avx2, Isa::Avx512] {
             if strata_quant::simd::supported(isa) {
                 assert!(

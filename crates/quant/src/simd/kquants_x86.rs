@@ -38,6 +38,12 @@ mod x86 {
             (Q4_K, Isa::Avx512) => q4k_avx512,
             (Q6_K, Isa::Avx2) => q6k_avx2,
             (Q6_K, Isa::Avx512) => q6k_avx512,
+            (Q2_K, Isa::Avx2) => q2k_avx2,
+            (Q2_K, Isa::Avx512) => q2k_avx512,
+            (Q3_K, Isa::Avx2) => q3k_avx2,
+            (Q3_K, Isa::Avx512) => q3k_avx512,
+            (Q5_K, Isa::Avx2) => q5k_avx2,
+            (Q5_K, Isa::Avx512) => q5k_avx512,
             _ => return None,
         };
         Some(f)
@@ -58,9 +64,12 @@ mod x86 {
     entry!(q4k_avx512, q4k_avx512_impl);
     entry!(q6k_avx2, q6k_avx2_impl);
     entry!(q6k_avx512, q6k_avx512_impl);
-
-    #[allow(dead_code)]
-    const _SIZES: [usize; 5] = [Q2K_BYTES, Q3K_BYTES, Q4K_BYTES, Q5K_BYTES, Q6K_BYTES];
+    entry!(q2k_avx2, q2k_avx2_impl);
+    entry!(q2k_avx512, q2k_avx512_impl);
+    entry!(q3k_avx2, q3k_avx2_impl);
+    entry!(q3k_avx512, q3k_avx512_impl);
+    entry!(q5k_avx2, q5k_avx2_impl);
+    entry!(q5k_avx512, q5k_avx512_impl);
 
     // ---------------------------------------------------------------------------------------
     // Shared pieces
@@ -339,5 +348,287 @@ mod x86 {
             acc += (q8k_d(yp) * f16x1(bp.add(208))) * isum as f32;
         }
         acc
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Sub-blocks of 16 (Q2_K, Q3_K): element ranges 128n + 32j + [0, 32) hold sub-blocks
+    // 8n + 2j and 8n + 2j + 1, codes in bits 2j of the 32 bytes of half n.
+
+    /// i16 scales for sub-blocks `s` (lower 128 bits) and `s + 1` (upper), from 16 i8 scales.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pair_scales(sc8: __m128i, s: i32) -> __m256i {
+        let (a, b) = (s as i8, s as i8 + 1);
+        let pat = _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+        _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pat))
+    }
+
+    /// Moves bit `from` of every byte of `v` to bit `to` (other bits: garbage for a mask).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn move_bit(v: __m256i, from: i32, to: i32) -> __m256i {
+        if from <= to {
+            _mm256_sll_epi16(v, _mm_cvtsi32_si128(to - from))
+        } else {
+            _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - to))
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q2k_avx2_impl(w: &[u8], x: &[u8]) -> f32 {
+        let m3 = _mm256_set1_epi8(3);
+        let (mut acc, mut accm) = (0f32, 0f32);
+        for (b, y) in w.chunks_exact(Q2K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
+            let bp = b.as_ptr();
+            let yp = y.as_ptr();
+            let raw = _mm_loadu_si128(bp as *const __m128i);
+            let sc8 = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+            let mn8 = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+            let bs = _mm256_loadu_si256(yp.add(Q8K_BSUMS) as *const __m256i);
+            let mprod = _mm256_madd_epi16(_mm256_cvtepu8_epi16(mn8), bs);
+            let qx = yp.add(Q8K_QS);
+            let mut sumi = _mm256_setzero_si256();
+            for n in 0..2 {
+                let q2 = _mm256_loadu_si256(bp.add(16 + 32 * n) as *const __m256i);
+                for j in 0..4 {
+                    let q =
+                        _mm256_and_si256(_mm256_srl_epi16(q2, _mm_cvtsi32_si128(2 * j as i32)), m3);
+                    let xv = _mm256_loadu_si256(qx.add(128 * n + 32 * j) as *const __m256i);
+                    let scv = pair_scales(sc8, (8 * n + 2 * j) as i32);
+                    sumi =
+                        _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scv));
+                }
+            }
+            let (isum, msum) = hsum_pair(sumi, mprod);
+            let (d, dmin) = f16x2(bp.add(80));
+            fold_block(&mut acc, &mut accm, q8k_d(yp), d, dmin, isum, msum);
+        }
+        acc - accm
+    }
+
+    /// Q3_K's 16 scales minus 32, one i8 per sub-block.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q3k_scales(s: *const u8) -> __m128i {
+        let w = |o: usize| (s.add(o) as *const u32).read_unaligned();
+        let (a, b, c) = (w(0), w(4), w(8));
+        const LOW4: u32 = 0x0f0f_0f0f;
+        const LOW2: u32 = 0x0303_0303;
+        let v = _mm_setr_epi32(
+            ((a & LOW4) | ((c & LOW2) << 4)) as i32,
+            ((b & LOW4) | (((c >> 2) & LOW2) << 4)) as i32,
+            (((a >> 4) & LOW4) | (((c >> 4) & LOW2) << 4)) as i32,
+            (((b >> 4) & LOW4) | (((c >> 6) & LOW2) << 4)) as i32,
+        );
+        _mm_sub_epi8(v, _mm_set1_epi8(32))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q3k_avx2_impl(w: &[u8], x: &[u8]) -> f32 {
+        let m3 = _mm256_set1_epi8(3);
+        let m04 = _mm256_set1_epi8(4);
+        let mut acc = 0f32;
+        for (b, y) in w.chunks_exact(Q3K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
+            let bp = b.as_ptr();
+            let yp = y.as_ptr();
+            let sc8 = q3k_scales(bp.add(96));
+            let bs = _mm256_loadu_si256(yp.add(Q8K_BSUMS) as *const __m256i);
+            let corr = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), bs);
+            let hm = _mm256_loadu_si256(bp as *const __m256i);
+            let qx = yp.add(Q8K_QS);
+            let mut sumi = _mm256_setzero_si256();
+            for n in 0..2 {
+                let q2 = _mm256_loadu_si256(bp.add(32 + 32 * n) as *const __m256i);
+                for j in 0..4 {
+                    let lo =
+                        _mm256_and_si256(_mm256_srl_epi16(q2, _mm_cvtsi32_si128(2 * j as i32)), m3);
+                    let hi = _mm256_and_si256(move_bit(hm, (4 * n + j) as i32, 2), m04);
+                    let q = _mm256_or_si256(lo, hi);
+                    let xv = _mm256_loadu_si256(qx.add(128 * n + 32 * j) as *const __m256i);
+                    let scv = pair_scales(sc8, (8 * n + 2 * j) as i32);
+                    sumi =
+                        _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scv));
+                }
+            }
+            let isum = hsum(_mm256_sub_epi32(sumi, _mm256_slli_epi32(corr, 2)));
+            acc += (q8k_d(yp) * f16x1(bp.add(108))) * isum as f32;
+        }
+        acc
+    }
+
+    /// A 512-bit vector of `lo` in the lower 256 bits and `hi` in the upper, per i16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn halves16(lo: i16, hi: i16) -> __m512i {
+        _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1)
+    }
+
+    /// A 512-bit vector of byte `lo` in the lower 256 bits and `hi` in the upper.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn halves8(lo: u8, hi: u8) -> __m512i {
+        _mm512_inserti64x4(_mm512_set1_epi8(lo as i8), _mm256_set1_epi8(hi as i8), 1)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn q2k_avx512_impl(w: &[u8], x: &[u8]) -> f32 {
+        let m3 = _mm512_set1_epi8(3);
+        let idx = [quad_idx(0), quad_idx(1), quad_idx(2), quad_idx(3)];
+        // Codes for j = 0, 1 (shifts 0, 2) and j = 2, 3 (shifts 4, 6) per 64 elements.
+        let shr = [halves16(0, 2), halves16(4, 6)];
+        let (mut acc, mut accm) = (0f32, 0f32);
+        for (b, y) in w.chunks_exact(Q2K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
+            let bp = b.as_ptr();
+            let yp = y.as_ptr();
+            let raw = _mm_loadu_si128(bp as *const __m128i);
+            let sc8 = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+            let mn8 = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+            let bs = _mm256_loadu_si256(yp.add(Q8K_BSUMS) as *const __m256i);
+            let mprod = _mm256_madd_epi16(_mm256_cvtepu8_epi16(mn8), bs);
+            let scz = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sc8));
+            let qx = yp.add(Q8K_QS);
+            let mut sumi = _mm512_setzero_si512();
+            for n in 0..2 {
+                let q2 = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                    bp.add(16 + 32 * n) as *const __m256i
+                ));
+                for (h, sh) in shr.iter().enumerate() {
+                    let q = _mm512_and_si512(_mm512_srlv_epi16(q2, *sh), m3);
+                    let xv = _mm512_loadu_si512(qx.add(128 * n + 64 * h) as *const _);
+                    let scv = _mm512_permutexvar_epi16(idx[2 * n + h], scz);
+                    sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q, xv), scv);
+                }
+            }
+            let (isum, msum) = hsum_pair(fold512(sumi), mprod);
+            let (d, dmin) = f16x2(bp.add(80));
+            fold_block(&mut acc, &mut accm, q8k_d(yp), d, dmin, isum, msum);
+        }
+        acc - accm
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn q3k_avx512_impl(w: &[u8], x: &[u8]) -> f32 {
+        let m3 = _mm512_set1_epi8(3);
+        let m04 = _mm512_set1_epi8(4);
+        let idx = [quad_idx(0), quad_idx(1), quad_idx(2), quad_idx(3)];
+        let shr = [halves16(0, 2), halves16(4, 6)];
+        // hmask bit 4n + j for the element range of (n, j).
+        let hbit = [
+            [halves8(1, 2), halves8(4, 8)],
+            [halves8(16, 32), halves8(64, 128)],
+        ];
+        let mut acc = 0f32;
+        for (b, y) in w.chunks_exact(Q3K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
+            let bp = b.as_ptr();
+            let yp = y.as_ptr();
+            let sc8 = q3k_scales(bp.add(96));
+            let sc16 = _mm256_cvtepi8_epi16(sc8);
+            let bs = _mm256_loadu_si256(yp.add(Q8K_BSUMS) as *const __m256i);
+            let corr = _mm256_madd_epi16(sc16, bs);
+            let scz = _mm512_castsi256_si512(sc16);
+            let hm = _mm512_broadcast_i64x4(_mm256_loadu_si256(bp as *const __m256i));
+            let qx = yp.add(Q8K_QS);
+            let mut sumi = _mm512_setzero_si512();
+            for n in 0..2 {
+                let q2 = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                    bp.add(32 + 32 * n) as *const __m256i
+                ));
+                for h in 0..2 {
+                    let q = _mm512_and_si512(_mm512_srlv_epi16(q2, shr[h]), m3);
+                    let k = _mm512_test_epi8_mask(hm, hbit[n][h]);
+                    let q = _mm512_mask_add_epi8(q, k, q, m04);
+                    let xv = _mm512_loadu_si512(qx.add(128 * n + 64 * h) as *const _);
+                    let scv = _mm512_permutexvar_epi16(idx[2 * n + h], scz);
+                    sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q, xv), scv);
+                }
+            }
+            let isum = hsum(_mm256_sub_epi32(fold512(sumi), _mm256_slli_epi32(corr, 2)));
+            acc += (q8k_d(yp) * f16x1(bp.add(108))) * isum as f32;
+        }
+        acc
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Q5_K: Q4_K plus bit s of qh[l] as bit 4 of element 32s + l.
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5k_avx2_impl(w: &[u8], x: &[u8]) -> f32 {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m10 = _mm256_set1_epi8(0x10);
+        let (mut acc, mut accm) = (0f32, 0f32);
+        for (b, y) in w.chunks_exact(Q5K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
+            let (sc, mn) = unpack_k4(&b[4..16]);
+            let scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+            let bp = b.as_ptr();
+            let yp = y.as_ptr();
+            let mprod = mins_k4(mn, yp);
+            let qh = _mm256_loadu_si256(bp.add(16) as *const __m256i);
+            let qs = bp.add(48);
+            let qx = yp.add(Q8K_QS);
+            let mut sumi = _mm256_setzero_si256();
+            for c in 0..4 {
+                let q = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                let hlo = _mm256_and_si256(move_bit(qh, 2 * c as i32, 4), m10);
+                let hhi = _mm256_and_si256(move_bit(qh, 2 * c as i32 + 1, 4), m10);
+                let lo = _mm256_or_si256(_mm256_and_si256(q, m4), hlo);
+                let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), hhi);
+                let xlo = _mm256_loadu_si256(qx.add(64 * c) as *const __m256i);
+                let xhi = _mm256_loadu_si256(qx.add(64 * c + 32) as *const __m256i);
+                let slo = _mm256_shuffle_epi8(scv, _mm256_set1_epi16(bcast16(2 * c as i32)));
+                let shi = _mm256_shuffle_epi8(scv, _mm256_set1_epi16(bcast16(2 * c as i32 + 1)));
+                let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), slo);
+                let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), shi);
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(plo, phi));
+            }
+            let (isum, msum) = hsum_pair(sumi, mprod);
+            let (d, dmin) = f16x2(bp);
+            fold_block(&mut acc, &mut accm, q8k_d(yp), d, dmin, isum, msum);
+        }
+        acc - accm
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn q5k_avx512_impl(w: &[u8], x: &[u8]) -> f32 {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let m10 = _mm512_set1_epi8(0x10);
+        let shuf = |c: i32| {
+            let a = bcast16(2 * c) as i32 & 0xFFFF;
+            let b = bcast16(2 * c + 1) as i32 & 0xFFFF;
+            let (a, b) = (a | a << 16, b | b << 16);
+            _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
+        };
+        let sh = [shuf(0), shuf(1), shuf(2), shuf(3)];
+        let hbit = [
+            halves8(1, 2),
+            halves8(4, 8),
+            halves8(16, 32),
+            halves8(64, 128),
+        ];
+        let (mut acc, mut accm) = (0f32, 0f32);
+        for (b, y) in w.chunks_exact(Q5K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
+            let (sc, mn) = unpack_k4(&b[4..16]);
+            let scz = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+            let bp = b.as_ptr();
+            let yp = y.as_ptr();
+            let mprod = mins_k4(mn, yp);
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(bp.add(16) as *const __m256i));
+            let qs = bp.add(48);
+            let qx = yp.add(Q8K_QS);
+            let mut sumi = _mm512_setzero_si512();
+            for c in 0..4 {
+                let q =
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * c) as *const __m256i));
+                let q = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFFFF_0000, q, 4), m4);
+                let k = _mm512_test_epi8_mask(qh, hbit[c]);
+                let q = _mm512_mask_add_epi8(q, k, q, m10);
+                let xv = _mm512_loadu_si512(qx.add(64 * c) as *const _);
+                let p = _mm512_maddubs_epi16(q, xv);
+                sumi = _mm512_dpwssd_epi32(sumi, p, _mm512_shuffle_epi8(scz, sh[c]));
+            }
+            let (isum, msum) = hsum_pair(fold512(sumi), mprod);
+            let (d, dmin) = f16x2(bp);
+            fold_block(&mut acc, &mut accm, q8k_d(yp), d, dmin, isum, msum);
+        }
+        acc - accm
     }
 }
