@@ -296,14 +296,20 @@ mod tests {
 
     #[test]
     fn partial_sort_matches_libstdcxx_on_ties() {
-        // Values from a case where ties straddle the cut: libstdc++'s heap select keeps the
-        // indices below (worked through by hand from bits/stl_heap.h / stl_algo.h).
-        let v = [1.0, 1.0, 1.0, 1.0, 5.0, 1.0];
-        let mut got = partial_sort_top_k(&v, 3);
-        got.sort();
-        // heap of [0,1,2]; 3 does not beat the top; 4 replaces the top (index 0) ...
-        assert!(got.contains(&4));
-        assert_eq!(got.len(), 3);
+        // Expected slot orders from the fixture generator's port of libstdc++'s heap select
+        // (gen/llamacpp_qsa.py::partial_sort_topk), on tie-heavy inputs.
+        #[rustfmt::skip]
+        let cases: [(&[f32], usize, &[usize]); 6] = [
+            (&[5.0, 5.0, 1.0, 5.0, 1.0, 1.0], 3, &[0, 1, 3]),
+            (&[0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0, 0.0, 0.0, 2.0], 7, &[0, 3, 5, 11, 8, 2, 6]),
+            (&[0.5, 0.25, 0.25, 0.5, 0.25, 0.5, 0.5, 0.5, 1e9, 1e9, 0.25, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.25], 11, &[6, 11, 0, 7, 12, 5, 14, 3, 8, 9, 13]),
+            (&[3.0, 0.0, 0.0, 0.0, 0.0, 3.0, 3.0, 0.0, 3.0, 3.0, 0.0, 0.0, 3.0, 0.0, 3.0, 3.0, 0.0, 3.0, 0.0, 3.0, 3.0, 3.0, 3.0, 3.0, 0.0, 3.0, 3.0, 0.0, 0.0, 3.0, 0.0, 3.0, 3.0], 19, &[14, 21, 0, 8, 22, 12, 20, 25, 23, 9, 31, 5, 19, 6, 32, 15, 26, 17, 29]),
+            (&[1.0; 9], 9, &[6, 4, 2, 8, 1, 5, 0, 7, 3]),
+            (&[2.0, 1.0, 4.0, 0.0, 0.0, 0.0, 4.0, 2.0, 0.0, 0.0, 2.0, 4.0, 2.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 2.0, 1.0, 0.0, 4.0, 1.0, 2.0, 2.0, 4.0, 2.0, 1.0, 0.0, 0.0, 4.0, 4.0, 1.0, 2.0], 5, &[2, 6, 31, 11, 27]),
+        ];
+        for (v, k, want) in cases {
+            assert_eq!(partial_sort_top_k(v, k), want, "{v:?} top {k}");
+        }
     }
 
     #[test]
