@@ -1,0 +1,305 @@
+// Block formats on the device: geometry, 32-element unit decoders (embed) and unit dot
+// products against the paired activation (gemv). Every weight type is read in units of 32
+// elements: a Q8_0-family block, half a Q2_0 block, one sub-block of a 256-element K- or
+// I-quant block, or 32 BF16 values. Float operations follow ggml's dequantizers exactly
+// (strata_engine::kernels::embed::dequant_block), so decoded values are bit-exact.
+//
+// Needs the lookup tables (iq3s_grid, iq3xxs_grid, ksigns_iq2xs, kvalues_iq4nl,
+// kvalues_iq4nl_w) that strata-cuda generates from strata_quant::grids.
+
+// ggml type ids.
+#define T_Q4_0 2
+#define T_Q5_0 6
+#define T_Q8_0 8
+#define T_Q3_K 11
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+#define T_IQ3_XXS 18
+#define T_IQ4_NL 20
+#define T_IQ3_S 21
+#define T_IQ4_XS 23
+#define T_BF16 30
+#define T_Q2_0 42
+
+template <int T> struct Fmt;
+template <> struct Fmt<T_BF16> { static constexpr int QK = 32, TS = 64; };  // as 32-value units
+template <> struct Fmt<T_Q8_0> { static constexpr int QK = 32, TS = 34; };
+template <> struct Fmt<T_Q4_0> { static constexpr int QK = 32, TS = 18; };
+template <> struct Fmt<T_Q5_0> { static constexpr int QK = 32, TS = 22; };
+template <> struct Fmt<T_IQ4_NL> { static constexpr int QK = 32, TS = 18; };
+template <> struct Fmt<T_Q2_0> { static constexpr int QK = 64, TS = 18; };
+template <> struct Fmt<T_IQ4_XS> { static constexpr int QK = 256, TS = 136; };
+template <> struct Fmt<T_IQ3_S> { static constexpr int QK = 256, TS = 110; };
+template <> struct Fmt<T_IQ3_XXS> { static constexpr int QK = 256, TS = 98; };
+template <> struct Fmt<T_Q3_K> { static constexpr int QK = 256, TS = 110; };
+template <> struct Fmt<T_Q4_K> { static constexpr int QK = 256, TS = 144; };
+template <> struct Fmt<T_Q5_K> { static constexpr int QK = 256, TS = 176; };
+template <> struct Fmt<T_Q6_K> { static constexpr int QK = 256, TS = 210; };
+
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+__device__ __forceinline__ int scale_q3_k(int j, const u8* s) {
+    const int lo = j < 8 ? (s[j] & 0xF) : (s[j - 8] >> 4);
+    const int hi = (s[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+// Eight grid magnitudes (two u32 of 4 bytes) with their 8 sign bits, to float: db * (+-m).
+__device__ __forceinline__ void grid_pair_to_float(u32 g1, u32 g2, u32 signs, float db, float* v) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int m1 = (g1 >> (8 * j)) & 0xFF, m2 = (g2 >> (8 * j)) & 0xFF;
+        v[j] = db * (float)((signs >> j) & 1 ? -m1 : m1);
+        v[4 + j] = db * (float)((signs >> (4 + j)) & 1 ? -m2 : m2);
+    }
+}
+
+// Decodes unit s of block b (32 values).
+template <int T>
+__device__ __forceinline__ void decode_unit(const u8* b, int s, float* v) {
+    if (T == T_BF16) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) v[j] = bf16_to_f32(ld16(b + 2 * j));
+    } else if (T == T_Q8_0) {
+        const float d = ldf16(b);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) v[j] = (float)(i8)b[2 + j] * d;
+    } else if (T == T_Q4_0) {
+        const float d = ldf16(b);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            v[j] = (float)((b[2 + j] & 0xF) - 8) * d;
+            v[j + 16] = (float)((b[2 + j] >> 4) - 8) * d;
+        }
+    } else if (T == T_Q5_0) {
+        const float d = ldf16(b);
+        const u32 qh = ld32a2(b + 2);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int h0 = ((qh >> j) & 1) << 4, h1 = ((qh >> (j + 16)) & 1) << 4;
+            v[j] = (float)(((b[6 + j] & 0xF) | h0) - 16) * d;
+            v[j + 16] = (float)(((b[6 + j] >> 4) | h1) - 16) * d;
+        }
+    } else if (T == T_IQ4_NL) {
+        const float d = ldf16(b);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            v[j] = d * (float)kvalues_iq4nl[b[2 + j] & 0xF];
+            v[j + 16] = d * (float)kvalues_iq4nl[b[2 + j] >> 4];
+        }
+    } else if (T == T_Q2_0) {
+        const float d = ldf16(b);
+        const u8* q = b + 2 + 8 * s;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) v[j] = (float)(((q[j >> 2] >> (2 * (j & 3))) & 3) - 1) * d;
+    } else if (T == T_IQ4_XS) {
+        const float d = ldf16(b);
+        const int lo = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 0xF;
+        const int ls = (lo | (((ld16(b + 2) >> (2 * s)) & 3) << 4)) - 32;
+        const float dl = d * (float)ls;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int q = b[8 + 16 * s + j];
+            v[j] = dl * (float)kvalues_iq4nl[q & 0xF];
+            v[j + 16] = dl * (float)kvalues_iq4nl[q >> 4];
+        }
+    } else if (T == T_IQ3_S) {
+        const float d = ldf16(b);
+        const int sc = (b[106 + (s >> 1)] >> (4 * (s & 1))) & 0xF;
+        const float db = d * (float)(1 + 2 * sc);
+        const int h = b[66 + s];
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const int i1 = b[2 + 8 * s + 2 * l] | ((h << (8 - 2 * l)) & 256);
+            const int i2 = b[2 + 8 * s + 2 * l + 1] | ((h << (7 - 2 * l)) & 256);
+            grid_pair_to_float(iq3s_grid[i1], iq3s_grid[i2], b[74 + 4 * s + l], db, v + 8 * l);
+        }
+    } else if (T == T_IQ3_XXS) {
+        const float d = ldf16(b);
+        const u32 aux = ld32a2(b + 66 + 4 * s);
+        const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const u32 signs = ksigns_iq2xs[(aux >> (7 * l)) & 127];
+            grid_pair_to_float(iq3xxs_grid[b[2 + 8 * s + 2 * l]], iq3xxs_grid[b[2 + 8 * s + 2 * l + 1]],
+                               signs, db, v + 8 * l);
+        }
+    } else if (T == T_Q3_K) {
+        const float d = ldf16(b + 108);
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+            const int sg = 2 * s + g;
+            const float dl = d * (float)scale_q3_k(sg, b + 96);
+            const int half = sg >> 3, j = (sg >> 1) & 3, hh = sg & 1;
+            const int bit = 1 << (4 * half + j);
+#pragma unroll
+            for (int l = 0; l < 16; ++l) {
+                const int q = b[32 + 32 * half + 16 * hh + l];
+                const int hm = b[16 * hh + l];
+                const int val = ((q >> (2 * j)) & 3) - ((hm & bit) ? 0 : 4);
+                v[16 * g + l] = dl * (float)val;
+            }
+        }
+    } else if (T == T_Q4_K || T == T_Q5_K) {
+        const float d = ldf16(b), dmin = ldf16(b + 2);
+        int sc, m;
+        scale_min_k4(s, b + 4, sc, m);
+        const float dl = d * (float)sc, ml = dmin * (float)m;
+        const u8* q = b + (T == T_Q5_K ? 48 : 16) + 32 * (s >> 1);
+#pragma unroll
+        for (int l = 0; l < 32; ++l) {
+            int x = (q[l] >> (4 * (s & 1))) & 0xF;
+            if (T == T_Q5_K) x |= ((b[16 + l] >> s) & 1) << 4;
+            v[l] = dl * (float)x - ml;
+        }
+    } else if (T == T_Q6_K) {
+        const float d = ldf16(b + 208);
+        const int half = s >> 2, g = s & 3;
+#pragma unroll
+        for (int l = 0; l < 32; ++l) {
+            const int ql = b[64 * half + 32 * (g & 1) + l];
+            const int lo = g < 2 ? (ql & 0xF) : (ql >> 4);
+            const int hi = (b[128 + 32 * half + l] >> (2 * g)) & 3;
+            const int sc = (i8)b[192 + 2 * s + (l >> 4)];
+            v[l] = d * (float)sc * (float)((lo | (hi << 4)) - 32);
+        }
+    }
+}
+
+// The 16 IQ4_NL values for four nibble indices packed in bytes of `q` (one per byte, 0..15).
+__device__ __forceinline__ int iq4_lookup4(u32 q, u32 k0, u32 k1, u32 k2, u32 k3) {
+    const u32 sel = (q & 0xFu) | ((q >> 4) & 0xF0u) | ((q >> 8) & 0xF00u) | ((q >> 12) & 0xF000u);
+    const u32 s7 = sel & 0x7777u;
+    const u32 lo = __byte_perm(k0, k1, s7);
+    const u32 hi = __byte_perm(k2, k3, s7);
+    const u32 pick = 0x3210u + (((sel >> 3) & 0x1111u) << 2);
+    return (int)__byte_perm(lo, hi, pick);
+}
+
+// Integer dot of unit u of weight row `w` with the paired activation row `x`, scaled:
+// returns the unit's f32 contribution (before the type's final factor, see dot_post).
+template <int T>
+__device__ __forceinline__ float unit_dot(const u8* w, const u8* x, int u) {
+    constexpr int QK = Fmt<T>::QK, TS = Fmt<T>::TS, UPB = QK / 32;
+    const u8* b = w + (size_t)(u / UPB) * TS;
+    const int s = u % UPB;
+    if (T == T_BF16) {
+        const u8* xb = x + 64 * (size_t)u;
+        float a = 0.f;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) a = fmaf(bf16_to_f32(ld16(b + 2 * j)), bf16_to_f32(ld16(xb + 2 * j)), a);
+        return a;
+    } else if (T == T_Q8_0 || T == T_Q2_0) {
+        const u8* xb = x + 34 * (size_t)u;  // Q8_0 activation block u
+        const float dx = ldf16(xb);
+        int isum = 0;
+        if (T == T_Q8_0) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) isum = dp4a((int)ld32a2(b + 2 + 4 * k), (int)ld32a2(xb + 2 + 4 * k), isum);
+        } else {
+            int sx = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const u32 c = b[2 + 8 * s + k];
+                const u32 p = (c & 3u) | ((c >> 2) & 3u) << 8 | ((c >> 4) & 3u) << 16 | ((c >> 6) & 3u) << 24;
+                const int xw = (int)ld32a2(xb + 2 + 4 * k);
+                isum = dp4a((int)p, xw, isum);
+                sx = dp4a(0x01010101, xw, sx);
+            }
+            isum -= sx;
+        }
+        return (ldf16(b) * dx) * (float)isum;
+    } else {
+        const u8* xb = x + 292 * (size_t)(u >> 3);  // Q8_K activation block
+        const float dx = *(const float*)xb;
+        const u32* xq = (const u32*)(xb + 4 + 32 * s);
+        const i16* bs = (const i16*)(xb + 260 + 4 * s);
+        if (T == T_Q4_K || T == T_Q5_K) {
+            const float d = ldf16(b), dmin = ldf16(b + 2);
+            int sc, m;
+            scale_min_k4(s, b + 4, sc, m);
+            const u8* q = b + (T == T_Q5_K ? 48 : 16) + 32 * (s >> 1);
+            int isum = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                u32 v = (ld32a2(q + 4 * k) >> (4 * (s & 1))) & 0x0F0F0F0Fu;
+                if (T == T_Q5_K) v |= ((ld32a2(b + 16 + 4 * k) >> s) & 0x01010101u) << 4;
+                isum = dp4a((int)v, (int)xq[k], isum);
+            }
+            const int bsum = (int)bs[0] + (int)bs[1];
+            return (d * dx) * (float)(sc * isum) - (dmin * dx) * (float)(m * bsum);
+        } else if (T == T_Q6_K) {
+            const float d = ldf16(b + 208);
+            const int half = s >> 2, g = s & 3;
+            const u8* ql = b + 64 * half + 32 * (g & 1);
+            const u8* qh = b + 128 + 32 * half;
+            int ia = 0, ib = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const u32 lo = (ld32a2(ql + 4 * k) >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu;
+                const u32 hi = ((ld32a2(qh + 4 * k) >> (2 * g)) & 0x03030303u) << 4;
+                if (k < 4) ia = dp4a((int)(lo | hi), (int)xq[k], ia);
+                else ib = dp4a((int)(lo | hi), (int)xq[k], ib);
+            }
+            ia -= 32 * (int)bs[0];
+            ib -= 32 * (int)bs[1];
+            const int sa = (i8)b[192 + 2 * s], sb = (i8)b[193 + 2 * s];
+            return (d * dx) * (float)(sa * ia + sb * ib);
+        } else if (T == T_IQ4_XS) {
+            const float d = ldf16(b);
+            const int lo = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 0xF;
+            const int ls = (lo | (((ld16(b + 2) >> (2 * s)) & 3) << 4)) - 32;
+            const u32 k0 = kvalues_iq4nl_w[0], k1 = kvalues_iq4nl_w[1], k2 = kvalues_iq4nl_w[2],
+                      k3 = kvalues_iq4nl_w[3];
+            int isum = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const u32 q = ld32a2(b + 8 + 16 * s + 4 * k);
+                isum = dp4a(iq4_lookup4(q & 0x0F0F0F0Fu, k0, k1, k2, k3), (int)xq[k], isum);
+                isum = dp4a(iq4_lookup4((q >> 4) & 0x0F0F0F0Fu, k0, k1, k2, k3), (int)xq[k + 4], isum);
+            }
+            return (d * dx) * (float)(ls * isum);
+        } else if (T == T_IQ3_S) {
+            const float d = ldf16(b);
+            const int sc = (b[106 + (s >> 1)] >> (4 * (s & 1))) & 0xF;
+            const int h = b[66 + s];
+            int isum = 0;
+#pragma unroll
+            for (int l = 0; l < 4; ++l) {
+                const int i1 = b[2 + 8 * s + 2 * l] | ((h << (8 - 2 * l)) & 256);
+                const int i2 = b[2 + 8 * s + 2 * l + 1] | ((h << (7 - 2 * l)) & 256);
+                const u32 sg = b[74 + 4 * s + l];
+                isum = dp4a(apply_signs(iq3s_grid[i1], spread_signs4(sg)), (int)xq[2 * l], isum);
+                isum = dp4a(apply_signs(iq3s_grid[i2], spread_signs4(sg >> 4)), (int)xq[2 * l + 1], isum);
+            }
+            return (d * dx) * (float)((1 + 2 * sc) * isum);
+        } else {  // T_IQ3_XXS
+            const float d = ldf16(b);
+            const u32 aux = ld32a2(b + 66 + 4 * s);
+            int isum = 0;
+#pragma unroll
+            for (int l = 0; l < 4; ++l) {
+                const u32 sg = ksigns_iq2xs[(aux >> (7 * l)) & 127];
+                isum = dp4a(apply_signs(iq3xxs_grid[b[2 + 8 * s + 2 * l]], spread_signs4(sg)), (int)xq[2 * l], isum);
+                isum = dp4a(apply_signs(iq3xxs_grid[b[2 + 8 * s + 2 * l + 1]], spread_signs4(sg >> 4)),
+                            (int)xq[2 * l + 1], isum);
+            }
+            return (d * dx) * (float)((2 * (int)(aux >> 28) + 1) * isum);
+        }
+    }
+}
+
+// The factor applied to a finished row sum (IQ3_XXS counts its scale in quarters).
+template <int T>
+__device__ __forceinline__ float dot_post(float s) {
+    return T == T_IQ3_XXS ? 0.25f * s : s;
+}
