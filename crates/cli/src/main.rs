@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod fetch;
 mod inspect;
+mod logits;
 
 #[derive(Parser)]
 #[command(name = "strata", version, about = "Inference engine for huge Mixture-of-Experts models in GGUF files")]
@@ -22,6 +23,8 @@ enum Command {
     Bench(bench::Args),
     /// Download the default model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M) into the cache
     Fetch(fetch::Args),
+    /// Every position's logits for a prompt, as safetensors (`logits` [positions, vocab])
+    Logits(logits::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -30,6 +33,7 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Fetch(a) => fetch::run(a),
+        Command::Logits(a) => logits::run(a),
     };
     match result {
         Ok(code) => code,

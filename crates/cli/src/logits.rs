@@ -1,0 +1,110 @@
+//! `strata logits`: every position's logits for a prompt (token ids or text), written as a
+//! safetensors file with `logits` (f32, [positions, vocab]) and `input_ids` (i64, [positions]).
+//! The whole prompt runs as one prefill, which gives the same bits as token-by-token decode.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use strata_engine::qwen4exp::{LoadOptions, Model};
+use strata_engine::{CpuBackend, FloatActivations, QsaRule};
+use strata_gguf::GgufFile;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The model GGUF file (architecture qwen4exp)
+    #[arg(short = 'm', long, value_name = "MODEL.gguf")]
+    pub model: PathBuf,
+    /// Token ids, comma-separated
+    #[arg(long, value_delimiter = ',', num_args = 1.., conflicts_with = "text", required_unless_present = "text")]
+    pub tokens: Option<Vec<u32>>,
+    /// Text to tokenize with the file's tokenizer (special tokens are parsed)
+    #[arg(long)]
+    pub text: Option<String>,
+    /// Output safetensors file
+    #[arg(long, value_name = "OUT.safetensors")]
+    pub out: PathBuf,
+    /// QSA token selection: `reference` (transformers/vLLM) or `llamacpp` (llama.cpp 0c1e570)
+    #[arg(long, default_value = "reference")]
+    pub qsa_rule: QsaRule,
+    /// QSA block size for layers whose file ratio is 0 (or, when given, for every QSA layer)
+    #[arg(long)]
+    pub qsa_ratio: Option<usize>,
+    /// Worker threads (0: one per core)
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Keep activations in f32 for F16/BF16 weights instead of rounding them to the weight's
+    /// format (an exact mode for comparisons; block-quantized weights are unaffected)
+    #[arg(long)]
+    pub f32_activations: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let file = Arc::new(GgufFile::open(&args.model)?);
+    let tokens = match (&args.tokens, &args.text) {
+        (Some(t), _) => t.clone(),
+        (None, Some(text)) => {
+            let tok = strata_tokenizer::Tokenizer::from_gguf(&file)
+                .with_context(|| format!("reading the tokenizer of {}", args.model.display()))?;
+            tok.encode(text, true, true).context("tokenizing --text")?
+        }
+        (None, None) => bail!("give --tokens or --text"),
+    };
+    if tokens.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    let mode = if args.f32_activations {
+        FloatActivations::F32
+    } else {
+        FloatActivations::Paired
+    };
+    let backend = CpuBackend::new(args.threads)?.with_float_activations(mode);
+    let opts = LoadOptions {
+        qsa_rule: args.qsa_rule,
+        qsa_ratio: args.qsa_ratio,
+    };
+    let t0 = Instant::now();
+    let model = Model::from_file(file, backend, &opts)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    for w in model.warnings() {
+        eprintln!("warning: {w}");
+    }
+    let loaded = t0.elapsed();
+    let mut state = model.new_state()?;
+    let t1 = Instant::now();
+    let out = model.forward(&mut state, &tokens)?;
+    let ran = t1.elapsed();
+
+    let logits: Vec<u8> = out.logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let ids: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| i64::from(t).to_le_bytes())
+        .collect();
+    let views = [
+        (
+            "logits",
+            TensorView::new(Dtype::F32, vec![out.rows(), out.n_vocab], &logits)?,
+        ),
+        (
+            "input_ids",
+            TensorView::new(Dtype::I64, vec![tokens.len()], &ids)?,
+        ),
+    ];
+    safetensors::tensor::serialize_to_file(views, None, &args.out)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    eprintln!(
+        "wrote {}: logits [{}, {}] (load {:.2?}, forward {:.2?} on {} threads, {:.1} tokens/s)",
+        args.out.display(),
+        out.rows(),
+        out.n_vocab,
+        loaded,
+        ran,
+        model.backend().threads(),
+        tokens.len() as f64 / ran.as_secs_f64().max(1e-9)
+    );
+    Ok(ExitCode::SUCCESS)
+}
