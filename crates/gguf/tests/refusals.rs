@@ -284,7 +284,7 @@ fn unaligned_out_of_bounds_and_overlapping_offsets() {
         &["tensor 'oob'", "inside the data section"],
     );
     let mut w = unchecked();
-    w.add_tensor_raw("wrap", &[4], 0, vec![0; 16], Some(u64::MAX & !31));
+    w.add_tensor_raw("wrap", &[4], 0, vec![0; 16], Some(!31u64));
     has(
         &refuse(w.to_bytes().unwrap()),
         &["tensor 'wrap'", "inside the data section"],
