@@ -51,13 +51,14 @@ pub enum GgufError {
 
     /// A tensor whose type id is not in the type table was used.
     #[error(
-        "{file}: tensor '{tensor}' (info at offset {offset}): type id {id} is not a known ggml \
-         type; expected an id from the type table"
+        "{file}: tensor '{tensor}' ({at}): type id {id} is not a known ggml type; expected an \
+         id from the type table"
     )]
     UnknownType {
         file: String,
         tensor: String,
-        offset: u64,
+        /// Where: the info record's file offset, or the data offset when the file is unknown.
+        at: String,
         id: u32,
     },
 

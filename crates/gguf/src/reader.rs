@@ -90,19 +90,46 @@ impl TensorInfo {
         match self.ty {
             TensorType::Known(t) => Ok(t),
             TensorType::Unknown(id) => Err(GgufError::UnknownType {
-                file: String::from("<tensor info>"),
+                file: String::from("<file not known here; GgufFile::tensor_type names it>"),
                 tensor: self.name.clone(),
-                offset: self.offset,
+                at: format!("data at data-section offset {}", self.offset),
                 id,
             }),
         }
     }
 }
 
+/// 64 bytes with 64-byte alignment: owned buffers are built from these so tensor data sits at
+/// the same alignment as in a page-aligned map (callers may cast f32 data in place).
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
 enum Storage {
-    // Field order does not matter: the map is only read through `bytes()`.
     Mmap(memmap2::Mmap),
-    Owned(Vec<u8>),
+    Owned { lines: Vec<Line>, len: usize },
+}
+
+impl Storage {
+    fn owned(bytes: &[u8]) -> Storage {
+        let mut lines = vec![Line([0; 64]); bytes.len().div_ceil(64)];
+        let flat: &mut [u8] = bytemuck::cast_slice_mut(&mut lines);
+        flat[..bytes.len()].copy_from_slice(bytes);
+        Storage::Owned {
+            lines,
+            len: bytes.len(),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Mmap(m) => m,
+            Storage::Owned { lines, len } => {
+                let flat: &[u8] = bytemuck::cast_slice(lines);
+                &flat[..*len]
+            }
+        }
+    }
 }
 
 /// An open, validated GGUF file. Tensor data is borrowed straight from the map (or the owned
@@ -359,7 +386,7 @@ impl GgufFile {
         let file = std::fs::File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         let storage = if len == 0 {
-            Storage::Owned(Vec::new())
+            Storage::owned(&[])
         } else {
             // SAFETY: the map is read-only and lives as long as `GgufFile`; like every mmap
             // reader we rely on the file not being truncated or rewritten while it is open.
@@ -369,24 +396,18 @@ impl GgufFile {
     }
 
     /// Validates a file held in memory (tests, fuzzing, generated files). `name` is used in
-    /// error messages.
+    /// error messages. The bytes are copied into a 64-byte-aligned buffer, so tensor data has
+    /// the same alignment as in a mapped file.
     pub fn from_bytes(bytes: Vec<u8>, name: &str) -> Result<GgufFile, GgufError> {
-        Self::parse(Storage::Owned(bytes), name.to_string())
+        Self::parse(Storage::owned(&bytes), name.to_string())
     }
 
     fn bytes(&self) -> &[u8] {
-        match &self.storage {
-            Storage::Mmap(m) => m,
-            Storage::Owned(v) => v,
-        }
+        self.storage.bytes()
     }
 
     fn parse(storage: Storage, name: String) -> Result<GgufFile, GgufError> {
-        let buf: &[u8] = match &storage {
-            Storage::Mmap(m) => m,
-            Storage::Owned(v) => v,
-        };
-        let parsed = parse_layout(buf, &name)?;
+        let parsed = parse_layout(storage.bytes(), &name)?;
         Ok(GgufFile {
             name,
             storage,
@@ -675,7 +696,10 @@ impl GgufFile {
             TensorType::Unknown(id) => Err(GgufError::UnknownType {
                 file: self.name.clone(),
                 tensor: t.name.clone(),
-                offset: self.tensor_info_offset(&t.name).unwrap_or(0),
+                at: format!(
+                    "info record at offset {}",
+                    self.tensor_info_offset(&t.name).unwrap_or(0)
+                ),
                 id,
             }),
         }

@@ -112,6 +112,9 @@ fn synthetic_file_round_trips_every_value_and_type() {
             assert_eq!(t.ty, TensorType::Known(*ty));
             assert_eq!(t.offset % alignment, 0);
             assert_eq!(f.tensor_bytes(name).unwrap(), &data[..]);
+            // In memory, tensor data keeps the file's alignment (up to the buffer's 64 bytes).
+            let addr = f.tensor_bytes(name).unwrap().as_ptr() as usize;
+            assert_eq!(addr % alignment.min(64) as usize, 0, "{name}");
         }
         assert_eq!(f.tensor_bytes("scalar0d").unwrap(), 1.25f32.to_le_bytes());
         let e = f.tensor("empty").unwrap();
