@@ -236,6 +236,26 @@ fn tiny_prefill_equals_token_by_token_bitwise() {
 }
 
 #[test]
+fn tiny_results_do_not_depend_on_the_thread_count() {
+    let tokens = prompt();
+    let path = tiny_dir().join("model-bf16.gguf");
+    let runs: Vec<Vec<f32>> = [1usize, 2, 3]
+        .iter()
+        .map(|&t| {
+            let model =
+                Model::load(&path, CpuBackend::new(t).unwrap(), &LoadOptions::default()).unwrap();
+            run_all(&model, &tokens, Want::default()).logits
+        })
+        .collect();
+    for r in &runs[1..] {
+        assert!(r
+            .iter()
+            .zip(&runs[0])
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+#[test]
 fn tiny_checkpoint_restore_rolls_back_exactly() {
     let tokens = prompt();
     let model = load("model-f32.gguf", &LoadOptions::default());
@@ -414,8 +434,7 @@ fn tiny_broken_files_give_named_errors() {
     let mut st = model.new_state().unwrap();
     let e = model
         .forward(&mut st, &[0, 320])
-        .err()
-        .expect("out-of-range token")
+        .expect_err("out-of-range token")
         .to_string();
     assert!(e.contains("320"), "{e}");
 }

@@ -86,8 +86,8 @@ mod tests {
                     seq[t - s] as u64
                 });
             }
-            let h2 = c[0] * 3 ^ c[1] * 5;
-            let h3 = h2 ^ c[2] * 7;
+            let h2 = (c[0] * 3) ^ (c[1] * 5);
+            let h3 = h2 ^ (c[2] * 7);
             out.push((h2 % 1000) as u32);
             out.push((h3 % 1000 + 1000) as u32);
         }
