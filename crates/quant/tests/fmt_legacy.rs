@@ -217,3 +217,63 @@ proptest! {
         }
     }
 }
+
+/// Nanoseconds this thread has run on a CPU (Linux `schedstat`), if available.
+fn thread_cpu_ns() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
+/// Throughput of the dot kernels, GB/s of weight bytes on one core, for a 4096-wide activation
+/// row against 32 weight rows (in L2) and 2048 rows (4.5-8.5 MiB, from L3). Timing, not a check:
+/// `cargo test --release -p strata-quant --test fmt_legacy -- --ignored --nocapture bench`.
+#[test]
+#[ignore]
+fn bench_dot_throughput() {
+    let n = 4096;
+    for (rows, (ty, offs)) in [32usize, 2048]
+        .into_iter()
+        .flat_map(|r| DOT_TYPES.map(|t| (r, t)))
+    {
+        let xty = ty.vec_dot_type().unwrap();
+        let rb = ty.row_bytes(n).unwrap();
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let mut rnd = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed as u8
+        };
+        let w: Vec<u8> = (0..rb * rows).map(|_| rnd()).collect();
+        let w = with_scales(ty, w, &[0x2c00, 0xac00, 0x2e66], offs);
+        let x: Vec<u8> = (0..xty.row_bytes(n).unwrap()).map(|_| rnd()).collect();
+        let x = with_scales(xty, x, &[0x2400], &[0, 2]);
+        for isa in Isa::ALL {
+            if !strata_quant::simd::supported(isa) {
+                continue;
+            }
+            let f = strata_quant::dot_fn(ty, isa).unwrap();
+            let mut sink = 0f32;
+            let mut reps = 0usize;
+            let t = std::time::Instant::now();
+            let cpu0 = thread_cpu_ns();
+            while t.elapsed().as_secs_f64() < 0.5 {
+                for r in 0..rows {
+                    sink += f(n, &w[r * rb..(r + 1) * rb], &x);
+                }
+                reps += 1;
+            }
+            // On-CPU time of this thread where the kernel reports it, so that other jobs on a
+            // shared machine do not count; wall time otherwise.
+            let secs = match (cpu0, thread_cpu_ns()) {
+                (Some(a), Some(b)) if b > a => (b - a) as f64 * 1e-9,
+                _ => t.elapsed().as_secs_f64(),
+            };
+            let gbs = (reps * rows * rb) as f64 / secs / 1e9;
+            eprintln!(
+                "{ty:>6} {:>6} {rows:>4} rows: {gbs:6.2} GB/s of weight ({sink:e})",
+                isa.name()
+            );
+        }
+    }
+}

@@ -61,7 +61,7 @@ mod x86 {
     fn check(n: usize, w: &[u8], x: &[u8], ws: usize) -> usize {
         let nb = n / 32;
         assert!(
-            n % 32 == 0 && w.len() >= nb * ws && x.len() >= nb * XS,
+            n.is_multiple_of(32) && w.len() >= nb * ws && x.len() >= nb * XS,
             "legacy dot: {n} elements need {} weight and {} activation bytes, got {} and {}",
             nb * ws,
             nb * XS,
@@ -249,11 +249,129 @@ mod x86 {
     }
 
     driver!(run_avx2, "avx2,fma,f16c", lanes_avx2);
-    driver!(
-        run_avx512,
-        "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
-        lanes_avx512
-    );
+
+    // ---- AVX-512 on whole zmm registers: blocks (4i, 4i+1) share accumulator A, blocks
+    // (4i+2, 4i+3) share B, one block per 256-bit half, which is the reference's slot layout.
+
+    /// The four f16 scales of blocks at `p`, `p + stride`, .. as f32. Gathered through a
+    /// general register: vector loads that overlap the blocks' data invite LLVM to rebuild the
+    /// data loads from shuffles of them, which costs more than it saves.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn scales4_gpr(p: *const u8, stride: usize) -> __m128 {
+        let h = |i: usize| (p.add(i * stride) as *const u16).read_unaligned() as u64;
+        let packed = h(0) | (h(1) << 16) | (h(2) << 32) | (h(3) << 48);
+        _mm_cvtph_ps(_mm_cvtsi64_si128(packed as i64))
+    }
+
+    /// 32 + 32 activation bytes of two consecutive Q8_0 blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn x_pair(xb: *const u8) -> __m512i {
+        let a = _mm256_loadu_si256(xb.add(2) as *const __m256i);
+        let b = _mm256_loadu_si256(xb.add(XS + 2) as *const __m256i);
+        _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)
+    }
+
+    /// Nibbles of two blocks whose 16 packed bytes sit at `p` and `p + stride`: bytes 0..32 are
+    /// the first block's elements in order, bytes 32..64 the second's.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn nibbles_pair(p: *const u8, stride: usize) -> __m512i {
+        let a = _mm_loadu_si128(p as *const __m128i);
+        let b = _mm_loadu_si128(p.add(stride) as *const __m128i);
+        // 128-bit lanes [a, a, b, b], then the second copy of each shifted to its high nibbles.
+        let dup = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(a), 0xff00, b);
+        let sh = _mm512_srlv_epi64(dup, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+        _mm512_and_si512(sh, _mm512_set1_epi8(0x0f))
+    }
+
+    /// Unsigned weight codes of two consecutive blocks at `wb` and the bias that makes them
+    /// signed (`code - bias`): Q4_0 `q` and 8, Q5_0 `q` and 16, IQ4_NL level + 128 and 128,
+    /// Q8_0 `w ^ 0x80` and 128. `vpdpbusd` wants its first factor unsigned.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn codes_pair<const K: u8>(wb: *const u8) -> (__m512i, i8) {
+        let ws = wsize(K);
+        match K {
+            Q4_0 => (nibbles_pair(wb.add(2), ws), 8),
+            Q5_0 => {
+                let qh0 = (wb.add(2) as *const u32).read_unaligned() as u64;
+                let qh1 = (wb.add(ws + 2) as *const u32).read_unaligned() as u64;
+                let nib = nibbles_pair(wb.add(6), ws);
+                let high = _cvtu64_mask64(qh0 | (qh1 << 32));
+                (
+                    _mm512_mask_add_epi8(nib, high, nib, _mm512_set1_epi8(16)),
+                    16,
+                )
+            }
+            Q8_0 => {
+                let a = _mm256_loadu_si256(wb.add(2) as *const __m256i);
+                let b = _mm256_loadu_si256(wb.add(ws + 2) as *const __m256i);
+                let w = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+                (_mm512_xor_si512(w, _mm512_set1_epi8(0x80_u8 as i8)), -128)
+            }
+            _ => {
+                let t = _mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i);
+                let t = _mm_xor_si128(t, _mm_set1_epi8(0x80_u8 as i8));
+                let table = _mm512_broadcast_i32x4(t);
+                (
+                    _mm512_shuffle_epi8(table, nibbles_pair(wb.add(2), ws)),
+                    -128,
+                )
+            }
+        }
+    }
+
+    /// 16 exact i32 lane sums of two consecutive blocks: `Σ code*x - bias*Σ x` per quad.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn lanes_pair<const K: u8>(wb: *const u8, xb: *const u8) -> __m512i {
+        let x = x_pair(xb);
+        let (u, bias) = codes_pair::<K>(wb);
+        let zero = _mm512_setzero_si512();
+        let dot = _mm512_dpbusd_epi32(zero, u, x);
+        _mm512_sub_epi32(dot, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(bias), x))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn run_avx512<const K: u8>(nb: usize, w: *const u8, x: *const u8) -> f32 {
+        let ws = wsize(K);
+        let mut a = _mm512_setzero_ps();
+        let mut bacc = _mm512_setzero_ps();
+        let lo2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let hi2 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        let mut b = 0;
+        while b + 4 <= nb {
+            let wp = w.add(b * ws);
+            let xp = x.add(b * XS);
+            let wd = scales4_gpr(wp, ws);
+            let d = _mm512_castps128_ps512(_mm_mul_ps(wd, scales4_gpr(xp, XS)));
+            let p01 = _mm512_cvtepi32_ps(lanes_pair::<K>(wp, xp));
+            let p23 = _mm512_cvtepi32_ps(lanes_pair::<K>(wp.add(2 * ws), xp.add(2 * XS)));
+            a = _mm512_fmadd_ps(_mm512_permutexvar_ps(lo2, d), p01, a);
+            bacc = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi2, d), p23, bacc);
+            b += 4;
+        }
+        let half = |v: __m512, i: i32| -> __m256 {
+            let v = _mm512_castps_pd(v);
+            _mm256_castpd_ps(if i == 0 {
+                _mm512_castpd512_pd256(v)
+            } else {
+                _mm512_extractf64x4_pd(v, 1)
+            })
+        };
+        let mut acc = [half(a, 0), half(a, 1), half(bacc, 0)];
+        let a3 = half(bacc, 1);
+        for (slot, acc) in acc.iter_mut().enumerate().take(nb - b) {
+            let wp = w.add((b + slot) * ws);
+            let xp = x.add((b + slot) * XS);
+            let p = _mm256_cvtepi32_ps(lanes_avx512::<K>(wp, xp));
+            *acc = _mm256_fmadd_ps(_mm256_set1_ps(scale1(wp, xp)), p, *acc);
+        }
+        let [a0, a1, a2] = acc;
+        reduce8(_mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3)))
+    }
 
     macro_rules! wrappers {
         ($($name:ident = $run:ident :: <$k:ident>;)*) => {$(
