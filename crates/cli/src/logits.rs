@@ -11,7 +11,7 @@ use anyhow::{bail, Context};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use strata_engine::qwen4exp::{LoadOptions, Model};
-use strata_engine::{CpuBackend, FloatActivations, QsaRule};
+use strata_engine::{CpuBackend, FloatActivations, KvType, QsaRule};
 use strata_gguf::GgufFile;
 
 #[derive(clap::Args)]
@@ -34,6 +34,9 @@ pub struct Args {
     /// QSA block size for layers whose file ratio is 0 (or, when given, for every QSA layer)
     #[arg(long)]
     pub qsa_ratio: Option<usize>,
+    /// Precision attention reads K/V at: `f32`, or `f16` (llama.cpp's default cache type)
+    #[arg(long, default_value = "f32")]
+    pub kv_type: KvType,
     /// Worker threads (0: one per core)
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -66,6 +69,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let opts = LoadOptions {
         qsa_rule: args.qsa_rule,
         qsa_ratio: args.qsa_ratio,
+        kv_type: args.kv_type,
     };
     let t0 = Instant::now();
     let model = Model::from_file(file, backend, &opts)

@@ -93,6 +93,27 @@ pub struct AttnDims {
     pub head_dim: usize,
 }
 
+/// The precision attention reads keys and values at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvType {
+    #[default]
+    F32,
+    /// As an F16 cache holds them (llama.cpp's default cache type): keys, values, and the query
+    /// and probabilities that meet them in F16 dot products, take F16 values.
+    F16,
+}
+
+impl std::str::FromStr for KvType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(KvType::F32),
+            "f16" => Ok(KvType::F16),
+            _ => Err(format!("unknown KV type '{s}'; expected 'f32' or 'f16'")),
+        }
+    }
+}
+
 /// Which tokens a QSA query attends to (DESIGN.md §3: the reference rule is the default).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum QsaRule {
@@ -254,6 +275,7 @@ pub trait Backend: Send + Sync {
         v_cache: &Self::Buf,
         sel: &Self::Selection,
         dims: AttnDims,
+        kv: KvType,
     ) -> Result<Self::Buf>;
     /// `x ⊙ σ(gate)`.
     fn mul_sigmoid(&self, x: &Self::Buf, gate: &Self::Buf) -> Result<Self::Buf>;

@@ -7,7 +7,7 @@ pub mod error;
 pub mod kernels;
 pub mod qwen4exp;
 
-pub use backend::{Backend, DeviceBuf, DeviceWeight, QsaRule, Usage};
+pub use backend::{Backend, DeviceBuf, DeviceWeight, KvType, QsaRule, Usage};
 pub use cpu::{CpuBackend, CpuBuf, CpuWeight, FloatActivations};
 pub use error::{EngineError, Result};
 pub use qwen4exp::{LoadOptions, Model, Outputs, State, Want};

@@ -6,15 +6,22 @@ mod common;
 
 use common::{compare, small_dir, Golden};
 use strata_engine::qwen4exp::{LoadOptions, Model, Want};
-use strata_engine::{CpuBackend, QsaRule};
+use strata_engine::{CpuBackend, KvType, QsaRule};
 
 const VARIANTS: [&str; 3] = ["q2_0-mix", "q8_0", "iq-mix"];
 
-fn logits(dir: &std::path::Path, variant: &str, rule: QsaRule, tokens: &[u32]) -> Vec<f32> {
+fn logits(
+    dir: &std::path::Path,
+    variant: &str,
+    rule: QsaRule,
+    kv_type: KvType,
+    tokens: &[u32],
+) -> Vec<f32> {
     let path = dir.join(format!("{variant}.gguf"));
     let opts = LoadOptions {
         qsa_rule: rule,
-        qsa_ratio: None,
+        kv_type,
+        ..LoadOptions::default()
     };
     let model = Model::load(&path, CpuBackend::new(2).unwrap(), &opts)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -33,7 +40,7 @@ fn small_quantized_match_transformers_on_dequantized_weights() {
     let mut failures = vec![];
     for v in VARIANTS {
         let (shape, want) = g.f32(&format!("{v}.hf_dequant_logits"));
-        let got = logits(&dir, v, QsaRule::Reference, &tokens);
+        let got = logits(&dir, v, QsaRule::Reference, KvType::F32, &tokens);
         let d = compare(&got, &want, shape[1], 0.0);
         let agree = 1.0 - d.argmax_mismatch.len() as f32 / d.rows as f32;
         eprintln!(
@@ -61,14 +68,16 @@ fn small_quantized_llamacpp_rule_match_llamacpp() {
     let mut failures = vec![];
     for v in VARIANTS {
         let (shape, want) = g.f32(&format!("{v}.llamacpp_logits"));
-        let got = logits(&dir, v, QsaRule::LlamaCpp, &tokens);
-        let d = compare(&got, &want, shape[1], 0.0);
-        eprintln!(
-            "small {v} (llamacpp rule) vs llama.cpp: max|Δ| {:.3e}, mean {:.3e}, argmax mismatches {:?}",
-            d.max_abs, d.mean_abs, d.argmax_mismatch
-        );
-        if d.mean_abs > 3e-3 {
-            failures.push(format!("{v}: mean|Δ| {:.3e}", d.mean_abs));
+        for kv in [KvType::F32, KvType::F16] {
+            let got = logits(&dir, v, QsaRule::LlamaCpp, kv, &tokens);
+            let d = compare(&got, &want, shape[1], 0.0);
+            eprintln!(
+                "small {v} (llamacpp rule, {kv:?} KV) vs llama.cpp: max|Δ| {:.3e}, mean {:.3e}, argmax mismatches {:?}",
+                d.max_abs, d.mean_abs, d.argmax_mismatch
+            );
+            if d.mean_abs > 3e-3 {
+                failures.push(format!("{v} ({kv:?} KV): mean|Δ| {:.3e}", d.mean_abs));
+            }
         }
     }
     assert!(failures.is_empty(), "{failures:?}");

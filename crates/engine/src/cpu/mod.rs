@@ -13,8 +13,8 @@ use strata_gguf::{GgufFile, TensorInfo};
 use strata_quant::{GgmlType, Isa};
 
 use crate::backend::{
-    AttnDims, Backend, DeviceBuf, DeviceWeight, ExpertWeights, GdnParams, HcWeights, QsaRule,
-    QsaSelect, Usage,
+    AttnDims, Backend, DeviceBuf, DeviceWeight, ExpertWeights, GdnParams, HcWeights, KvType,
+    QsaRule, QsaSelect, Usage,
 };
 use crate::error::{EngineError, Result};
 
@@ -751,6 +751,7 @@ impl Backend for CpuBackend {
         v_cache: &CpuBuf,
         sel: &CpuSelection,
         dims: AttnDims,
+        kv: KvType,
     ) -> Result<CpuBuf> {
         let AttnDims {
             n_head,
@@ -789,6 +790,7 @@ impl Backend for CpuBackend {
                     kv_cols,
                     off,
                     &sel.0[row],
+                    kv == KvType::F16,
                     o,
                 );
             })

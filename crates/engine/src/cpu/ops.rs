@@ -151,7 +151,10 @@ pub(crate) fn l2_norm(x: &mut [f32], eps: f32) {
     }
 }
 
-/// Softmax attention of one query head over selected rows of the caches.
+/// Softmax attention of one query head over selected rows of the caches. With `f16`, keys,
+/// values, the query and the probabilities take F16 values first, as an F16 KV cache and its F16
+/// dot products give them.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_head(
     q: &[f32],
     k_cache: &[f32],
@@ -159,15 +162,24 @@ pub(crate) fn attend_head(
     row_len: usize,
     off: usize,
     tokens: &[u32],
+    f16: bool,
     out: &mut [f32],
 ) {
     let d = q.len();
+    let r = |x: f32| {
+        if f16 {
+            half::f16::from_f32(x).to_f32()
+        } else {
+            x
+        }
+    };
+    let q: Vec<f32> = q.iter().map(|&x| r(x)).collect();
     let scale = 1.0 / (d as f32).sqrt();
     let scores: Vec<f32> = tokens
         .iter()
         .map(|&t| {
             let kr = &k_cache[t as usize * row_len + off..][..d];
-            q.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale
+            q.iter().zip(kr).map(|(a, &b)| a * r(b)).sum::<f32>() * scale
         })
         .collect();
     let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -176,9 +188,9 @@ pub(crate) fn attend_head(
     out.iter_mut().for_each(|o| *o = 0.0);
     for (&t, &pi) in tokens.iter().zip(&p) {
         let vr = &v_cache[t as usize * row_len + off..][..d];
-        let w = pi / z;
+        let w = r(pi / z);
         for (o, &v) in out.iter_mut().zip(vr) {
-            *o += w * v;
+            *o += w * r(v);
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use strata_gguf::{Array, GgufFile};
 
-use crate::backend::{AttnDims, GdnDims, QsaRule};
+use crate::backend::{AttnDims, GdnDims, KvType, QsaRule};
 use crate::error::{EngineError, Result};
 
 pub const ARCH: &str = "qwen4exp";
@@ -19,6 +19,8 @@ pub struct LoadOptions {
     pub qsa_rule: QsaRule,
     /// Block size for QSA layers whose file ratio is 0 (or, when set, for every QSA layer).
     pub qsa_ratio: Option<usize>,
+    /// Attention reads K/V at this precision (F16 reproduces llama.cpp's default cache).
+    pub kv_type: KvType,
 }
 
 /// What kind of token mixer a layer has.
@@ -100,6 +102,7 @@ pub struct Config {
     pub ple: Option<PleConfig>,
     pub layers: Vec<LayerKind>,
     pub qsa_rule: QsaRule,
+    pub kv_type: KvType,
 }
 
 /// Key lookups that name the file and the key in every error.
@@ -304,6 +307,7 @@ impl Config {
             ple,
             layers,
             qsa_rule: opts.qsa_rule,
+            kv_type: opts.kv_type,
         })
     }
 

@@ -445,7 +445,7 @@ impl<B: Backend> Model<B> {
             (Some(ix), Some(ratio)) => self.qsa_index(ix, u, positions, cache, ratio)?,
             _ => b.select_causal(positions)?,
         };
-        let a = b.attend(&q, &cache.k, &cache.v, &sel, c.attn)?;
+        let a = b.attend(&q, &cache.k, &cache.v, &sel, c.attn, c.kv_type)?;
         let a = b.mul_sigmoid(&a, &gate)?;
         b.matmul(&aw.o, &a)
     }
