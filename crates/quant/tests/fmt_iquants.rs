@@ -18,8 +18,10 @@ const TYPES: [GgmlType; 8] = [
     GgmlType::IQ4_XS,
 ];
 
-/// The types that must have their own AVX2 and AVX-512 kernels.
-const SIMD_TYPES: [GgmlType; 6] = [
+/// The types that have their own AVX2 and AVX-512 kernels (all of them).
+const SIMD_TYPES: [GgmlType; 8] = [
+    GgmlType::IQ1_S,
+    GgmlType::IQ2_XXS,
     GgmlType::IQ4_XS,
     GgmlType::IQ3_S,
     GgmlType::IQ3_XXS,

@@ -5,7 +5,10 @@
 //! reference's 8 lanes; AVX-512 works on two sub-blocks per 512-bit register and folds its two
 //! halves (an exact integer add) before the per-block `fmadd`. Signs are applied to the Q8_K
 //! codes with byte arithmetic, exact for codes in −127..=127 (what the Q8_K quantizer emits).
-//! Grid tables are too large for in-register shuffles, so grid entries are loaded one by one.
+//!
+//! The grids are too large for in-register shuffles, so grid entries are loaded one by one;
+//! everything else about a block (grid indices, sign bytes, scales) is unpacked for the whole
+//! block at once with vector code first, which is what keeps the scalar work per element low.
 
 use crate::{DotFn, GgmlType, Isa};
 
@@ -24,8 +27,12 @@ pub(crate) fn dot(ty: GgmlType, isa: Isa) -> Option<DotFn> {
             (IQ2_XS, Isa::Avx512) => x86::iq2_xs_avx512,
             (IQ2_S, Isa::Avx2) => x86::iq2_s_avx2,
             (IQ2_S, Isa::Avx512) => x86::iq2_s_avx512,
+            (IQ2_XXS, Isa::Avx2) => x86::iq2_xxs_avx2,
+            (IQ2_XXS, Isa::Avx512) => x86::iq2_xxs_avx512,
             (IQ1_M, Isa::Avx2) => x86::iq1_m_avx2,
             (IQ1_M, Isa::Avx512) => x86::iq1_m_avx512,
+            (IQ1_S, Isa::Avx2) => x86::iq1_s_avx2,
+            (IQ1_S, Isa::Avx512) => x86::iq1_s_avx512,
             _ => return None,
         };
         Some(f)
@@ -38,12 +45,197 @@ pub(crate) fn dot(ty: GgmlType, isa: Isa) -> Option<DotFn> {
 }
 
 #[cfg(target_arch = "x86_64")]
+// Sub-block loops index several tables and buffers by the same counter; iterators would hide it.
+#[allow(clippy::needless_range_loop)]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use crate::dot::{f16_to_f32, le_u16, le_u32, reduce8};
+    use crate::dot::{le_u16, le_u32, reduce8};
     use crate::grids::*;
     use crate::iquants::{Q8K_BYTES, QK_K};
+
+    // -----------------------------------------------------------------------------------------
+    // Shuffle controls (`pshufb` works inside each 128-bit lane; 0x80 writes a zero byte).
+
+    const Z: u8 = 0x80;
+
+    /// The byte pair `lo` repeated over the low 128 bits, `hi` over the high 128 bits.
+    const fn pairs(lo: [u8; 2], hi: [u8; 2]) -> [u8; 32] {
+        let mut c = [0u8; 32];
+        let mut i = 0;
+        while i < 8 {
+            c[2 * i] = lo[0];
+            c[2 * i + 1] = lo[1];
+            c[16 + 2 * i] = hi[0];
+            c[16 + 2 * i + 1] = hi[1];
+            i += 1;
+        }
+        c
+    }
+
+    /// Byte pair `p[c]` repeated over 128-bit chunk `c` of a 512-bit register.
+    const fn quads(p: [[u8; 2]; 4]) -> [u8; 64] {
+        let mut c = [0u8; 64];
+        let mut k = 0;
+        while k < 64 {
+            c[k] = p[k / 16][k % 2];
+            k += 1;
+        }
+        c
+    }
+
+    /// Scale bytes `2i` (low half) and `2i+1` (high half) as i16 words.
+    static SC_HALVES: [[u8; 32]; 8] = {
+        let mut t = [[0u8; 32]; 8];
+        let mut i = 0;
+        while i < 8 {
+            t[i] = pairs([2 * i as u8, Z], [2 * i as u8 + 1, Z]);
+            i += 1;
+        }
+        t
+    };
+
+    /// Scale byte `i` as i16 words over both halves.
+    static SC_WHOLE: [[u8; 32]; 8] = {
+        let mut t = [[0u8; 32]; 8];
+        let mut i = 0;
+        while i < 8 {
+            t[i] = pairs([i as u8, Z], [i as u8, Z]);
+            i += 1;
+        }
+        t
+    };
+
+    /// i16 words `2j` (low half) and `2j+1` (high half) of a lane holding 8 words.
+    static W16_HALVES: [[u8; 32]; 4] = {
+        let mut t = [[0u8; 32]; 4];
+        let mut j = 0;
+        while j < 4 {
+            let b = 4 * j as u8;
+            t[j] = pairs([b, b + 1], [b + 2, b + 3]);
+            j += 1;
+        }
+        t
+    };
+
+    /// The low byte of i32 `j` of a lane as i16 words over both halves.
+    static D32_WHOLE: [[u8; 32]; 4] = {
+        let mut t = [[0u8; 32]; 4];
+        let mut j = 0;
+        while j < 4 {
+            t[j] = pairs([4 * j as u8, Z], [4 * j as u8, Z]);
+            j += 1;
+        }
+        t
+    };
+
+    /// Bytes `4j..4j+4` of a lane, each repeated 8 times: one byte per group of 8 elements.
+    static REP8: [[u8; 32]; 4] = {
+        let mut t = [[0u8; 32]; 4];
+        let mut j = 0;
+        while j < 4 {
+            let mut k = 0;
+            while k < 32 {
+                t[j][k] = (4 * j + k / 8) as u8;
+                k += 1;
+            }
+            j += 1;
+        }
+        t
+    };
+
+    /// Byte `2i` over all 32 bytes (the low byte of i16 word `i`).
+    static BYTE_WHOLE: [[u8; 32]; 8] = {
+        let mut t = [[0u8; 32]; 8];
+        let mut i = 0;
+        while i < 8 {
+            t[i] = pairs([2 * i as u8, 2 * i as u8], [2 * i as u8, 2 * i as u8]);
+            i += 1;
+        }
+        t
+    };
+
+    /// AVX-512, two scales per sub-block: chunk `c` of pair `p` takes scale byte `4p + c`.
+    static SC4_QUARTERS: [[u8; 64]; 4] = {
+        let mut t = [[0u8; 64]; 4];
+        let mut p = 0;
+        while p < 4 {
+            let b = 4 * p as u8;
+            t[p] = quads([[b, Z], [b + 1, Z], [b + 2, Z], [b + 3, Z]]);
+            p += 1;
+        }
+        t
+    };
+
+    /// AVX-512, one scale per sub-block: chunks 0, 1 take scale byte `2p`, chunks 2, 3 `2p+1`.
+    static SC4_PAIRS: [[u8; 64]; 4] = {
+        let mut t = [[0u8; 64]; 4];
+        let mut p = 0;
+        while p < 4 {
+            let b = 2 * p as u8;
+            t[p] = quads([[b, Z], [b, Z], [b + 1, Z], [b + 1, Z]]);
+            p += 1;
+        }
+        t
+    };
+
+    /// AVX-512, i16 scales (8 words per chunk): chunk `c` of group `g` takes word `4g + c`.
+    static W16_QUARTERS: [[u8; 64]; 2] = {
+        let mut t = [[0u8; 64]; 2];
+        let mut g = 0;
+        while g < 2 {
+            let b = 8 * g as u8;
+            t[g] = quads([[b, b + 1], [b + 2, b + 3], [b + 4, b + 5], [b + 6, b + 7]]);
+            g += 1;
+        }
+        t
+    };
+
+    /// AVX-512, i16 values per sub-block (8 words per chunk): chunks 0, 1 take word `2p`,
+    /// chunks 2, 3 word `2p+1`.
+    static W16_PAIRS: [[u8; 64]; 4] = {
+        let mut t = [[0u8; 64]; 4];
+        let mut p = 0;
+        while p < 4 {
+            let b = 4 * p as u8;
+            t[p] = quads([[b, b + 1], [b, b + 1], [b + 2, b + 3], [b + 2, b + 3]]);
+            p += 1;
+        }
+        t
+    };
+
+    /// AVX-512: of a repeated u64, chunk `c` takes byte `2c` for 8 bytes then `2c+1` for 8.
+    static REP8_Z: [u8; 64] = {
+        let mut t = [0u8; 64];
+        let mut k = 0;
+        while k < 64 {
+            t[k] = (2 * (k / 16) + (k % 16) / 8) as u8;
+            k += 1;
+        }
+        t
+    };
+
+    /// AVX-512 IQ1_M: `vpermw` indices, chunk `c` of pair `p` takes scale word `4p + c`.
+    static IQ1M_PERM: [[u16; 32]; 4] = {
+        let mut t = [[0u16; 32]; 4];
+        let mut p = 0;
+        while p < 4 {
+            let mut k = 0;
+            while k < 32 {
+                t[p][k] = (4 * p + k / 8) as u16;
+                k += 1;
+            }
+            p += 1;
+        }
+        t
+    };
+
+    /// The IQ1 weight table for `pshufb`: index `g & 15` (g in −1, 0, 1) gives `8g + 1`; the
+    /// same index xor 4 gives `8g − 1`.
+    static IQ1_W: [i8; 16] = [1, 9, 0, 0, -1, 7, 0, 0, 0, 0, 0, -9, 0, 0, 0, -7];
+
+    // -----------------------------------------------------------------------------------------
+    // Helpers
 
     /// Blocks a kernel may touch: never more than either slice holds, so a caller that breaks
     /// the `DotFn` length contract gets a short sum, not an out-of-bounds read.
@@ -57,26 +249,73 @@ mod x86 {
         f32::from_le_bytes([xb[0], xb[1], xb[2], xb[3]])
     }
 
-    /// The 8 sign bits of a 7-bit IQ2/IQ3 sign code: bit 7 makes the count of ones even
-    /// (ggml's `ksigns_iq2xs`), for four codes packed 7 bits apart.
+    /// IEEE half to f32 (exact, as `dot::f16_to_f32`).
     #[inline]
-    fn ksigns4(a: u32) -> u32 {
-        let x =
-            (a & 0x7f) | ((a << 1) & 0x7f00) | ((a << 2) & 0x7f_0000) | ((a << 3) & 0x7f00_0000);
-        let mut p = x ^ (x >> 4);
-        p ^= p >> 2;
-        p ^= p >> 1;
-        x | ((p & 0x0101_0101) << 7)
+    #[target_feature(enable = "avx2,f16c")]
+    fn f16(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
-    /// The grid index of IQ1_M group `l` (0..4) of a sub-block.
     #[inline]
-    fn iq1m_index(qs: &[u8], qh: &[u8], l: usize) -> usize {
-        (qs[l] as usize | (((qh[l / 2] as usize) << (8 - 4 * (l % 2))) & 0x700)) & 2047
+    #[target_feature(enable = "avx2")]
+    fn ctrl(t: &[u8; 32]) -> __m256i {
+        // SAFETY: `t` is 32 readable bytes.
+        unsafe { _mm256_loadu_si256(t.as_ptr() as *const __m256i) }
     }
 
-    // -----------------------------------------------------------------------------------------
-    // AVX2
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn ctrl512(t: &[u8; 64]) -> __m512i {
+        // SAFETY: `t` is 64 readable bytes.
+        unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn load256(b: &[u8], o: usize) -> __m256i {
+        let s = &b[o..o + 32];
+        // SAFETY: `s` is 32 readable bytes.
+        unsafe { _mm256_loadu_si256(s.as_ptr() as *const __m256i) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn load128(b: &[u8], o: usize) -> __m128i {
+        let s = &b[o..o + 16];
+        // SAFETY: `s` is 16 readable bytes.
+        unsafe { _mm_loadu_si128(s.as_ptr() as *const __m128i) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn load512(b: &[u8], o: usize) -> __m512i {
+        let s = &b[o..o + 64];
+        // SAFETY: `s` is 64 readable bytes.
+        unsafe { _mm512_loadu_si512(s.as_ptr() as *const __m512i) }
+    }
+
+    #[inline]
+    fn le_u64(b: &[u8], o: usize) -> u64 {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[o..o + 8]);
+        u64::from_le_bytes(a)
+    }
+
+    /// Store 16 u16 lanes into `out[o..o + 16]`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn store_u16(out: &mut [u16], o: usize, v: __m256i) {
+        let s = &mut out[o..o + 16];
+        // SAFETY: `s` is 32 writable bytes.
+        unsafe { _mm256_storeu_si256(s.as_mut_ptr() as *mut __m256i, v) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn store_u8(out: &mut [u8; 32], v: __m256i) {
+        // SAFETY: `out` is 32 writable bytes.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, v) }
+    }
 
     /// `acc + d · L` lane by lane, as the reference's `d.mul_add(L as f32, acc)`.
     #[inline]
@@ -89,24 +328,9 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     fn finish(acc: __m256, post: f32) -> f32 {
         let mut a = [0f32; 8];
-        // SAFETY: `a` is 32 bytes, an unaligned store fits.
+        // SAFETY: `a` is 32 writable bytes.
         unsafe { _mm256_storeu_ps(a.as_mut_ptr(), acc) };
         post * reduce8(a)
-    }
-
-    /// 0xFF in byte `i` where bit `i` of `bits` is set.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn sign_mask32(bits: u32) -> __m256i {
-        let v = _mm256_set1_epi32(bits as i32);
-        let rep = _mm256_setr_epi64x(
-            0,
-            0x0101_0101_0101_0101,
-            0x0202_0202_0202_0202,
-            0x0303_0303_0303_0303,
-        );
-        let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, rep), sel), sel)
     }
 
     /// `q` negated where `m` is all ones.
@@ -123,16 +347,48 @@ mod x86 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc)
     }
 
-    /// Scale words for a sub-block: the low 128 bits take byte `lo` of `bytes`, the high 128
-    /// bits byte `hi` (both halves of `bytes` hold the same 16 scale bytes, each below 128).
+    /// Both 128-bit lanes of `v` set to its low lane, and to its high lane.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn scale_words(bytes: __m256i, lo: usize, hi: usize) -> __m256i {
-        let ctrl = _mm256_setr_m128i(
-            _mm_set1_epi16((0x8000 | lo) as u16 as i16),
-            _mm_set1_epi16((0x8000 | hi) as u16 as i16),
+    fn lanes(v: __m256i) -> (__m256i, __m256i) {
+        (
+            _mm256_permute2x128_si256(v, v, 0x00),
+            _mm256_permute2x128_si256(v, v, 0x11),
+        )
+    }
+
+    /// Sign masks of sub-block `ib` from 32 sign bytes (byte `4ib + l`: group `l`), given as
+    /// the lane pair of [`lanes`]: 0xFF where the element is negative.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn sign_mask(halves: (__m256i, __m256i), ib: usize) -> __m256i {
+        let h = if ib < 4 { halves.0 } else { halves.1 };
+        let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let rep = _mm256_shuffle_epi8(h, ctrl(&REP8[ib % 4]));
+        _mm256_cmpeq_epi8(_mm256_and_si256(rep, sel), sel)
+    }
+
+    /// Eight i32 lanes each holding four 7-bit sign codes (bits 0..28) to four sign bytes: the
+    /// code and, in bit 7, its parity (ggml's `ksigns_iq2xs`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn ksign_bytes(a: __m256i) -> __m256i {
+        let m = |v: i32| _mm256_set1_epi32(v);
+        let x = _mm256_or_si256(
+            _mm256_or_si256(
+                _mm256_and_si256(a, m(0x7f)),
+                _mm256_and_si256(_mm256_slli_epi32(a, 1), m(0x7f00)),
+            ),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_slli_epi32(a, 2), m(0x7f_0000)),
+                _mm256_and_si256(_mm256_slli_epi32(a, 3), m(0x7f00_0000)),
+            ),
         );
-        _mm256_shuffle_epi8(bytes, ctrl)
+        // Bit 0 of each byte ends up the parity of that byte's bits.
+        let p = _mm256_xor_si256(x, _mm256_srli_epi32(x, 4));
+        let p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+        let p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+        _mm256_or_si256(x, _mm256_slli_epi32(_mm256_and_si256(p, m(0x0101_0101)), 7))
     }
 
     /// 16 scale nibbles (byte `k` holds nibble `k` of the little-endian `u64`), as `2s+1`.
@@ -147,59 +403,81 @@ mod x86 {
         _mm_add_epi8(_mm_add_epi8(s, s), _mm_set1_epi8(1))
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq4_xs_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
-        let kv =
-            _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
-        let m4 = _mm256_set1_epi8(0x0f);
+    /// The per-block fold of a 512-bit accumulator: lanes `l` and `l + 8` hold the same
+    /// reference lane.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn fold(a: __m512i) -> __m256i {
+        _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1))
+    }
+
+    /// The 512-bit register of sub-blocks `2p`, `2p+1` from two 256-bit halves.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn join(lo: __m256i, hi: __m256i) -> __m512i {
+        _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+    }
+
+    /// `q` negated where bit `i` of `m` is set.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn neg_mask(q: __m512i, m: u64) -> __m512i {
+        _mm512_mask_sub_epi8(q, m, _mm512_setzero_si512(), q)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // IQ4_XS
+
+    /// The 8 sub-block scales `ls − 32` as i16 words, repeated in both 128-bit lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn iq4_xs_scales(wb: &[u8]) -> __m128i {
         let shifts4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         let shifts2 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        let lo = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32(le_u32(wb, 4) as i32), shifts4),
+            _mm256_set1_epi32(15),
+        );
+        let hi = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32(le_u16(wb, 2) as i32), shifts2),
+            _mm256_set1_epi32(3),
+        );
+        let ls = _mm256_sub_epi32(
+            _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
+            _mm256_set1_epi32(32),
+        );
+        _mm_packs_epi32(_mm256_castsi256_si128(ls), _mm256_extracti128_si256(ls, 1))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn iq4_xs_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: KVALUES_IQ4NL is 16 readable bytes.
+        let kv = _mm256_broadcastsi128_si256(unsafe {
+            _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i)
+        });
+        let m4 = _mm256_set1_epi8(0x0f);
         let mut acc = _mm256_setzero_ps();
         for b in 0..blocks(n, w, 136, x) {
             let wb = &w[b * 136..(b + 1) * 136];
             let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
-            // Scales: 4 low bits from scales_l, 2 high bits from scales_h, minus 32.
-            let lo = _mm256_and_si256(
-                _mm256_srlv_epi32(_mm256_set1_epi32(le_u32(wb, 4) as i32), shifts4),
-                _mm256_set1_epi32(15),
-            );
-            let hi = _mm256_and_si256(
-                _mm256_srlv_epi32(_mm256_set1_epi32(le_u16(wb, 2) as i32), shifts2),
-                _mm256_set1_epi32(3),
-            );
-            let ls = _mm256_sub_epi32(
-                _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
-                _mm256_set1_epi32(32),
-            );
-            let ls16 = _mm_packs_epi32(_mm256_castsi256_si128(ls), _mm256_extracti128_si256(ls, 1));
-            let ls16 = _mm256_broadcastsi128_si256(ls16);
-            let qs = wb.as_ptr().add(8);
-            let q8 = xb.as_ptr().add(4);
-            // `a` gathers elements 0..16 of each sub-block (reference lanes 0..4) for sub-block
-            // 2p in its low half and 2p+1 in its high half; `c` elements 16..32 (lanes 4..8).
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let ls16 = _mm256_broadcastsi128_si256(iq4_xs_scales(wb));
+            // `a` takes elements 0..16 of each sub-block (reference lanes 0..4), sub-block 2p
+            // in its low half and 2p+1 in its high half; `c` elements 16..32 (lanes 4..8).
             let mut a = _mm256_setzero_si256();
             let mut c = _mm256_setzero_si256();
             for p in 0..4 {
-                let v = _mm256_loadu_si256(qs.add(32 * p) as *const __m256i);
+                let v = load256(wb, 8 + 32 * p);
                 let klo = _mm256_shuffle_epi8(kv, _mm256_and_si256(v, m4));
                 let khi = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-                let base = q8.add(64 * p);
-                let qlo =
-                    _mm256_loadu2_m128i(base.add(32) as *const __m128i, base as *const __m128i);
-                let qhi = _mm256_loadu2_m128i(
-                    base.add(48) as *const __m128i,
-                    base.add(16) as *const __m128i,
-                );
-                let sc = scale_words_i16(ls16, 2 * p, 2 * p + 1);
-                a = _mm256_add_epi32(
-                    a,
-                    mul_scale(_mm256_abs_epi8(klo), _mm256_sign_epi8(qlo, klo), sc),
-                );
-                c = _mm256_add_epi32(
-                    c,
-                    mul_scale(_mm256_abs_epi8(khi), _mm256_sign_epi8(qhi, khi), sc),
-                );
+                let o = 4 + 64 * p;
+                let qlo = _mm256_setr_m128i(load128(xb, o), load128(xb, o + 32));
+                let qhi = _mm256_setr_m128i(load128(xb, o + 16), load128(xb, o + 48));
+                let sc = _mm256_shuffle_epi8(ls16, ctrl(&W16_HALVES[p]));
+                let pa = mul_scale(_mm256_abs_epi8(klo), _mm256_sign_epi8(qlo, klo), sc);
+                let pc = mul_scale(_mm256_abs_epi8(khi), _mm256_sign_epi8(qhi, khi), sc);
+                a = _mm256_add_epi32(a, pa);
+                c = _mm256_add_epi32(c, pc);
             }
             let l = _mm256_add_epi32(
                 _mm256_permute2x128_si256(a, c, 0x20),
@@ -210,59 +488,162 @@ mod x86 {
         finish(acc, 1.0)
     }
 
-    /// As [`scale_words`] for a vector of 8 i16 scales repeated in both halves: words of
-    /// scale `lo` in the low 128 bits, of scale `hi` in the high 128 bits.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn iq4_xs_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: KVALUES_IQ4NL is 16 readable bytes.
+        let kv = _mm512_broadcast_i32x4(unsafe {
+            _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i)
+        });
+        let m4 = _mm512_set1_epi8(0x0f);
+        // q8 qwords of elements 0..16 (`lo`) and 16..32 (`hi`) of four sub-blocks.
+        let pick_lo = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13);
+        let pick_hi = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..blocks(n, w, 136, x) {
+            let wb = &w[b * 136..(b + 1) * 136];
+            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let ls16 = _mm512_broadcast_i32x4(iq4_xs_scales(wb));
+            // Chunk c of `a` holds elements 0..16 of sub-block 4g+c, of `c_` elements 16..32.
+            let mut a = _mm512_setzero_si512();
+            let mut c_ = _mm512_setzero_si512();
+            for g in 0..2 {
+                let v = load512(wb, 8 + 64 * g);
+                let klo = _mm512_shuffle_epi8(kv, _mm512_and_si512(v, m4));
+                let khi = _mm512_shuffle_epi8(kv, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+                let qa = load512(xb, 4 + 128 * g);
+                let qb = load512(xb, 4 + 128 * g + 64);
+                let qlo = _mm512_permutex2var_epi64(qa, pick_lo, qb);
+                let qhi = _mm512_permutex2var_epi64(qa, pick_hi, qb);
+                let qlo = neg_mask(qlo, _mm512_movepi8_mask(klo));
+                let qhi = neg_mask(qhi, _mm512_movepi8_mask(khi));
+                let sc = _mm512_shuffle_epi8(ls16, ctrl512(&W16_QUARTERS[g]));
+                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_abs_epi8(klo), qlo), sc);
+                c_ = _mm512_dpwssd_epi32(c_, _mm512_maddubs_epi16(_mm512_abs_epi8(khi), qhi), sc);
+            }
+            // Chunks of `a` are reference lanes 0..4, of `c_` lanes 4..8: fold each to 128 bits.
+            let a2 = fold(a);
+            let c2 = fold(c_);
+            let l = _mm256_add_epi32(
+                _mm256_permute2x128_si256(a2, c2, 0x20),
+                _mm256_permute2x128_si256(a2, c2, 0x31),
+            );
+            acc = fma_block(acc, d, l);
+        }
+        finish(acc, 1.0)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // IQ3_S: 9-bit indices (qs byte, one qh bit each), explicit sign bits, one scale per 32.
+
+    /// The 64 grid indices of a block.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn scale_words_i16(ls16: __m256i, lo: usize, hi: usize) -> __m256i {
-        let w = |k: usize| (((2 * k + 1) << 8) | (2 * k)) as i16;
-        let ctrl = _mm256_setr_m128i(_mm_set1_epi16(w(lo)), _mm_set1_epi16(w(hi)));
-        _mm256_shuffle_epi8(ls16, ctrl)
+    fn iq3_s_indices(wb: &[u8], idx: &mut [u16; 64]) {
+        let bits = _mm256_setr_epi16(
+            1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768,
+        );
+        let bit8 = _mm256_set1_epi16(256);
+        for p in 0..4 {
+            let lo = _mm256_cvtepu8_epi16(load128(wb, 2 + 16 * p));
+            let h = _mm256_set1_epi16(le_u16(wb, 66 + 2 * p) as i16);
+            let hi = _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h, bits), bits), bit8);
+            store_u16(idx, 16 * p, _mm256_or_si256(lo, hi));
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq3_s_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    fn iq3_s_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 64];
         for b in 0..blocks(n, w, 110, x) {
             let wb = &w[b * 110..(b + 1) * 110];
             let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
-            let (qs, qh, signs) = (&wb[2..66], &wb[66..74], &wb[74..106]);
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
             let sb = _mm256_broadcastsi128_si256(odd_nibbles16(le_u32(wb, 106) as u64));
-            let q8 = xb.as_ptr().add(4);
+            iq3_s_indices(wb, &mut idx);
+            let signs = lanes(load256(wb, 74));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let h = qh[ib] as usize;
-                let g = |k: usize| {
-                    IQ3S_GRID[(qs[8 * ib + k] as usize | ((h >> k) & 1) << 8) & 511] as i32
-                };
+                let g = |k: usize| IQ3S_GRID[idx[8 * ib + k] as usize & 511] as i32;
                 let grid = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
-                let q = _mm256_loadu_si256(q8.add(32 * ib) as *const __m256i);
-                let q = neg_where(q, sign_mask32(le_u32(signs, 4 * ib)));
-                l = _mm256_add_epi32(l, mul_scale(grid, q, scale_words(sb, ib, ib)));
+                let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
+                let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_WHOLE[ib]));
+                l = _mm256_add_epi32(l, mul_scale(grid, q, sc));
             }
             acc = fma_block(acc, d, l);
         }
         finish(acc, 1.0)
     }
 
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn iq3_s_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 64];
+        for b in 0..blocks(n, w, 110, x) {
+            let wb = &w[b * 110..(b + 1) * 110];
+            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let sb = _mm512_broadcast_i32x4(odd_nibbles16(le_u32(wb, 106) as u64));
+            iq3_s_indices(wb, &mut idx);
+            let mut a = _mm512_setzero_si512();
+            for p in 0..4 {
+                let g = |k: usize| IQ3S_GRID[idx[16 * p + k] as usize & 511] as i32;
+                let grid = join(
+                    _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)),
+                    _mm256_setr_epi32(g(8), g(9), g(10), g(11), g(12), g(13), g(14), g(15)),
+                );
+                let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(wb, 74 + 8 * p));
+                let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC4_PAIRS[p]));
+                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
+            }
+            acc = fma_block(acc, d, fold(a));
+        }
+        finish(acc, 1.0)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // IQ3_XXS and IQ2_XXS: byte indices, 7-bit sign codes and a 4-bit scale in one u32 per 32.
+
+    /// Sign bytes (byte `4ib + l`) and scales `2s+1` (i32 lane `ib`) from the 8 u32 words that
+    /// hold four sign codes and a scale each.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn xxs_signs_scales(aux: __m256i) -> (__m256i, __m256i) {
+        let s = _mm256_srli_epi32(aux, 28);
+        (
+            ksign_bytes(aux),
+            _mm256_add_epi32(_mm256_add_epi32(s, s), _mm256_set1_epi32(1)),
+        )
+    }
+
+    /// IQ2_XXS keeps (4 index bytes, sign/scale word) pairs: the 8 sign/scale words.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn iq2_xxs_aux(wb: &[u8]) -> __m256i {
+        let odd = _mm256_setr_epi32(1, 3, 5, 7, 0, 2, 4, 6);
+        let t0 = _mm256_permutevar8x32_epi32(load256(wb, 2), odd);
+        let t1 = _mm256_permutevar8x32_epi32(load256(wb, 34), odd);
+        _mm256_permute2x128_si256(t0, t1, 0x20)
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq3_xxs_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    fn iq3_xxs_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for b in 0..blocks(n, w, 98, x) {
             let wb = &w[b * 98..(b + 1) * 98];
             let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let (sgn, ls) = xxs_signs_scales(load256(wb, 66));
+            let (signs, ls) = (lanes(sgn), lanes(ls));
             let qs = &wb[2..66];
-            let q8 = xb.as_ptr().add(4);
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let aux = le_u32(wb, 66 + 4 * ib);
                 let g = |k: usize| IQ3XXS_GRID[qs[8 * ib + k] as usize] as i32;
                 let grid = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
-                let q = _mm256_loadu_si256(q8.add(32 * ib) as *const __m256i);
-                let q = neg_where(q, sign_mask32(ksigns4(aux)));
-                let sc = _mm256_set1_epi16((2 * (aux >> 28) + 1) as i16);
+                let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
+                let half = if ib < 4 { ls.0 } else { ls.1 };
+                let sc = _mm256_shuffle_epi8(half, ctrl(&D32_WHOLE[ib % 4]));
                 l = _mm256_add_epi32(l, mul_scale(grid, q, sc));
             }
             acc = fma_block(acc, d, l);
@@ -270,61 +651,235 @@ mod x86 {
         finish(acc, 0.25)
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq2_xs_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn iq3_xxs_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
-        for b in 0..blocks(n, w, 74, x) {
-            let wb = &w[b * 74..(b + 1) * 74];
+        let mut sgn = [0u8; 32];
+        for b in 0..blocks(n, w, 98, x) {
+            let wb = &w[b * 98..(b + 1) * 98];
             let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
-            let sb = _mm256_broadcastsi128_si256(odd_nibbles16(u64::from_le_bytes(
-                wb[66..74].try_into().unwrap_or([0; 8]),
-            )));
-            let q8 = xb.as_ptr().add(4);
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let (s, ls) = xxs_signs_scales(load256(wb, 66));
+            store_u8(&mut sgn, s);
+            // Every chunk holds the 8 scales as i16 words.
+            let ls = _mm512_broadcast_i32x4(_mm_packs_epi32(
+                _mm256_castsi256_si128(ls),
+                _mm256_extracti128_si256(ls, 1),
+            ));
+            let qs = &wb[2..66];
+            let mut a = _mm512_setzero_si512();
+            for p in 0..4 {
+                let g = |k: usize| IQ3XXS_GRID[qs[16 * p + k] as usize] as i32;
+                let grid = join(
+                    _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)),
+                    _mm256_setr_epi32(g(8), g(9), g(10), g(11), g(12), g(13), g(14), g(15)),
+                );
+                let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(&sgn, 8 * p));
+                let sc = _mm512_shuffle_epi8(ls, ctrl512(&W16_PAIRS[p]));
+                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
+            }
+            acc = fma_block(acc, d, fold(a));
+        }
+        finish(acc, 0.25)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn iq2_xxs_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..blocks(n, w, 66, x) {
+            let wb = &w[b * 66..(b + 1) * 66];
+            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let (sgn, ls) = xxs_signs_scales(iq2_xxs_aux(wb));
+            let (signs, ls) = (lanes(sgn), lanes(ls));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let qw = |k: usize| le_u16(wb, 2 + 2 * (4 * ib + k)) as u32;
-                let (a0, a1, a2, a3) = (qw(0), qw(1), qw(2), qw(3));
-                let g = |a: u32| IQ2XS_GRID[(a & 511) as usize] as i64;
-                let grid = _mm256_setr_epi64x(g(a0), g(a1), g(a2), g(a3));
-                let codes = (a0 >> 9) | ((a1 >> 9) << 7) | ((a2 >> 9) << 14) | ((a3 >> 9) << 21);
-                let q = _mm256_loadu_si256(q8.add(32 * ib) as *const __m256i);
-                let q = neg_where(q, sign_mask32(ksigns4(codes)));
-                l = _mm256_add_epi32(l, mul_scale(grid, q, scale_words(sb, 2 * ib, 2 * ib + 1)));
+                let g = |k: usize| IQ2XXS_GRID[wb[2 + 8 * ib + k] as usize] as i64;
+                let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
+                let half = if ib < 4 { ls.0 } else { ls.1 };
+                let sc = _mm256_shuffle_epi8(half, ctrl(&D32_WHOLE[ib % 4]));
+                l = _mm256_add_epi32(l, mul_scale(grid, q, sc));
             }
             acc = fma_block(acc, d, l);
         }
         finish(acc, 0.125)
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq2_s_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn iq2_xxs_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
-        for b in 0..blocks(n, w, 82, x) {
-            let wb = &w[b * 82..(b + 1) * 82];
+        let mut sgn = [0u8; 32];
+        for b in 0..blocks(n, w, 66, x) {
+            let wb = &w[b * 66..(b + 1) * 66];
             let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
-            let (qs, signs, qh) = (&wb[2..34], &wb[34..66], &wb[66..74]);
-            let sb = _mm256_broadcastsi128_si256(odd_nibbles16(u64::from_le_bytes(
-                wb[74..82].try_into().unwrap_or([0; 8]),
-            )));
-            let q8 = xb.as_ptr().add(4);
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let (s, ls) = xxs_signs_scales(iq2_xxs_aux(wb));
+            store_u8(&mut sgn, s);
+            // Every chunk holds the 8 scales as i16 words.
+            let ls = _mm512_broadcast_i32x4(_mm_packs_epi32(
+                _mm256_castsi256_si128(ls),
+                _mm256_extracti128_si256(ls, 1),
+            ));
+            let mut a = _mm512_setzero_si512();
+            for p in 0..4 {
+                let g =
+                    |k: usize| IQ2XXS_GRID[wb[2 + 16 * p + 8 * (k / 4) + k % 4] as usize] as i64;
+                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(&sgn, 8 * p));
+                let sc = _mm512_shuffle_epi8(ls, ctrl512(&W16_PAIRS[p]));
+                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
+            }
+            acc = fma_block(acc, d, fold(a));
+        }
+        finish(acc, 0.125)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // IQ2_XS: u16 per 8 elements (9-bit index, 7-bit sign code); IQ2_S: 10-bit indices and
+    // explicit sign bytes. Both have one scale nibble per 16 elements.
+
+    /// IQ2_XS grid indices (into `idx`) and sign bytes (byte `k`: group `k`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn iq2_xs_prep(wb: &[u8], idx: &mut [u16; 32]) -> __m256i {
+        let v0 = load256(wb, 2);
+        let v1 = load256(wb, 34);
+        let m511 = _mm256_set1_epi16(511);
+        store_u16(idx, 0, _mm256_and_si256(v0, m511));
+        store_u16(idx, 16, _mm256_and_si256(v1, m511));
+        let signs = |v: __m256i| {
+            let c = _mm256_srli_epi16(v, 9);
+            let p = _mm256_xor_si256(c, _mm256_srli_epi16(c, 4));
+            let p = _mm256_xor_si256(p, _mm256_srli_epi16(p, 2));
+            let p = _mm256_xor_si256(p, _mm256_srli_epi16(p, 1));
+            _mm256_or_si256(
+                c,
+                _mm256_slli_epi16(_mm256_and_si256(p, _mm256_set1_epi16(1)), 7),
+            )
+        };
+        // packus interleaves 64-bit quarters per lane; put them back in order.
+        _mm256_permute4x64_epi64(_mm256_packus_epi16(signs(v0), signs(v1)), 0xd8)
+    }
+
+    /// IQ2_S grid indices: the qs byte and 2 bits of the sub-block's qh byte.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn iq2_s_indices(wb: &[u8], idx: &mut [u16; 32]) {
+        let qh = _mm_cvtsi64_si128(le_u64(wb, 66) as i64);
+        let rep0 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        let rep1 = _mm_setr_epi8(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+        // Bits 2l..2l+2 of the qh byte go to bits 8..10 of index l.
+        let mask = _mm256_setr_epi16(
+            3, 12, 48, 192, 3, 12, 48, 192, 3, 12, 48, 192, 3, 12, 48, 192,
+        );
+        let mul = _mm256_setr_epi16(
+            256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4,
+        );
+        for (h, rep) in [(0, rep0), (1, rep1)] {
+            let hb = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(qh, rep));
+            let hi = _mm256_mullo_epi16(_mm256_and_si256(hb, mask), mul);
+            let lo = _mm256_cvtepu8_epi16(load128(wb, 2 + 16 * h));
+            store_u16(idx, 16 * h, _mm256_or_si256(lo, hi));
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn iq2_xs_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 32];
+        for b in 0..blocks(n, w, 74, x) {
+            let wb = &w[b * 74..(b + 1) * 74];
+            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let sb = _mm256_broadcastsi128_si256(odd_nibbles16(le_u64(wb, 66)));
+            let signs = lanes(iq2_xs_prep(wb, &mut idx));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let h = qh[ib] as usize;
-                let g = |k: usize| {
-                    IQ2S_GRID[(qs[4 * ib + k] as usize | ((h << (8 - 2 * k)) & 0x300)) & 1023]
-                        as i64
-                };
+                let g = |k: usize| IQ2XS_GRID[idx[4 * ib + k] as usize & 511] as i64;
                 let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
-                let q = _mm256_loadu_si256(q8.add(32 * ib) as *const __m256i);
-                let q = neg_where(q, sign_mask32(le_u32(signs, 4 * ib)));
-                l = _mm256_add_epi32(l, mul_scale(grid, q, scale_words(sb, 2 * ib, 2 * ib + 1)));
+                let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
+                let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_HALVES[ib]));
+                l = _mm256_add_epi32(l, mul_scale(grid, q, sc));
             }
             acc = fma_block(acc, d, l);
         }
         finish(acc, 0.125)
     }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn iq2_xs_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 32];
+        let mut sgn = [0u8; 32];
+        for b in 0..blocks(n, w, 74, x) {
+            let wb = &w[b * 74..(b + 1) * 74];
+            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let sb = _mm512_broadcast_i32x4(odd_nibbles16(le_u64(wb, 66)));
+            store_u8(&mut sgn, iq2_xs_prep(wb, &mut idx));
+            let mut a = _mm512_setzero_si512();
+            for p in 0..4 {
+                let g = |k: usize| IQ2XS_GRID[idx[8 * p + k] as usize & 511] as i64;
+                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(&sgn, 8 * p));
+                let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC4_QUARTERS[p]));
+                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
+            }
+            acc = fma_block(acc, d, fold(a));
+        }
+        finish(acc, 0.125)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn iq2_s_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 32];
+        for b in 0..blocks(n, w, 82, x) {
+            let wb = &w[b * 82..(b + 1) * 82];
+            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let sb = _mm256_broadcastsi128_si256(odd_nibbles16(le_u64(wb, 74)));
+            iq2_s_indices(wb, &mut idx);
+            let signs = lanes(load256(wb, 34));
+            let mut l = _mm256_setzero_si256();
+            for ib in 0..8 {
+                let g = |k: usize| IQ2S_GRID[idx[4 * ib + k] as usize & 1023] as i64;
+                let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
+                let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_HALVES[ib]));
+                l = _mm256_add_epi32(l, mul_scale(grid, q, sc));
+            }
+            acc = fma_block(acc, d, l);
+        }
+        finish(acc, 0.125)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn iq2_s_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 32];
+        for b in 0..blocks(n, w, 82, x) {
+            let wb = &w[b * 82..(b + 1) * 82];
+            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let sb = _mm512_broadcast_i32x4(odd_nibbles16(le_u64(wb, 74)));
+            iq2_s_indices(wb, &mut idx);
+            let mut a = _mm512_setzero_si512();
+            for p in 0..4 {
+                let g = |k: usize| IQ2S_GRID[idx[8 * p + k] as usize & 1023] as i64;
+                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(wb, 34 + 8 * p));
+                let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC4_QUARTERS[p]));
+                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
+            }
+            acc = fma_block(acc, d, fold(a));
+        }
+        finish(acc, 0.125)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // IQ1_M and IQ1_S: 11-bit indices into a grid of −1/0/+1, weights `8g ± 1`.
 
     /// IQ1_M's 16 scales `2s+1` as i16 words: word `k` in the low 128 bits for `k < 8`, in the
     /// high 128 bits (as word `k-8`) otherwise. Scale `k` is bits `3(k%4)..` of scale word `k/4`.
@@ -346,385 +901,217 @@ mod x86 {
         _mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1))
     }
 
-    /// The IQ1 weight table for `pshufb`: index `g & 15` (g in −1, 0, 1) gives `8g + 1`; the
-    /// same index xor 4 gives `8g − 1`.
-    const IQ1_W: [i8; 16] = [1, 9, 0, 0, -1, 7, 0, 0, 0, 0, 0, -9, 0, 0, 0, -7];
+    /// IQ1_M grid indices (into `idx`) and the per-group delta flags: byte `k` is 4 where group
+    /// `k`'s delta is negative, else 0 (the xor that turns `8g+1` into `8g-1` in [`IQ1_W`]).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn iq1_m_prep(wb: &[u8], idx: &mut [u16; 32]) -> __m256i {
+        let qh = load128(wb, 32);
+        let m = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(qh, m);
+        let hi = _mm_and_si128(_mm_srli_epi16(qh, 4), m);
+        // Nibble k of qh (low nibble first) belongs to group k.
+        let nib = _mm256_setr_m128i(_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi));
+        let top = _mm256_and_si256(nib, _mm256_set1_epi8(7));
+        for h in 0..2 {
+            let t = if h == 0 {
+                _mm256_castsi256_si128(top)
+            } else {
+                _mm256_extracti128_si256(top, 1)
+            };
+            let v = _mm256_or_si256(
+                _mm256_cvtepu8_epi16(load128(wb, 16 * h)),
+                _mm256_slli_epi16(_mm256_cvtepu8_epi16(t), 8),
+            );
+            store_u16(idx, 16 * h, v);
+        }
+        _mm256_srli_epi16(_mm256_and_si256(nib, _mm256_set1_epi8(8)), 1)
+    }
+
+    /// IQ1_M's f16 super-scale, spread over the top nibbles of its four scale words.
+    #[inline]
+    fn iq1m_d_bits(sc: u64) -> u16 {
+        let sw = |k: u32| (sc >> (16 * k)) as u16;
+        (sw(0) >> 12) | ((sw(1) >> 8) & 0x00f0) | ((sw(2) >> 4) & 0x0f00) | (sw(3) & 0xf000)
+    }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq1_m_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
-        let tw = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ1_W.as_ptr() as *const __m128i));
+    fn iq1_m_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: IQ1_W is 16 readable bytes.
+        let tw = _mm256_broadcastsi128_si256(unsafe {
+            _mm_loadu_si128(IQ1_W.as_ptr() as *const __m128i)
+        });
         let m15 = _mm256_set1_epi8(15);
-        let four = _mm256_set1_epi8(4);
-        let rep = _mm256_setr_epi64x(0, 0, 0x0101_0101_0101_0101, 0x0101_0101_0101_0101);
-        let sel = _mm256_setr_epi64x(
-            0x0808_0808_0808_0808,
-            0x8080_8080_8080_8080u64 as i64,
-            0x0808_0808_0808_0808,
-            0x8080_8080_8080_8080u64 as i64,
-        );
         let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 32];
         for b in 0..blocks(n, w, 56, x) {
             let wb = &w[b * 56..(b + 1) * 56];
             let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let sc = u64::from_le_bytes(wb[48..56].try_into().unwrap_or([0; 8]));
-            let sw = |k: u32| (sc >> (16 * k)) as u16;
-            let bits = (sw(0) >> 12)
-                | ((sw(1) >> 8) & 0x00f0)
-                | ((sw(2) >> 4) & 0x0f00)
-                | (sw(3) & 0xf000);
-            let d = f16_to_f32(bits) * q8_d(xb);
-            let scales = iq1m_scales(sc);
-            let s_lo = _mm256_permute2x128_si256(scales, scales, 0x00);
-            let s_hi = _mm256_permute2x128_si256(scales, scales, 0x11);
-            let (qs, qh) = (&wb[0..32], &wb[32..48]);
-            let q8 = xb.as_ptr().add(4);
+            let sc = le_u64(wb, 48);
+            let d = f16(iq1m_d_bits(sc)) * q8_d(xb);
+            let scales = lanes(iq1m_scales(sc));
+            let delta = lanes(iq1_m_prep(wb, &mut idx));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let (qsb, qhb) = (&qs[4 * ib..4 * ib + 4], &qh[2 * ib..2 * ib + 2]);
-                let g = |k: usize| IQ1S_GRID[iq1m_index(qsb, qhb, k)] as i64;
+                let g = |k: usize| IQ1S_GRID[idx[4 * ib + k] as usize & 2047] as i64;
                 let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
-                let hv = _mm256_set1_epi16(le_u16(qhb, 0) as i16);
-                let dm =
-                    _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(hv, rep), sel), sel);
-                let idx = _mm256_xor_si256(_mm256_and_si256(grid, m15), _mm256_and_si256(dm, four));
-                let wv = _mm256_shuffle_epi8(tw, idx);
-                let q = _mm256_loadu_si256(q8.add(32 * ib) as *const __m256i);
-                let half = if ib < 4 { s_lo } else { s_hi };
-                let sc16 = scale_words_i16(half, 2 * (ib % 4), 2 * (ib % 4) + 1);
-                l = _mm256_add_epi32(
-                    l,
-                    mul_scale(_mm256_abs_epi8(wv), _mm256_sign_epi8(q, wv), sc16),
-                );
+                let dh = if ib < 4 { delta.0 } else { delta.1 };
+                let dx = _mm256_shuffle_epi8(dh, ctrl(&REP8[ib % 4]));
+                let wv = _mm256_shuffle_epi8(tw, _mm256_xor_si256(_mm256_and_si256(grid, m15), dx));
+                let q = load256(xb, 4 + 32 * ib);
+                let sh = if ib < 4 { scales.0 } else { scales.1 };
+                let sc16 = _mm256_shuffle_epi8(sh, ctrl(&W16_HALVES[ib % 4]));
+                let p = mul_scale(_mm256_abs_epi8(wv), _mm256_sign_epi8(q, wv), sc16);
+                l = _mm256_add_epi32(l, p);
             }
             acc = fma_block(acc, d, l);
         }
         finish(acc, 0.125)
     }
 
-    // -----------------------------------------------------------------------------------------
-    // AVX-512: two sub-blocks per register; `vpdpwssd` applies the i16 scales and accumulates.
-
-    /// The per-block fold: lanes `l` and `l + 8` hold the same reference lane.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    fn fold(a: __m512i) -> __m256i {
-        _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1))
-    }
-
-    /// Scale words for a register of two sub-blocks: 128-bit chunk `i` takes byte `ci` of the 16
-    /// scale bytes (every chunk of `bytes` holds the same 16 bytes, each below 128).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw")]
-    fn scale_words4(bytes: __m512i, c0: usize, c1: usize, c2: usize, c3: usize) -> __m512i {
-        let w = |k: usize| (0x8000 | k) as u16 as i16;
-        let ctrl = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_setr_m128i(
-                _mm_set1_epi16(w(c0)),
-                _mm_set1_epi16(w(c1)),
-            )),
-            _mm256_setr_m128i(_mm_set1_epi16(w(c2)), _mm_set1_epi16(w(c3))),
-            1,
-        );
-        _mm512_shuffle_epi8(bytes, ctrl)
-    }
-
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn iq4_xs_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
-        let kv = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
-        let m4 = _mm512_set1_epi8(0x0f);
-        let zero = _mm512_setzero_si512();
-        let shifts4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        let shifts2 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-        // q8 qwords of elements 0..16 (`lo`) and 16..32 (`hi`) of four sub-blocks.
-        let pick_lo = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13);
-        let pick_hi = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..blocks(n, w, 136, x) {
-            let wb = &w[b * 136..(b + 1) * 136];
-            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
-            let lo = _mm256_and_si256(
-                _mm256_srlv_epi32(_mm256_set1_epi32(le_u32(wb, 4) as i32), shifts4),
-                _mm256_set1_epi32(15),
-            );
-            let hi = _mm256_and_si256(
-                _mm256_srlv_epi32(_mm256_set1_epi32(le_u16(wb, 2) as i32), shifts2),
-                _mm256_set1_epi32(3),
-            );
-            let ls = _mm256_sub_epi32(
-                _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
-                _mm256_set1_epi32(32),
-            );
-            // i16 scale k at word k of every 128-bit chunk.
-            let ls16 = _mm512_broadcast_i32x4(_mm_packs_epi32(
-                _mm256_castsi256_si128(ls),
-                _mm256_extracti128_si256(ls, 1),
-            ));
-            let qs = wb.as_ptr().add(8);
-            let q8 = xb.as_ptr().add(4);
-            // Chunk c of `a` holds elements 0..16 of sub-block 4g+c, of `c_` elements 16..32.
-            let mut a = _mm512_setzero_si512();
-            let mut c_ = _mm512_setzero_si512();
-            for g in 0..2 {
-                let v = _mm512_loadu_si512(qs.add(64 * g) as *const __m512i);
-                let klo = _mm512_shuffle_epi8(kv, _mm512_and_si512(v, m4));
-                let khi = _mm512_shuffle_epi8(kv, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-                let qa = _mm512_loadu_si512(q8.add(128 * g) as *const __m512i);
-                let qb = _mm512_loadu_si512(q8.add(128 * g + 64) as *const __m512i);
-                let qlo = _mm512_permutex2var_epi64(qa, pick_lo, qb);
-                let qhi = _mm512_permutex2var_epi64(qa, pick_hi, qb);
-                let qlo = _mm512_mask_sub_epi8(qlo, _mm512_movepi8_mask(klo), zero, qlo);
-                let qhi = _mm512_mask_sub_epi8(qhi, _mm512_movepi8_mask(khi), zero, qhi);
-                let wd = |k: usize| (((2 * k + 1) << 8) | (2 * k)) as i16;
-                let k0 = 4 * g;
-                let ctrl = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_setr_m128i(
-                        _mm_set1_epi16(wd(k0)),
-                        _mm_set1_epi16(wd(k0 + 1)),
-                    )),
-                    _mm256_setr_m128i(_mm_set1_epi16(wd(k0 + 2)), _mm_set1_epi16(wd(k0 + 3))),
-                    1,
-                );
-                let sc = _mm512_shuffle_epi8(ls16, ctrl);
-                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_abs_epi8(klo), qlo), sc);
-                c_ = _mm512_dpwssd_epi32(c_, _mm512_maddubs_epi16(_mm512_abs_epi8(khi), qhi), sc);
-            }
-            // Fold the four chunks of each into reference lanes 0..4 and 4..8.
-            let a2 = fold(a);
-            let c2 = fold(c_);
-            let l = _mm256_add_epi32(
-                _mm256_permute2x128_si256(a2, c2, 0x20),
-                _mm256_permute2x128_si256(a2, c2, 0x31),
-            );
-            acc = fma_block(acc, d, l);
-        }
-        finish(acc, 1.0)
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn iq3_s_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
-        let zero = _mm512_setzero_si512();
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..blocks(n, w, 110, x) {
-            let wb = &w[b * 110..(b + 1) * 110];
-            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
-            let (qs, qh, signs) = (&wb[2..66], &wb[66..74], &wb[74..106]);
-            let sb = _mm512_broadcast_i32x4(odd_nibbles16(le_u32(wb, 106) as u64));
-            let q8 = xb.as_ptr().add(4);
-            let mut a = _mm512_setzero_si512();
-            for p in 0..4 {
-                let h = le_u16(qh, 2 * p) as usize;
-                let g = |k: usize| {
-                    IQ3S_GRID[(qs[16 * p + k] as usize | ((h >> k) & 1) << 8) & 511] as i32
-                };
-                let grid = _mm512_setr_epi32(
-                    g(0),
-                    g(1),
-                    g(2),
-                    g(3),
-                    g(4),
-                    g(5),
-                    g(6),
-                    g(7),
-                    g(8),
-                    g(9),
-                    g(10),
-                    g(11),
-                    g(12),
-                    g(13),
-                    g(14),
-                    g(15),
-                );
-                let m = u64::from_le_bytes(signs[8 * p..8 * p + 8].try_into().unwrap_or([0; 8]));
-                let q = _mm512_loadu_si512(q8.add(64 * p) as *const __m512i);
-                let q = _mm512_mask_sub_epi8(q, m, zero, q);
-                let sc = scale_words4(sb, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1);
-                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
-            }
-            acc = fma_block(acc, d, fold(a));
-        }
-        finish(acc, 1.0)
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn iq3_xxs_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
-        let zero = _mm512_setzero_si512();
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..blocks(n, w, 98, x) {
-            let wb = &w[b * 98..(b + 1) * 98];
-            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
-            let qs = &wb[2..66];
-            let q8 = xb.as_ptr().add(4);
-            let mut a = _mm512_setzero_si512();
-            for p in 0..4 {
-                let a0 = le_u32(wb, 66 + 8 * p);
-                let a1 = le_u32(wb, 70 + 8 * p);
-                let g = |k: usize| IQ3XXS_GRID[qs[16 * p + k] as usize] as i32;
-                let grid = _mm512_setr_epi32(
-                    g(0),
-                    g(1),
-                    g(2),
-                    g(3),
-                    g(4),
-                    g(5),
-                    g(6),
-                    g(7),
-                    g(8),
-                    g(9),
-                    g(10),
-                    g(11),
-                    g(12),
-                    g(13),
-                    g(14),
-                    g(15),
-                );
-                let m = ksigns4(a0) as u64 | (ksigns4(a1) as u64) << 32;
-                let q = _mm512_loadu_si512(q8.add(64 * p) as *const __m512i);
-                let q = _mm512_mask_sub_epi8(q, m, zero, q);
-                let sc = _mm512_inserti64x4(
-                    _mm512_set1_epi16((2 * (a0 >> 28) + 1) as i16),
-                    _mm256_set1_epi16((2 * (a1 >> 28) + 1) as i16),
-                    1,
-                );
-                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
-            }
-            acc = fma_block(acc, d, fold(a));
-        }
-        finish(acc, 0.25)
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn iq2_xs_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
-        let zero = _mm512_setzero_si512();
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..blocks(n, w, 74, x) {
-            let wb = &w[b * 74..(b + 1) * 74];
-            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
-            let sb = _mm512_broadcast_i32x4(odd_nibbles16(u64::from_le_bytes(
-                wb[66..74].try_into().unwrap_or([0; 8]),
-            )));
-            let q8 = xb.as_ptr().add(4);
-            let mut a = _mm512_setzero_si512();
-            for p in 0..4 {
-                let qw = |k: usize| le_u16(wb, 2 + 2 * (8 * p + k)) as u32;
-                let aw: [u32; 8] = std::array::from_fn(qw);
-                let g = |k: usize| IQ2XS_GRID[(aw[k] & 511) as usize] as i64;
-                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
-                let codes = |o: usize| {
-                    (aw[o] >> 9)
-                        | ((aw[o + 1] >> 9) << 7)
-                        | ((aw[o + 2] >> 9) << 14)
-                        | ((aw[o + 3] >> 9) << 21)
-                };
-                let m = ksigns4(codes(0)) as u64 | (ksigns4(codes(4)) as u64) << 32;
-                let q = _mm512_loadu_si512(q8.add(64 * p) as *const __m512i);
-                let q = _mm512_mask_sub_epi8(q, m, zero, q);
-                let sc = scale_words4(sb, 4 * p, 4 * p + 1, 4 * p + 2, 4 * p + 3);
-                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
-            }
-            acc = fma_block(acc, d, fold(a));
-        }
-        finish(acc, 0.125)
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn iq2_s_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
-        let zero = _mm512_setzero_si512();
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..blocks(n, w, 82, x) {
-            let wb = &w[b * 82..(b + 1) * 82];
-            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let d = f16_to_f32(le_u16(wb, 0)) * q8_d(xb);
-            let (qs, signs, qh) = (&wb[2..34], &wb[34..66], &wb[66..74]);
-            let sb = _mm512_broadcast_i32x4(odd_nibbles16(u64::from_le_bytes(
-                wb[74..82].try_into().unwrap_or([0; 8]),
-            )));
-            let q8 = xb.as_ptr().add(4);
-            let mut a = _mm512_setzero_si512();
-            for p in 0..4 {
-                let g = |k: usize| {
-                    let h = qh[2 * p + k / 4] as usize;
-                    IQ2S_GRID[(qs[8 * p + k] as usize | ((h << (8 - 2 * (k % 4))) & 0x300)) & 1023]
-                        as i64
-                };
-                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
-                let m = u64::from_le_bytes(signs[8 * p..8 * p + 8].try_into().unwrap_or([0; 8]));
-                let q = _mm512_loadu_si512(q8.add(64 * p) as *const __m512i);
-                let q = _mm512_mask_sub_epi8(q, m, zero, q);
-                let sc = scale_words4(sb, 4 * p, 4 * p + 1, 4 * p + 2, 4 * p + 3);
-                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
-            }
-            acc = fma_block(acc, d, fold(a));
-        }
-        finish(acc, 0.125)
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn iq1_m_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
-        let tw = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ1_W.as_ptr() as *const __m128i));
+    fn iq1_m_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: IQ1_W is 16 readable bytes.
+        let tw =
+            _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(IQ1_W.as_ptr() as *const __m128i) });
         let m15 = _mm512_set1_epi8(15);
-        let four = _mm512_set1_epi8(4);
-        let zero = _mm512_setzero_si512();
-        // Chunk c (16 elements, groups 2c and 2c+1) reads qh byte c: bit 3, then bit 7.
-        let rep = _mm512_setr_epi64(
-            0,
-            0,
-            0x0101_0101_0101_0101,
-            0x0101_0101_0101_0101,
-            0x0202_0202_0202_0202,
-            0x0202_0202_0202_0202,
-            0x0303_0303_0303_0303,
-            0x0303_0303_0303_0303,
-        );
-        let sel = _mm512_broadcast_i32x4(_mm_set_epi64x(
-            0x8080_8080_8080_8080u64 as i64,
-            0x0808_0808_0808_0808,
-        ));
+        let rep = ctrl512(&REP8_Z);
         let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 32];
+        let mut dl = [0u8; 32];
         for b in 0..blocks(n, w, 56, x) {
             let wb = &w[b * 56..(b + 1) * 56];
             let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-            let sc = u64::from_le_bytes(wb[48..56].try_into().unwrap_or([0; 8]));
-            let sw = |k: u32| (sc >> (16 * k)) as u16;
-            let bits = (sw(0) >> 12)
-                | ((sw(1) >> 8) & 0x00f0)
-                | ((sw(2) >> 4) & 0x0f00)
-                | (sw(3) & 0xf000);
-            let d = f16_to_f32(bits) * q8_d(xb);
-            // Scale k at i16 word k (words past 16 unused).
+            let sc = le_u64(wb, 48);
+            let d = f16(iq1m_d_bits(sc)) * q8_d(xb);
+            // Scale k at i16 word k.
             let s16 = _mm512_castsi256_si512(iq1m_scales(sc));
-            let (qs, qh) = (&wb[0..32], &wb[32..48]);
-            let q8 = xb.as_ptr().add(4);
+            store_u8(&mut dl, iq1_m_prep(wb, &mut idx));
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| {
-                    let sub = 2 * p + k / 4;
-                    IQ1S_GRID
-                        [iq1m_index(&qs[4 * sub..4 * sub + 4], &qh[2 * sub..2 * sub + 2], k % 4)]
-                        as i64
-                };
+                let g = |k: usize| IQ1S_GRID[idx[8 * p + k] as usize & 2047] as i64;
                 let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
-                let hv = _mm512_set1_epi32(le_u32(qh, 4 * p) as i32);
-                let dm = _mm512_test_epi8_mask(_mm512_shuffle_epi8(hv, rep), sel);
-                let idx = _mm512_and_si512(grid, m15);
-                let idx = _mm512_xor_si512(idx, _mm512_maskz_mov_epi8(dm, four));
-                let wv = _mm512_shuffle_epi8(tw, idx);
-                let q = _mm512_loadu_si512(q8.add(64 * p) as *const __m512i);
-                let q = _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(wv), zero, q);
-                let k0 = 4 * p;
-                let widx = |k: usize| k as i16;
-                let perm = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_setr_m128i(
-                        _mm_set1_epi16(widx(k0)),
-                        _mm_set1_epi16(widx(k0 + 1)),
-                    )),
-                    _mm256_setr_m128i(_mm_set1_epi16(widx(k0 + 2)), _mm_set1_epi16(widx(k0 + 3))),
-                    1,
-                );
+                let dx = _mm512_shuffle_epi8(_mm512_set1_epi64(le_u64(&dl, 8 * p) as i64), rep);
+                let wv = _mm512_shuffle_epi8(tw, _mm512_xor_si512(_mm512_and_si512(grid, m15), dx));
+                let q = neg_mask(load512(xb, 4 + 64 * p), _mm512_movepi8_mask(wv));
+                // SAFETY: IQ1M_PERM[p] is 64 readable bytes.
+                let perm = unsafe { _mm512_loadu_si512(IQ1M_PERM[p].as_ptr() as *const __m512i) };
                 let sc16 = _mm512_permutexvar_epi16(perm, s16);
+                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_abs_epi8(wv), q), sc16);
+            }
+            acc = fma_block(acc, d, fold(a));
+        }
+        finish(acc, 0.125)
+    }
+
+    /// IQ1_S grid indices (into `idx`), and per sub-block (i16 word `ib`) the scale `2s+1` and
+    /// the delta flag (4 when negative).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn iq1_s_prep(wb: &[u8], idx: &mut [u16; 32]) -> (__m128i, __m128i) {
+        let qh = load128(wb, 34);
+        // Word k/4 of qh into word k, then its 3-bit field k%4 to the top and down to bit 8.
+        let mul = _mm256_setr_epi16(
+            8192, 1024, 128, 16, 8192, 1024, 128, 16, 8192, 1024, 128, 16, 8192, 1024, 128, 16,
+        );
+        let rep0 = _mm256_setr_epi8(
+            0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6,
+            7, 6, 7,
+        );
+        let rep1 = _mm256_add_epi8(rep0, _mm256_set1_epi8(8));
+        for (h, rep) in [(0, rep0), (1, rep1)] {
+            // Words 0..8 of qh in both lanes, so that the high lane reads words 2..4 (or 6..8).
+            let words = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(qh), rep);
+            let hi = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_mullo_epi16(words, mul), 13), 8);
+            let lo = _mm256_cvtepu8_epi16(load128(wb, 2 + 16 * h));
+            store_u16(idx, 16 * h, _mm256_or_si256(lo, hi));
+        }
+        let s = _mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7));
+        let ls = _mm_add_epi16(_mm_add_epi16(s, s), _mm_set1_epi16(1));
+        let neg = _mm_slli_epi16(_mm_srli_epi16(qh, 15), 2);
+        (ls, neg)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn iq1_s_avx2_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: IQ1_W is 16 readable bytes.
+        let tw = _mm256_broadcastsi128_si256(unsafe {
+            _mm_loadu_si128(IQ1_W.as_ptr() as *const __m128i)
+        });
+        let m15 = _mm256_set1_epi8(15);
+        let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 32];
+        for b in 0..blocks(n, w, 50, x) {
+            let wb = &w[b * 50..(b + 1) * 50];
+            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let (ls, neg) = iq1_s_prep(wb, &mut idx);
+            let (ls, neg) = (
+                _mm256_broadcastsi128_si256(ls),
+                _mm256_broadcastsi128_si256(neg),
+            );
+            let mut l = _mm256_setzero_si256();
+            for ib in 0..8 {
+                let g = |k: usize| IQ1S_GRID[idx[4 * ib + k] as usize & 2047] as i64;
+                let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                let dx = _mm256_shuffle_epi8(neg, ctrl(&BYTE_WHOLE[ib]));
+                let wv = _mm256_shuffle_epi8(tw, _mm256_xor_si256(_mm256_and_si256(grid, m15), dx));
+                let q = load256(xb, 4 + 32 * ib);
+                let sc16 = _mm256_shuffle_epi8(ls, ctrl(&W16_HALVES_SAME[ib]));
+                let p = mul_scale(_mm256_abs_epi8(wv), _mm256_sign_epi8(q, wv), sc16);
+                l = _mm256_add_epi32(l, p);
+            }
+            acc = fma_block(acc, d, l);
+        }
+        finish(acc, 0.125)
+    }
+
+    /// i16 word `i` (of 8) over both halves.
+    static W16_HALVES_SAME: [[u8; 32]; 8] = {
+        let mut t = [[0u8; 32]; 8];
+        let mut i = 0;
+        while i < 8 {
+            let b = 2 * i as u8;
+            t[i] = pairs([b, b + 1], [b, b + 1]);
+            i += 1;
+        }
+        t
+    };
+
+    /// AVX-512: byte `2(2p + c/2)` (the low byte of i16 word `2p + c/2`) over chunk `c`.
+    static BYTE_PAIRS: [[u8; 64]; 4] = {
+        let mut t = [[0u8; 64]; 4];
+        let mut p = 0;
+        while p < 4 {
+            let b = 4 * p as u8;
+            t[p] = quads([[b, b], [b, b], [b + 2, b + 2], [b + 2, b + 2]]);
+            p += 1;
+        }
+        t
+    };
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn iq1_s_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
+        // SAFETY: IQ1_W is 16 readable bytes.
+        let tw =
+            _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(IQ1_W.as_ptr() as *const __m128i) });
+        let m15 = _mm512_set1_epi8(15);
+        let mut acc = _mm256_setzero_ps();
+        let mut idx = [0u16; 32];
+        for b in 0..blocks(n, w, 50, x) {
+            let wb = &w[b * 50..(b + 1) * 50];
+            let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+            let d = f16(le_u16(wb, 0)) * q8_d(xb);
+            let (ls, neg) = iq1_s_prep(wb, &mut idx);
+            let (ls, neg) = (_mm512_broadcast_i32x4(ls), _mm512_broadcast_i32x4(neg));
+            let mut a = _mm512_setzero_si512();
+            for p in 0..4 {
+                let g = |k: usize| IQ1S_GRID[idx[8 * p + k] as usize & 2047] as i64;
+                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let dx = _mm512_shuffle_epi8(neg, ctrl512(&BYTE_PAIRS[p]));
+                let wv = _mm512_shuffle_epi8(tw, _mm512_xor_si512(_mm512_and_si512(grid, m15), dx));
+                let q = neg_mask(load512(xb, 4 + 64 * p), _mm512_movepi8_mask(wv));
+                let sc16 = _mm512_shuffle_epi8(ls, ctrl512(&W16_PAIRS[p]));
                 a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_abs_epi8(wv), q), sc16);
             }
             acc = fma_block(acc, d, fold(a));
@@ -739,8 +1126,8 @@ mod x86 {
         ($name:ident, $imp:ident) => {
             pub(super) fn $name(n: usize, w: &[u8], x: &[u8]) -> f32 {
                 // SAFETY: only reachable through `lib::dot_fn`, after `simd::supported(isa)`
-                // confirmed the CPU features the kernel enables; the kernel reads only whole
-                // blocks that both slices hold (`blocks`).
+                // confirmed the CPU features the kernel enables. Its memory accesses are
+                // bounds-checked slices (`blocks` never exceeds either slice).
                 unsafe { $imp(n, w, x) }
             }
         };
@@ -752,27 +1139,14 @@ mod x86 {
     entry!(iq3_s_avx512, iq3_s_avx512_impl);
     entry!(iq3_xxs_avx2, iq3_xxs_avx2_impl);
     entry!(iq3_xxs_avx512, iq3_xxs_avx512_impl);
+    entry!(iq2_xxs_avx2, iq2_xxs_avx2_impl);
+    entry!(iq2_xxs_avx512, iq2_xxs_avx512_impl);
     entry!(iq2_xs_avx2, iq2_xs_avx2_impl);
     entry!(iq2_xs_avx512, iq2_xs_avx512_impl);
     entry!(iq2_s_avx2, iq2_s_avx2_impl);
     entry!(iq2_s_avx512, iq2_s_avx512_impl);
     entry!(iq1_m_avx2, iq1_m_avx2_impl);
     entry!(iq1_m_avx512, iq1_m_avx512_impl);
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn ksigns4_matches_table() {
-            for c in 0..128u32 {
-                let packed =
-                    c | (((c + 1) & 127) << 7) | (((c + 2) & 127) << 14) | (((c + 3) & 127) << 21);
-                let want = (0..4).fold(0u32, |s, l| {
-                    s | (KSIGNS_IQ2XS[((c + l) & 127) as usize] as u32) << (8 * l)
-                });
-                assert_eq!(ksigns4(packed), want, "code {c}");
-            }
-        }
-    }
+    entry!(iq1_s_avx2, iq1_s_avx2_impl);
+    entry!(iq1_s_avx512, iq1_s_avx512_impl);
 }
