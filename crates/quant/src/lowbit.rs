@@ -4,8 +4,8 @@
 //! products; `simd::lowbit_x86` reproduces the Q2_0 one bit for bit.
 //!
 //! Dot-product accumulation orders (integer sums are exact, so only the f32 work is fixed):
-//! - Q2_0 × Q8_0 (see [`dot_q2_0_q8_0`]): one integer sum per 4-element group (one code byte),
-//!   weighted in f32 into 32 lane accumulators, reduced by [`reduce_q2_0`].
+//! - Q2_0 × Q8_0 (see [`dot_q2_0_q8_0`]): one exact integer sum per 4-element group (one code
+//!   byte), weighted in f32 into 32 lane accumulators, reduced by [`reduce_q2_0`].
 //! - Q1_0 × Q8_0: per Q8_0 block (32 elements) `acc = isum.mul_add(d_w * d_x, acc)`, one
 //!   accumulator, blocks in order.
 //! - MXFP4 × Q8_0: per block `acc = isum.mul_add(d_x * 2^(e-128), acc)`.
@@ -210,11 +210,12 @@ fn quant_q2_0(src: &[f32], dst: &mut [u8]) {
 pub const Q2_0_LANES: usize = 32;
 
 /// The Q2_0 × Q8_0 reference. Block `b` (64 elements) has halves `h` = 0, 1, each paired with
-/// one Q8_0 block (`s_h = d_w · d_x,h`, exact in f32: two 11-bit significands). Code byte
-/// `8h + k` (k = 0..7) covers elements `32h + 4k .. 32h + 4k + 3`; its exact integer sum
-/// `g = Σ (code − 1)·q` goes to lane `16·(b % 2) + 2k + h` as `acc = (g as f32).mul_add(s_h, acc)`,
-/// blocks in order. Because `s_h` and `g as f32` are exact, every way of forming the product
-/// (`g·d_x` then `·d_w`, or `g·(d_w·d_x)`) rounds once, at the add, to the same bits.
+/// one Q8_0 block (`s_h = d_w · d_x,h`, exact in f32: two 11-bit significands). Code byte `j`
+/// (0..16, half `h = j / 8`) covers elements `4j .. 4j + 3`; its exact integer sum
+/// `g = Σ (code − 1)·q` goes to lane `16·(b % 2) + j` as `acc = (g as f32).mul_add(s_h, acc)`,
+/// blocks in order; then [`reduce_q2_0`]. Because `s_h` and `g as f32` are exact, every way of
+/// forming the product (`g·d_x` then `·d_w`, or `g·(d_w·d_x)`) rounds once, at the add, to the
+/// same bits (for finite scales).
 pub fn dot_q2_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut acc = [0f32; Q2_0_LANES];
     let blocks = w
@@ -233,7 +234,7 @@ pub fn dot_q2_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
                     let code = ((byte >> (2 * i)) & 3) as i32;
                     g += (code - 1) * xb[2 + 4 * k + i] as i8 as i32;
                 }
-                let l = set + 2 * k + h;
+                let l = set + 8 * h + k;
                 acc[l] = (g as f32).mul_add(s, acc[l]);
             }
         }
