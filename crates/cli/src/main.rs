@@ -7,6 +7,8 @@ mod bench;
 mod fetch;
 mod inspect;
 mod logits;
+mod parity;
+mod tokenize;
 
 #[derive(Parser)]
 #[command(name = "strata", version, about = "Inference engine for huge Mixture-of-Experts models in GGUF files")]
@@ -25,6 +27,10 @@ enum Command {
     Fetch(fetch::Args),
     /// Every position's logits for a prompt, as safetensors (`logits` [positions, vocab])
     Logits(logits::Args),
+    /// Tokenize a text with a model's tokenizer; prints the ids as a JSON array
+    Tokenize(tokenize::Args),
+    /// Bitwise A/B of kernel variants with paired timing: mtp-ab | router-ab | sample | gemv | all
+    Parity(parity::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -34,6 +40,8 @@ fn main() -> std::process::ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Fetch(a) => fetch::run(a),
         Command::Logits(a) => logits::run(a),
+        Command::Tokenize(a) => tokenize::run(a),
+        Command::Parity(a) => parity::run(a),
     };
     match result {
         Ok(code) => code,
