@@ -35,8 +35,14 @@ fn tiny_f32_matches_transformers_per_layer_and_logits() {
         &prompt(),
         Want {
             layer_out: true,
+            hidden: true,
             ..Want::default()
         },
+    );
+    assert_eq!(
+        out.hidden.as_ref(),
+        out.layer_out.last(),
+        "hidden = the last layer's output"
     );
     for (i, got) in out.layer_out.iter().enumerate() {
         let (shape, want) = g.f32(&format!("layer_out.{i}"));
@@ -229,6 +235,16 @@ fn tiny_prefill_equals_token_by_token_bitwise() {
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{file}: prefill != decode"
         );
+        let last = run_all(
+            &model,
+            &tokens,
+            Want {
+                last_only: true,
+                ..Want::default()
+            },
+        );
+        assert_eq!(last.rows(), 1);
+        assert_eq!(last.row(0), all.row(tokens.len() - 1), "{file}: last_only");
         // Uneven chunks (crossing QSA block and PLE conv boundaries) give the same bits too.
         let mut st = model.new_state().unwrap();
         let mut chunked = Vec::new();

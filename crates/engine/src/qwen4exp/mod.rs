@@ -48,8 +48,9 @@ impl Outputs {
         self.logits.len().checked_div(self.n_vocab).unwrap_or(0)
     }
 
-    pub fn row(&self, r: usize) -> &[f32] {
-        &self.logits[r * self.n_vocab..(r + 1) * self.n_vocab]
+    /// Logits of row `r`, if there is one.
+    pub fn row(&self, r: usize) -> Option<&[f32]> {
+        self.logits.get(r * self.n_vocab..(r + 1) * self.n_vocab)
     }
 }
 
