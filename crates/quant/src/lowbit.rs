@@ -298,7 +298,7 @@ fn tq1_pack(trits: impl Iterator<Item = i32>) -> u8 {
     for t in trits {
         q = q * 3 + t as u32;
     }
-    ((q * 256 + 242) / 243) as u8
+    (q * 256).div_ceil(243) as u8
 }
 
 /// ggml's `quantize_row_tq1_0_ref`: d = max |x|, trit = round_half_away(x / d) + 1.
