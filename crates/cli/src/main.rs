@@ -7,6 +7,7 @@ mod bench;
 mod fetch;
 mod inspect;
 mod logits;
+mod parity;
 mod tokenize;
 
 #[derive(Parser)]
@@ -28,6 +29,8 @@ enum Command {
     Logits(logits::Args),
     /// Tokenize a text with a model's tokenizer; prints the ids as a JSON array
     Tokenize(tokenize::Args),
+    /// Bitwise A/B of kernel variants with paired timing: mtp-ab | router-ab | sample | gemv | all
+    Parity(parity::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -38,6 +41,7 @@ fn main() -> std::process::ExitCode {
         Command::Fetch(a) => fetch::run(a),
         Command::Logits(a) => logits::run(a),
         Command::Tokenize(a) => tokenize::run(a),
+        Command::Parity(a) => parity::run(a),
     };
     match result {
         Ok(code) => code,

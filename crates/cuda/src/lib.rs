@@ -27,3 +27,8 @@ pub enum CudaError {
     #[error("{0}")]
     Kernel(#[from] strata_engine::kernels::KernelError),
 }
+
+pub mod device;
+pub mod ops;
+
+pub use device::{ensure_driver, Gpu, Graph, ModuleLoad};

@@ -17,7 +17,13 @@ use crate::CudaError;
 
 /// Options every module is compiled with. `--fmad=false`: no contraction of `a*b + c`, so the
 /// kernels keep the CPU kernels' rounding (kernels call `fmaf` where they mean it).
-pub const OPTIONS: &[&str] = &["--fmad=false", "--std=c++17", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"];
+pub const OPTIONS: &[&str] = &[
+    "--fmad=false",
+    "--std=c++17",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+];
 
 fn preload_from_env() -> Result<(), CudaError> {
     static PRELOADED: OnceLock<Result<(), String>> = OnceLock::new();
@@ -77,7 +83,10 @@ pub fn version() -> Result<(i32, i32), CudaError> {
     // SAFETY: the library is loaded (ensure_nvrtc); the out-pointers are valid for the call.
     unsafe { sys::nvrtcVersion(&mut a, &mut b) }
         .result()
-        .map_err(|e| CudaError::Nvrtc { module: "-".into(), what: format!("nvrtcVersion: {e}") })?;
+        .map_err(|e| CudaError::Nvrtc {
+            module: "-".into(),
+            what: format!("nvrtcVersion: {e}"),
+        })?;
     Ok((a, b))
 }
 
@@ -94,7 +103,11 @@ fn log_of(p: &Program) -> String {
     // SAFETY: p is a live program; the log buffer is sized by NVRTC.
     match unsafe { result::get_program_log(p.0) } {
         Ok(v) => {
-            let bytes: Vec<u8> = v.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+            let bytes: Vec<u8> = v
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
             String::from_utf8_lossy(&bytes).into_owned()
         }
         Err(e) => format!("(no log: {e})"),
@@ -104,15 +117,24 @@ fn log_of(p: &Program) -> String {
 /// Compiles `source` for `sm_{major}{minor}` and returns the cubin.
 pub fn compile_cubin(name: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u8>, CudaError> {
     ensure_nvrtc()?;
-    let err = |what: String| CudaError::Nvrtc { module: name.to_string(), what };
+    let err = |what: String| CudaError::Nvrtc {
+        module: name.to_string(),
+        what,
+    };
     let src = CString::new(source).map_err(|_| err("source holds a NUL byte".into()))?;
     let cname = CString::new(format!("{name}.cu")).map_err(|_| err("bad module name".into()))?;
-    let prog = Program(result::create_program(&src, Some(cname.as_c_str())).map_err(|e| err(format!("create: {e}")))?);
+    let prog = Program(
+        result::create_program(&src, Some(cname.as_c_str()))
+            .map_err(|e| err(format!("create: {e}")))?,
+    );
     let mut opts: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
     opts.push(format!("--gpu-architecture=sm_{}{}", arch.0, arch.1));
     // SAFETY: prog is live; options are NUL-free strings that outlive the call.
     if let Err(e) = unsafe { result::compile_program(prog.0, &opts) } {
-        return Err(err(format!("compile failed ({e}) with {opts:?}:\n{}", log_of(&prog))));
+        return Err(err(format!(
+            "compile failed ({e}) with {opts:?}:\n{}",
+            log_of(&prog)
+        )));
     }
     let mut size = 0usize;
     // SAFETY: prog compiled; size is a valid out-pointer.
@@ -133,9 +155,13 @@ pub fn compile_cubin(name: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u
 /// The warnings NVRTC printed for a successful compile (for the CI check).
 pub fn compile_log(name: &str, source: &str, arch: (i32, i32)) -> Result<String, CudaError> {
     ensure_nvrtc()?;
-    let err = |what: String| CudaError::Nvrtc { module: name.to_string(), what };
+    let err = |what: String| CudaError::Nvrtc {
+        module: name.to_string(),
+        what,
+    };
     let src = CString::new(source).map_err(|_| err("source holds a NUL byte".into()))?;
-    let prog = Program(result::create_program(&src, None).map_err(|e| err(format!("create: {e}")))?);
+    let prog =
+        Program(result::create_program(&src, None).map_err(|e| err(format!("create: {e}")))?);
     let mut opts: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
     opts.push(format!("--gpu-architecture=sm_{}{}", arch.0, arch.1));
     // SAFETY: as in compile_cubin.
@@ -195,7 +221,11 @@ pub fn cached_cubin(name: &str, source: &str, arch: (i32, i32)) -> Result<Compil
     if let Ok(cubin) = std::fs::read(&path) {
         // An ELF header is the least a cubin has; anything else is a broken file: rebuild.
         if cubin.len() > 4 && &cubin[..4] == b"\x7fELF" {
-            return Ok(Compiled { cubin, from_cache: true, path });
+            return Ok(Compiled {
+                cubin,
+                from_cache: true,
+                path,
+            });
         }
     }
     let cubin = compile_cubin(name, source, arch)?;
@@ -206,5 +236,9 @@ pub fn cached_cubin(name: &str, source: &str, arch: (i32, i32)) -> Result<Compil
             let _ = std::fs::rename(&tmp, &path);
         }
     }
-    Ok(Compiled { cubin, from_cache: false, path })
+    Ok(Compiled {
+        cubin,
+        from_cache: false,
+        path,
+    })
 }

@@ -20,11 +20,36 @@ pub struct Module {
 
 /// Every module, in load order.
 pub const MODULES: &[Module] = &[
-    Module { name: "norm", file: "norm.cu", text: include_str!("../kernels/norm.cu"), quants: false },
-    Module { name: "embed", file: "embed.cu", text: include_str!("../kernels/embed.cu"), quants: true },
-    Module { name: "gemv", file: "gemv.cu", text: include_str!("../kernels/gemv.cu"), quants: true },
-    Module { name: "route", file: "route.cu", text: include_str!("../kernels/route.cu"), quants: false },
-    Module { name: "sample", file: "sample.cu", text: include_str!("../kernels/sample.cu"), quants: false },
+    Module {
+        name: "norm",
+        file: "norm.cu",
+        text: include_str!("../kernels/norm.cu"),
+        quants: false,
+    },
+    Module {
+        name: "embed",
+        file: "embed.cu",
+        text: include_str!("../kernels/embed.cu"),
+        quants: true,
+    },
+    Module {
+        name: "gemv",
+        file: "gemv.cu",
+        text: include_str!("../kernels/gemv.cu"),
+        quants: true,
+    },
+    Module {
+        name: "route",
+        file: "route.cu",
+        text: include_str!("../kernels/route.cu"),
+        quants: false,
+    },
+    Module {
+        name: "sample",
+        file: "sample.cu",
+        text: include_str!("../kernels/sample.cu"),
+        quants: false,
+    },
 ];
 
 /// The lookup tables as CUDA `__device__` arrays.
@@ -58,7 +83,11 @@ pub fn tables_cuh() -> String {
             format!("0x{w:08x}u")
         })
         .collect();
-    let _ = writeln!(s, "__device__ const u32 kvalues_iq4nl_w[4] = {{{}}};", list(words));
+    let _ = writeln!(
+        s,
+        "__device__ const u32 kvalues_iq4nl_w[4] = {{{}}};",
+        list(words)
+    );
     s
 }
 

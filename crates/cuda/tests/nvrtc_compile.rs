@@ -17,7 +17,14 @@ fn every_module_compiles() {
         for m in sources::MODULES {
             let t = std::time::Instant::now();
             match nvrtc::compile_cubin(m.name, &m.source(), arch) {
-                Ok(c) => eprintln!("{} sm_{}{}: {} bytes in {:.1?}", m.file, arch.0, arch.1, c.len(), t.elapsed()),
+                Ok(c) => eprintln!(
+                    "{} sm_{}{}: {} bytes in {:.1?}",
+                    m.file,
+                    arch.0,
+                    arch.1,
+                    c.len(),
+                    t.elapsed()
+                ),
                 Err(e) => failures.push(format!("{} sm_{}{}: {e}", m.file, arch.0, arch.1)),
             }
         }

@@ -1,8 +1,9 @@
 //! `embed`: embedding rows of token ids, dequantized from the table's format (the report's
-//! `mtp_embed<F>`, DESIGN.md §4). The baseline goes through `strata_quant::dequantize`; the
-//! optimized variant decodes the 13 report formats directly, unit by unit, the way the CUDA
-//! kernel does (same float operations, so the same bits: products `(d·s)·q` then `− m`, never
-//! fused, exactly as ggml's dequantizers).
+//! `mtp_embed<F>`, DESIGN.md §4). The baseline decodes the 13 report formats block by block
+//! with [`dequant_block`], a plain transcription of ggml's dequantizers that the CUDA kernels
+//! mirror operation for operation (products `(d·s)·q` then `− m`, never fused); the optimized
+//! variant goes through `strata_quant::dequantize`, the tuned and fixture-tested row
+//! dequantizers. Both give the same bits.
 
 use strata_quant::dot::{le_f16, le_u16, le_u32};
 use strata_quant::grids::{IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
@@ -71,7 +72,7 @@ fn embed_check(
     Ok(rb)
 }
 
-pub fn embed_baseline(
+pub fn embed_optimized(
     ty: GgmlType,
     table: &[u8],
     row_len: usize,
@@ -89,7 +90,7 @@ pub fn embed_baseline(
     Ok(())
 }
 
-pub fn embed_optimized(
+pub fn embed_baseline(
     ty: GgmlType,
     table: &[u8],
     row_len: usize,
@@ -97,7 +98,7 @@ pub fn embed_optimized(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     if !REPORT_FORMATS.contains(&ty) {
-        return embed_baseline(ty, table, row_len, ids, out);
+        return embed_optimized(ty, table, row_len, ids, out);
     }
     let rb = embed_check(ty, table, row_len, ids, out)?;
     let (bs, ts) = (ty.block_size(), ty.type_size());

@@ -41,41 +41,44 @@ pub fn pick_baseline(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, Kernel
     ))
 }
 
-/// Sixteen independent lanes (each keeps its first maximum), merged by (value, lower index).
+/// Sixteen independent lanes with branch-free updates (each lane keeps its first maximum,
+/// strict `>`), merged by (value, lower index). A maximum of −∞ (every value −∞ or NaN) takes
+/// the baseline's path, which settles that case.
 pub fn pick_optimized(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, KernelError> {
     check_len("pick", "draft ids", draft_ids.len(), logits.len())?;
+    if logits.len() >= u32::MAX as usize {
+        return pick_baseline(logits, draft_ids);
+    }
     const L: usize = 16;
     let mut bv = [f32::NEG_INFINITY; L];
-    let mut bi = [usize::MAX; L];
+    let mut bi = [u32::MAX; L];
     let mut chunks = logits.chunks_exact(L);
-    let mut base = 0;
+    let mut base = 0u32;
     for c in &mut chunks {
         for j in 0..L {
-            let v = c[j];
-            if v > bv[j] || (v == bv[j] && bi[j] == usize::MAX) {
-                bv[j] = v;
-                bi[j] = base + j;
-            }
+            let gt = c[j] > bv[j];
+            bv[j] = if gt { c[j] } else { bv[j] };
+            bi[j] = if gt { base + j as u32 } else { bi[j] };
         }
-        base += L;
+        base += L as u32;
     }
     for (j, &v) in chunks.remainder().iter().enumerate() {
-        if v > bv[j] || (v == bv[j] && bi[j] == usize::MAX) {
+        if v > bv[j] {
             bv[j] = v;
-            bi[j] = base + j;
+            bi[j] = base + j as u32;
         }
     }
-    let (mut v, mut i) = (f32::NEG_INFINITY, usize::MAX);
+    let (mut v, mut i) = (f32::NEG_INFINITY, u32::MAX);
     for j in 0..L {
-        if bi[j] == usize::MAX {
-            continue;
-        }
-        if i == usize::MAX || bv[j] > v || (bv[j] == v && bi[j] < i) {
+        if bv[j] > v || (bv[j] == v && bi[j] < i) {
             v = bv[j];
             i = bi[j];
         }
     }
-    Ok(done(logits, draft_ids, if i == usize::MAX { 0 } else { i }))
+    if i == u32::MAX || v == f32::NEG_INFINITY {
+        return pick_baseline(logits, draft_ids);
+    }
+    Ok(done(logits, draft_ids, i as usize))
 }
 
 pub static PICK: Op<PickFn> = Op {

@@ -114,6 +114,12 @@ impl SlopTables {
         Ok(())
     }
 
+    /// Validates the tables once for draft logits of `nv` values; the kernels take the result.
+    pub fn checked(&self, nv: usize) -> Result<CheckedSlop<'_>, KernelError> {
+        self.validate(nv)?;
+        Ok(CheckedSlop { tables: self, nv })
+    }
+
     /// Checks a state array against these tables.
     pub fn validate_state(&self, state: &[i32]) -> Result<(), KernelError> {
         let k = "slop_pen";
@@ -148,9 +154,17 @@ impl SlopTables {
     }
 }
 
+/// Tables validated for a draft vocabulary of `nv`: make it with [`SlopTables::checked`] (the
+/// fields are open so a caller that validated once can rebuild the view without a borrow).
+#[derive(Clone, Copy)]
+pub struct CheckedSlop<'a> {
+    pub tables: &'a SlopTables,
+    pub nv: usize,
+}
+
 /// Applies the penalties of `mode` (module doc).
 pub type SlopFn = fn(
-    t: &SlopTables,
+    t: &CheckedSlop<'_>,
     mode: u32,
     prev: i32,
     banned: &[i32],
@@ -160,7 +174,7 @@ pub type SlopFn = fn(
 ) -> Result<(), KernelError>;
 
 fn slop_check(
-    t: &SlopTables,
+    c: &CheckedSlop<'_>,
     mode: u32,
     prev: i32,
     banned: &[i32],
@@ -174,7 +188,8 @@ fn slop_check(
             format!("mode {mode}, expected 0, 1 or 2"),
         ));
     }
-    t.validate(nv)?;
+    check_len("slop_pen", "logits", nv, c.nv)?;
+    let t = c.tables;
     t.validate_state(state_in)?;
     check_len("slop_pen", "output state", state_out.len(), STATE_LEN)?;
     if prev >= t.inverse.len() as i32 || prev < -1 {
@@ -300,7 +315,7 @@ fn apply(t: &SlopTables, mode: u32, banned: &[i32], st: &[i32], logits: &mut [f3
 
 /// Classifies `prev` with linear scans even in mode 0 (the report's baseline shape).
 pub fn slop_pen_baseline(
-    t: &SlopTables,
+    c: &CheckedSlop<'_>,
     mode: u32,
     prev: i32,
     banned: &[i32],
@@ -308,7 +323,8 @@ pub fn slop_pen_baseline(
     state_out: &mut [i32],
     logits: &mut [f32],
 ) -> Result<(), KernelError> {
-    slop_check(t, mode, prev, banned, state_in, state_out, logits.len())?;
+    slop_check(c, mode, prev, banned, state_in, state_out, logits.len())?;
+    let t = c.tables;
     let is_nl = t.newline.contains(&prev);
     let is_bl = t.blank.contains(&prev);
     if mode == 0 {
@@ -322,7 +338,7 @@ pub fn slop_pen_baseline(
 
 /// Leaves at once in mode 0 and classifies only when there is a previous token.
 pub fn slop_pen_optimized(
-    t: &SlopTables,
+    c: &CheckedSlop<'_>,
     mode: u32,
     prev: i32,
     banned: &[i32],
@@ -330,7 +346,8 @@ pub fn slop_pen_optimized(
     state_out: &mut [i32],
     logits: &mut [f32],
 ) -> Result<(), KernelError> {
-    slop_check(t, mode, prev, banned, state_in, state_out, logits.len())?;
+    slop_check(c, mode, prev, banned, state_in, state_out, logits.len())?;
+    let t = c.tables;
     if mode == 0 {
         state_out.copy_from_slice(state_in);
         return Ok(());
@@ -513,19 +530,20 @@ mod tests {
             cap_blank: 0,
         };
         let nv = 9;
+        let ck = t.checked(nv).unwrap();
         let mut state = vec![0i32; STATE_LEN];
         state[0] = 1; // one newline so far
         let mut out = vec![0i32; STATE_LEN];
         let mut l = vec![0f32; nv];
         // prev = 2 (newline): run reaches the cap of 2, so token 2 is removed.
-        slop_pen_optimized(&t, 1, 2, &[], &state, &mut out, &mut l).unwrap();
+        slop_pen_optimized(&ck, 1, 2, &[], &state, &mut out, &mut l).unwrap();
         assert_eq!(&out[..3], &[2, 1, 0]);
         assert_eq!(l[1], -1.5);
         assert_eq!(l[2], f32::NEG_INFINITY);
         assert_eq!(l[3], 0.0);
         // Mode 2, prev = 5 opens both phrases: 6 is penalized 0.5; 8 would complete [5,8]: removed.
         let mut l = vec![0f32; nv];
-        slop_pen_optimized(&t, 2, 5, &[4], &state, &mut out, &mut l).unwrap();
+        slop_pen_optimized(&ck, 2, 5, &[4], &state, &mut out, &mut l).unwrap();
         assert_eq!(&out[..7], &[0, 0, 2, 0, 1, 1, 1]);
         assert_eq!(l[6], -0.5);
         assert_eq!(l[8], f32::NEG_INFINITY);
@@ -533,13 +551,17 @@ mod tests {
         // Then prev = 6 advances phrase 0 to its last token: 7 is removed.
         let st = out.clone();
         let mut l = vec![0f32; nv];
-        slop_pen_baseline(&t, 2, 6, &[], &st, &mut out, &mut l).unwrap();
+        slop_pen_baseline(&ck, 2, 6, &[], &st, &mut out, &mut l).unwrap();
         assert_eq!(&out[..5], &[0, 0, 1, 0, 2]);
         assert_eq!(l[7], f32::NEG_INFINITY);
         // Invalid tables are refused.
         let mut bad = t.clone();
         bad.pen_ids = vec![1, 1];
-        assert!(slop_pen_baseline(&bad, 1, 2, &[], &state, &mut out, &mut l).is_err());
-        assert!(slop_pen_baseline(&t, 3, 2, &[], &state, &mut out, &mut l).is_err());
+        assert!(bad.checked(nv).is_err());
+        let mut bad = t.clone();
+        bad.inverse[9] = 3;
+        assert!(bad.checked(nv).is_err());
+        assert!(slop_pen_baseline(&ck, 1, 2, &[], &state, &mut out, &mut l[..5]).is_err());
+        assert!(slop_pen_baseline(&ck, 3, 2, &[], &state, &mut out, &mut l).is_err());
     }
 }

@@ -1,0 +1,246 @@
+//! The device: context, stream, compiled modules and their functions, buffers, and timing
+//! with events around captured graphs (so host launch overhead stays out of the numbers).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cudarc::driver::sys::{
+    CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
+    LaunchConfig, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::{nvrtc, sources, CudaError};
+
+pub(crate) fn drv(call: &str) -> impl Fn(DriverError) -> CudaError + '_ {
+    move |e| CudaError::Driver {
+        call: call.to_string(),
+        what: e.to_string(),
+    }
+}
+
+/// Checks that the CUDA driver library can be loaded (without letting cudarc panic).
+pub fn ensure_driver() -> Result<(), CudaError> {
+    // SAFETY: only tries to dlopen the candidate library names; no symbol is called.
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(CudaError::DriverMissing(
+            "libcuda (the NVIDIA driver) was not found; this machine has no usable NVIDIA GPU"
+                .into(),
+        ))
+    }
+}
+
+/// How one module was made ready at start.
+#[derive(Clone, Debug)]
+pub struct ModuleLoad {
+    pub module: &'static str,
+    pub from_cache: bool,
+    pub seconds: f64,
+    pub cubin_bytes: usize,
+}
+
+/// An initialized device with every kernel module loaded.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    pub name: String,
+    pub arch: (i32, i32),
+    pub sms: i32,
+    pub l2_bytes: i32,
+    pub loads: Vec<ModuleLoad>,
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+    funcs: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles (or loads from the cache) every module for its
+    /// architecture and loads them.
+    pub fn new(ordinal: usize) -> Result<Gpu, CudaError> {
+        ensure_driver()?;
+        nvrtc::ensure_nvrtc()?;
+        // cudarc panics on a few library-level failures; turn any into an error.
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| {
+                CudaError::DriverMissing("cudarc panicked while opening the CUDA driver".into())
+            })?
+            .map_err(drv("cuCtxCreate / cuDevicePrimaryCtxRetain"))?;
+        // One stream, no cross-stream tracking: launches carry no extra events.
+        // SAFETY: this context is used from one stream only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        let name = ctx.name().map_err(drv("cuDeviceGetName"))?;
+        let arch = ctx
+            .compute_capability()
+            .map_err(drv("cuDeviceGetAttribute(compute capability)"))?;
+        let attr = |a| ctx.attribute(a).map_err(drv("cuDeviceGetAttribute"));
+        let sms = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let l2_bytes = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
+        let mut modules = HashMap::new();
+        let mut loads = Vec::new();
+        for m in sources::MODULES {
+            let t = Instant::now();
+            let c = nvrtc::cached_cubin(m.name, &m.source(), arch)?;
+            let module = ctx
+                .load_module(Ptx::from_binary(c.cubin.clone()))
+                .map_err(|e| CudaError::Driver {
+                    call: format!("cuModuleLoadData({}, {})", m.file, c.path.display()),
+                    what: e.to_string(),
+                })?;
+            loads.push(ModuleLoad {
+                module: m.name,
+                from_cache: c.from_cache,
+                seconds: t.elapsed().as_secs_f64(),
+                cubin_bytes: c.cubin.len(),
+            });
+            modules.insert(m.name, module);
+        }
+        Ok(Gpu {
+            ctx,
+            stream,
+            name,
+            arch,
+            sms,
+            l2_bytes,
+            loads,
+            modules,
+            funcs: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The kernel `name` of module `module` (looked up once, then cached).
+    pub fn func(&self, module: &str, name: &str) -> Result<CudaFunction, CudaError> {
+        let mut f = self.funcs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(func) = f.get(name) {
+            return Ok(func.clone());
+        }
+        let m = self.modules.get(module).ok_or_else(|| CudaError::Launch {
+            kernel: name.into(),
+            what: format!("module {module} is not loaded"),
+        })?;
+        let func = m.load_function(name).map_err(|e| CudaError::Driver {
+            call: format!("cuModuleGetFunction({module}, {name})"),
+            what: e.to_string(),
+        })?;
+        f.insert(name.to_string(), func.clone());
+        Ok(func)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        self.stream.clone_htod(data).map_err(drv("cuMemcpyHtoD"))
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        self.stream.alloc_zeros(n.max(1)).map_err(drv("cuMemAlloc"))
+    }
+
+    pub fn write<T: DeviceRepr>(
+        &self,
+        dst: &mut CudaSlice<T>,
+        data: &[T],
+    ) -> Result<(), CudaError> {
+        self.stream
+            .memcpy_htod(data, dst)
+            .map_err(drv("cuMemcpyHtoD"))
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        self.stream.clone_dtoh(src).map_err(drv("cuMemcpyDtoH"))
+    }
+
+    pub fn sync(&self) -> Result<(), CudaError> {
+        self.stream
+            .synchronize()
+            .map_err(drv("cuStreamSynchronize"))
+    }
+
+    /// Copies `src` to `dst` on the device (bandwidth measurement, fresh copies).
+    pub fn copy<T: DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        self.stream
+            .memcpy_dtod(src, dst)
+            .map_err(drv("cuMemcpyDtoD"))
+    }
+
+    /// Captures `body` (a few launches) into a graph.
+    pub fn capture(
+        &self,
+        body: &mut dyn FnMut() -> Result<(), CudaError>,
+    ) -> Result<Graph, CudaError> {
+        self.sync()?;
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv("cuStreamBeginCapture"))?;
+        let r = body();
+        let g = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        r?;
+        let g = g.map_err(drv("cuStreamEndCapture / cuGraphInstantiate"))?;
+        g.map(|g| Graph { g }).ok_or_else(|| CudaError::Driver {
+            call: "cuStreamEndCapture".into(),
+            what: "the capture recorded no work".into(),
+        })
+    }
+
+    /// Runs `f` between two events and returns the elapsed device time in microseconds.
+    pub fn time_us(&self, f: &mut dyn FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let a = self
+            .stream
+            .record_event(flags)
+            .map_err(drv("cuEventRecord"))?;
+        f()?;
+        let b = self
+            .stream
+            .record_event(flags)
+            .map_err(drv("cuEventRecord"))?;
+        let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?;
+        Ok(ms as f64 * 1000.0)
+    }
+
+    /// Checks for an error left by earlier asynchronous work (a faulting kernel).
+    pub fn check(&self, what: &str) -> Result<(), CudaError> {
+        self.ctx.check_err().map_err(drv(what))?;
+        self.sync().map_err(|e| CudaError::Launch {
+            kernel: what.into(),
+            what: e.to_string(),
+        })
+    }
+}
+
+/// A captured, instantiated graph.
+pub struct Graph {
+    g: cudarc::driver::CudaGraph,
+}
+
+impl Graph {
+    pub fn launch(&self) -> Result<(), CudaError> {
+        self.g.launch().map_err(drv("cuGraphLaunch"))
+    }
+}
+
+/// A launch configuration of `grid` blocks of `block` threads.
+pub fn cfg(grid: u32, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.max(1), 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
