@@ -43,9 +43,18 @@ pub enum QuantError {
     #[error("{ty}: {what} is not implemented for this type")]
     Unsupported { ty: GgmlType, what: &'static str },
     #[error("{ty}: {n} elements is not a whole number of {block}-element blocks")]
-    NotWholeBlocks { ty: GgmlType, n: usize, block: usize },
+    NotWholeBlocks {
+        ty: GgmlType,
+        n: usize,
+        block: usize,
+    },
     #[error("{ty}: {what} holds {got} bytes/elements, expected {expected}")]
-    Length { ty: GgmlType, what: &'static str, got: usize, expected: usize },
+    Length {
+        ty: GgmlType,
+        what: &'static str,
+        got: usize,
+        expected: usize,
+    },
 }
 
 /// The functions for `ty`, from whichever family owns it.
@@ -65,7 +74,12 @@ fn check_bytes(ty: GgmlType, n: usize, bytes: usize, what: &'static str) -> Resu
         block: ty.block_size(),
     })?;
     if bytes != expected {
-        return Err(QuantError::Length { ty, what, got: bytes, expected });
+        return Err(QuantError::Length {
+            ty,
+            what,
+            got: bytes,
+            expected,
+        });
     }
     Ok(())
 }
@@ -73,9 +87,10 @@ fn check_bytes(ty: GgmlType, n: usize, bytes: usize, what: &'static str) -> Resu
 /// Dequantize `src` (whole blocks of `ty`) into `dst` (f32, `dst.len()` elements).
 pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
     check_bytes(ty, dst.len(), src.len(), "source")?;
-    let f = format_fns(ty)
-        .dequantize
-        .ok_or(QuantError::Unsupported { ty, what: "dequantize" })?;
+    let f = format_fns(ty).dequantize.ok_or(QuantError::Unsupported {
+        ty,
+        what: "dequantize",
+    })?;
     f(src, dst);
     Ok(())
 }
@@ -84,9 +99,10 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
 /// deterministic; for Q8_0/Q8_1/Q8_K the activation quantizers of the CPU backend).
 pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
     check_bytes(ty, src.len(), dst.len(), "destination")?;
-    let f = format_fns(ty)
-        .quantize
-        .ok_or(QuantError::Unsupported { ty, what: "quantize" })?;
+    let f = format_fns(ty).quantize.ok_or(QuantError::Unsupported {
+        ty,
+        what: "quantize",
+    })?;
     f(src, dst);
     Ok(())
 }
@@ -114,10 +130,76 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], x: &[u8]) -> Result<f32, QuantE
 }
 
 /// As [`vec_dot`] on a chosen ISA (`Isa::Scalar` is the reference).
-pub fn vec_dot_isa(ty: GgmlType, isa: Isa, n: usize, w: &[u8], x: &[u8]) -> Result<f32, QuantError> {
-    let xty = ty.vec_dot_type().ok_or(QuantError::Unsupported { ty, what: "dot product" })?;
+pub fn vec_dot_isa(
+    ty: GgmlType,
+    isa: Isa,
+    n: usize,
+    w: &[u8],
+    x: &[u8],
+) -> Result<f32, QuantError> {
+    let xty = ty.vec_dot_type().ok_or(QuantError::Unsupported {
+        ty,
+        what: "dot product",
+    })?;
     check_bytes(ty, n, w.len(), "weight row")?;
     check_bytes(xty, n, x.len(), "activation row")?;
-    let f = dot_fn(ty, isa).ok_or(QuantError::Unsupported { ty, what: "dot product" })?;
+    let f = dot_fn(ty, isa).ok_or(QuantError::Unsupported {
+        ty,
+        what: "dot product",
+    })?;
     Ok(f(n, w, x))
+}
+
+/// Dot products of one weight row against several activation rows (a verify window or a small
+/// prefill batch): `out[r] = dot(w, xs[r])`. A multi-row kernel reads the weight row once for
+/// all rows; every result is bitwise equal to the single-row kernel's on the same ISA.
+pub type DotRowsFn = fn(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]);
+
+/// The multi-row kernel for `ty` on `isa`, falling back to calling the single-row kernel per row.
+pub fn dot_rows_fn(ty: GgmlType, isa: Isa) -> Option<DotRowsFn> {
+    if isa != Isa::Scalar && simd::supported(isa) {
+        if let Some(f) = simd::dot_rows(ty, isa) {
+            return Some(f);
+        }
+    }
+    None
+}
+
+/// [`DotRowsFn`] semantics with length checks; uses a multi-row kernel when one exists.
+pub fn vec_dot_rows_isa(
+    ty: GgmlType,
+    isa: Isa,
+    n: usize,
+    w: &[u8],
+    xs: &[&[u8]],
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    let xty = ty.vec_dot_type().ok_or(QuantError::Unsupported {
+        ty,
+        what: "dot product",
+    })?;
+    check_bytes(ty, n, w.len(), "weight row")?;
+    if out.len() != xs.len() {
+        return Err(QuantError::Length {
+            ty,
+            what: "output rows",
+            got: out.len(),
+            expected: xs.len(),
+        });
+    }
+    for x in xs {
+        check_bytes(xty, n, x.len(), "activation row")?;
+    }
+    if let Some(f) = dot_rows_fn(ty, isa) {
+        f(n, w, xs, out);
+        return Ok(());
+    }
+    let f = dot_fn(ty, isa).ok_or(QuantError::Unsupported {
+        ty,
+        what: "dot product",
+    })?;
+    for (o, x) in out.iter_mut().zip(xs) {
+        *o = f(n, w, x);
+    }
+    Ok(())
 }

@@ -65,7 +65,13 @@ const fn row(
     type_size: usize,
     vec_dot_type: Option<GgmlType>,
 ) -> TypeInfo {
-    TypeInfo { ty, name, block_size, type_size, vec_dot_type }
+    TypeInfo {
+        ty,
+        name,
+        block_size,
+        type_size,
+        vec_dot_type,
+    }
 }
 
 /// Every known type, in id order.
@@ -115,7 +121,10 @@ impl GgmlType {
 
     /// The type named `name` (case-insensitive, as ggml spells it: "Q4_K", "bf16").
     pub fn from_name(name: &str) -> Option<GgmlType> {
-        TYPES.iter().find(|t| t.name.eq_ignore_ascii_case(name)).map(|t| t.ty)
+        TYPES
+            .iter()
+            .find(|t| t.name.eq_ignore_ascii_case(name))
+            .map(|t| t.ty)
     }
 
     pub fn id(self) -> u32 {
@@ -124,7 +133,10 @@ impl GgmlType {
 
     pub fn info(self) -> &'static TypeInfo {
         // Every variant has a row; the table is checked by a unit test.
-        TYPES.iter().find(|t| t.ty == self).expect("type table covers every variant")
+        TYPES
+            .iter()
+            .find(|t| t.ty == self)
+            .expect("type table covers every variant")
     }
 
     pub fn name(self) -> &'static str {

@@ -70,7 +70,10 @@ pub fn best() -> Isa {
                 }
             }
         }
-        order.into_iter().find(|i| supported(*i)).unwrap_or(Isa::Scalar)
+        order
+            .into_iter()
+            .find(|i| supported(*i))
+            .unwrap_or(Isa::Scalar)
     })
 }
 
@@ -84,4 +87,13 @@ pub(crate) fn dot(ty: GgmlType, isa: Isa) -> Option<DotFn> {
         .or_else(|| lowbit_x86::dot(ty, isa))
         .or_else(|| kquants_x86::dot(ty, isa))
         .or_else(|| iquants_x86::dot(ty, isa))
+}
+
+/// Multi-row kernels (one weight row, several activation rows). Families add theirs here.
+pub(crate) fn dot_rows(ty: GgmlType, isa: Isa) -> Option<crate::DotRowsFn> {
+    if isa == Isa::Scalar {
+        return None;
+    }
+    let _ = ty;
+    None
 }

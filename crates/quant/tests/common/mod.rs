@@ -23,7 +23,10 @@ impl Vectors {
         let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
         let mut tensors = HashMap::new();
         for (name, view) in st.tensors() {
-            tensors.insert(name.to_string(), (view.shape().to_vec(), view.data().to_vec()));
+            tensors.insert(
+                name.to_string(),
+                (view.shape().to_vec(), view.data().to_vec()),
+            );
         }
         Vectors { ty, tensors }
     }
@@ -33,19 +36,33 @@ impl Vectors {
     }
 
     pub fn bytes(&self, name: &str) -> &[u8] {
-        &self.tensors.get(name).unwrap_or_else(|| panic!("{}: no tensor {name}", self.ty)).1
+        &self
+            .tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("{}: no tensor {name}", self.ty))
+            .1
     }
 
     pub fn shape(&self, name: &str) -> &[usize] {
-        &self.tensors.get(name).unwrap_or_else(|| panic!("{}: no tensor {name}", self.ty)).0
+        &self
+            .tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("{}: no tensor {name}", self.ty))
+            .0
     }
 
     pub fn f32s(&self, name: &str) -> Vec<f32> {
-        self.bytes(name).chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+        self.bytes(name)
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 
     pub fn f64s(&self, name: &str) -> Vec<f64> {
-        self.bytes(name).chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+        self.bytes(name)
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 }
 
@@ -102,7 +119,12 @@ pub fn check_type(ty: GgmlType, check_quantize: bool, dot_rel_tol: f64) {
         let n = x.len();
         let mut xq = vec![0u8; xty.row_bytes(n).unwrap()];
         strata_quant::quantize(xty, &x, &mut xq).expect("activation quantize");
-        assert_bytes_eq(&format!("{ty} dot_xq"), &xq, v.bytes("dot_xq"), xty.type_size());
+        assert_bytes_eq(
+            &format!("{ty} dot_xq"),
+            &xq,
+            v.bytes("dot_xq"),
+            xty.type_size(),
+        );
         let rb = ty.row_bytes(n).unwrap();
         let w = v.bytes("dot_w");
         let want = v.f64s("dot_ref");
