@@ -4,7 +4,7 @@
 //! reference dot products that `simd::legacy_x86` reproduces bit for bit.
 
 use crate::dot::{f32_to_f16, le_f16, le_u32, reduce8};
-use crate::{DequantFn, DotFn, FormatFns, GgmlType, QuantFn};
+use crate::{DequantFn, DotFn, FormatFns, GgmlType, Isa, QuantError, QuantFn};
 
 /// Elements per block for every type of this family.
 pub const QK: usize = 32;
@@ -578,4 +578,69 @@ pub fn dot_q5_1_q8_1(n: usize, w: &[u8], x: &[u8]) -> f32 {
         let c: [i32; 32] = std::array::from_fn(|j| codes[j] as i32);
         (le_f16(wb, 0) * dx, le_f16(wb, 2), sx, lane_sums(&c, xq))
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several activation rows against one weight row.
+
+/// `out[r] = w · xs[r]` for every activation row, on `isa`, each bit for bit what
+/// [`crate::vec_dot_isa`] gives for that row alone (so a verify window of up to 8 tokens equals
+/// decoding them one at a time). The SIMD kernels read the weight row once per 8 rows and keep
+/// every row's accumulators in registers. Types: Q4_0, Q5_0, Q8_0, IQ4_NL (Q8_0 activations)
+/// and Q4_1, Q5_1 (Q8_1 activations, scalar, one row at a time).
+pub fn dot_rows(
+    ty: GgmlType,
+    isa: Isa,
+    n: usize,
+    w: &[u8],
+    xs: &[&[u8]],
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    use GgmlType::*;
+    let xty = match ty {
+        Q4_0 | Q5_0 | Q8_0 | IQ4_NL => Q8_0,
+        Q4_1 | Q5_1 => Q8_1,
+        _ => {
+            return Err(QuantError::Unsupported {
+                ty,
+                what: "multi-row dot product",
+            })
+        }
+    };
+    crate::check_bytes(ty, n, w.len(), "weight row")?;
+    for x in xs {
+        crate::check_bytes(xty, n, x.len(), "activation row")?;
+    }
+    if out.len() != xs.len() {
+        return Err(QuantError::Length {
+            ty,
+            what: "output (one slot per activation row)",
+            got: out.len(),
+            expected: xs.len(),
+        });
+    }
+    if isa != Isa::Scalar && crate::simd::supported(isa) {
+        if let Some(f) = crate::simd::legacy_x86::dot_rows(ty, isa) {
+            f(n, w, xs, out);
+            return Ok(());
+        }
+    }
+    let f = crate::dot_fn(ty, isa).ok_or(QuantError::Unsupported {
+        ty,
+        what: "dot product",
+    })?;
+    for (o, x) in out.iter_mut().zip(xs) {
+        *o = f(n, w, x);
+    }
+    Ok(())
+}
+
+/// [`dot_rows`] for a Q8_0 weight row on this CPU's best ISA.
+pub fn dot_rows_q8_0(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) -> Result<(), QuantError> {
+    dot_rows(GgmlType::Q8_0, crate::simd::best(), n, w, xs, out)
+}
+
+/// [`dot_rows`] for a Q4_0 weight row on this CPU's best ISA.
+pub fn dot_rows_q4_0(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) -> Result<(), QuantError> {
+    dot_rows(GgmlType::Q4_0, crate::simd::best(), n, w, xs, out)
 }

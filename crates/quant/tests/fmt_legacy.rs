@@ -218,6 +218,79 @@ proptest! {
     }
 }
 
+/// Random rows for the multi-row kernels: a weight row and 1..=11 activation rows (more than
+/// one chunk of 8), `nb` blocks each.
+/// (blocks, weight bytes, weight scales, activation rows' bytes, activation scales).
+type MultiRows = (usize, Vec<u8>, Vec<u16>, Vec<Vec<u8>>, Vec<u16>);
+
+fn multi_rows() -> impl Strategy<Value = MultiRows> {
+    prop_oneof![0usize..=9, 10usize..=24].prop_flat_map(|nb| {
+        (
+            Just(nb),
+            proptest::collection::vec(any::<u8>(), nb * 36),
+            proptest::collection::vec(finite_f16(), 2 * nb.max(1)),
+            proptest::collection::vec(proptest::collection::vec(any::<u8>(), nb * 36), 1..=11),
+            proptest::collection::vec(finite_f16(), 2 * nb.max(1)),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// `dot_rows` gives, per row, the bits of the single-row dot (the scalar reference), on
+    /// every ISA, for every legacy weight type.
+    #[test]
+    fn dot_rows_equal_single_row_dots((nb, wbytes, wscales, xrows, xscales) in multi_rows()) {
+        let n = nb * 32;
+        for (ty, offs) in DOT_TYPES {
+            let xty = ty.vec_dot_type().unwrap();
+            let xoffs: &[usize] = if xty == GgmlType::Q8_1 { &[0, 2] } else { &[0] };
+            let w = with_scales(ty, wbytes[..nb * ty.type_size()].to_vec(), &wscales, offs);
+            let xs: Vec<Vec<u8>> = xrows
+                .iter()
+                .enumerate()
+                .map(|(r, x)| {
+                    let sc: Vec<u16> = xscales.iter().map(|s| s.rotate_left(r as u32 % 3)).collect();
+                    let sc: Vec<u16> = sc.iter().map(|b| if b & 0x7c00 == 0x7c00 { b & !0x4000 } else { *b }).collect();
+                    with_scales(xty, x[..nb * xty.type_size()].to_vec(), &sc, xoffs)
+                })
+                .collect();
+            let xr: Vec<&[u8]> = xs.iter().map(|x| x.as_slice()).collect();
+            for isa in Isa::ALL {
+                if !strata_quant::simd::supported(isa) {
+                    continue;
+                }
+                let mut out = vec![f32::NAN; xr.len()];
+                legacy::dot_rows(ty, isa, n, &w, &xr, &mut out).unwrap();
+                for (r, x) in xr.iter().enumerate() {
+                    let want = strata_quant::vec_dot_isa(ty, Isa::Scalar, n, &w, x).unwrap();
+                    prop_assert_eq!(out[r].to_bits(), want.to_bits(),
+                        "{} {} nb={} row {} of {}", ty, isa.name(), nb, r, xr.len());
+                }
+            }
+        }
+    }
+}
+
+/// `dot_rows` rejects wrong sizes with an error instead of reading out of bounds.
+#[test]
+fn dot_rows_checks_sizes() {
+    let w = vec![0u8; 18 * 2];
+    let x = vec![0u8; 34 * 2];
+    let short = vec![0u8; 34];
+    let mut out = [0f32; 2];
+    for isa in Isa::ALL {
+        let ok = legacy::dot_rows(GgmlType::Q4_0, isa, 64, &w, &[&x, &x], &mut out);
+        assert_eq!(ok, Ok(()));
+        assert!(legacy::dot_rows(GgmlType::Q4_0, isa, 64, &w, &[&x, &short], &mut out).is_err());
+        assert!(legacy::dot_rows(GgmlType::Q4_0, isa, 64, &w[..18], &[&x], &mut out[..1]).is_err());
+        assert!(legacy::dot_rows(GgmlType::Q4_0, isa, 64, &w, &[&x], &mut out).is_err());
+        assert!(legacy::dot_rows(GgmlType::Q4_0, isa, 48, &w, &[&x], &mut out[..1]).is_err());
+        assert!(legacy::dot_rows(GgmlType::Q4_K, isa, 256, &w, &[&x], &mut out[..1]).is_err());
+    }
+}
+
 /// Nanoseconds this thread has run on a CPU (Linux `schedstat`), if available.
 fn thread_cpu_ns() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
@@ -272,6 +345,35 @@ fn bench_dot_throughput() {
             let gbs = (reps * rows * rb) as f64 / secs / 1e9;
             eprintln!(
                 "{ty:>6} {:>6} {rows:>4} rows: {gbs:6.2} GB/s of weight ({sink:e})",
+                isa.name()
+            );
+            if xty != GgmlType::Q8_0 || rows != 32 {
+                continue;
+            }
+            // 8 activation rows per pass over each weight row: weight bytes x 8 per second.
+            let xs8: Vec<Vec<u8>> = (0..8)
+                .map(|i| x.iter().map(|b| b.wrapping_add(i)).collect::<Vec<u8>>())
+                .map(|v| with_scales(xty, v, &[0x2400], &[0]))
+                .collect();
+            let xr: Vec<&[u8]> = xs8.iter().map(|v| v.as_slice()).collect();
+            let mut out = [0f32; 8];
+            let mut reps = 0usize;
+            let t = std::time::Instant::now();
+            let cpu0 = thread_cpu_ns();
+            while t.elapsed().as_secs_f64() < 0.5 {
+                for r in 0..rows {
+                    legacy::dot_rows(ty, isa, n, &w[r * rb..(r + 1) * rb], &xr, &mut out).unwrap();
+                    sink += out[7];
+                }
+                reps += 1;
+            }
+            let secs = match (cpu0, thread_cpu_ns()) {
+                (Some(a), Some(b)) if b > a => (b - a) as f64 * 1e-9,
+                _ => t.elapsed().as_secs_f64(),
+            };
+            let gbs = (reps * rows * rb * 8) as f64 / secs / 1e9;
+            eprintln!(
+                "{ty:>6} {:>6}   x8 rows: {gbs:6.2} GB/s of weight-row dots ({sink:e})",
                 isa.name()
             );
         }
