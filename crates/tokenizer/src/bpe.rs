@@ -107,7 +107,7 @@ pub(crate) fn merge_word<'w>(word: &'w str, ranks: &Ranks) -> Vec<&'w str> {
         push(&mut queue, &syms, syms[l].prev, Some(l));
         push(&mut queue, &syms, Some(l), syms[l].next);
     }
-    syms.iter().filter(|s| s.len > 0).map(|s| text(s)).collect()
+    syms.iter().filter(|s| s.len > 0).map(text).collect()
 }
 
 #[cfg(test)]

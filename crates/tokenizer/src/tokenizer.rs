@@ -784,7 +784,7 @@ fn clean_up_spaces(t: &mut Vec<u8>) {
                 total -= 1;
             } else if x1 != b't' && x1 != b'd' && i + 2 < n3 {
                 let x2 = t[i + 2];
-                if (x1 == b'r' && x2 == b'e') || (x1 == b'v' && x2 == b'e') {
+                if (x1 == b'r' || x1 == b'v') && x2 == b'e' {
                     total -= 1;
                 }
             }
