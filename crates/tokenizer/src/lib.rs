@@ -4,6 +4,11 @@
 //! SentencePiece (`llama` model type), special/control/user-defined tokens, BOS/EOS/EOG,
 //! detokenization (whole and streaming), and chat templates (`tokenizer.chat_template`, rendered
 //! with Hugging Face's Jinja semantics).
+//!
+//! Pre-tokenizers (`tokenizer.ggml.pre`): the GPT-2, Llama 3, Qwen2 and Qwen3.5 families are
+//! hand-written scanners over llama.cpp's Unicode tables; `default`, StarCoder-style, Falcon,
+//! DeepSeek-Coder and DeepSeek-LLM run their published expressions through `fancy-regex`. All of
+//! them reproduce llama.cpp's test vectors. Other names are refused with an error.
 
 mod bpe;
 mod bytes;
@@ -24,3 +29,15 @@ pub use tokenizer::{TokenAttr, Tokenizer};
 pub use vocab::{TokenType, TokenizerData};
 
 pub type Result<T, E = TokenizerError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    /// The engine and server share one tokenizer and template across threads.
+    #[test]
+    fn shareable_across_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<crate::Tokenizer>();
+        check::<crate::ChatTemplate>();
+        check::<crate::StreamDecoder>();
+    }
+}
