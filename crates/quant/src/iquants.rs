@@ -98,12 +98,18 @@ fn gbyte32(g: u32, j: usize) -> u8 {
     (g >> (8 * j)) as u8
 }
 
+/// Magnitude `m` (below 128) negated when bit 0 of `sign` is set, without a branch.
+#[inline]
+fn signed(m: u8, sign: u8) -> i8 {
+    let s = -((sign & 1) as i8);
+    (m as i8 ^ s) - s
+}
+
 /// Write 8 grid magnitudes with signs: bit j of `signs` set makes element j negative.
 #[inline]
 fn put8(w: &mut [i8], grid: u64, signs: u8) {
     for (j, v) in w.iter_mut().enumerate().take(8) {
-        let m = gbyte64(grid, j) as i8;
-        *v = if signs & (1 << j) != 0 { -m } else { m };
+        *v = signed(gbyte64(grid, j), signs >> j);
     }
 }
 
@@ -111,10 +117,8 @@ fn put8(w: &mut [i8], grid: u64, signs: u8) {
 #[inline]
 fn put4x2(w: &mut [i8], g1: u32, g2: u32, signs: u8) {
     for j in 0..4 {
-        let a = gbyte32(g1, j) as i8;
-        let b = gbyte32(g2, j) as i8;
-        w[j] = if signs & (1 << j) != 0 { -a } else { a };
-        w[j + 4] = if signs & (1 << (j + 4)) != 0 { -b } else { b };
+        w[j] = signed(gbyte32(g1, j), signs >> j);
+        w[j + 4] = signed(gbyte32(g2, j), signs >> (j + 4));
     }
 }
 
@@ -337,8 +341,13 @@ fn dot_with(n: usize, w: &[u8], x: &[u8], type_size: usize, decode: Decoder, pos
         let d = dw * f32::from_le_bytes([xb[0], xb[1], xb[2], xb[3]]);
         let q = &xb[4..4 + QK_K];
         let mut lanes = [0i32; 8];
-        for (i, (&wi, &qi)) in o.w.iter().zip(q).enumerate() {
-            lanes[(i % 32) / 4] += o.ls[i / 16] * wi as i32 * qi as i8 as i32;
+        for (i, (w4, q4)) in o.w.chunks_exact(4).zip(q.chunks_exact(4)).enumerate() {
+            let s: i32 = w4
+                .iter()
+                .zip(q4)
+                .map(|(&a, &b)| a as i32 * b as i8 as i32)
+                .sum();
+            lanes[i % 8] += o.ls[i / 4] * s;
         }
         for (a, &l) in acc.iter_mut().zip(&lanes) {
             *a = d.mul_add(l as f32, *a);

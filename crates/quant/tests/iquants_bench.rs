@@ -1,6 +1,7 @@
 //! Throughput of the I-quant dot kernels, in GB/s of weight bytes on one core. Ignored by
 //! default (a measurement, not a check); run with
-//! `cargo test --release -p strata-quant --test iquants_bench -- --ignored --nocapture`.
+//! `cargo test --release -p strata-quant --test iquants_bench -- --ignored --nocapture`
+//! (`STRATA_BENCH_TYPES=IQ4_XS,IQ3_S` and `STRATA_BENCH_ISAS=avx2,avx512` narrow it down).
 
 use std::time::Instant;
 
@@ -65,8 +66,11 @@ fn dot_throughput() {
             let mut x = vec![0u8; GgmlType::Q8_K.row_bytes(n).unwrap()];
             strata_quant::quantize(GgmlType::Q8_K, &src, &mut x).unwrap();
             let mut line = format!("{:8} {:4} ", ty.name(), label);
+            let isas = std::env::var("STRATA_BENCH_ISAS").unwrap_or_default();
             for isa in Isa::ALL {
-                if !strata_quant::simd::supported(isa) {
+                if !strata_quant::simd::supported(isa)
+                    || !(isas.is_empty() || isas.split(',').any(|i| i == isa.name()))
+                {
                     continue;
                 }
                 let f = strata_quant::dot_fn(ty, isa).unwrap();

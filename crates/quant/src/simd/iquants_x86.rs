@@ -565,7 +565,7 @@ mod x86 {
             let signs = lanes(load256(wb, 74));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ3S_GRID[idx[8 * ib + k] as usize & 511] as i32;
+                let g = |k: usize| IQ3S_GRID[idx[8 * ib + k] as usize] as i32;
                 let grid = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
                 let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
                 let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_WHOLE[ib]));
@@ -588,7 +588,7 @@ mod x86 {
             iq3_s_indices(wb, &mut idx);
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| IQ3S_GRID[idx[16 * p + k] as usize & 511] as i32;
+                let g = |k: usize| IQ3S_GRID[idx[16 * p + k] as usize] as i32;
                 let grid = join(
                     _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)),
                     _mm256_setr_epi32(g(8), g(9), g(10), g(11), g(12), g(13), g(14), g(15)),
@@ -796,7 +796,7 @@ mod x86 {
             let signs = lanes(iq2_xs_prep(wb, &mut idx));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ2XS_GRID[idx[4 * ib + k] as usize & 511] as i64;
+                let g = |k: usize| IQ2XS_GRID[idx[4 * ib + k] as usize] as i64;
                 let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
                 let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
                 let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_HALVES[ib]));
@@ -820,7 +820,7 @@ mod x86 {
             store_u8(&mut sgn, iq2_xs_prep(wb, &mut idx));
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| IQ2XS_GRID[idx[8 * p + k] as usize & 511] as i64;
+                let g = |k: usize| IQ2XS_GRID[idx[8 * p + k] as usize] as i64;
                 let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
                 let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(&sgn, 8 * p));
                 let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC4_QUARTERS[p]));
@@ -844,7 +844,7 @@ mod x86 {
             let signs = lanes(load256(wb, 34));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ2S_GRID[idx[4 * ib + k] as usize & 1023] as i64;
+                let g = |k: usize| IQ2S_GRID[idx[4 * ib + k] as usize] as i64;
                 let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
                 let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
                 let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_HALVES[ib]));
@@ -867,7 +867,7 @@ mod x86 {
             iq2_s_indices(wb, &mut idx);
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| IQ2S_GRID[idx[8 * p + k] as usize & 1023] as i64;
+                let g = |k: usize| IQ2S_GRID[idx[8 * p + k] as usize] as i64;
                 let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
                 let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(wb, 34 + 8 * p));
                 let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC4_QUARTERS[p]));
@@ -953,7 +953,7 @@ mod x86 {
             let delta = lanes(iq1_m_prep(wb, &mut idx));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ1S_GRID[idx[4 * ib + k] as usize & 2047] as i64;
+                let g = |k: usize| IQ1S_GRID[idx[4 * ib + k] as usize] as i64;
                 let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
                 let dh = if ib < 4 { delta.0 } else { delta.1 };
                 let dx = _mm256_shuffle_epi8(dh, ctrl(&REP8[ib % 4]));
@@ -989,7 +989,7 @@ mod x86 {
             store_u8(&mut dl, iq1_m_prep(wb, &mut idx));
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| IQ1S_GRID[idx[8 * p + k] as usize & 2047] as i64;
+                let g = |k: usize| IQ1S_GRID[idx[8 * p + k] as usize] as i64;
                 let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
                 let dx = _mm512_shuffle_epi8(_mm512_set1_epi64(le_u64(&dl, 8 * p) as i64), rep);
                 let wv = _mm512_shuffle_epi8(tw, _mm512_xor_si512(_mm512_and_si512(grid, m15), dx));
@@ -1052,7 +1052,7 @@ mod x86 {
             );
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ1S_GRID[idx[4 * ib + k] as usize & 2047] as i64;
+                let g = |k: usize| IQ1S_GRID[idx[4 * ib + k] as usize] as i64;
                 let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
                 let dx = _mm256_shuffle_epi8(neg, ctrl(&BYTE_WHOLE[ib]));
                 let wv = _mm256_shuffle_epi8(tw, _mm256_xor_si256(_mm256_and_si256(grid, m15), dx));
@@ -1106,7 +1106,7 @@ mod x86 {
             let (ls, neg) = (_mm512_broadcast_i32x4(ls), _mm512_broadcast_i32x4(neg));
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| IQ1S_GRID[idx[8 * p + k] as usize & 2047] as i64;
+                let g = |k: usize| IQ1S_GRID[idx[8 * p + k] as usize] as i64;
                 let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
                 let dx = _mm512_shuffle_epi8(neg, ctrl512(&BYTE_PAIRS[p]));
                 let wv = _mm512_shuffle_epi8(tw, _mm512_xor_si512(_mm512_and_si512(grid, m15), dx));
