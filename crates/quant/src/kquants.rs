@@ -5,23 +5,35 @@
 //!
 //! # Dot-product accumulation order (the contract every SIMD kernel reproduces)
 //!
-//! Per super-block `b` of weight row `w` and Q8_K activation row `x`:
-//! - all integer work is exact, in i32 with wrapping (two's complement) arithmetic, so any
-//!   grouping gives the same bits even on adversarial bytes; valid data never wraps;
-//! - `isum_b` is Σ over sub-blocks of (integer sub-block scale) × Σ (weight code × activation
-//!   code), with the weight code as defined per type below; `msum_b` (types with a minimum,
-//!   Q2_K/Q4_K/Q5_K) is Σ over sub-blocks of (integer min) × (the Q8_K `bsums` covering it);
-//! - then, in block order, with each product rounded separately (no fused multiply-add):
-//!   `acc  = acc  + (x.d * w.d)    * (isum_b as f32)` and
-//!   `accm = accm + (x.d * w.dmin) * (msum_b as f32)`;
-//! - the result is `acc - accm` (Q3_K, Q6_K: `acc`). Both accumulators start at +0.0.
+//! The float work runs in 8 lanes (dot.rs): a kernel keeps 8 f32 accumulators `acc` (and, for
+//! the types with a minimum, Q2_K/Q4_K/Q5_K, 8 more `accm`), all starting at +0.0.
+//! Per super-block, in block order:
+//! - 8 exact integer lane sums `I[l]` (and `M[l]`), in i32 with wrapping (two's complement)
+//!   arithmetic, so any grouping gives the same bits even on adversarial bytes (valid data
+//!   never wraps). Element `e` (0..256) of the block adds `sc(e)·q_e·qx_e` to lane
+//!   `(e mod 32) / 4`, where `sc(e)` is the integer scale of its sub-block and `q_e` its code
+//!   as defined per type below; this is where a 256-bit `maddubs`/`madd` chain over 32
+//!   consecutive elements leaves each product, and where a 512-bit kernel's lanes `l` and
+//!   `l + 8` over 64 consecutive elements land once added;
+//! - `D = x.d * w.d` and `Dm = x.d * w.dmin` (f32 products), then per lane, fused:
+//!   `acc[l] = D.mul_add(I[l] as f32, acc[l])`, `accm[l] = Dm.mul_add(M[l] as f32, accm[l])`.
 //!
-//! Weight codes: Q2_K `q` in 0..=3; Q4_K `q` in 0..=15; Q5_K `q` in 0..=31. The two
-//! symmetric types keep their codes unsigned and move the offset onto `bsums`, the form a SIMD
-//! kernel computes with unsigned×signed byte products: Q3_K sub-block `s` contributes
-//! `(sc_s − 32)·(Σ q·qx − 4·bsum_s)` with `q = low 2 bits | hmask bit << 2` in 0..=7, Q6_K
-//! `sc_s·(Σ q·qx − 32·bsum_s)` with `q` in 0..=63. Both equal the signed-code sums whenever
-//! `bsums` are the sums of `qs`, as Q8_K guarantees.
+//! The result is `reduce8(acc) - reduce8(accm)` (Q3_K, Q6_K: `reduce8(acc)`), with
+//! [`crate::dot::reduce8`]'s fixed tree.
+//!
+//! Types, with `bs[g]` the Q8_K group sums (`bsums`) of the activation block:
+//! - Q2_K: 16 sub-blocks of 16, `q` in 0..=3, scale `sc_s = scales[s] & 15`;
+//!   `M[l] = m_2l·bs[2l] + m_2l+1·bs[2l+1]` with `m_s = scales[s] >> 4`.
+//! - Q3_K: 16 sub-blocks of 16, `q = low 2 bits | hmask bit << 2` in 0..=7, scale `sc_s − 32`;
+//!   then `I[l] −= 4·(sc'_2l·bs[2l] + sc'_2l+1·bs[2l+1])` (`sc' = sc − 32`), which turns the
+//!   unsigned codes into ggml's `q − 4` whenever `bsums` are the sums of `qs`.
+//! - Q4_K / Q5_K: 8 sub-blocks of 32, `q` in 0..=15 / 0..=31, 6-bit scales `sc_s`;
+//!   `M[l] = m_l·(bs[2l] + bs[2l+1])` (lane `l` carries sub-block `l`'s min).
+//! - Q6_K: 16 sub-blocks of 16, `q` in 0..=63, i8 scales `sc_s`; then
+//!   `I[l] −= 32·(sc_2l·bs[2l] + sc_2l+1·bs[2l+1])`, ggml's `q − 32` in the same way.
+//!
+//! Keeping the float work per lane spares every block a horizontal integer sum: a block costs
+//! one conversion and one fused multiply-add per accumulator.
 
 // Loops index several arrays with layout arithmetic; iterators would obscure the layout.
 #![allow(clippy::needless_range_loop)]
@@ -783,6 +795,8 @@ pub fn quantize_q6_k(src: &[f32], dst: &mut [u8]) {
 // =============================================================================================
 // Scalar reference dot products (weight row × Q8_K row); see the module doc for the order.
 
+use crate::dot::reduce8;
+
 /// The Q8_K block's f32 scale.
 #[inline(always)]
 pub(crate) fn q8k_d(x: &[u8]) -> f32 {
@@ -799,147 +813,132 @@ fn q8k_bsum(x: &[u8], g: usize) -> i32 {
     i16::from_le_bytes([x[Q8K_BSUMS + 2 * g], x[Q8K_BSUMS + 2 * g + 1]]) as i32
 }
 
-/// Fold one block's integer sums into the accumulators, in the documented order.
+/// Adds `sc·q·qx` of element `e` to its lane, `(e mod 32) / 4`.
 #[inline(always)]
-pub(crate) fn fold_block(
-    acc: &mut f32,
-    accm: &mut f32,
-    dx: f32,
-    d: f32,
-    dmin: f32,
-    isum: i32,
-    msum: i32,
-) {
-    *acc += (dx * d) * isum as f32;
-    *accm += (dx * dmin) * msum as f32;
+fn lane_add(lanes: &mut [i32; 8], e: usize, sc: i32, q: i32, qx: i32) {
+    let l = (e % 32) / 4;
+    lanes[l] = lanes[l].wrapping_add(sc.wrapping_mul(q * qx));
+}
+
+/// `acc[l] = D·I[l] + acc[l]`, fused, per lane.
+#[inline(always)]
+fn fold_lanes(acc: &mut [f32; 8], d: f32, lanes: &[i32; 8]) {
+    for l in 0..8 {
+        acc[l] = d.mul_add(lanes[l] as f32, acc[l]);
+    }
+}
+
+/// `lanes[l] −= k·(sc_2l·bs[2l] + sc_2l+1·bs[2l+1])`: the offset of the symmetric types.
+#[inline(always)]
+fn lane_offset(lanes: &mut [i32; 8], k: i32, sc: impl Fn(usize) -> i32, y: &[u8]) {
+    for l in 0..8 {
+        let c =
+            (sc(2 * l) * q8k_bsum(y, 2 * l)).wrapping_add(sc(2 * l + 1) * q8k_bsum(y, 2 * l + 1));
+        lanes[l] = lanes[l].wrapping_sub(c.wrapping_mul(k));
+    }
 }
 
 fn dot_q2_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
-    let (mut acc, mut accm) = (0f32, 0f32);
+    let (mut acc, mut accm) = ([0f32; 8], [0f32; 8]);
     for (b, y) in w.chunks_exact(Q2K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
-        let (mut isum, mut msum) = (0i32, 0i32);
+        let (mut il, mut ml) = ([0i32; 8], [0i32; 8]);
         for s in 0..16 {
             let q = &b[16 + 32 * (s / 8) + 16 * (s % 2)..][..16];
             let shift = 2 * ((s / 2) % 4);
-            let mut t = 0i32;
             for l in 0..16 {
-                t = t.wrapping_add(((q[l] >> shift) & 3) as i32 * q8k_q(y, 16 * s + l));
+                let e = 16 * s + l;
+                lane_add(
+                    &mut il,
+                    e,
+                    (b[s] & 0xF) as i32,
+                    ((q[l] >> shift) & 3) as i32,
+                    q8k_q(y, e),
+                );
             }
-            isum = isum.wrapping_add(t.wrapping_mul((b[s] & 0xF) as i32));
-            msum = msum.wrapping_add(q8k_bsum(y, s) * (b[s] >> 4) as i32);
         }
-        fold_block(
-            &mut acc,
-            &mut accm,
-            q8k_d(y),
-            le_f16(b, 80),
-            le_f16(b, 82),
-            isum,
-            msum,
-        );
+        for l in 0..8 {
+            let m = |s: usize| (b[s] >> 4) as i32 * q8k_bsum(y, s);
+            ml[l] = m(2 * l).wrapping_add(m(2 * l + 1));
+        }
+        let dx = q8k_d(y);
+        fold_lanes(&mut acc, dx * le_f16(b, 80), &il);
+        fold_lanes(&mut accm, dx * le_f16(b, 82), &ml);
     }
-    acc - accm
+    reduce8(acc) - reduce8(accm)
 }
 
 fn dot_q3_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
-    let mut acc = 0f32;
+    let mut acc = [0f32; 8];
     for (b, y) in w.chunks_exact(Q3K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
         let sc = scales_q3_k(&b[96..108]);
-        let mut isum = 0i32;
+        let mut il = [0i32; 8];
         for s in 0..16 {
             let (half, j, h) = (s / 8, (s / 2) % 4, s % 2);
             let q = &b[32 + 32 * half + 16 * h..][..16];
             let hm = &b[16 * h..][..16];
             let bit = 1u8 << (4 * half + j);
-            let mut t = 0i32;
             for l in 0..16 {
                 let v = ((q[l] >> (2 * j)) & 3) | if hm[l] & bit != 0 { 4 } else { 0 };
-                t = t.wrapping_add(v as i32 * q8k_q(y, 16 * s + l));
+                let e = 16 * s + l;
+                lane_add(&mut il, e, sc[s] as i32, v as i32, q8k_q(y, e));
             }
-            // The −4 offset goes through bsums (see the module doc).
-            let t = t.wrapping_sub(4 * q8k_bsum(y, s));
-            isum = isum.wrapping_add(t.wrapping_mul(sc[s] as i32));
         }
-        acc += (q8k_d(y) * le_f16(b, 108)) * isum as f32;
+        lane_offset(&mut il, 4, |s| sc[s] as i32, y);
+        fold_lanes(&mut acc, q8k_d(y) * le_f16(b, 108), &il);
     }
-    acc
+    reduce8(acc)
+}
+
+/// Q4_K and Q5_K: `code(b, e)` is element `e`'s code (the 4 low bits, plus the high bit for
+/// Q5_K), the scales sit at byte 4 and d, dmin at 0, 2.
+#[inline(always)]
+fn dot_k4(w: &[u8], x: &[u8], bytes: usize, code: impl Fn(&[u8], usize) -> u8) -> f32 {
+    let (mut acc, mut accm) = ([0f32; 8], [0f32; 8]);
+    for (b, y) in w.chunks_exact(bytes).zip(x.chunks_exact(Q8K_BYTES)) {
+        let (sc, m) = scale_min_k4(&b[4..16]);
+        let (mut il, mut ml) = ([0i32; 8], [0i32; 8]);
+        for e in 0..QK_K {
+            lane_add(
+                &mut il,
+                e,
+                sc[e / 32] as i32,
+                code(b, e) as i32,
+                q8k_q(y, e),
+            );
+        }
+        for l in 0..8 {
+            ml[l] = (q8k_bsum(y, 2 * l) + q8k_bsum(y, 2 * l + 1)) * m[l] as i32;
+        }
+        let dx = q8k_d(y);
+        fold_lanes(&mut acc, dx * le_f16(b, 0), &il);
+        fold_lanes(&mut accm, dx * le_f16(b, 2), &ml);
+    }
+    reduce8(acc) - reduce8(accm)
 }
 
 fn dot_q4_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
-    let (mut acc, mut accm) = (0f32, 0f32);
-    for (b, y) in w.chunks_exact(Q4K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
-        let (sc, m) = scale_min_k4(&b[4..16]);
-        let (mut isum, mut msum) = (0i32, 0i32);
-        for s in 0..8 {
-            let q = &b[16 + 32 * (s / 2)..][..32];
-            let shift = 4 * (s % 2);
-            let mut t = 0i32;
-            for l in 0..32 {
-                t = t.wrapping_add(((q[l] >> shift) & 0xF) as i32 * q8k_q(y, 32 * s + l));
-            }
-            isum = isum.wrapping_add(t.wrapping_mul(sc[s] as i32));
-            let bs = q8k_bsum(y, 2 * s) + q8k_bsum(y, 2 * s + 1);
-            msum = msum.wrapping_add(bs * m[s] as i32);
-        }
-        fold_block(
-            &mut acc,
-            &mut accm,
-            q8k_d(y),
-            le_f16(b, 0),
-            le_f16(b, 2),
-            isum,
-            msum,
-        );
-    }
-    acc - accm
+    dot_k4(w, x, Q4K_BYTES, |b, e| {
+        (b[16 + 32 * (e / 64) + e % 32] >> (4 * ((e / 32) % 2))) & 0xF
+    })
 }
 
 fn dot_q5_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
-    let (mut acc, mut accm) = (0f32, 0f32);
-    for (b, y) in w.chunks_exact(Q5K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
-        let (sc, m) = scale_min_k4(&b[4..16]);
-        let qh = &b[16..48];
-        let (mut isum, mut msum) = (0i32, 0i32);
-        for s in 0..8 {
-            let q = &b[48 + 32 * (s / 2)..][..32];
-            let shift = 4 * (s % 2);
-            let mut t = 0i32;
-            for l in 0..32 {
-                let v = ((q[l] >> shift) & 0xF) | (((qh[l] >> s) & 1) << 4);
-                t = t.wrapping_add(v as i32 * q8k_q(y, 32 * s + l));
-            }
-            isum = isum.wrapping_add(t.wrapping_mul(sc[s] as i32));
-            let bs = q8k_bsum(y, 2 * s) + q8k_bsum(y, 2 * s + 1);
-            msum = msum.wrapping_add(bs * m[s] as i32);
-        }
-        fold_block(
-            &mut acc,
-            &mut accm,
-            q8k_d(y),
-            le_f16(b, 0),
-            le_f16(b, 2),
-            isum,
-            msum,
-        );
-    }
-    acc - accm
+    dot_k4(w, x, Q5K_BYTES, |b, e| {
+        let lo = (b[48 + 32 * (e / 64) + e % 32] >> (4 * ((e / 32) % 2))) & 0xF;
+        lo | (((b[16 + e % 32] >> (e / 32)) & 1) << 4)
+    })
 }
 
 fn dot_q6_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
-    let mut acc = 0f32;
+    let mut acc = [0f32; 8];
     for (b, y) in w.chunks_exact(Q6K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
-        let mut isum = 0i32;
-        for s in 0..16 {
-            let sc = b[192 + s] as i8 as i32;
-            let mut t = 0i32;
-            for l in 0..16 {
-                t = t.wrapping_add(q6_code(b, 16 * s + l) as i32 * q8k_q(y, 16 * s + l));
-            }
-            // The −32 offset goes through bsums (see the module doc).
-            let t = t.wrapping_sub(32 * q8k_bsum(y, s));
-            isum = isum.wrapping_add(t.wrapping_mul(sc));
+        let sc = |s: usize| b[192 + s] as i8 as i32;
+        let mut il = [0i32; 8];
+        for e in 0..QK_K {
+            lane_add(&mut il, e, sc(e / 16), q6_code(b, e) as i32, q8k_q(y, e));
         }
-        acc += (q8k_d(y) * le_f16(b, 208)) * isum as f32;
+        lane_offset(&mut il, 32, sc, y);
+        fold_lanes(&mut acc, q8k_d(y) * le_f16(b, 208), &il);
     }
-    acc
+    reduce8(acc)
 }
