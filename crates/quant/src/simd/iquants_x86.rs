@@ -1149,4 +1149,40 @@ mod x86 {
     entry!(iq1_m_avx512, iq1_m_avx512_impl);
     entry!(iq1_s_avx2, iq1_s_avx2_impl);
     entry!(iq1_s_avx512, iq1_s_avx512_impl);
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn ksign_bytes_match_table() {
+            if !crate::simd::supported(crate::Isa::Avx2) {
+                eprintln!("SKIPPED: no AVX2 on this CPU");
+                return;
+            }
+            let code = |c: u32, l: u32| (c + 37 * l) & 127;
+            let words: [u32; 8] = std::array::from_fn(|i| i as u32);
+            for c in (0..128).step_by(8) {
+                let aux: [u32; 8] =
+                    words.map(|i| (0..4).fold(0xf000_0000, |a, l| a | code(c + i, l) << (7 * l)));
+                let mut got = [0u8; 32];
+                // SAFETY: AVX2 is supported (checked above); `aux` is 32 readable bytes.
+                unsafe {
+                    let v = _mm256_loadu_si256(aux.as_ptr() as *const __m256i);
+                    store_u8(&mut got, ksign_bytes(v));
+                }
+                for i in 0..8 {
+                    for l in 0..4 {
+                        let want = KSIGNS_IQ2XS[code(c + i as u32, l as u32) as usize];
+                        assert_eq!(
+                            got[4 * i + l],
+                            want,
+                            "code {}",
+                            code(c + i as u32, l as u32)
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
