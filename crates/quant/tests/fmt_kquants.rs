@@ -216,6 +216,100 @@ proptest! {
     }
 }
 
+/// Σ dequant(w)·dequant(x) in f64 and Σ |dequant(w)·dequant(x)|: an oracle for the dot
+/// products built only on the (fixture-checked) dequantizers.
+fn f64_dot(ty: GgmlType, w: &[u8], xq: &[u8]) -> (f64, f64) {
+    let n = xq.len() / 292 * 256;
+    let (mut wf, mut xf) = (vec![0f32; n], vec![0f32; n]);
+    strata_quant::dequantize(ty, w, &mut wf).unwrap();
+    strata_quant::dequantize(GgmlType::Q8_K, xq, &mut xf).unwrap();
+    let dot = wf.iter().zip(&xf).map(|(&a, &b)| a as f64 * b as f64).sum();
+    let mag = wf
+        .iter()
+        .zip(&xf)
+        .map(|(&a, &b)| (a as f64 * b as f64).abs())
+        .sum();
+    (dot, mag)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// The scalar reference agrees with the f64 dot product of the dequantized rows (scales
+    /// of ordinary magnitude; the error is relative to Σ|w·x| because rows can cancel).
+    #[test]
+    fn scalar_dot_matches_dequantized_f64(
+        (ty, w, xs) in (0usize..5, 1usize..5).prop_flat_map(|(t, nb)| {
+            let ty = WEIGHT_TYPES[t];
+            let scale = (any::<bool>(), 0x1000u16..0x2C00)
+                .prop_map(|(s, m)| m | if s { 0x8000 } else { 0 });
+            let w = (
+                prop::collection::vec(any::<u8>(), nb * ty.type_size()),
+                prop::collection::vec(scale, 2 * nb),
+            )
+                .prop_map(move |(mut w, sc)| {
+                    for (b, blk) in w.chunks_exact_mut(ty.type_size()).enumerate() {
+                        for (i, &o) in f16_fields(ty).iter().enumerate() {
+                            blk[o..o + 2].copy_from_slice(&sc[2 * b + i].to_le_bytes());
+                        }
+                    }
+                    w
+                });
+            (Just(ty), w, prop::collection::vec(prop::collection::vec(-4f32..4.0, 256), nb))
+        })
+    ) {
+        let xq = quantized_row(&xs);
+        let got = strata_quant::vec_dot_isa(ty, Isa::Scalar, xq.len() / 292 * 256, &w, &xq)
+            .unwrap() as f64;
+        let (want, mag) = f64_dot(ty, &w, &xq);
+        prop_assert!(
+            (got - want).abs() <= 1e-5 * mag.max(1e-30),
+            "{ty}: got {got:e}, f64 {want:e}, Σ|w·x| {mag:e}"
+        );
+    }
+}
+
+/// Reference quantizers round-trip random rows with the error their bit widths allow, and
+/// all-zero blocks come back as exact zeros.
+#[test]
+fn weight_quantizers_round_trip() {
+    // Relative RMS error bounds, about 15% above what these quantizers reach on normal data
+    // (2-bit 0.29, 3-bit 0.146, 4-bit 0.069, 5-bit 0.035, 6-bit 0.017). Magnitudes stay where
+    // the f16 super-block scales can represent them.
+    let bounds = [
+        (GgmlType::Q2_K, 0.33),
+        (GgmlType::Q3_K, 0.17),
+        (GgmlType::Q4_K, 0.08),
+        (GgmlType::Q5_K, 0.04),
+        (GgmlType::Q6_K, 0.02),
+    ];
+    let mut rng = strata_quant::synth::SplitMix64(42);
+    for (ty, bound) in bounds {
+        for scale in [1e-2f32, 1.0, 1e3] {
+            let n = 256 * 32;
+            let mut x: Vec<f32> = (0..n).map(|_| rng.next_normal() * scale).collect();
+            x[256..512].fill(0.0);
+            let mut q = vec![0u8; ty.row_bytes(n).unwrap()];
+            strata_quant::quantize(ty, &x, &mut q).unwrap();
+            let mut y = vec![0f32; n];
+            strata_quant::dequantize(ty, &q, &mut y).unwrap();
+            assert!(y[256..512].iter().all(|&v| v == 0.0), "{ty}: zero block");
+            let err: f64 = x
+                .iter()
+                .zip(&y)
+                .map(|(&a, &b)| ((a - b) as f64).powi(2))
+                .sum();
+            let norm: f64 = x.iter().map(|&a| (a as f64).powi(2)).sum();
+            let rel = (err / norm).sqrt();
+            println!("{ty} scale {scale:e}: relative RMS error {rel:.4}");
+            assert!(
+                rel < bound,
+                "{ty} scale {scale:e}: relative RMS error {rel} >= {bound}"
+            );
+        }
+    }
+}
+
 /// The kernels this CPU runs: the fixture dot products go through every one of them.
 #[test]
 fn simd_kernels_present() {
