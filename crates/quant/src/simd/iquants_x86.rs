@@ -3,8 +3,9 @@
 //! `l` of a 256-bit register holds elements `4l..4l+3` of one 32-element sub-block, so the
 //! `maddubs`/`madd` (AVX2) and `maddubs`/`vpdpwssd` (AVX-512) integer sums land in exactly the
 //! reference's 8 lanes; AVX-512 works on two sub-blocks per 512-bit register and folds its two
-//! halves (an exact integer add) before the per-block `fmadd`. Signs are applied to the Q8_K
-//! codes with byte arithmetic, exact for codes in −127..=127 (what the Q8_K quantizer emits).
+//! halves (an exact integer add) before the per-block `fmadd` (IQ3_S's AVX-512 kernel stays at
+//! 256 bits, see there). Signs are applied to the Q8_K codes with byte arithmetic, exact for
+//! codes in −127..=127 (what the Q8_K quantizer emits).
 //!
 //! The grids are too large for in-register shuffles, so grid entries are loaded one by one;
 //! everything else about a block (grid indices, sign bytes, scales) is unpacked for the whole
@@ -167,18 +168,6 @@ mod x86 {
         t
     };
 
-    /// AVX-512, one scale per sub-block: chunks 0, 1 take scale byte `2p`, chunks 2, 3 `2p+1`.
-    static SC4_PAIRS: [[u8; 64]; 4] = {
-        let mut t = [[0u8; 64]; 4];
-        let mut p = 0;
-        while p < 4 {
-            let b = 2 * p as u8;
-            t[p] = quads([[b, Z], [b, Z], [b + 1, Z], [b + 1, Z]]);
-            p += 1;
-        }
-        t
-    };
-
     /// AVX-512, i16 scales (8 words per chunk): chunk `c` of group `g` takes word `4g + c`.
     static W16_QUARTERS: [[u8; 64]; 2] = {
         let mut t = [[0u8; 64]; 2];
@@ -315,6 +304,36 @@ mod x86 {
     fn store_u8(out: &mut [u8; 32], v: __m256i) {
         // SAFETY: `out` is 32 writable bytes.
         unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, v) }
+    }
+
+    /// Grid entries `t[i[0..4]]` of a u32 grid as one 128-bit vector. Built four at a time so
+    /// that few indices are live at once.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn quad32<const N: usize>(t: &[u32; N], i: &[u16]) -> __m128i {
+        let g = |k: usize| t[i[k] as usize] as i32;
+        _mm_setr_epi32(g(0), g(1), g(2), g(3))
+    }
+
+    /// Grid entries `t[i[0..2]]` of a u64 grid as one 128-bit vector.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn pair64<const N: usize>(t: &[u64; N], i: &[u16]) -> __m128i {
+        _mm_set_epi64x(t[i[1] as usize] as i64, t[i[0] as usize] as i64)
+    }
+
+    /// Eight u32 grid entries (one sub-block of IQ3_S).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn grid8x32<const N: usize>(t: &[u32; N], i: &[u16]) -> __m256i {
+        _mm256_setr_m128i(quad32(t, &i[0..4]), quad32(t, &i[4..8]))
+    }
+
+    /// Four u64 grid entries (one sub-block of the IQ2/IQ1 types).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn grid4x64<const N: usize>(t: &[u64; N], i: &[u16]) -> __m256i {
+        _mm256_setr_m128i(pair64(t, &i[0..2]), pair64(t, &i[2..4]))
     }
 
     /// `acc + d · L` lane by lane, as the reference's `d.mul_add(L as f32, acc)`.
@@ -565,8 +584,7 @@ mod x86 {
             let signs = lanes(load256(wb, 74));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ3S_GRID[idx[8 * ib + k] as usize] as i32;
-                let grid = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let grid = grid8x32(&IQ3S_GRID, &idx[8 * ib..8 * ib + 8]);
                 let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
                 let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_WHOLE[ib]));
                 l = _mm256_add_epi32(l, mul_scale(grid, q, sc));
@@ -576,6 +594,9 @@ mod x86 {
         finish(acc, 1.0)
     }
 
+    /// AVX-512 at 256-bit width: on CPUs that split 512-bit operations in two (Zen 4), the
+    /// 16 grid loads of a 512-bit register stall more than they gain; VL still saves the sign
+    /// expansion (a mask register) and the scale multiply-add (`vpdpwssd`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     fn iq3_s_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
@@ -584,20 +605,17 @@ mod x86 {
             let wb = &w[b * 110..(b + 1) * 110];
             let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
             let d = f16(le_u16(wb, 0)) * q8_d(xb);
-            let sb = _mm512_broadcast_i32x4(odd_nibbles16(le_u32(wb, 106) as u64));
+            let sb = _mm256_broadcastsi128_si256(odd_nibbles16(le_u32(wb, 106) as u64));
             iq3_s_indices(wb, &mut idx);
-            let mut a = _mm512_setzero_si512();
-            for p in 0..4 {
-                let g = |k: usize| IQ3S_GRID[idx[16 * p + k] as usize] as i32;
-                let grid = join(
-                    _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)),
-                    _mm256_setr_epi32(g(8), g(9), g(10), g(11), g(12), g(13), g(14), g(15)),
-                );
-                let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(wb, 74 + 8 * p));
-                let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC4_PAIRS[p]));
-                a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
+            let mut l = _mm256_setzero_si256();
+            for ib in 0..8 {
+                let grid = grid8x32(&IQ3S_GRID, &idx[8 * ib..8 * ib + 8]);
+                let q = load256(xb, 4 + 32 * ib);
+                let q = _mm256_mask_sub_epi8(q, le_u32(wb, 74 + 4 * ib), _mm256_setzero_si256(), q);
+                let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_WHOLE[ib]));
+                l = _mm256_dpwssd_epi32(l, _mm256_maddubs_epi16(grid, q), sc);
             }
-            acc = fma_block(acc, d, fold(a));
+            acc = fma_block(acc, d, l);
         }
         finish(acc, 1.0)
     }
@@ -796,8 +814,7 @@ mod x86 {
             let signs = lanes(iq2_xs_prep(wb, &mut idx));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ2XS_GRID[idx[4 * ib + k] as usize] as i64;
-                let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                let grid = grid4x64(&IQ2XS_GRID, &idx[4 * ib..4 * ib + 4]);
                 let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
                 let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_HALVES[ib]));
                 l = _mm256_add_epi32(l, mul_scale(grid, q, sc));
@@ -820,8 +837,10 @@ mod x86 {
             store_u8(&mut sgn, iq2_xs_prep(wb, &mut idx));
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| IQ2XS_GRID[idx[8 * p + k] as usize] as i64;
-                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let grid = join(
+                    grid4x64(&IQ2XS_GRID, &idx[8 * p..8 * p + 4]),
+                    grid4x64(&IQ2XS_GRID, &idx[8 * p + 4..8 * p + 8]),
+                );
                 let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(&sgn, 8 * p));
                 let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC4_QUARTERS[p]));
                 a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
@@ -844,8 +863,7 @@ mod x86 {
             let signs = lanes(load256(wb, 34));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ2S_GRID[idx[4 * ib + k] as usize] as i64;
-                let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                let grid = grid4x64(&IQ2S_GRID, &idx[4 * ib..4 * ib + 4]);
                 let q = neg_where(load256(xb, 4 + 32 * ib), sign_mask(signs, ib));
                 let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_HALVES[ib]));
                 l = _mm256_add_epi32(l, mul_scale(grid, q, sc));
@@ -867,8 +885,10 @@ mod x86 {
             iq2_s_indices(wb, &mut idx);
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| IQ2S_GRID[idx[8 * p + k] as usize] as i64;
-                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let grid = join(
+                    grid4x64(&IQ2S_GRID, &idx[8 * p..8 * p + 4]),
+                    grid4x64(&IQ2S_GRID, &idx[8 * p + 4..8 * p + 8]),
+                );
                 let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(wb, 34 + 8 * p));
                 let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC4_QUARTERS[p]));
                 a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
@@ -953,8 +973,7 @@ mod x86 {
             let delta = lanes(iq1_m_prep(wb, &mut idx));
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ1S_GRID[idx[4 * ib + k] as usize] as i64;
-                let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                let grid = grid4x64(&IQ1S_GRID, &idx[4 * ib..4 * ib + 4]);
                 let dh = if ib < 4 { delta.0 } else { delta.1 };
                 let dx = _mm256_shuffle_epi8(dh, ctrl(&REP8[ib % 4]));
                 let wv = _mm256_shuffle_epi8(tw, _mm256_xor_si256(_mm256_and_si256(grid, m15), dx));
@@ -989,8 +1008,10 @@ mod x86 {
             store_u8(&mut dl, iq1_m_prep(wb, &mut idx));
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| IQ1S_GRID[idx[8 * p + k] as usize] as i64;
-                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let grid = join(
+                    grid4x64(&IQ1S_GRID, &idx[8 * p..8 * p + 4]),
+                    grid4x64(&IQ1S_GRID, &idx[8 * p + 4..8 * p + 8]),
+                );
                 let dx = _mm512_shuffle_epi8(_mm512_set1_epi64(le_u64(&dl, 8 * p) as i64), rep);
                 let wv = _mm512_shuffle_epi8(tw, _mm512_xor_si512(_mm512_and_si512(grid, m15), dx));
                 let q = neg_mask(load512(xb, 4 + 64 * p), _mm512_movepi8_mask(wv));
@@ -1052,8 +1073,7 @@ mod x86 {
             );
             let mut l = _mm256_setzero_si256();
             for ib in 0..8 {
-                let g = |k: usize| IQ1S_GRID[idx[4 * ib + k] as usize] as i64;
-                let grid = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                let grid = grid4x64(&IQ1S_GRID, &idx[4 * ib..4 * ib + 4]);
                 let dx = _mm256_shuffle_epi8(neg, ctrl(&BYTE_WHOLE[ib]));
                 let wv = _mm256_shuffle_epi8(tw, _mm256_xor_si256(_mm256_and_si256(grid, m15), dx));
                 let q = load256(xb, 4 + 32 * ib);
@@ -1106,8 +1126,10 @@ mod x86 {
             let (ls, neg) = (_mm512_broadcast_i32x4(ls), _mm512_broadcast_i32x4(neg));
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let g = |k: usize| IQ1S_GRID[idx[8 * p + k] as usize] as i64;
-                let grid = _mm512_setr_epi64(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let grid = join(
+                    grid4x64(&IQ1S_GRID, &idx[8 * p..8 * p + 4]),
+                    grid4x64(&IQ1S_GRID, &idx[8 * p + 4..8 * p + 8]),
+                );
                 let dx = _mm512_shuffle_epi8(neg, ctrl512(&BYTE_PAIRS[p]));
                 let wv = _mm512_shuffle_epi8(tw, _mm512_xor_si512(_mm512_and_si512(grid, m15), dx));
                 let q = neg_mask(load512(xb, 4 + 64 * p), _mm512_movepi8_mask(wv));
