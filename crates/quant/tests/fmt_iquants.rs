@@ -99,14 +99,10 @@ fn simd_kernels_exist() {
     }
 }
 
-/// The full standard check (including our Q8_K quantizer on `dot_x`), once Q8_K's activation
-/// quantizer exists in the crate.
+/// The full standard check, including the crate's Q8_K quantizer on `dot_x` (its bytes must be
+/// ggml's `dot_xq`).
 #[test]
 fn check_type_with_q8k_quantizer() {
-    if strata_quant::format_fns(GgmlType::Q8_K).quantize.is_none() {
-        eprintln!("SKIPPED: Q8_K has no quantizer yet; dot products are tested on ggml's dot_xq");
-        return;
-    }
     for ty in TYPES {
         common::check_type(ty, false, 1e-5);
     }
