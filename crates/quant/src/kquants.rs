@@ -813,11 +813,20 @@ fn q8k_bsum(x: &[u8], g: usize) -> i32 {
     i16::from_le_bytes([x[Q8K_BSUMS + 2 * g], x[Q8K_BSUMS + 2 * g + 1]]) as i32
 }
 
-/// Adds `sc·q·qx` of element `e` to its lane, `(e mod 32) / 4`.
+/// The lane sums `I[l]`: element `e` adds `scale(e)·code(e)·qx_e` to lane `(e mod 32) / 4`.
+/// Each lane takes 4 consecutive elements at a time, which never straddle a sub-block, so the
+/// scale multiplies their sum (the same value in wrapping i32 arithmetic).
 #[inline(always)]
-fn lane_add(lanes: &mut [i32; 8], e: usize, sc: i32, q: i32, qx: i32) {
-    let l = (e % 32) / 4;
-    lanes[l] = lanes[l].wrapping_add(sc.wrapping_mul(q * qx));
+fn int_lanes(y: &[u8], code: impl Fn(usize) -> i32, scale: impl Fn(usize) -> i32) -> [i32; 8] {
+    let mut lanes = [0i32; 8];
+    for g in 0..QK_K / 32 {
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            let e0 = 32 * g + 4 * l;
+            let t: i32 = (e0..e0 + 4).map(|e| code(e) * q8k_q(y, e)).sum();
+            *lane = lane.wrapping_add(t.wrapping_mul(scale(e0)));
+        }
+    }
+    lanes
 }
 
 /// `acc[l] = D·I[l] + acc[l]`, fused, per lane.
@@ -838,24 +847,18 @@ fn lane_offset(lanes: &mut [i32; 8], k: i32, sc: impl Fn(usize) -> i32, y: &[u8]
     }
 }
 
+/// Element `e`'s 2-bit code in Q2_K/Q3_K's `qs` (starting at `qs`): byte `32·(e/128) + e%32`,
+/// bits `2·((e/32) % 4)`.
+#[inline(always)]
+fn code2(b: &[u8], qs: usize, e: usize) -> u8 {
+    (b[qs + 32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3
+}
+
 fn dot_q2_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
     let (mut acc, mut accm) = ([0f32; 8], [0f32; 8]);
     for (b, y) in w.chunks_exact(Q2K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
-        let (mut il, mut ml) = ([0i32; 8], [0i32; 8]);
-        for s in 0..16 {
-            let q = &b[16 + 32 * (s / 8) + 16 * (s % 2)..][..16];
-            let shift = 2 * ((s / 2) % 4);
-            for l in 0..16 {
-                let e = 16 * s + l;
-                lane_add(
-                    &mut il,
-                    e,
-                    (b[s] & 0xF) as i32,
-                    ((q[l] >> shift) & 3) as i32,
-                    q8k_q(y, e),
-                );
-            }
-        }
+        let il = int_lanes(y, |e| code2(b, 16, e) as i32, |e| (b[e / 16] & 0xF) as i32);
+        let mut ml = [0i32; 8];
         for l in 0..8 {
             let m = |s: usize| (b[s] >> 4) as i32 * q8k_bsum(y, s);
             ml[l] = m(2 * l).wrapping_add(m(2 * l + 1));
@@ -871,18 +874,9 @@ fn dot_q3_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut acc = [0f32; 8];
     for (b, y) in w.chunks_exact(Q3K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
         let sc = scales_q3_k(&b[96..108]);
-        let mut il = [0i32; 8];
-        for s in 0..16 {
-            let (half, j, h) = (s / 8, (s / 2) % 4, s % 2);
-            let q = &b[32 + 32 * half + 16 * h..][..16];
-            let hm = &b[16 * h..][..16];
-            let bit = 1u8 << (4 * half + j);
-            for l in 0..16 {
-                let v = ((q[l] >> (2 * j)) & 3) | if hm[l] & bit != 0 { 4 } else { 0 };
-                let e = 16 * s + l;
-                lane_add(&mut il, e, sc[s] as i32, v as i32, q8k_q(y, e));
-            }
-        }
+        // The high bit of element e is bit e/32 of hmask[e % 32].
+        let code = |e: usize| (code2(b, 32, e) | (((b[e % 32] >> (e / 32)) & 1) << 2)) as i32;
+        let mut il = int_lanes(y, code, |e| sc[e / 16] as i32);
         lane_offset(&mut il, 4, |s| sc[s] as i32, y);
         fold_lanes(&mut acc, q8k_d(y) * le_f16(b, 108), &il);
     }
@@ -890,22 +884,14 @@ fn dot_q3_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
 }
 
 /// Q4_K and Q5_K: `code(b, e)` is element `e`'s code (the 4 low bits, plus the high bit for
-/// Q5_K), the scales sit at byte 4 and d, dmin at 0, 2.
+/// Q5_K); the scales sit at byte 4, d and dmin at 0 and 2.
 #[inline(always)]
 fn dot_k4(w: &[u8], x: &[u8], bytes: usize, code: impl Fn(&[u8], usize) -> u8) -> f32 {
     let (mut acc, mut accm) = ([0f32; 8], [0f32; 8]);
     for (b, y) in w.chunks_exact(bytes).zip(x.chunks_exact(Q8K_BYTES)) {
         let (sc, m) = scale_min_k4(&b[4..16]);
-        let (mut il, mut ml) = ([0i32; 8], [0i32; 8]);
-        for e in 0..QK_K {
-            lane_add(
-                &mut il,
-                e,
-                sc[e / 32] as i32,
-                code(b, e) as i32,
-                q8k_q(y, e),
-            );
-        }
+        let il = int_lanes(y, |e| code(b, e) as i32, |e| sc[e / 32] as i32);
+        let mut ml = [0i32; 8];
         for l in 0..8 {
             ml[l] = (q8k_bsum(y, 2 * l) + q8k_bsum(y, 2 * l + 1)) * m[l] as i32;
         }
@@ -933,10 +919,7 @@ fn dot_q6_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut acc = [0f32; 8];
     for (b, y) in w.chunks_exact(Q6K_BYTES).zip(x.chunks_exact(Q8K_BYTES)) {
         let sc = |s: usize| b[192 + s] as i8 as i32;
-        let mut il = [0i32; 8];
-        for e in 0..QK_K {
-            lane_add(&mut il, e, sc(e / 16), q6_code(b, e) as i32, q8k_q(y, e));
-        }
+        let mut il = int_lanes(y, |e| q6_code(b, e) as i32, |e| sc(e / 16));
         lane_offset(&mut il, 32, sc, y);
         fold_lanes(&mut acc, q8k_d(y) * le_f16(b, 208), &il);
     }
