@@ -6,7 +6,7 @@
 //! # The reference dot product (every ISA reproduces it exactly)
 //!
 //! Every type decodes a block into 256 small signed integers `w[i]` and 16 integer scales
-//! `ls[h]`, one per 16 elements, such that element `i` is worth `dw · ls[i/16] · w[i] / post`:
+//! `ls[h]`, one per 16 elements, such that element `i` is worth `dw · ls[i/16] · w[i] · post`:
 //!
 //! | type | `w` | `ls` | `post` |
 //! |---|---|---|---|
@@ -19,12 +19,11 @@
 //! With `q` the Q8_K codes and `d = dw · dx` (one f32 product per block), each block adds to 8
 //! f32 lanes: lane `l` takes the exact i32 sum `L[l] = Σ ls[i/16]·w[i]·q[i]` over the elements
 //! `i` with `(i mod 32) / 4 == l` (four consecutive elements of each 32-element sub-block, what
-//! one i32 lane of a `maddubs`/`madd` or `vpdpbusd` register holds), then
+//! one i32 lane of a `maddubs`+`madd` or `maddubs`+`vpdpwssd` result holds), then
 //! `acc[l] = d.mul_add(L[l] as f32, acc[l])`. The result is `post · reduce8(acc)`.
 //!
-//! The integer sums are exact for any Q8_K input whose codes lie in −127..=127 (what the Q8_K
-//! quantizer produces: the SIMD kernels flip the sign of a code with byte arithmetic, which
-//! would wrap −128).
+//! The SIMD kernels equal this reference for Q8_K codes in −127..=127, which is what the Q8_K
+//! quantizer produces: they flip the sign of a code with byte arithmetic, which would wrap −128.
 
 use crate::dot::{le_f16, le_u16, le_u32, reduce8};
 use crate::grids::*;
