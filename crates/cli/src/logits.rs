@@ -11,12 +11,12 @@ use anyhow::{bail, Context};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use strata_engine::qwen4exp::{LoadOptions, Model};
-use strata_engine::{CpuBackend, FloatActivations, KvType, QsaRule};
+use strata_engine::{qwen2, CpuBackend, FloatActivations, KvType, QsaRule};
 use strata_gguf::GgufFile;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The model GGUF file (architecture qwen4exp)
+    /// The model GGUF file (architecture qwen4exp or qwen2)
     #[arg(short = 'm', long, value_name = "MODEL.gguf")]
     pub model: PathBuf,
     /// Token ids, comma-separated
@@ -66,24 +66,41 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         FloatActivations::Paired
     };
     let backend = CpuBackend::new(args.threads)?.with_float_activations(mode);
-    let opts = LoadOptions {
-        qsa_rule: args.qsa_rule,
-        qsa_ratio: args.qsa_ratio,
-        kv_type: args.kv_type,
-    };
     let t0 = Instant::now();
-    let model = Model::from_file(file, backend, &opts)
-        .with_context(|| format!("loading {}", args.model.display()))?;
-    for w in model.warnings() {
-        eprintln!("warning: {w}");
-    }
-    let loaded = t0.elapsed();
-    let mut state = model.new_state()?;
-    let t1 = Instant::now();
-    let out = model.forward(&mut state, &tokens)?;
-    let ran = t1.elapsed();
+    // (logits, n_vocab, threads, time of the forward pass)
+    let (out_logits, n_vocab, threads, loaded, ran) = if file.architecture()? == qwen2::ARCH {
+        let opts = qwen2::LoadOptions {
+            kv_type: args.kv_type,
+        };
+        let model = qwen2::Model::from_file(file, backend, &opts)
+            .with_context(|| format!("loading {}", args.model.display()))?;
+        let loaded = t0.elapsed();
+        let mut state = model.new_state()?;
+        let t1 = Instant::now();
+        let out = model.forward(&mut state, &tokens)?;
+        let threads = model.backend().threads();
+        (out.logits, out.n_vocab, threads, loaded, t1.elapsed())
+    } else {
+        let opts = LoadOptions {
+            qsa_rule: args.qsa_rule,
+            qsa_ratio: args.qsa_ratio,
+            kv_type: args.kv_type,
+        };
+        let model = Model::from_file(file, backend, &opts)
+            .with_context(|| format!("loading {}", args.model.display()))?;
+        for w in model.warnings() {
+            eprintln!("warning: {w}");
+        }
+        let loaded = t0.elapsed();
+        let mut state = model.new_state()?;
+        let t1 = Instant::now();
+        let out = model.forward(&mut state, &tokens)?;
+        let threads = model.backend().threads();
+        (out.logits, out.n_vocab, threads, loaded, t1.elapsed())
+    };
+    let rows = out_logits.len() / n_vocab.max(1);
 
-    let logits: Vec<u8> = out.logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let logits: Vec<u8> = out_logits.iter().flat_map(|x| x.to_le_bytes()).collect();
     let ids: Vec<u8> = tokens
         .iter()
         .flat_map(|&t| i64::from(t).to_le_bytes())
@@ -91,7 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let views = [
         (
             "logits",
-            TensorView::new(Dtype::F32, vec![out.rows(), out.n_vocab], &logits)?,
+            TensorView::new(Dtype::F32, vec![rows, n_vocab], &logits)?,
         ),
         (
             "input_ids",
@@ -103,11 +120,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     eprintln!(
         "wrote {}: logits [{}, {}] (load {:.2?}, forward {:.2?} on {} threads, {:.1} tokens/s)",
         args.out.display(),
-        out.rows(),
-        out.n_vocab,
+        rows,
+        n_vocab,
         loaded,
         ran,
-        model.backend().threads(),
+        threads,
         tokens.len() as f64 / ran.as_secs_f64().max(1e-9)
     );
     Ok(ExitCode::SUCCESS)

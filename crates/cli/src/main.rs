@@ -4,10 +4,12 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod chat;
 mod fetch;
 mod inspect;
 mod logits;
 mod parity;
+mod run;
 mod tokenize;
 
 #[derive(Parser)]
@@ -19,6 +21,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Stream a completion of a prompt (default model when no -m)
+    Run(run::Args),
+    /// Chat with a model using its chat template (default model when no -m)
+    Chat(chat::Args),
     /// Show a GGUF file's metadata and tensors, or dump one tensor dequantized to .npy
     Inspect(inspect::Args),
     /// Throughput programs: `bench formats` (block formats)
@@ -36,6 +42,8 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Chat(a) => chat::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Fetch(a) => fetch::run(a),

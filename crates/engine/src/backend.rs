@@ -301,4 +301,6 @@ pub trait Backend: Send + Sync {
         v: &Self::Buf,
         streams: usize,
     ) -> Result<Self::Buf>;
+    /// `x[r] += b` for every row: a projection's bias (`b` has `cols` values).
+    fn add_bias(&self, x: &mut Self::Buf, b: &Self::Weight) -> Result<()>;
 }

@@ -4,8 +4,11 @@
 pub mod backend;
 pub mod cpu;
 pub mod error;
+pub mod generate;
 pub mod kernels;
+pub mod qwen2;
 pub mod qwen4exp;
+pub mod sampler;
 
 pub use backend::{Backend, DeviceBuf, DeviceWeight, KvType, QsaRule, Usage};
 pub use cpu::{CpuBackend, CpuBuf, CpuWeight, FloatActivations};

@@ -965,4 +965,23 @@ impl Backend for CpuBackend {
         }
         CpuBuf::new(k.rows, k.cols, out)
     }
+
+    fn add_bias(&self, x: &mut CpuBuf, b: &CpuWeight) -> Result<()> {
+        let bv = b.values()?;
+        if bv.len() != x.cols {
+            return Err(EngineError::shape(
+                "add_bias",
+                format!("{}: {} values for rows of {}", b.name(), bv.len(), x.cols),
+            ));
+        }
+        if x.cols == 0 {
+            return Ok(());
+        }
+        for row in x.data.chunks_mut(x.cols) {
+            for (a, &v) in row.iter_mut().zip(bv) {
+                *a += v;
+            }
+        }
+        Ok(())
+    }
 }

@@ -1,0 +1,248 @@
+//! `strata run` and `strata chat` end to end: the default model's greedy text and a two-turn
+//! chat against llama.cpp's output for the same file (fixtures/llamacpp; skipped with a message
+//! when the model is not cached), and the qwen4exp path on the tiny fixture against
+//! transformers' golden logits.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use safetensors::{Dtype, SafeTensors};
+
+const MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+}
+
+/// Where `strata fetch` caches the default model, or `STRATA_DEFAULT_MODEL`; None (with a
+/// message) when it is not there.
+fn default_model() -> Option<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let path = env("STRATA_DEFAULT_MODEL").or_else(|| {
+        env("STRATA_CACHE")
+            .map(|d| d.join("models"))
+            .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("strata/models")))
+            .or_else(|| env("HOME").map(|d| d.join(".cache/strata/models")))
+            .map(|d| d.join(MODEL_FILE))
+    })?;
+    if path.exists() {
+        Some(path)
+    } else {
+        eprintln!(
+            "SKIP: {} not found (run `strata fetch` to cache the default model)",
+            path.display()
+        );
+        None
+    }
+}
+
+fn strata(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    if let Some(s) = stdin {
+        input.write_all(s.as_bytes()).unwrap();
+    }
+    drop(input);
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "strata {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+#[test]
+fn run_greedy_prints_what_llama_cpp_prints() {
+    let Some(model) = default_model() else {
+        return;
+    };
+    let want = std::fs::read_to_string(fixtures().join("llamacpp/qwen25_capital.txt")).unwrap();
+    let out = strata(
+        &[
+            "run",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "The capital of France is",
+            "-n",
+            "64",
+            "--temp",
+            "0",
+            "-t",
+            "2",
+        ],
+        None,
+    );
+    let got = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn chat_two_turns_reply_as_llama_cpp_does() {
+    let Some(model) = default_model() else {
+        return;
+    };
+    let oracle: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures().join("llamacpp/qwen25_chat.json")).unwrap(),
+    )
+    .unwrap();
+    let lines: Vec<&str> = oracle["users"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    let want: String = oracle["replies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| format!("{}\n", v.as_str().unwrap()))
+        .collect();
+    let input: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    let out = strata(
+        &[
+            "chat",
+            "-m",
+            model.to_str().unwrap(),
+            "--temp",
+            "0",
+            "-n",
+            "64",
+            "-t",
+            "2",
+            "-v",
+        ],
+        Some(&input),
+    );
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), want);
+    // The second turn ran only the new tokens: the report says how many were reused.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("reused from the cache"), "{err}");
+}
+
+fn tiny() -> PathBuf {
+    fixtures().join("qwen4exp/tiny")
+}
+
+#[test]
+fn run_on_qwen4exp_picks_the_golden_argmax() {
+    // The fixture's golden prompt begins with this text; transformers' logits after it choose
+    // the first greedy token.
+    let text = "The river keeps its own time.<|endoftext|>";
+    let golden = std::fs::read(tiny().join("golden.safetensors")).unwrap();
+    let golden = SafeTensors::deserialize(&golden).unwrap();
+    let file = strata_gguf::GgufFile::open(tiny().join("model-f32.gguf")).unwrap();
+    let tok = strata_tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    let ids = tok.encode(text, true, true).unwrap();
+    let t = golden.tensor("logits").unwrap();
+    assert_eq!(t.dtype(), Dtype::F32);
+    let n_vocab = t.shape()[1];
+    let logits: Vec<f32> = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let row = &logits[(ids.len() - 1) * n_vocab..ids.len() * n_vocab];
+    let mut order: Vec<usize> = (0..n_vocab).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+    assert!(row[order[0]] - row[order[1]] > 1e-3, "golden top two tie");
+    let want = format!(
+        "{}{}\n",
+        tok.decode(&ids, true).unwrap(),
+        tok.decode(&[order[0] as u32], true).unwrap()
+    );
+    let model = tiny().join("model-f32.gguf");
+    let args = [
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        text,
+        "-n",
+        "1",
+        "--temp",
+        "0",
+        "--kv-type",
+        "f32",
+    ];
+    let out = strata(&args, None);
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), want);
+    // No timing report without --verbose.
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("decode:"));
+}
+
+#[test]
+fn run_sampling_is_reproducible_by_seed_and_verbose_goes_to_stderr() {
+    let model = tiny().join("model-f32.gguf");
+    let m = model.to_str().unwrap();
+    let go = |seed: &str| {
+        strata(
+            &[
+                "run",
+                "-m",
+                m,
+                "-p",
+                "The river",
+                "-n",
+                "12",
+                "--temp",
+                "1.5",
+                "--top-k",
+                "0",
+                "--top-p",
+                "1",
+                "--min-p",
+                "0",
+                "--seed",
+                seed,
+                "-v",
+            ],
+            None,
+        )
+    };
+    let a = go("11");
+    let b = go("11");
+    assert_eq!(a.stdout, b.stdout);
+    let text = String::from_utf8(a.stdout).unwrap();
+    assert!(text.starts_with("The river"), "{text}");
+    assert!(!text.contains("tokens/s"));
+    let err = String::from_utf8_lossy(&a.stderr);
+    assert!(err.contains("decode:") && err.contains("tokens/s"), "{err}");
+    // Twelve draws at temperature 1.5 from a random tiny model: two other seeds both giving the
+    // same text would mean the seed is ignored.
+    let texts: Vec<Vec<u8>> = ["12", "13"].iter().map(|s| go(s).stdout).collect();
+    assert!(texts.iter().any(|t| *t != b.stdout));
+}
+
+#[test]
+fn run_rejects_a_bad_sampler_chain() {
+    let model = tiny().join("model-f32.gguf");
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "run",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "x",
+            "--sampler",
+            r#"{"stages":[{"type":"top_p","p":-2}],"pick":{"type":"greedy"}}"#,
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(out.stdout.is_empty());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("top_p"), "{err}");
+}

@@ -1,0 +1,294 @@
+//! The generation loop, written once over the [`Session`] trait that every model's sequence
+//! state implements: reuse of a cached prefix, prefill in chunks, sample, stream each token to a
+//! callback, stop at end-of-generation, a token budget or the context's end, and time it all.
+//!
+//! The loop follows llama.cpp's `simple` example step for step, so a greedy run gives the same
+//! tokens: the prompt runs as one batch, each sampled token is fed back before the next is
+//! chosen, the end-of-generation token is never fed, and the last token of the budget is not
+//! decoded (nothing would read its logits).
+
+use std::time::{Duration, Instant};
+
+use crate::backend::Backend;
+use crate::error::{EngineError, Result};
+use crate::sampler::{SampleContext, Sampler};
+use crate::{qwen2, qwen4exp};
+
+/// One sequence of a loaded model, as the generation loop sees it.
+pub trait Session {
+    fn n_vocab(&self) -> usize;
+    /// Most positions the sequence may hold.
+    fn n_ctx(&self) -> usize;
+    /// Tokens consumed so far.
+    fn tokens(&self) -> &[u32];
+    /// Consumes `tokens` (at least one) and returns the logits that follow the last of them.
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
+    /// Forgets every token from position `pos` on (`pos` ≤ the current position).
+    fn rewind(&mut self, pos: usize) -> Result<()>;
+}
+
+/// A qwen2 sequence: its KV caches roll back by truncation.
+pub struct Qwen2Session<'m, B: Backend> {
+    model: &'m qwen2::Model<B>,
+    state: qwen2::State<B>,
+}
+
+impl<'m, B: Backend> Qwen2Session<'m, B> {
+    pub fn new(model: &'m qwen2::Model<B>) -> Result<Self> {
+        Ok(Qwen2Session {
+            model,
+            state: model.new_state()?,
+        })
+    }
+}
+
+impl<B: Backend> Session for Qwen2Session<'_, B> {
+    fn n_vocab(&self) -> usize {
+        self.model.config().n_vocab
+    }
+    fn n_ctx(&self) -> usize {
+        self.model.config().n_ctx_train
+    }
+    fn tokens(&self) -> &[u32] {
+        self.state.tokens()
+    }
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let pos = self.state.position();
+        match self.model.forward_with(&mut self.state, tokens, true) {
+            Ok(out) => Ok(out.logits),
+            Err(e) => {
+                // Leave the sequence as it was before the call, not part-way.
+                self.model.truncate(&mut self.state, pos)?;
+                Err(e)
+            }
+        }
+    }
+    fn rewind(&mut self, pos: usize) -> Result<()> {
+        self.model.truncate(&mut self.state, pos)
+    }
+}
+
+/// A qwen4exp sequence. Its recurrent layers cannot be truncated, so a rewind replays the kept
+/// prefix into a fresh state (chat turns usually extend the sequence and need none).
+pub struct Qwen4expSession<'m, B: Backend> {
+    model: &'m qwen4exp::Model<B>,
+    state: qwen4exp::State<B>,
+}
+
+impl<'m, B: Backend> Qwen4expSession<'m, B> {
+    pub fn new(model: &'m qwen4exp::Model<B>) -> Result<Self> {
+        Ok(Qwen4expSession {
+            model,
+            state: model.new_state()?,
+        })
+    }
+}
+
+impl<B: Backend> Session for Qwen4expSession<'_, B> {
+    fn n_vocab(&self) -> usize {
+        self.model.config().n_vocab
+    }
+    fn n_ctx(&self) -> usize {
+        // The file states no trained context; positions are bounded by u32 only.
+        u32::MAX as usize
+    }
+    fn tokens(&self) -> &[u32] {
+        self.state.tokens()
+    }
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let want = qwen4exp::Want {
+            last_only: true,
+            ..Default::default()
+        };
+        match self.model.forward_with(&mut self.state, tokens, want) {
+            Ok(out) => Ok(out.logits),
+            Err(e) => {
+                // A failed call leaves the recurrent states part-way while the token history is
+                // untouched (it grows only on success): rebuild from the history. Checkpointing
+                // every call instead would copy megabytes of state per token.
+                self.replay(self.state.tokens().len())?;
+                Err(e)
+            }
+        }
+    }
+    fn rewind(&mut self, pos: usize) -> Result<()> {
+        let have = self.state.tokens().len();
+        if pos > have {
+            return Err(EngineError::Input(format!(
+                "cannot rewind a sequence of {have} tokens to position {pos}"
+            )));
+        }
+        if pos == have {
+            return Ok(());
+        }
+        self.replay(pos)
+    }
+}
+
+impl<B: Backend> Qwen4expSession<'_, B> {
+    /// A fresh state that has consumed the first `pos` tokens of the current history.
+    fn replay(&mut self, pos: usize) -> Result<()> {
+        let keep = self.state.tokens()[..pos.min(self.state.tokens().len())].to_vec();
+        self.state = self.model.new_state()?;
+        if !keep.is_empty() {
+            self.model.forward_with(
+                &mut self.state,
+                &keep,
+                qwen4exp::Want {
+                    last_only: true,
+                    ..Default::default()
+                },
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Limits of one generation.
+#[derive(Clone, Debug)]
+pub struct GenOptions {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Prompt tokens per forward call (bounds activation memory on long prompts).
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenOptions {
+    fn default() -> Self {
+        GenOptions {
+            max_tokens: 256,
+            prefill_chunk: 512,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced an end-of-generation token (carried here; it was not fed).
+    Eog(u32),
+    MaxTokens,
+    /// The sequence reached the model's context.
+    ContextFull,
+    /// The callback asked to stop.
+    Stopped,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Timings {
+    /// Prompt tokens actually run (after reusing a cached prefix).
+    pub prompt_tokens: usize,
+    /// Prompt tokens found already in the sequence.
+    pub reused_tokens: usize,
+    pub prompt: Duration,
+    /// Tokens fed back one at a time.
+    pub decoded_tokens: usize,
+    pub decode: Duration,
+    pub sampled_tokens: usize,
+    pub sample: Duration,
+}
+
+impl Timings {
+    pub fn prompt_tps(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt.as_secs_f64().max(1e-9)
+    }
+    pub fn decode_tps(&self) -> f64 {
+        self.decoded_tokens as f64 / self.decode.as_secs_f64().max(1e-9)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The generated tokens (without the end-of-generation token).
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+    pub timings: Timings,
+}
+
+/// Runs `prompt` (reusing whatever prefix of it `session` already holds) and generates up to
+/// `opts.max_tokens` tokens, handing each to `on_token` as soon as it is chosen; `on_token`
+/// returns false to stop. `is_eog` says which tokens end generation.
+pub fn generate(
+    session: &mut dyn Session,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    is_eog: &dyn Fn(u32) -> bool,
+    opts: &GenOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(EngineError::Input("the prompt has no tokens".to_string()));
+    }
+    if prompt.len() >= session.n_ctx() {
+        return Err(EngineError::Input(format!(
+            "the prompt has {} tokens; the model's context holds {} positions",
+            prompt.len(),
+            session.n_ctx()
+        )));
+    }
+    let mut t = Timings::default();
+    let mut gen = Generation {
+        tokens: Vec::new(),
+        stop: StopReason::MaxTokens,
+        timings: Timings::default(),
+    };
+    if opts.max_tokens == 0 {
+        return Ok(gen);
+    }
+
+    // Keep the longest cached prefix, but always run at least the last prompt token: its
+    // logits choose the first new token.
+    let common = session
+        .tokens()
+        .iter()
+        .zip(prompt)
+        .take_while(|(a, b)| a == b)
+        .count()
+        .min(prompt.len() - 1);
+    session.rewind(common)?;
+    t.reused_tokens = common;
+    let t0 = Instant::now();
+    let mut logits = Vec::new();
+    for chunk in prompt[common..].chunks(opts.prefill_chunk.max(1)) {
+        logits = session.feed(chunk)?;
+    }
+    t.prompt = t0.elapsed();
+    t.prompt_tokens = prompt.len() - common;
+
+    loop {
+        let pos = session.tokens().len();
+        let ts = Instant::now();
+        let tok = sampler.sample(
+            &logits,
+            &SampleContext {
+                position: pos as u64,
+                history: session.tokens(),
+            },
+        )?;
+        t.sample += ts.elapsed();
+        t.sampled_tokens += 1;
+        if is_eog(tok) {
+            gen.stop = StopReason::Eog(tok);
+            break;
+        }
+        gen.tokens.push(tok);
+        if !on_token(tok) {
+            gen.stop = StopReason::Stopped;
+            break;
+        }
+        if gen.tokens.len() >= opts.max_tokens {
+            gen.stop = StopReason::MaxTokens;
+            break;
+        }
+        if pos + 1 >= session.n_ctx() {
+            gen.stop = StopReason::ContextFull;
+            break;
+        }
+        let td = Instant::now();
+        logits = session.feed(&[tok])?;
+        t.decode += td.elapsed();
+        t.decoded_tokens += 1;
+    }
+    gen.timings = t;
+    Ok(gen)
+}

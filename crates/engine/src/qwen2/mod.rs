@@ -1,0 +1,292 @@
+//! The dense qwen2 architecture (Qwen2 / Qwen2.5 and their Coder variants, the default model),
+//! written once against [`Backend`]: pre-norm decoder blocks of causal GQA attention (q/k/v
+//! biases, NeoX RoPE over whole heads) and a SwiGLU MLP, RMSNorm with a plain weight, and an
+//! output head that is either its own tensor or the tied embedding.
+
+pub mod config;
+pub mod weights;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use strata_gguf::GgufFile;
+
+use crate::backend::{Backend, DeviceBuf};
+use crate::error::{EngineError, Result};
+
+pub use config::{Config, LoadOptions, ARCH};
+use weights::{LayerW, Weights};
+
+/// Host copy of a forward call's logits, row-major `[rows, n_vocab]`.
+#[derive(Clone, Debug, Default)]
+pub struct Outputs {
+    pub logits: Vec<f32>,
+    pub n_vocab: usize,
+}
+
+impl Outputs {
+    pub fn rows(&self) -> usize {
+        self.logits.len().checked_div(self.n_vocab).unwrap_or(0)
+    }
+
+    /// Logits of row `r`, if there is one.
+    pub fn row(&self, r: usize) -> Option<&[f32]> {
+        self.logits.get(r * self.n_vocab..(r + 1) * self.n_vocab)
+    }
+}
+
+/// One layer's attention cache: keys after RoPE, values, one row per position.
+struct KvCache<B: Backend> {
+    k: B::Buf,
+    v: B::Buf,
+}
+
+/// One sequence's state: create with [`Model::new_state`], advance with [`Model::forward`],
+/// roll back with [`Model::truncate`] (a dense model's state is only its caches).
+pub struct State<B: Backend> {
+    pos: usize,
+    tokens: Vec<u32>,
+    layers: Vec<KvCache<B>>,
+}
+
+impl<B: Backend> State<B> {
+    /// Tokens consumed so far (the position of the next token).
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
+pub struct Model<B: Backend> {
+    backend: B,
+    config: Config,
+    weights: Weights<B::Weight>,
+    file: Arc<GgufFile>,
+}
+
+impl<B: Backend> Model<B> {
+    /// Opens a qwen2 GGUF and binds every tensor on `backend`.
+    pub fn load(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
+        let file = Arc::new(GgufFile::open(path)?);
+        Self::from_file(file, backend, opts)
+    }
+
+    /// As [`Model::load`], from a file already open.
+    pub fn from_file(file: Arc<GgufFile>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
+        let arch = file.architecture()?;
+        if arch != ARCH {
+            return Err(EngineError::UnsupportedArch {
+                file: file.name().to_string(),
+                found: arch.to_string(),
+                expected: ARCH.to_string(),
+            });
+        }
+        let n_embd = file.get_u32(&format!("{ARCH}.embedding_length"))? as u64;
+        let embd = file
+            .tensor("token_embd.weight")
+            .ok_or_else(|| EngineError::MissingTensor {
+                file: file.name().to_string(),
+                tensor: "token_embd.weight".to_string(),
+                expected: format!("shape [{n_embd}, n_vocab]"),
+            })?;
+        if embd.dims.len() != 2 || embd.ne(0) != n_embd || embd.ne(1) == 0 {
+            return Err(EngineError::TensorShape {
+                file: file.name().to_string(),
+                tensor: embd.name.clone(),
+                found: embd.dims.clone(),
+                expected: vec![n_embd, embd.ne(1).max(1)],
+            });
+        }
+        let n_vocab = usize::try_from(embd.ne(1))
+            .map_err(|_| EngineError::Input(format!("{}: vocabulary too large", file.name())))?;
+        let config = Config::from_gguf(&file, n_vocab, opts)?;
+        let weights = weights::bind(&file, &backend, &config)?;
+        Ok(Model {
+            backend,
+            config,
+            weights,
+            file,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn file(&self) -> &Arc<GgufFile> {
+        &self.file
+    }
+
+    /// Whether the output head is the embedding (no `output.weight` in the file).
+    pub fn tied_output(&self) -> bool {
+        self.weights.tied
+    }
+
+    /// A fresh sequence state (position 0).
+    pub fn new_state(&self) -> Result<State<B>> {
+        let kv = self.config.kv_dim();
+        let layers = (0..self.config.n_layer)
+            .map(|_| {
+                Ok(KvCache {
+                    k: self.backend.zeros(0, kv)?,
+                    v: self.backend.zeros(0, kv)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(State {
+            pos: 0,
+            tokens: Vec::new(),
+            layers,
+        })
+    }
+
+    /// Rolls `st` back to position `pos` (≤ its position): later cache rows are dropped.
+    pub fn truncate(&self, st: &mut State<B>, pos: usize) -> Result<()> {
+        if pos > st.pos {
+            return Err(EngineError::Input(format!(
+                "cannot roll a sequence at position {} forward to {pos}",
+                st.pos
+            )));
+        }
+        for c in &mut st.layers {
+            self.backend.truncate_rows(&mut c.k, pos)?;
+            self.backend.truncate_rows(&mut c.v, pos)?;
+        }
+        st.pos = pos;
+        st.tokens.truncate(pos);
+        Ok(())
+    }
+
+    /// Logits of every token of `tokens`, continuing `st`.
+    pub fn forward(&self, st: &mut State<B>, tokens: &[u32]) -> Result<Outputs> {
+        self.forward_with(st, tokens, false)
+    }
+
+    /// The forward pass; with `last_only`, logits of the last token only (a prefill that only
+    /// needs the next token skips the LM head for the others). Every operation works row by row,
+    /// so N tokens in one call give the same bits as N calls of one token. On error the state is
+    /// left part-way; truncate it back to its old position before using it again.
+    pub fn forward_with(
+        &self,
+        st: &mut State<B>,
+        tokens: &[u32],
+        last_only: bool,
+    ) -> Result<Outputs> {
+        let b = &self.backend;
+        let c = &self.config;
+        let w = &self.weights;
+        if tokens.is_empty() {
+            return Err(EngineError::Input("forward: no tokens".to_string()));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+            return Err(EngineError::Input(format!(
+                "token id {t} is out of range (vocabulary {})",
+                c.n_vocab
+            )));
+        }
+        let n = tokens.len();
+        if st.pos + n > c.n_ctx_train {
+            return Err(EngineError::Input(format!(
+                "{} tokens at position {} exceed the model's context of {} positions",
+                n, st.pos, c.n_ctx_train
+            )));
+        }
+        let positions: Vec<u32> = (st.pos..st.pos + n)
+            .map(|p| {
+                u32::try_from(p)
+                    .map_err(|_| EngineError::Input(format!("position {p} is too large")))
+            })
+            .collect::<Result<_>>()?;
+
+        let mut x = b.embed_rows(&w.token_embd, tokens, 1)?;
+        for (lw, cache) in w.layers.iter().zip(st.layers.iter_mut()) {
+            self.decoder_layer(lw, &mut x, &positions, cache)?;
+        }
+        if last_only && n > 1 {
+            let cols = x.cols();
+            let flat = b.reshape(x, 1, n * cols)?;
+            x = b.slice_cols(&flat, (n - 1) * cols, cols)?;
+        }
+        let logits = self.lm_head(&x)?;
+        st.pos += n;
+        st.tokens.extend_from_slice(tokens);
+        Ok(Outputs {
+            logits: b.download(&logits)?,
+            n_vocab: c.n_vocab,
+        })
+    }
+
+    /// `x += attn(norm(x)); x += mlp(norm(x))`.
+    fn decoder_layer(
+        &self,
+        lw: &LayerW<B::Weight>,
+        x: &mut B::Buf,
+        positions: &[u32],
+        cache: &mut KvCache<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let c = &self.config;
+        let h = b.rms_norm(x, &lw.attn_norm, c.n_embd, c.eps)?;
+        let a = self.attention(lw, &h, positions, cache)?;
+        b.add_assign(x, &a)?;
+        let h = b.rms_norm(x, &lw.ffn_norm, c.n_embd, c.eps)?;
+        let m = self.mlp(lw, &h)?;
+        b.add_assign(x, &m)
+    }
+
+    /// Causal GQA over the cache: biased projections, NeoX RoPE on q and k, softmax
+    /// attention scaled by 1/sqrt(head_dim), output projection (no bias).
+    fn attention(
+        &self,
+        lw: &LayerW<B::Weight>,
+        h: &B::Buf,
+        positions: &[u32],
+        cache: &mut KvCache<B>,
+    ) -> Result<B::Buf> {
+        let b = &self.backend;
+        let c = &self.config;
+        let hd = c.attn.head_dim;
+        let proj = |wt: &B::Weight, bias: &Option<B::Weight>| -> Result<B::Buf> {
+            let mut y = b.matmul(wt, h)?;
+            if let Some(bw) = bias {
+                b.add_bias(&mut y, bw)?;
+            }
+            Ok(y)
+        };
+        let mut q = proj(&lw.q, &lw.q_bias)?;
+        let mut k = proj(&lw.k, &lw.k_bias)?;
+        let v = proj(&lw.v, &lw.v_bias)?;
+        b.rope_neox(&mut q, hd, hd, c.rope_theta, positions)?;
+        b.rope_neox(&mut k, hd, hd, c.rope_theta, positions)?;
+        b.append_rows(&mut cache.k, &k)?;
+        b.append_rows(&mut cache.v, &v)?;
+        let sel = b.select_causal(positions)?;
+        let a = b.attend(&q, &cache.k, &cache.v, &sel, c.attn, c.kv_type)?;
+        b.matmul(&lw.o, &a)
+    }
+
+    /// `down(silu(gate·h) ⊙ up·h)`.
+    fn mlp(&self, lw: &LayerW<B::Weight>, h: &B::Buf) -> Result<B::Buf> {
+        let b = &self.backend;
+        let act = b.swiglu(&b.matmul(&lw.gate, h)?, &b.matmul(&lw.up, h)?)?;
+        b.matmul(&lw.down, &act)
+    }
+
+    fn lm_head(&self, x: &B::Buf) -> Result<B::Buf> {
+        let b = &self.backend;
+        let c = &self.config;
+        let h = b.rms_norm(x, &self.weights.output_norm, c.n_embd, c.eps)?;
+        let mut y = b.matmul(&self.weights.output, &h)?;
+        if let Some(bw) = &self.weights.output_bias {
+            b.add_bias(&mut y, bw)?;
+        }
+        Ok(y)
+    }
+}
