@@ -38,7 +38,7 @@
 // Loops index several arrays with layout arithmetic; iterators would obscure the layout.
 #![allow(clippy::needless_range_loop)]
 
-use crate::dot::{f32_to_f16, le_f16};
+use crate::dot::{f32_to_f16, le_f16, reduce8};
 use crate::{FormatFns, GgmlType};
 
 /// Elements per K-quant super-block.
@@ -794,8 +794,6 @@ pub fn quantize_q6_k(src: &[f32], dst: &mut [u8]) {
 
 // =============================================================================================
 // Scalar reference dot products (weight row × Q8_K row); see the module doc for the order.
-
-use crate::dot::reduce8;
 
 /// The Q8_K block's f32 scale.
 #[inline(always)]
