@@ -6,9 +6,11 @@
 // rounding.
 //
 // gemv_base_*: runtime row length and token count (the accumulators indexed at run time).
-// gemv_opt_*_k2560_nt*: the row length and token count as template constants: every loop
-//                       unrolled, accumulators in registers, loads of a lane's units issued
-//                       together.
+// gemv_opt_*_k2560_nt*: the row length and token count as template constants (every loop
+//                       unrolled, accumulators in registers); 8 rows a block; each weight row
+//                       and the activation rows staged in shared memory with 16/8/4-byte
+//                       coalesced loads (the GGUF blocks are only 2-byte aligned, but whole
+//                       rows are); BF16 read with 16-byte loads directly.
 
 template <int T>
 __device__ __forceinline__ void gemv_base(const u8* w, const u8* x, float* y, int rows, int k,
@@ -28,24 +30,79 @@ __device__ __forceinline__ void gemv_base(const u8* w, const u8* x, float* y, in
     }
 }
 
+// Copies `bytes` (a multiple of 4) from global to shared memory with the widest loads the
+// alignment allows (A: 16, 8 or 4), `n` threads from thread `i` on.
+template <int A>
+__device__ __forceinline__ void stage(u8* dst, const u8* src, int bytes, int i, int n) {
+    if (A == 16) {
+        for (int k = i; k < bytes / 16; k += n) ((uint4*)dst)[k] = ((const uint4*)src)[k];
+    } else if (A == 8) {
+        for (int k = i; k < bytes / 8; k += n) ((uint2*)dst)[k] = ((const uint2*)src)[k];
+    } else {
+        for (int k = i; k < bytes / 4; k += n) ((u32*)dst)[k] = ((const u32*)src)[k];
+    }
+}
+
+template <int B>
+__host__ __device__ constexpr int align_of_size() { return B % 16 == 0 ? 16 : B % 8 == 0 ? 8 : 4; }
+
+// One BF16 unit (32 values) against one activation unit, both 16-byte aligned, in the same
+// fmaf order as unit_dot<T_BF16>.
+__device__ __forceinline__ float bf16_unit(const uint4* wv, const uint4* xp) {
+    float a = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const uint4 xv = xp[q];
+        const u32 ws[4] = {wv[q].x, wv[q].y, wv[q].z, wv[q].w};
+        const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            a = fmaf(__uint_as_float(ws[m] << 16), __uint_as_float(xs[m] << 16), a);
+            a = fmaf(__uint_as_float(ws[m] & 0xffff0000u), __uint_as_float(xs[m] & 0xffff0000u), a);
+        }
+    }
+    return a;
+}
+
 template <int T, int K, int NT>
 __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int rows) {
-    constexpr int U = K / 32, PER = (U + 31) / 32;
-    constexpr size_t WRB = (size_t)(K / Fmt<T>::QK) * Fmt<T>::TS;
-    constexpr size_t XRB = T == T_BF16 ? 2 * K : (T == T_Q8_0 || T == T_Q2_0) ? 34 * (K / 32) : 292 * (K / 256);
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * 4 + (threadIdx.x >> 5);
-    if (r >= rows) return;
-    const u8* wr = w + (size_t)r * WRB;
+    constexpr int U = K / 32, PER = (U + 31) / 32, WARPS = 8;
+    constexpr int WRB = (K / Fmt<T>::QK) * Fmt<T>::TS;
+    constexpr int XRB = T == T_BF16 ? 2 * K : (T == T_Q8_0 || T == T_Q2_0) ? 34 * (K / 32) : 292 * (K / 256);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r = blockIdx.x * WARPS + warp;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+    if constexpr (T == T_BF16) {
+        // Aligned rows: 16-byte loads straight from global memory, four per unit and operand.
+        if (r >= rows) return;
+        const uint4* wr = (const uint4*)(w + (size_t)r * WRB);
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int u = lane + 32 * i;
-        if (u < U) {
+        for (int i = 0; i < PER; ++i) {
+            const int u = lane + 32 * i;
+            if (u < U) {
+                const uint4 wv[4] = {wr[4 * u], wr[4 * u + 1], wr[4 * u + 2], wr[4 * u + 3]};
 #pragma unroll
-            for (int t = 0; t < NT; ++t) acc[t] += unit_dot<T>(wr, x + t * XRB, u);
+                for (int t = 0; t < NT; ++t) acc[t] += bf16_unit(wv, (const uint4*)(x + (size_t)t * XRB) + 4 * u);
+            }
+        }
+    } else {
+        // The block's activation rows and each warp's weight row staged in shared memory with
+        // wide coalesced loads; the unit decoders then read bytes at any alignment.
+        __shared__ __align__(16) u8 xsh[NT * XRB];
+        __shared__ __align__(16) u8 wsh[WARPS][(WRB + 15) / 16 * 16];
+        stage<align_of_size<NT * XRB>()>(xsh, x, NT * XRB, threadIdx.x, 32 * WARPS);
+        if (r < rows) stage<align_of_size<WRB>()>(wsh[warp], w + (size_t)r * WRB, WRB, lane, 32);
+        __syncthreads();
+        if (r >= rows) return;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int u = lane + 32 * i;
+            if (u < U) {
+#pragma unroll
+                for (int t = 0; t < NT; ++t) acc[t] += unit_dot<T>(wsh[warp], xsh + t * XRB, u);
+            }
         }
     }
 #pragma unroll
@@ -62,7 +119,7 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
         gemv_base<T>(w, x, y, rows, k, nt, wrb, xrb);                                          \
     }
 #define GEMV_OPT1(T, NAME, NT)                                                                 \
-    extern "C" __global__ void __launch_bounds__(128)                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
     gemv_opt_##NAME##_k2560_nt##NT(const u8* w, const u8* x, float* y, int rows) {             \
         gemv_opt<T, 2560, NT>(w, x, y, rows);                                                  \
     }

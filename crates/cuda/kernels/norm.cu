@@ -52,71 +52,93 @@ rms_xprep_base(const float* x, const float* w, u8* out, int n, float eps, int fm
     prep_generic(fmt, n, o, [&](int i) { return (xr[i] * r) * w[i]; });
 }
 
-template <int N, int FMT>
+template <int N, int FMT, int TH>
 __device__ __forceinline__ void rms_xprep_opt(const float* x, const float* w, u8* out, float eps) {
     constexpr int K = N / 256;
+    __shared__ __align__(16) float xs[N];  // the row (40 KiB at N = 10240)
     __shared__ float sh[8];
-    __shared__ float xs[N];  // the row, kept for the output pass (40 KiB at N = 10240)
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* xp = x + (size_t)blockIdx.x * N + tid;
-    float* sp = xs + tid;
-    float v[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = xp[256 * k];
-    float acc = 0.f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        acc += v[k] * v[k];
-        sp[256 * k] = v[k];
-    }
-    const float r = rms_scale(block_sum256(acc, sh), N, eps);  // its barriers publish xs
-    if (FMT == FMT_F32 || FMT == FMT_BF16) {
-        // Same thread-to-element map as the reduction: no shared memory needed.
-        const float* wp = w + tid;
+    const int tid = threadIdx.x;
+    // All TH threads stage the row with 16-byte loads ...
+    const float4* x4 = (const float4*)(x + (size_t)blockIdx.x * N);
+    for (int i = tid; i < N / 4; i += TH) ((float4*)xs)[i] = x4[i];
+    __syncthreads();
+    // ... the first 256 reduce it in the canonical order ...
+    if (tid < 256) {
+        const float* xp = xs + tid;
+        float acc = 0.f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            const float y = (v[k] * r) * wp[256 * k];
-            if (FMT == FMT_F32) ((float*)out)[(size_t)blockIdx.x * N + tid + 256 * k] = y;
-            else ((u16*)out)[(size_t)blockIdx.x * N + tid + 256 * k] = f32_to_bf16(y);
+            const float v = xp[256 * k];
+            acc += v * v;
+        }
+        acc = warp_sum(acc);
+        if ((tid & 31) == 0) sh[tid >> 5] = acc;
+    }
+    __syncthreads();
+    // ... and the 8 warp sums are halved (4, 2, 1 apart) by every thread.
+    const float r = rms_scale(((sh[0] + sh[4]) + (sh[2] + sh[6])) + ((sh[1] + sh[5]) + (sh[3] + sh[7])), N, eps);
+    const float4* w4 = (const float4*)w;
+    const float4* s4 = (const float4*)xs;
+    if (FMT == FMT_F32 || FMT == FMT_BF16) {
+        for (int i = tid; i < N / 4; i += TH) {
+            const float4 a = s4[i], b = w4[i];
+            const float4 y = make_float4((a.x * r) * b.x, (a.y * r) * b.y, (a.z * r) * b.z, (a.w * r) * b.w);
+            if (FMT == FMT_F32) {
+                ((float4*)out)[(size_t)blockIdx.x * (N / 4) + i] = y;
+            } else {
+                const u32 lo = (u32)f32_to_bf16(y.x) | ((u32)f32_to_bf16(y.y) << 16);
+                const u32 hi = (u32)f32_to_bf16(y.z) | ((u32)f32_to_bf16(y.w) << 16);
+                ((uint2*)out)[(size_t)blockIdx.x * (N / 4) + i] = make_uint2(lo, hi);
+            }
         }
     } else if (FMT == FMT_Q8_0) {
-        constexpr int NB = N / 32, PER = NB / 8;  // blocks per warp: 10 (2560) or 40 (10240)
-        u8* o = out + (size_t)blockIdx.x * (34 * NB) + 34 * warp;
-        const float* xw = xs + 32 * warp + lane;
-        const float* ww = w + 32 * warp + lane;
-#pragma unroll
-        for (int k = 0; k < PER; ++k) q8_0_warp((xw[256 * k] * r) * ww[256 * k], o + 34 * 8 * k, lane);
+        // Eight lanes a block, four values a lane: a warp quantizes four blocks at once.
+        u8* o = out + (size_t)blockIdx.x * (34 * (N / 32));
+        const int sub = tid & 7;
+        for (int b = tid >> 3; b < N / 32; b += TH / 8) {
+            const float4 a = s4[8 * b + sub], c = w4[8 * b + sub];
+            const float y0 = (a.x * r) * c.x, y1 = (a.y * r) * c.y, y2 = (a.z * r) * c.z, y3 = (a.w * r) * c.w;
+            float m = fmaxf(fmaxf(fabsf(y0), fabsf(y1)), fmaxf(fabsf(y2), fabsf(y3)));
+            m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 2));
+            m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 4));
+            const float d = m / 127.f;
+            const float id = (m != 0.f) ? 127.f / m : 0.f;
+            const u32 q0 = (u8)(i8)sat_i8(rintf(y0 * id)), q1 = (u8)(i8)sat_i8(rintf(y1 * id));
+            const u32 q2 = (u8)(i8)sat_i8(rintf(y2 * id)), q3 = (u8)(i8)sat_i8(rintf(y3 * id));
+            u16* ob = (u16*)(o + 34 * b + 2 + 4 * sub);
+            ob[0] = (u16)(q0 | (q1 << 8));
+            ob[1] = (u16)(q2 | (q3 << 8));
+            if (sub == 0) *(u16*)(o + 34 * b) = f32_to_f16(d);
+        }
     } else {
-        constexpr int NB = N / 256;
-        u8* o = out + (size_t)blockIdx.x * (292 * NB);
-#pragma unroll
-        for (int k = 0; k < (NB + 7) / 8; ++k) {
-            const int b = warp + 8 * k;
-            if (b < NB) {
-                float y[8];
-                const float* xb = xs + 256 * b + 8 * lane;
-                const float* wb = w + 256 * b + 8 * lane;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) y[j] = (xb[j] * r) * wb[j];
-                q8k_warp(y, o + 292 * b, lane);
-            }
+        u8* o = out + (size_t)blockIdx.x * (292 * (N / 256));
+        const int lane = tid & 31;
+        for (int b = tid >> 5; b < N / 256; b += TH / 32) {
+            const float4 a0 = s4[64 * b + 2 * lane], a1 = s4[64 * b + 2 * lane + 1];
+            const float4 c0 = w4[64 * b + 2 * lane], c1 = w4[64 * b + 2 * lane + 1];
+            const float y[8] = {(a0.x * r) * c0.x, (a0.y * r) * c0.y, (a0.z * r) * c0.z, (a0.w * r) * c0.w,
+                                (a1.x * r) * c1.x, (a1.y * r) * c1.y, (a1.z * r) * c1.z, (a1.w * r) * c1.w};
+            q8k_warp(y, o + 292 * b, lane);
         }
     }
 }
 
-#define RMS_XPREP_OPT(N, FMT, NAME)                                                           \
-    extern "C" __global__ void __launch_bounds__(256)                                         \
+// 256 threads at N = 2560, 1024 at N = 10240 (the row is staged by all of them; the
+// canonical reduction uses the first 256).
+#define RMS_XPREP_OPT(N, FMT, NAME, TH)                                                       \
+    extern "C" __global__ void __launch_bounds__(TH)                                          \
     rms_xprep_opt_##N##_##NAME(const float* x, const float* w, u8* out, float eps) {          \
-        rms_xprep_opt<N, FMT>(x, w, out, eps);                                                \
+        rms_xprep_opt<N, FMT, TH>(x, w, out, eps);                                            \
     }
-RMS_XPREP_OPT(2560, FMT_F32, f32)
-RMS_XPREP_OPT(2560, FMT_BF16, bf16)
-RMS_XPREP_OPT(2560, FMT_Q8_0, q8_0)
-RMS_XPREP_OPT(2560, FMT_Q8K, q8_k)
-RMS_XPREP_OPT(10240, FMT_F32, f32)
-RMS_XPREP_OPT(10240, FMT_BF16, bf16)
-RMS_XPREP_OPT(10240, FMT_Q8_0, q8_0)
-RMS_XPREP_OPT(10240, FMT_Q8K, q8_k)
+RMS_XPREP_OPT(2560, FMT_F32, f32, 256)
+RMS_XPREP_OPT(2560, FMT_BF16, bf16, 256)
+RMS_XPREP_OPT(2560, FMT_Q8_0, q8_0, 256)
+RMS_XPREP_OPT(2560, FMT_Q8K, q8_k, 256)
+RMS_XPREP_OPT(10240, FMT_F32, f32, 1024)
+RMS_XPREP_OPT(10240, FMT_BF16, bf16, 1024)
+RMS_XPREP_OPT(10240, FMT_Q8_0, q8_0, 1024)
+RMS_XPREP_OPT(10240, FMT_Q8K, q8_k, 1024)
 
 // ---- combine_gnorm -----------------------------------------------------------------------
 // r_s = h_s + e; o_s = rms(r_s) * w_s for each stream s (one block per token).
@@ -139,56 +161,32 @@ combine_gnorm_base(const float* h, const float* e, const float* w, float* r, flo
     }
 }
 
-// N = 2560, S = 4: 40 elements a thread held in registers, the four sums reduced together.
+// N = 2560, S = 4: one block per (token, stream), so the four grouped norms of a token run on
+// four multiprocessors; a thread's 10 values stay in registers between the sum and the output.
 extern "C" __global__ void __launch_bounds__(256)
 combine_gnorm_opt_2560_4(const float* h, const float* e, const float* w, float* r, float* o,
                          float eps) {
     constexpr int N = 2560, S = 4, K = N / 256;
-    __shared__ float sh[8][S];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const size_t row = (size_t)blockIdx.x * S * N + tid;
+    __shared__ float sh[8];
+    const int tid = threadIdx.x;
+    const size_t row = (size_t)blockIdx.x * N + tid;  // h, r, o rows are (token, stream)
     const float* hp = h + row;
-    const float* ep = e + (size_t)blockIdx.x * N + tid;
+    const float* ep = e + (size_t)(blockIdx.x / S) * N + tid;
+    const float* wp = w + (size_t)(blockIdx.x % S) * N + tid;
     float* rp = r + row;
-    float ev[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) ev[k] = ep[256 * k];
-    float rv[S][K];
-    float acc[S];
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-        acc[s] = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const float v = hp[s * N + 256 * k] + ev[k];
-            rv[s][k] = v;
-            rp[s * N + 256 * k] = v;
-            acc[s] += v * v;
-        }
-    }
-#pragma unroll
-    for (int s = 0; s < S; ++s) acc[s] = warp_sum(acc[s]);
-    if (lane == 0) {
-#pragma unroll
-        for (int s = 0; s < S; ++s) sh[warp][s] = acc[s];
-    }
-    __syncthreads();
-    float sc[S];
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-        float q = (lane < 8) ? sh[lane][s] : 0.f;
-        q += __shfl_xor_sync(FULL_MASK, q, 4);
-        q += __shfl_xor_sync(FULL_MASK, q, 2);
-        q += __shfl_xor_sync(FULL_MASK, q, 1);
-        sc[s] = rms_scale(__shfl_sync(FULL_MASK, q, 0), N, eps);
-    }
     float* op = o + row;
-    const float* wp = w + tid;
+    float v[K];
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
+    for (int k = 0; k < K; ++k) v[k] = hp[256 * k] + ep[256 * k];
+    float acc = 0.f;
 #pragma unroll
-        for (int k = 0; k < K; ++k) op[s * N + 256 * k] = (rv[s][k] * sc[s]) * wp[s * N + 256 * k];
+    for (int k = 0; k < K; ++k) {
+        rp[256 * k] = v[k];
+        acc += v[k] * v[k];
     }
+    const float sc = rms_scale(block_sum256(acc, sh), N, eps);
+#pragma unroll
+    for (int k = 0; k < K; ++k) op[256 * k] = (v[k] * sc) * wp[256 * k];
 }
 
 // ---- xprep -------------------------------------------------------------------------------

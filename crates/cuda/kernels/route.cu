@@ -5,8 +5,9 @@
 // route_base: runtime E and K; the chosen expert is masked with a run-time index into the
 //             lane's register array (which sends the array to local memory) and every lane
 //             rescans all of its values each round.
-// route_opt_E_K: E and K constants; masking by an unrolled select so the values stay in
-//             registers, and each lane caches its best and rescans only when it lost it.
+// route_opt_E_K: E and K constants; (value, index) packed in one 64-bit key so each butterfly
+//             step is one max; masking by an unrolled select so the keys stay in registers;
+//             each lane caches its best and rescans only when it lost it.
 
 __device__ __forceinline__ void argmax_warp(float& bv, int& bi) {
 #pragma unroll
@@ -56,6 +57,13 @@ route_base(const float* logits, int* ids, float* wts, int E, int K) {
     if (lane == 0) renorm_store(sv, K, wts + (size_t)blockIdx.x * K);
 }
 
+// Probabilities are >= +0, so their bits order like unsigned integers: a 64-bit key
+// (bits << 32 | ~index) orders by (value, lower index), one max per butterfly step; a taken
+// expert's key is 0, below every live key.
+__device__ __forceinline__ u64 route_key(float v, int idx) {
+    return ((u64)__float_as_uint(v) << 32) | (u64)(u32)(~idx);
+}
+
 template <int E, int K>
 __device__ __forceinline__ void route_opt(const float* logits, int* ids, float* wts) {
     constexpr int PER = E / 32;
@@ -76,43 +84,45 @@ __device__ __forceinline__ void route_opt(const float* logits, int* ids, float* 
         s += v[j];
     }
     s = warp_sum(s);
+    u64 key[PER];
 #pragma unroll
-    for (int j = 0; j < PER; ++j) v[j] = v[j] / s;
+    for (int j = 0; j < PER; ++j) key[j] = route_key(v[j] / s, lane + 32 * j);
     // The lane's own best, kept across rounds.
-    float lb = NEG_INF;
-    int li = 1 << 30;
+    u64 lb = 0;
 #pragma unroll
-    for (int j = 0; j < PER; ++j)
-        if (v[j] > lb) { lb = v[j]; li = lane + 32 * j; }
-    float sv[K];
-    int si[K];
+    for (int j = 0; j < PER; ++j) lb = key[j] > lb ? key[j] : lb;
+    u64 sel[K];
 #pragma unroll
-    for (int r = 0; r < K; ++r) {
-        float bv = lb;
-        int bi = li;
-        argmax_warp(bv, bi);
-        sv[r] = bv;
-        si[r] = bi;
-        if (bi == li) {
+    for (int rk = 0; rk < K; ++rk) {
+        u64 b = lb;
 #pragma unroll
-            for (int j = 0; j < PER; ++j) v[j] = (bi == lane + 32 * j) ? NEG_INF : v[j];
-            lb = NEG_INF;
-            li = 1 << 30;
+        for (int st = 16; st > 0; st >>= 1) {
+            const u64 o = __shfl_xor_sync(FULL_MASK, b, st);
+            b = o > b ? o : b;
+        }
+        sel[rk] = b;
+        if (b == lb) {
 #pragma unroll
-            for (int j = 0; j < PER; ++j)
-                if (v[j] > lb) { lb = v[j]; li = lane + 32 * j; }
+            for (int j = 0; j < PER; ++j) key[j] = key[j] == b ? 0ull : key[j];
+            lb = 0;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) lb = key[j] > lb ? key[j] : lb;
         }
     }
     if (lane == 0) {
+        float sv[K];
         float sum = 0.f;
 #pragma unroll
-        for (int r = 0; r < K; ++r) sum += sv[r];
+        for (int rk = 0; rk < K; ++rk) {
+            sv[rk] = __uint_as_float((u32)(sel[rk] >> 32));
+            sum += sv[rk];
+        }
         int* io = ids + (size_t)blockIdx.x * K;
         float* wo = wts + (size_t)blockIdx.x * K;
 #pragma unroll
-        for (int r = 0; r < K; ++r) {
-            io[r] = si[r];
-            wo[r] = sv[r] / sum;
+        for (int rk = 0; rk < K; ++rk) {
+            io[rk] = (int)(~(u32)sel[rk]);
+            wo[rk] = sv[rk] / sum;
         }
     }
 }

@@ -152,8 +152,14 @@ pub fn compile_cubin(name: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u
     Ok(cubin)
 }
 
-/// The warnings NVRTC printed for a successful compile (for the CI check).
-pub fn compile_log(name: &str, source: &str, arch: (i32, i32)) -> Result<String, CudaError> {
+/// The log NVRTC printed for a successful compile, with `extra` options (e.g.
+/// `--ptxas-options=-v` for registers, stack frames and spills).
+pub fn compile_log(
+    name: &str,
+    source: &str,
+    arch: (i32, i32),
+    extra: &[&str],
+) -> Result<String, CudaError> {
     ensure_nvrtc()?;
     let err = |what: String| CudaError::Nvrtc {
         module: name.to_string(),
@@ -164,6 +170,7 @@ pub fn compile_log(name: &str, source: &str, arch: (i32, i32)) -> Result<String,
         Program(result::create_program(&src, None).map_err(|e| err(format!("create: {e}")))?);
     let mut opts: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
     opts.push(format!("--gpu-architecture=sm_{}{}", arch.0, arch.1));
+    opts.extend(extra.iter().map(|s| s.to_string()));
     // SAFETY: as in compile_cubin.
     let r = unsafe { result::compile_program(prog.0, &opts) };
     let log = log_of(&prog);

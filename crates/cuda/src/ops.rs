@@ -99,7 +99,7 @@ pub fn rms_xprep(
             gpu,
             "norm",
             format!("rms_xprep_opt_{n}_{}", fmt_name(fmt)),
-            cfg(nt as u32, 256),
+            cfg(nt as u32, if n == 10240 { 1024 } else { 256 }),
             [x, w, out, &eps]
         )
     } else {
@@ -140,7 +140,7 @@ pub fn combine_gnorm(
             gpu,
             "norm",
             "combine_gnorm_opt_2560_4",
-            cfg(nt as u32, 256),
+            cfg((nt * 4) as u32, 256),
             [h, e, w, r, o, &eps]
         )
     } else {
@@ -295,7 +295,7 @@ pub fn gemv(
             gpu,
             "gemv",
             format!("gemv_opt_{tn}_k2560_nt{nt}"),
-            cfg(grid, 128),
+            cfg(rows.div_ceil(8) as u32, 256),
             [w, x, y, &ri]
         )
     } else {
@@ -464,9 +464,9 @@ pub struct PickScratch {
     pub ticket: CudaSlice<u32>,
 }
 
-/// Blocks the optimized pick uses for `nv` values (16 values a thread).
+/// Blocks the optimized pick uses for `nv` values (4 values, one 16-byte load, a thread).
 pub fn pick_blocks(nv: usize) -> usize {
-    nv.div_ceil(4096).clamp(1, 1024)
+    nv.div_ceil(1024).clamp(1, 1024)
 }
 
 impl PickScratch {

@@ -31,3 +31,49 @@ fn every_module_compiles() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
+
+/// With `STRATA_PTXAS_REPORT=1`: prints ptxas's resource report (registers, stack frame,
+/// spills) of every kernel; fails if an optimized kernel spills or keeps a stack frame.
+#[test]
+fn optimized_kernels_do_not_spill() {
+    if std::env::var_os("STRATA_PTXAS_REPORT").is_none() {
+        eprintln!("SKIPPED optimized_kernels_do_not_spill: set STRATA_PTXAS_REPORT=1 to run it");
+        return;
+    }
+    if let Err(e) = nvrtc::ensure_nvrtc() {
+        eprintln!("SKIPPED optimized_kernels_do_not_spill: {e}");
+        return;
+    }
+    let mut bad = Vec::new();
+    for m in sources::MODULES {
+        let log = nvrtc::compile_log(m.name, &m.source(), (9, 0), &["--ptxas-options=-v"])
+            .expect("compile");
+        let mut func = String::new();
+        for line in log.lines() {
+            if let Some(i) = line.find("Compiling entry function '") {
+                func = line[i + 26..]
+                    .trim_end_matches(['\'', ' '])
+                    .split('\'')
+                    .next()
+                    .unwrap_or("")
+                    .to_string();
+            }
+            if line.contains("bytes stack frame") {
+                eprintln!("{:>8} {func}: {}", m.name, line.trim());
+                let spill =
+                    !line.contains("0 bytes spill stores") || !line.contains("0 bytes spill loads");
+                if func.contains("_opt") && (spill || !line.contains(" 0 bytes stack frame")) {
+                    bad.push(format!("{func}: {}", line.trim()));
+                }
+            }
+            if line.contains("Used ") && line.contains("registers") {
+                eprintln!("{:>8} {func}: {}", m.name, line.trim());
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "optimized kernels with stack frames or spills:\n{}",
+        bad.join("\n")
+    );
+}

@@ -390,6 +390,15 @@ pub(crate) fn route_logits(r: &mut Rng, nt: usize, e: usize) -> Vec<f32> {
     l
 }
 
+/// GEMV activations: specials included, but |x| <= 2^20, because a Q8_0 activation block
+/// stores its scale `amax/127` as f16 (largest 65504): a larger block overflows it to
+/// infinity (in ggml as well) and the row's products become inf/NaN.
+pub(crate) fn gemv_input(r: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| r.f32_special(1.0).clamp(-1_048_576.0, 1_048_576.0))
+        .collect()
+}
+
 fn gemv_row(
     opts: &Options,
     rng: &mut Rng,
@@ -417,7 +426,7 @@ fn gemv_row(
         reps,
         &mut |r| {
             let w = weight_blocks(ty, m * k / ty.block_size(), seed ^ r.u64());
-            let x = r.f32_vec_special(nt * k, 1.0);
+            let x = gemv_input(r, nt * k);
             let mut xq = vec![0u8; nt * xb];
             strata_engine::kernels::actq::quantize_row(fmt, &x, &mut xq);
             Ok((w, xq))

@@ -768,7 +768,7 @@ fn gemv_row(
     };
     for _ in 0..trials {
         let w = weight_blocks(ty, m * k / ty.block_size(), rng.u64());
-        let x = rng.f32_vec_special(nt * k, 1.0);
+        let x = crate::cpu::gemv_input(rng, nt * k);
         let mut xq = vec![0u8; nt * xb];
         quantize_row(fmt, &x, &mut xq);
         let mut want = vec![0f32; nt * m];
