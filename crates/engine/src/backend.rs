@@ -201,6 +201,9 @@ pub trait Backend: Send + Sync {
     fn embed_rows(&self, table: &Self::Weight, ids: &[u32], copies: usize) -> Result<Self::Buf>;
     /// `y = W·x` per row; each activation row is quantized to the weight's `vec_dot_type` first.
     fn matmul(&self, w: &Self::Weight, x: &Self::Buf) -> Result<Self::Buf>;
+    /// `matmul` restricted to the weight rows `rows` (output column `i` is row `rows[i]`), each
+    /// entry bit-identical to the full product's: the draft vocabulary's rows of the LM head.
+    fn matmul_rows(&self, w: &Self::Weight, rows: &[u32], x: &Self::Buf) -> Result<Self::Buf>;
     /// RMS norm over groups of `group` columns, then × `w` (either `cols` values, or `group`
     /// values broadcast over the groups, as for per-head norms).
     fn rms_norm(

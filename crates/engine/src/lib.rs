@@ -8,6 +8,7 @@ pub mod generate;
 pub mod kernels;
 pub mod qwen2;
 pub mod qwen4exp;
+pub mod spec;
 pub mod sampler;
 
 pub use backend::{Backend, DeviceBuf, DeviceWeight, KvType, QsaRule, Usage};

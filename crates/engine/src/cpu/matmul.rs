@@ -180,3 +180,105 @@ pub(crate) fn matmul_widened(
     }
     Ok(out)
 }
+
+/// `out[r][i] = dot(w row rows[i], x row r)`: the products of chosen weight rows only (the draft
+/// vocabulary's rows of the LM head). Each entry is the same dot call on the same bytes as the
+/// full product's, so it equals that product's entry bit for bit. With f32 activations, float
+/// weights are widened and met by the f32 activations instead (the exact mode of `matmul_widened`).
+pub(crate) fn matmul_rows(
+    isa: Isa,
+    wty: GgmlType,
+    w: &[u8],
+    m: usize,
+    rows: &[u32],
+    x: &Prepared,
+    name: &str,
+) -> Result<Vec<f32>> {
+    let (k, n) = (x.k, x.n);
+    // f32 activations against a float weight: the widened (exact) mode.
+    let widen = x.ty == GgmlType::F32 && wty != GgmlType::F32;
+    let dot_ty = if widen { GgmlType::F32 } else { wty };
+    let dot = strata_quant::dot_fn(dot_ty, isa)
+        .ok_or_else(|| EngineError::shape("matmul_rows", format!("{name}: no dot product")))?;
+    let expect_x = if widen {
+        Some(GgmlType::F32)
+    } else {
+        wty.vec_dot_type()
+    };
+    if expect_x != Some(x.ty) {
+        return Err(EngineError::shape(
+            "matmul_rows",
+            format!(
+                "{name}: activations prepared as {} for a {wty} weight",
+                x.ty
+            ),
+        ));
+    }
+    let w_row = wty.row_bytes(k).ok_or_else(|| {
+        EngineError::shape(
+            "matmul_rows",
+            format!("{name}: rows of {k} are not whole {wty} blocks"),
+        )
+    })?;
+    if w.len() < m * w_row {
+        return Err(EngineError::shape(
+            "matmul_rows",
+            format!("{name}: {} bytes hold fewer than {m} rows", w.len()),
+        ));
+    }
+    if let Some(&bad) = rows.iter().find(|&&r| r as usize >= m) {
+        return Err(EngineError::shape(
+            "matmul_rows",
+            format!("{name}: row {bad} asked of a matrix of {m} rows"),
+        ));
+    }
+    let xr = x.row_bytes;
+    let xb = &x.bytes;
+    let min_len = (65536 / (k * n).max(1)).max(1);
+    let mut out_t = vec![0f32; rows.len() * n];
+    out_t
+        .par_chunks_mut(n)
+        .with_min_len(min_len)
+        .zip(rows.par_iter())
+        .try_for_each(|(col, &o)| -> Result<()> {
+            let wr = &w[o as usize * w_row..(o as usize + 1) * w_row];
+            if widen {
+                let mut row = vec![0f32; k];
+                strata_quant::dequantize(wty, wr, &mut row)?;
+                let rb: &[u8] = bytemuck::cast_slice(&row);
+                for (r, c) in col.iter_mut().enumerate() {
+                    *c = dot(k, rb, &xb[r * xr..(r + 1) * xr]);
+                }
+            } else {
+                for (r, c) in col.iter_mut().enumerate() {
+                    *c = dot(k, wr, &xb[r * xr..(r + 1) * xr]);
+                }
+            }
+            Ok(())
+        })?;
+    let nr = rows.len();
+    let mut out = vec![0f32; n * nr];
+    for o in 0..nr {
+        for r in 0..n {
+            out[r * nr + o] = out_t[o * n + r];
+        }
+    }
+    Ok(out)
+}
+
+/// Activation rows kept in f32 (the widened path's operand), in [`Prepared`] form.
+pub(crate) fn prepare_f32(x: &[f32], k: usize, name: &str) -> Result<Prepared> {
+    if k == 0 || x.len() % k != 0 {
+        return Err(EngineError::shape(
+            "matmul",
+            format!("{name}: {} activations are not rows of {k}", x.len()),
+        ));
+    }
+    Ok(Prepared {
+        ty: GgmlType::F32,
+        k,
+        n: x.len() / k,
+        row_bytes: k * 4,
+        bytes: bytemuck::cast_slice(x).to_vec(),
+    })
+}

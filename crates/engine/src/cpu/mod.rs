@@ -369,6 +369,32 @@ impl Backend for CpuBackend {
         CpuBuf::new(x.rows, m, y)
     }
 
+    fn matmul_rows(&self, w: &CpuWeight, rows: &[u32], x: &CpuBuf) -> Result<CpuBuf> {
+        let k = w.row_len();
+        if w.info.dims.len() > 2 || x.cols != k {
+            return Err(EngineError::shape(
+                "matmul_rows",
+                format!(
+                    "{}: rows of {} against weight {:?}",
+                    w.name(),
+                    x.cols,
+                    w.dims()
+                ),
+            ));
+        }
+        let widen = self.float_activations == FloatActivations::F32
+            && matches!(w.ty, GgmlType::F16 | GgmlType::BF16);
+        let y = self.pool.install(|| -> Result<Vec<f32>> {
+            let xp = if widen {
+                matmul::prepare_f32(&x.data, k, w.name())?
+            } else {
+                matmul::prepare(w.ty, &x.data, k, w.name())?
+            };
+            matmul::matmul_rows(self.isa, w.ty, w.bytes()?, w.n_rows2(), rows, &xp, w.name())
+        })?;
+        CpuBuf::new(x.rows, rows.len(), y)
+    }
+
     fn rms_norm(&self, x: &CpuBuf, w: &CpuWeight, group: usize, eps: f32) -> Result<CpuBuf> {
         let wv = w.values()?;
         if group == 0 || x.cols % group != 0 || (wv.len() != x.cols && wv.len() != group) {

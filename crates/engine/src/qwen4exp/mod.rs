@@ -3,6 +3,8 @@
 //! GGUF layout (norms with 1 + w folded, GDN value heads tiled, experts split, indexer split).
 
 pub mod config;
+pub mod mtp;
+pub mod mtp_convert;
 mod ngram;
 pub mod state;
 pub mod weights;
@@ -16,8 +18,9 @@ use crate::backend::{Backend, DeviceBuf, ExpertWeights, GdnParams, HcWeights, Qs
 use crate::error::{EngineError, Result};
 
 pub use config::{Config, LayerKind, LoadOptions, DOCUMENTED_QSA_RATIO};
+use state::GdnRecord;
 use state::{AttnCache, LayerState};
-pub use state::{Checkpoint, State};
+pub use state::{Checkpoint, ReplayLog, State};
 use weights::{AttnW, Binder, GdnW, HcW, IndexerW, LayerW, MixerW, MoeW, PleW, Weights};
 
 /// What a forward call returns besides the logits.
@@ -60,6 +63,25 @@ pub struct Model<B: Backend> {
     weights: Weights<B::Weight>,
     warnings: Vec<String>,
     file: Arc<GgufFile>,
+    /// The MTP draft head, when one is attached (from the model file or a separate GGUF).
+    mtp: Option<mtp::MtpHead<B::Weight>>,
+}
+
+/// The RoPE positions of a layer call's rows and the base they rotate with (the MTP layer may
+/// have its own).
+#[derive(Clone, Copy)]
+pub(crate) struct Positions<'a> {
+    pub positions: &'a [u32],
+    pub theta: f32,
+}
+
+/// A forward pass's results still on the device.
+pub(crate) struct DevOutputs<B: Backend> {
+    /// `[rows, n_vocab]` (rows = tokens, or 1 with `Want::last_only`).
+    pub logits: B::Buf,
+    /// `[tokens, S·H]`, the pre-mixer residual (with `Want::hidden`).
+    pub hidden: Option<B::Buf>,
+    pub layer_out: Vec<Vec<f32>>,
 }
 
 impl<B: Backend> Model<B> {
@@ -104,13 +126,19 @@ impl<B: Backend> Model<B> {
         .weights(&config)?;
         let mut warnings = Vec::new();
         resolve_qsa_ratios(&mut config, &weights, opts, file.name(), &mut warnings)?;
-        Ok(Model {
+        let mut model = Model {
             backend,
             config,
             weights,
             warnings,
-            file,
-        })
+            file: Arc::clone(&file),
+            mtp: None,
+        };
+        // A file that carries the head (`mtp.*` tensors) gets it attached at once.
+        if mtp::file_has_head(&file) {
+            model.attach_mtp(file)?;
+        }
+        Ok(model)
     }
 
     pub fn config(&self) -> &Config {
@@ -233,6 +261,119 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// Keeps the first `keep` tokens of the window that the last [`Model::forward_dev`] call
+    /// (logged into `log`, from checkpoint `cp`) ran: attention caches are truncated, and the
+    /// recurrent states restored and advanced over the kept rows from the logged inputs. The
+    /// result is bit for bit the state of decoding the kept tokens one at a time.
+    pub(crate) fn rollback_window(
+        &self,
+        st: &mut State<B>,
+        cp: &Checkpoint<B>,
+        log: ReplayLog<B>,
+        keep: usize,
+    ) -> Result<()> {
+        let window = st.pos.checked_sub(cp.pos).ok_or_else(|| {
+            EngineError::Input(format!(
+                "checkpoint at position {} is ahead of the state (position {})",
+                cp.pos, st.pos
+            ))
+        })?;
+        if keep > window || cp.recurrent.len() != st.layers.len() {
+            return Err(EngineError::Input(format!(
+                "cannot keep {keep} of a window of {window} tokens"
+            )));
+        }
+        if keep == window {
+            return Ok(());
+        }
+        let b = &self.backend;
+        let new_pos = cp.pos + keep;
+        let mut gdn_log = log.gdn;
+        gdn_log.resize_with(st.layers.len(), || None);
+        for (l, ((layer, saved), rec)) in st
+            .layers
+            .iter_mut()
+            .zip(&cp.recurrent)
+            .zip(gdn_log)
+            .enumerate()
+        {
+            match (layer, saved, &self.weights.layers[l].mixer) {
+                (LayerState::Gdn { conv, s }, Some((c0, s0)), MixerW::Gdn(gw)) => {
+                    *conv = b.copy(c0)?;
+                    *s = b.copy(s0)?;
+                    if keep == 0 {
+                        continue;
+                    }
+                    let Some(mut r) = rec else {
+                        return Err(EngineError::Input(format!(
+                            "layer {l}: the window was run without a replay log"
+                        )));
+                    };
+                    for buf in [&mut r.raw, &mut r.qkv, &mut r.z, &mut r.alpha, &mut r.beta] {
+                        b.truncate_rows(buf, keep)?;
+                    }
+                    b.conv1d_silu(&r.raw, &gw.conv, conv, 1)?;
+                    b.gdn_step(&self.gdn_params(gw), &r.qkv, &r.z, &r.alpha, &r.beta, s)?;
+                }
+                (LayerState::Attn(cache), None, _) => {
+                    let ratio = match &self.config.layers[l] {
+                        LayerKind::Attention { ratio } => *ratio,
+                        LayerKind::Gdn => None,
+                    };
+                    truncate_cache(b, cache, new_pos, ratio)?;
+                }
+                _ => {
+                    return Err(EngineError::Input(
+                        "checkpoint layers do not match the state".to_string(),
+                    ))
+                }
+            }
+        }
+        if let (Some(p), Some(p0)) = (st.ple_conv.as_mut(), cp.ple_conv.as_ref()) {
+            *p = b.copy(p0)?;
+            if keep > 0 {
+                let (Some(mut cn), Some(pc), Some(pw)) = (
+                    log.ple,
+                    self.config.ple.as_ref(),
+                    self.weights.layers.iter().find_map(|lw| lw.ple.as_ref()),
+                ) else {
+                    return Err(EngineError::Input(
+                        "the window was run without a PLE replay log".to_string(),
+                    ));
+                };
+                b.truncate_rows(&mut cn, keep)?;
+                b.conv1d_silu(&cn, &pw.conv, p, pc.ngram_size)?;
+            }
+        }
+        st.pos = new_pos;
+        st.tokens.truncate(new_pos);
+        Ok(())
+    }
+
+    /// Every buffer of a sequence state, downloaded and named (for bit-for-bit comparisons of
+    /// two states): per layer the caches or recurrent states, the PLE history, and the tokens.
+    pub fn state_buffers(&self, st: &State<B>) -> Result<Vec<(String, Vec<f32>)>> {
+        let b = &self.backend;
+        let mut out = Vec::new();
+        for (l, layer) in st.layers.iter().enumerate() {
+            match layer {
+                LayerState::Gdn { conv, s } => {
+                    out.push((format!("blk.{l}.conv"), b.download(conv)?));
+                    out.push((format!("blk.{l}.ssm"), b.download(s)?));
+                }
+                LayerState::Attn(c) => out.extend(cache_buffers(b, &format!("blk.{l}"), c)?),
+            }
+        }
+        if let Some(p) = &st.ple_conv {
+            out.push(("ple.conv".to_string(), b.download(p)?));
+        }
+        out.push((
+            "tokens".to_string(),
+            st.tokens.iter().map(|&t| t as f32).collect(),
+        ));
+        Ok(out)
+    }
+
     /// Logits of every token of `tokens`, continuing `st` (prefill when many, decode when one).
     pub fn forward(&self, st: &mut State<B>, tokens: &[u32]) -> Result<Outputs> {
         self.forward_with(st, tokens, Want::default())
@@ -242,6 +383,26 @@ impl<B: Backend> Model<B> {
     /// the same bits as N calls of one token. On error the state is left part-way; restore a
     /// checkpoint before using it again.
     pub fn forward_with(&self, st: &mut State<B>, tokens: &[u32], want: Want) -> Result<Outputs> {
+        let b = &self.backend;
+        let out = self.forward_dev(st, tokens, want, None)?;
+        Ok(Outputs {
+            logits: b.download(&out.logits)?,
+            n_vocab: self.config.n_vocab,
+            layer_out: out.layer_out,
+            hidden: out.hidden.as_ref().map(|h| b.download(h)).transpose()?,
+        })
+    }
+
+    /// [`Model::forward_with`] with the results left on the device; with `log`, the inputs of
+    /// every recurrent update are kept so that [`Model::rollback_window`] can later keep only a
+    /// prefix of these tokens.
+    pub(crate) fn forward_dev(
+        &self,
+        st: &mut State<B>,
+        tokens: &[u32],
+        want: Want,
+        mut log: Option<&mut ReplayLog<B>>,
+    ) -> Result<DevOutputs<B>> {
         let b = &self.backend;
         let c = &self.config;
         let w = &self.weights;
@@ -267,23 +428,34 @@ impl<B: Backend> Model<B> {
             None => None,
         };
 
+        if let Some(log) = log.as_deref_mut() {
+            log.reset(c.n_layer);
+        }
         // X_t = [E[x_t]; …; E[x_t]]: the streams start as copies of the embedding.
         let mut x = b.embed_rows(&w.token_embd, tokens, c.hc_streams)?;
         let mut layer_out = Vec::new();
         for (l, lw) in w.layers.iter().enumerate() {
             if let (Some(pw), Some(rows)) = (&lw.ple, &ple_rows) {
-                self.ple_block(pw, rows, &mut x, st.ple_conv.as_mut())?;
+                let rec = log.as_deref_mut().map(|g| &mut g.ple);
+                self.ple_block(pw, rows, &mut x, st.ple_conv.as_mut(), rec)?;
             }
-            self.decoder_layer(l, lw, &mut x, &positions, &mut st.layers[l])?;
+            let rec = log.as_deref_mut().and_then(|g| g.gdn.get_mut(l));
+            self.decoder_layer(
+                &c.layers[l],
+                lw,
+                &mut x,
+                Positions {
+                    positions: &positions,
+                    theta: c.rope_theta,
+                },
+                &mut st.layers[l],
+                rec,
+            )?;
             if want.layer_out {
                 layer_out.push(b.download(&x)?);
             }
         }
-        let hidden = if want.hidden {
-            Some(b.download(&x)?)
-        } else {
-            None
-        };
+        let hidden = if want.hidden { Some(b.copy(&x)?) } else { None };
         if want.last_only {
             x = b.reshape(x, n, c.residual_dim())?;
             x = self.last_row(x, n)?;
@@ -291,11 +463,10 @@ impl<B: Backend> Model<B> {
         let logits = self.lm_head(&x)?;
         st.pos += n;
         st.tokens.extend_from_slice(tokens);
-        Ok(Outputs {
-            logits: b.download(&logits)?,
-            n_vocab: c.n_vocab,
-            layer_out,
+        Ok(DevOutputs {
+            logits,
             hidden,
+            layer_out,
         })
     }
 
@@ -310,24 +481,25 @@ impl<B: Backend> Model<B> {
     /// One decoder layer: token mixer and MoE, each behind a hyper-connection mix and combine.
     fn decoder_layer(
         &self,
-        l: usize,
+        kind: &LayerKind,
         lw: &LayerW<B::Weight>,
         x: &mut B::Buf,
-        positions: &[u32],
+        at: Positions<'_>,
         st: &mut LayerState<B>,
+        rec: Option<&mut Option<GdnRecord<B>>>,
     ) -> Result<()> {
         let (u, inj) = self.hc_mix(&lw.hc_attn, x)?;
-        let y = match (&lw.mixer, st, &self.config.layers[l]) {
+        let y = match (&lw.mixer, st, kind) {
             (MixerW::Gdn(gw), LayerState::Gdn { conv, s }, _) => {
-                self.gated_deltanet(gw, &u, conv, s)?
+                self.gated_deltanet(gw, &u, conv, s, rec)?
             }
             (MixerW::Attn(aw), LayerState::Attn(cache), LayerKind::Attention { ratio }) => {
-                self.qsa_attention(aw, &u, positions, cache, *ratio)?
+                self.qsa_attention(aw, &u, at.positions, cache, *ratio, at.theta)?
             }
             _ => {
-                return Err(EngineError::Input(format!(
-                    "layer {l}: state does not match the model"
-                )))
+                return Err(EngineError::Input(
+                    "a layer's state does not match the model".to_string(),
+                ))
             }
         };
         self.hc_combine(x, &y, inj.as_ref())?;
@@ -367,6 +539,7 @@ impl<B: Backend> Model<B> {
         rows: &[u32],
         x: &mut B::Buf,
         hist: Option<&mut B::Buf>,
+        rec: Option<&mut Option<B::Buf>>,
     ) -> Result<()> {
         let b = &self.backend;
         let c = &self.config;
@@ -388,6 +561,9 @@ impl<B: Backend> Model<B> {
         let cn = b.rms_norm(&g, &pw.norm_conv, h, eps)?;
         let conv = b.conv1d_silu(&cn, &pw.conv, hist, pc.ngram_size)?;
         b.add_assign(&mut g, &conv)?;
+        if let Some(rec) = rec {
+            *rec = Some(cn);
+        }
         b.add_assign(x, &g)
     }
 
@@ -399,22 +575,37 @@ impl<B: Backend> Model<B> {
         u: &B::Buf,
         conv: &mut B::Buf,
         s: &mut B::Buf,
+        rec: Option<&mut Option<GdnRecord<B>>>,
     ) -> Result<B::Buf> {
         let b = &self.backend;
-        let m = b.matmul(&gw.qkv, u)?;
-        let m = b.conv1d_silu(&m, &gw.conv, conv, 1)?;
+        let raw = b.matmul(&gw.qkv, u)?;
+        let m = b.conv1d_silu(&raw, &gw.conv, conv, 1)?;
         let z = b.matmul(&gw.z, u)?;
         let beta = b.matmul(&gw.beta, u)?;
         let alpha = b.matmul(&gw.alpha, u)?;
-        let params = GdnParams {
+        let o = b.gdn_step(&self.gdn_params(gw), &m, &z, &alpha, &beta, s)?;
+        let y = b.matmul(&gw.out, &o)?;
+        if let Some(rec) = rec {
+            // Everything the recurrence read, kept (not copied) for a later partial replay.
+            *rec = Some(GdnRecord {
+                raw,
+                qkv: m,
+                z,
+                alpha,
+                beta,
+            });
+        }
+        Ok(y)
+    }
+
+    fn gdn_params<'a>(&self, gw: &'a GdnW<B::Weight>) -> GdnParams<'a, B::Weight> {
+        GdnParams {
             a: &gw.a,
             dt_bias: &gw.dt_bias,
             norm: &gw.norm,
             dims: self.config.gdn,
             eps: self.config.eps,
-        };
-        let o = b.gdn_step(&params, &m, &z, &alpha, &beta, s)?;
-        b.matmul(&gw.out, &o)
+        }
     }
 
     // ---- §7 QSA attention
@@ -426,6 +617,7 @@ impl<B: Backend> Model<B> {
         positions: &[u32],
         cache: &mut AttnCache<B>,
         ratio: Option<usize>,
+        theta: f32,
     ) -> Result<B::Buf> {
         let b = &self.backend;
         let c = &self.config;
@@ -436,14 +628,14 @@ impl<B: Backend> Model<B> {
             return Err(EngineError::shape("qsa", "q/gate split"));
         };
         let mut q = b.rms_norm(&q, &aw.q_norm, hd, eps)?;
-        b.rope_neox(&mut q, hd, c.rot_dims, c.rope_theta, positions)?;
+        b.rope_neox(&mut q, hd, c.rot_dims, theta, positions)?;
         let mut k = b.rms_norm(&b.matmul(&aw.k, u)?, &aw.k_norm, hd, eps)?;
-        b.rope_neox(&mut k, hd, c.rot_dims, c.rope_theta, positions)?;
+        b.rope_neox(&mut k, hd, c.rot_dims, theta, positions)?;
         let v = b.matmul(&aw.v, u)?;
         b.append_rows(&mut cache.k, &k)?;
         b.append_rows(&mut cache.v, &v)?;
         let sel = match (&aw.indexer, ratio) {
-            (Some(ix), Some(ratio)) => self.qsa_index(ix, u, positions, cache, ratio)?,
+            (Some(ix), Some(ratio)) => self.qsa_index(ix, u, positions, cache, ratio, theta)?,
             _ => b.select_causal(positions)?,
         };
         let a = b.attend(&q, &cache.k, &cache.v, &sel, c.attn, c.kv_type)?;
@@ -459,12 +651,13 @@ impl<B: Backend> Model<B> {
         positions: &[u32],
         cache: &mut AttnCache<B>,
         ratio: usize,
+        theta: f32,
     ) -> Result<B::Selection> {
         let b = &self.backend;
         let c = &self.config;
         let (di, eps) = (c.indexer.head_dim, c.eps);
         let mut qi = b.rms_norm(&b.matmul(&ix.q, u)?, &ix.q_norm, di, eps)?;
-        b.rope_neox(&mut qi, di, c.rot_dims, c.rope_theta, positions)?;
+        b.rope_neox(&mut qi, di, c.rot_dims, theta, positions)?;
         b.append_rows(&mut cache.kraw, &b.matmul(&ix.k, u)?)?;
         let complete = cache.kraw.rows() / ratio;
         let have = cache.blocks.rows();
@@ -473,7 +666,7 @@ impl<B: Backend> Model<B> {
             let mut kb = b.rms_norm(&pooled, &ix.k_norm, di, eps)?;
             // RoPE at the block's first token.
             let first: Vec<u32> = (have..complete).map(|blk| (blk * ratio) as u32).collect();
-            b.rope_neox(&mut kb, di, c.rot_dims, c.rope_theta, &first)?;
+            b.rope_neox(&mut kb, di, c.rot_dims, theta, &first)?;
             b.append_rows(&mut cache.blocks, &kb)?;
         }
         let sel = QsaSelect {
@@ -509,6 +702,39 @@ impl<B: Backend> Model<B> {
         let (h, _) = self.hc_mix(&self.weights.output_hc, x)?;
         self.backend.matmul(&self.weights.output, &h)
     }
+}
+
+/// Cuts an attention cache back to `pos` tokens (and the pooled blocks those tokens complete).
+pub(crate) fn truncate_cache<B: Backend>(
+    b: &B,
+    cache: &mut AttnCache<B>,
+    pos: usize,
+    ratio: Option<usize>,
+) -> Result<()> {
+    for buf in [&mut cache.k, &mut cache.v, &mut cache.kraw] {
+        if buf.rows() > pos {
+            b.truncate_rows(buf, pos)?;
+        }
+    }
+    if let Some(r) = ratio {
+        if cache.blocks.rows() > pos / r {
+            b.truncate_rows(&mut cache.blocks, pos / r)?;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn cache_buffers<B: Backend>(
+    b: &B,
+    name: &str,
+    c: &AttnCache<B>,
+) -> Result<Vec<(String, Vec<f32>)>> {
+    Ok(vec![
+        (format!("{name}.k"), b.download(&c.k)?),
+        (format!("{name}.v"), b.download(&c.v)?),
+        (format!("{name}.kraw"), b.download(&c.kraw)?),
+        (format!("{name}.blocks"), b.download(&c.blocks)?),
+    ])
 }
 
 /// Decides each attention layer's QSA block size from the file, the indexer tensors present and

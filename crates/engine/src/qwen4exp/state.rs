@@ -57,3 +57,43 @@ impl<B: Backend> Checkpoint<B> {
         self.pos
     }
 }
+
+/// Everything one GDN layer's recurrence read during a logged forward: the raw projection rows
+/// (the conv history's input), the convolved `[q | k | v]`, the gate and the `a`/`b` rows.
+pub(crate) struct GdnRecord<B: Backend> {
+    pub raw: B::Buf,
+    pub qkv: B::Buf,
+    pub z: B::Buf,
+    pub alpha: B::Buf,
+    pub beta: B::Buf,
+}
+
+/// The inputs of every recurrent update of one forward call (a verify window), so that a prefix
+/// of its tokens can be kept without running the trunk again: restore the checkpoint taken
+/// before the window, then re-run only the recurrences over the kept rows (no matrix products).
+/// The buffers are the ones the forward computed anyway, kept rather than copied.
+pub struct ReplayLog<B: Backend> {
+    pub(crate) gdn: Vec<Option<GdnRecord<B>>>,
+    pub(crate) ple: Option<B::Buf>,
+}
+
+impl<B: Backend> Default for ReplayLog<B> {
+    fn default() -> Self {
+        ReplayLog {
+            gdn: Vec::new(),
+            ple: None,
+        }
+    }
+}
+
+impl<B: Backend> ReplayLog<B> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn reset(&mut self, n_layer: usize) {
+        self.gdn.clear();
+        self.gdn.resize_with(n_layer, || None);
+        self.ple = None;
+    }
+}

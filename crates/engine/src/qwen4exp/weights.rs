@@ -144,7 +144,7 @@ impl<B: Backend> Binder<'_, B> {
         Ok(Some(self.backend.load_weight(self.file, info)?))
     }
 
-    fn hc(&self, prefix: &str, c: &Config, inject: bool) -> Result<HcW<B::Weight>> {
+    pub fn hc(&self, prefix: &str, c: &Config, inject: bool) -> Result<HcW<B::Weight>> {
         let (h, s, r) = (c.n_embd, c.hc_streams, c.hc_rank);
         let sh = s * h;
         Ok(HcW {
@@ -189,8 +189,9 @@ impl<B: Backend> Binder<'_, B> {
         })
     }
 
-    fn attn(&self, l: usize, c: &Config) -> Result<AttnW<B::Weight>> {
-        let p = |n: &str| format!("blk.{l}.{n}");
+    /// The attention tensors under `blk` (`blk.N` in the trunk, `mtp.blk.0` in the MTP head).
+    pub fn attn(&self, blk: &str, c: &Config) -> Result<AttnW<B::Weight>> {
+        let p = |n: &str| format!("{blk}.{n}");
         let h = c.n_embd;
         let a = c.attn;
         let (hd, qd, kvd) = (a.head_dim, a.n_head * a.head_dim, a.n_head_kv * a.head_dim);
@@ -230,8 +231,8 @@ impl<B: Backend> Binder<'_, B> {
         })
     }
 
-    fn moe(&self, l: usize, c: &Config) -> Result<MoeW<B::Weight>> {
-        let p = |n: &str| format!("blk.{l}.{n}");
+    pub fn moe(&self, blk: &str, c: &Config) -> Result<MoeW<B::Weight>> {
+        let p = |n: &str| format!("{blk}.{n}");
         let h = c.n_embd;
         let m = &c.moe;
         let (e, i, is) = (m.n_expert, m.ff, m.ff_shared);
@@ -316,7 +317,7 @@ impl<B: Backend> Binder<'_, B> {
         for (l, kind) in c.layers.iter().enumerate() {
             let mixer = match kind {
                 LayerKind::Gdn => MixerW::Gdn(self.gdn(l, c)?),
-                LayerKind::Attention { .. } => MixerW::Attn(self.attn(l, c)?),
+                LayerKind::Attention { .. } => MixerW::Attn(self.attn(&format!("blk.{l}"), c)?),
             };
             let ple = match &c.ple {
                 Some(pc) if pc.layer == l => Some(self.ple(l, c)?),
@@ -326,7 +327,7 @@ impl<B: Backend> Binder<'_, B> {
                 hc_attn: self.hc(&format!("blk.{l}.hc_attn"), c, true)?,
                 hc_ffn: self.hc(&format!("blk.{l}.hc_ffn"), c, true)?,
                 mixer,
-                moe: self.moe(l, c)?,
+                moe: self.moe(&format!("blk.{l}"), c)?,
                 ple,
             });
         }

@@ -1,0 +1,605 @@
+//! The speculative controller: MTP drafts, one batched verify pass of the trunk over the window,
+//! acceptance of the longest matching prefix plus the trunk's next token, and exact roll-back.
+//!
+//! One step, with the trunk at position `P` and the last emitted token `x_P` not yet consumed:
+//! 1. draft chain: the first draft `d_1` (a guess of `x_{P+1}`) was computed at the end of the
+//!    previous step; each further draft runs the MTP head once more on its own pre-mixer output
+//!    and the previous draft, one position on, until the window holds `N − 1` drafts, the draft
+//!    floor (`min_p`) cuts it, or the hook ends it;
+//! 2. verify: the trunk runs `[x_P, d_1, …]` as one batch (row `i` gives exactly the bits of a
+//!    single decode step, DESIGN.md §3), and the picker chooses the token after each row;
+//! 3. accept the drafts while they equal the trunk's choices, then the trunk's next choice: every
+//!    emitted token is the token plain decoding would emit;
+//! 4. roll back to the kept rows: attention caches truncated, recurrent states restored from the
+//!    checkpoint and advanced over the kept rows from the logged recurrence inputs;
+//! 5. MTP catch-up: the MTP layer's cache is cut back to `P` and the kept rows run through the
+//!    head with the trunk's states and the now-known next tokens; its last row is the next
+//!    step's first draft.
+//!
+//! Invariant between steps: the trunk state and the MTP state both hold exactly the consumed
+//! tokens (`position()` equal), as if the sequence had been decoded one token at a time.
+
+pub mod draft_vocab;
+
+use std::time::{Duration, Instant};
+
+use crate::backend::{Backend, DeviceBuf};
+use crate::error::{EngineError, Result};
+use crate::qwen4exp::mtp::MtpState;
+use crate::qwen4exp::{Model, ReplayLog, State, Want};
+use crate::sampler::{SampleContext, Sampler};
+
+pub use draft_vocab::DraftVocab;
+
+/// The largest verify window (rows of one trunk pass).
+pub const MAX_WINDOW: usize = 8;
+
+#[derive(Clone, Debug)]
+pub struct SpecConfig {
+    /// Verify window `N` (1..=8): up to `N − 1` drafts per pass; 1 is plain decoding.
+    pub window: usize,
+    /// Draft floor: the chain stops at the first draft whose probability under the draft's
+    /// softmax (over the draft vocabulary) is below this. 0 disables it.
+    pub min_p: f32,
+    /// LM-head rows the draft computes (None: the full vocabulary).
+    pub draft_vocab: Option<DraftVocab>,
+}
+
+impl Default for SpecConfig {
+    fn default() -> Self {
+        SpecConfig {
+            window: 4,
+            min_p: 0.0,
+            draft_vocab: None,
+        }
+    }
+}
+
+/// Chooses the token at absolute position `position` from the trunk's logits for it, given the
+/// `history` before it. Draws must depend only on these, never on batching, so that
+/// speculation cannot change the output (DESIGN.md §3, determinism 4).
+pub trait Picker: Send {
+    fn pick(&mut self, logits: &[f32], position: usize, history: &[u32]) -> Result<u32>;
+}
+
+/// Greedy decoding: the largest logit, ties to the lower id.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Greedy;
+
+impl Picker for Greedy {
+    fn pick(&mut self, logits: &[f32], _position: usize, _history: &[u32]) -> Result<u32> {
+        Ok(argmax(logits) as u32)
+    }
+}
+
+/// The sampler chain: its random pick draws from Philox keyed by (seed, position), so a
+/// speculative run samples exactly the tokens plain sampling does.
+impl Picker for Sampler {
+    fn pick(&mut self, logits: &[f32], position: usize, history: &[u32]) -> Result<u32> {
+        self.sample(
+            logits,
+            &SampleContext {
+                position: position as u64,
+                history,
+            },
+        )
+    }
+}
+
+/// Index of the largest value, ties to the lower index; NaN is never chosen (index 0 when every
+/// value is NaN).
+pub fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    let mut bv = f32::NEG_INFINITY;
+    let mut found = false;
+    for (i, &x) in v.iter().enumerate() {
+        if x > bv || (!found && x == bv) {
+            best = i;
+            bv = x;
+            found = true;
+        }
+    }
+    best
+}
+
+/// Probability of the entry at `idx` under the softmax of `v`.
+fn softmax_prob(v: &[f32], idx: usize) -> f32 {
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = v.iter().map(|&x| (x - m).exp()).sum();
+    match v.get(idx) {
+        Some(&x) if sum > 0.0 => (x - m).exp() / sum,
+        _ => 0.0,
+    }
+}
+
+/// A test and benchmark hook over the drafts: called for each draft in chain order with the
+/// absolute position of the drafted token and the MTP's proposal; returns the draft to use
+/// (which the chain then continues from) or None to end the chain there.
+pub trait DraftHook: Send {
+    fn draft(&mut self, position: usize, proposed: u32) -> Option<u32>;
+}
+
+/// What the speculative path did (kept for the server to expose).
+#[derive(Clone, Debug, Default)]
+pub struct SpecStats {
+    pub window: usize,
+    /// Verify passes of the trunk (not counting the prefill).
+    pub passes: u64,
+    /// Tokens emitted, including the prefill's.
+    pub emitted: u64,
+    /// Per draft step `j` (index 0 = first draft): drafts offered and accepted.
+    pub offered: Vec<u64>,
+    pub accepted: Vec<u64>,
+    /// Chained MTP steps run (each first draft comes from the catch-up pass instead).
+    pub draft_steps: u64,
+    pub prefill_time: Duration,
+    pub verify_time: Duration,
+    pub draft_time: Duration,
+    pub catchup_time: Duration,
+    pub rollback_time: Duration,
+}
+
+impl SpecStats {
+    fn new(window: usize) -> SpecStats {
+        SpecStats {
+            window,
+            offered: vec![0; window.saturating_sub(1)],
+            accepted: vec![0; window.saturating_sub(1)],
+            ..SpecStats::default()
+        }
+    }
+
+    /// Tokens emitted per verify pass (the prefill's token not counted).
+    pub fn tokens_per_pass(&self) -> f64 {
+        if self.passes == 0 {
+            return 0.0;
+        }
+        (self.emitted.saturating_sub(1)) as f64 / self.passes as f64
+    }
+
+    /// Accepted / offered at draft step `j`.
+    pub fn acceptance(&self, j: usize) -> Option<f64> {
+        match (self.offered.get(j), self.accepted.get(j)) {
+            (Some(&o), Some(&a)) if o > 0 => Some(a as f64 / o as f64),
+            _ => None,
+        }
+    }
+
+    /// Accepted / offered over all draft steps.
+    pub fn acceptance_all(&self) -> Option<f64> {
+        let o: u64 = self.offered.iter().sum();
+        let a: u64 = self.accepted.iter().sum();
+        (o > 0).then(|| a as f64 / o as f64)
+    }
+
+    pub fn time_per_pass(&self) -> Duration {
+        self.verify_time
+            .checked_div(self.passes.max(1) as u32)
+            .unwrap_or_default()
+    }
+
+    pub fn time_per_draft(&self) -> Duration {
+        self.draft_time
+            .checked_div(self.draft_steps.max(1) as u32)
+            .unwrap_or_default()
+    }
+
+    /// A few lines for `--verbose`.
+    pub fn report(&self) -> String {
+        let mut s = format!(
+            "spec: window {} | {} tokens in {} verify passes: {:.2} tokens/pass\n",
+            self.window,
+            self.emitted,
+            self.passes,
+            self.tokens_per_pass()
+        );
+        for (j, (o, a)) in self.offered.iter().zip(&self.accepted).enumerate() {
+            s += &format!(
+                "  draft {}: accepted {a}/{o} ({})\n",
+                j + 1,
+                self.acceptance(j)
+                    .map(|r| format!("{:.1}%", 100.0 * r))
+                    .unwrap_or_else(|| "-".to_string())
+            );
+        }
+        s += &format!(
+            "  time: prefill {:.2?}, verify {:.2?} ({:.2?}/pass), draft {:.2?} ({} chained steps, {:.2?}/step), MTP catch-up {:.2?}, roll-back {:.2?}",
+            self.prefill_time,
+            self.verify_time,
+            self.time_per_pass(),
+            self.draft_time,
+            self.draft_steps,
+            self.time_per_draft(),
+            self.catchup_time,
+            self.rollback_time
+        );
+        s
+    }
+}
+
+/// What one [`SpecDecoder::step`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepOutcome {
+    /// Tokens delivered to the callback.
+    pub emitted: usize,
+    /// Drafts offered and accepted in this pass.
+    pub offered: usize,
+    pub accepted: usize,
+    /// The callback asked to stop.
+    pub stopped: bool,
+}
+
+/// The first draft of the next window: the MTP's pre-mixer output at the last consumed
+/// position (one row) and its logits over the draft rows.
+struct NextDraft<B: Backend> {
+    hidden: B::Buf,
+    logits: Vec<f32>,
+}
+
+/// A catch-up the MTP still owes: the trunk states of the kept rows and their next tokens.
+struct Catchup<B: Backend> {
+    hidden: B::Buf,
+    next: Vec<u32>,
+}
+
+/// Speculative decoding of one sequence.
+pub struct SpecDecoder<'m, B: Backend> {
+    model: &'m Model<B>,
+    window: usize,
+    min_p: f32,
+    vocab: Option<DraftVocab>,
+    state: State<B>,
+    mtp: Option<MtpState<B>>,
+    /// The last emitted token, which the trunk has not consumed yet.
+    pending: Option<u32>,
+    next_draft: Option<NextDraft<B>>,
+    catchup: Option<Catchup<B>>,
+    picker: Box<dyn Picker + 'm>,
+    hook: Option<Box<dyn DraftHook + 'm>>,
+    stats: SpecStats,
+}
+
+impl<'m, B: Backend> SpecDecoder<'m, B> {
+    /// A decoder with greedy picking. A window above 1 needs the model's MTP head.
+    pub fn new(model: &'m Model<B>, cfg: SpecConfig) -> Result<Self> {
+        if !(1..=MAX_WINDOW).contains(&cfg.window) {
+            return Err(EngineError::Input(format!(
+                "--spec {}: the verify window must be 1..={MAX_WINDOW}",
+                cfg.window
+            )));
+        }
+        if !(0.0..=1.0).contains(&cfg.min_p) {
+            return Err(EngineError::Input(format!(
+                "--spec-min-p {}: expected a probability in [0, 1]",
+                cfg.min_p
+            )));
+        }
+        if let Some(v) = &cfg.draft_vocab {
+            let n = model.config().n_vocab;
+            if let Some(&bad) = v.ids().iter().find(|&&t| t as usize >= n) {
+                return Err(EngineError::Input(format!(
+                    "draft vocabulary: token {bad} is outside the model's vocabulary of {n}"
+                )));
+            }
+        }
+        let mtp = if cfg.window > 1 {
+            Some(model.new_mtp_state()?)
+        } else {
+            None
+        };
+        Ok(SpecDecoder {
+            model,
+            window: cfg.window,
+            min_p: cfg.min_p,
+            vocab: cfg.draft_vocab,
+            state: model.new_state()?,
+            mtp,
+            pending: None,
+            next_draft: None,
+            catchup: None,
+            picker: Box::new(Greedy),
+            hook: None,
+            stats: SpecStats::new(cfg.window),
+        })
+    }
+
+    /// Replaces the picker (default: greedy).
+    pub fn with_picker(mut self, picker: impl Picker + 'm) -> Self {
+        self.picker = Box::new(picker);
+        self
+    }
+
+    /// Installs a hook over the drafts (tests, forced-acceptance benchmarks).
+    pub fn with_draft_hook(mut self, hook: impl DraftHook + 'm) -> Self {
+        self.hook = Some(Box::new(hook));
+        self
+    }
+
+    pub fn stats(&self) -> &SpecStats {
+        &self.stats
+    }
+
+    /// The trunk state: the consumed tokens (all emitted tokens but the last).
+    pub fn state(&self) -> &State<B> {
+        &self.state
+    }
+
+    pub fn mtp_state(&self) -> Option<&MtpState<B>> {
+        self.mtp.as_ref()
+    }
+
+    /// The last emitted token (not yet consumed by the trunk).
+    pub fn pending(&self) -> Option<u32> {
+        self.pending
+    }
+
+    /// Runs the prompt and returns the first generated token.
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32> {
+        if self.pending.is_some() || self.state.position() > 0 {
+            return Err(EngineError::Input(
+                "prefill: the sequence has already started".to_string(),
+            ));
+        }
+        if prompt.is_empty() {
+            return Err(EngineError::Input("prefill: empty prompt".to_string()));
+        }
+        let b = self.model.backend();
+        let t0 = Instant::now();
+        let want = Want {
+            hidden: self.mtp.is_some(),
+            last_only: true,
+            ..Want::default()
+        };
+        let out = self
+            .model
+            .forward_dev(&mut self.state, prompt, want, None)?;
+        let logits = b.download(&out.logits)?;
+        let tok = self.picker.pick(&logits, prompt.len(), prompt)?;
+        self.stats.prefill_time += t0.elapsed();
+        self.stats.emitted += 1;
+        self.pending = Some(tok);
+        if let Some(hidden) = out.hidden {
+            let mut next = prompt[1..].to_vec();
+            next.push(tok);
+            self.catchup = Some(Catchup { hidden, next });
+            self.run_catchup()?;
+        }
+        Ok(tok)
+    }
+
+    /// Brings the MTP state up to the trunk's (after a step that stopped early).
+    pub fn sync_mtp(&mut self) -> Result<()> {
+        self.run_catchup()
+    }
+
+    fn run_catchup(&mut self) -> Result<()> {
+        let (Some(c), Some(mtp)) = (self.catchup.take(), self.mtp.as_mut()) else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        let rows = self.vocab.as_ref().map(|v| v.ids());
+        let (logits, hidden) = self
+            .model
+            .mtp_forward_dev(mtp, &c.hidden, &c.next, true, rows)?;
+        let b = self.model.backend();
+        let n = hidden.rows();
+        let hidden = if n > 1 {
+            let cols = hidden.cols();
+            let flat = b.reshape(hidden, 1, n * cols)?;
+            b.slice_cols(&flat, (n - 1) * cols, cols)?
+        } else {
+            hidden
+        };
+        self.next_draft = Some(NextDraft {
+            hidden,
+            logits: b.download(&logits)?,
+        });
+        self.stats.catchup_time += t0.elapsed();
+        Ok(())
+    }
+
+    /// Picks a draft from draft-row logits: (token, probability when the floor is on).
+    fn pick_draft(&self, logits: &[f32]) -> (u32, f32) {
+        let i = argmax(logits);
+        let tok = match &self.vocab {
+            Some(v) => v.ids().get(i).copied().unwrap_or(0),
+            None => i as u32,
+        };
+        let p = if self.min_p > 0.0 {
+            softmax_prob(logits, i)
+        } else {
+            1.0
+        };
+        (tok, p)
+    }
+
+    /// Up to `max` drafts for the positions after the pending token.
+    fn draft_chain(&mut self, max: usize) -> Result<Vec<u32>> {
+        let Some(first) = self.next_draft.take() else {
+            return Ok(Vec::new());
+        };
+        let mut drafts = Vec::with_capacity(max);
+        if max == 0 {
+            return Ok(drafts);
+        }
+        let base = self.state.position() + 1;
+        let mut hidden = first.hidden;
+        let mut logits = first.logits;
+        loop {
+            let j = drafts.len();
+            let (proposed, p) = self.pick_draft(&logits);
+            if p < self.min_p {
+                break;
+            }
+            let tok = match self.hook.as_mut() {
+                Some(h) => match h.draft(base + j, proposed) {
+                    Some(t) => t,
+                    None => break,
+                },
+                None => proposed,
+            };
+            drafts.push(tok);
+            if drafts.len() == max {
+                break;
+            }
+            let t0 = Instant::now();
+            let Some(mtp) = self.mtp.as_mut() else { break };
+            let rows = self.vocab.as_ref().map(|v| v.ids());
+            let (lg, hid) = self
+                .model
+                .mtp_forward_dev(mtp, &hidden, &[tok], true, rows)?;
+            logits = self.model.backend().download(&lg)?;
+            hidden = hid;
+            self.stats.draft_steps += 1;
+            self.stats.draft_time += t0.elapsed();
+        }
+        Ok(drafts)
+    }
+
+    /// One verify pass: emits 1..=`max_emit` tokens through `on_token` (which returns false to
+    /// stop; the token it was given still counts as emitted).
+    pub fn step(
+        &mut self,
+        max_emit: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<StepOutcome> {
+        let Some(pending) = self.pending else {
+            return Err(EngineError::Input("step: call prefill first".to_string()));
+        };
+        if max_emit == 0 {
+            return Err(EngineError::Input(
+                "step: max_emit must be at least 1".to_string(),
+            ));
+        }
+        self.run_catchup()?;
+        let start = self.state.position();
+        let drafts = self.draft_chain((self.window - 1).min(max_emit - 1))?;
+
+        let mut window = Vec::with_capacity(1 + drafts.len());
+        window.push(pending);
+        window.extend_from_slice(&drafts);
+        let n = window.len();
+        let b = self.model.backend();
+
+        let t0 = Instant::now();
+        let cp = if n > 1 {
+            Some(self.model.checkpoint(&self.state)?)
+        } else {
+            None
+        };
+        let mut log = ReplayLog::new();
+        let want = Want {
+            hidden: self.mtp.is_some(),
+            ..Want::default()
+        };
+        let out =
+            self.model
+                .forward_dev(&mut self.state, &window, want, (n > 1).then_some(&mut log))?;
+        let logits = b.download(&out.logits)?;
+        let v = self.model.config().n_vocab;
+        let mut emitted = Vec::with_capacity(n);
+        for i in 0..n {
+            let row = logits
+                .get(i * v..(i + 1) * v)
+                .ok_or_else(|| EngineError::shape("verify", format!("no logits row {i} of {n}")))?;
+            let history = self.state.tokens().get(..start + i + 1).unwrap_or_default();
+            let t = self.picker.pick(row, start + i + 1, history)?;
+            emitted.push(t);
+            if drafts.get(i) != Some(&t) {
+                break;
+            }
+        }
+        self.stats.verify_time += t0.elapsed();
+        self.stats.passes += 1;
+        let accepted = emitted.len() - 1;
+        for j in 0..drafts.len() {
+            self.stats.offered[j] += 1;
+            if j < accepted {
+                self.stats.accepted[j] += 1;
+            }
+        }
+
+        let mut keep = 0;
+        let mut stopped = false;
+        for &t in &emitted {
+            keep += 1;
+            if !on_token(t) {
+                stopped = true;
+                break;
+            }
+        }
+        self.stats.emitted += keep as u64;
+
+        let t1 = Instant::now();
+        if let Some(cp) = cp {
+            self.model
+                .rollback_window(&mut self.state, &cp, log, keep)?;
+        }
+        self.stats.rollback_time += t1.elapsed();
+        self.pending = Some(emitted[keep - 1]);
+
+        if let (Some(mtp), Some(mut hidden)) = (self.mtp.as_mut(), out.hidden) {
+            self.model.mtp_truncate(mtp, start)?;
+            b.truncate_rows(&mut hidden, keep)?;
+            self.catchup = Some(Catchup {
+                hidden,
+                next: emitted[..keep].to_vec(),
+            });
+            if !stopped {
+                self.run_catchup()?;
+            }
+        }
+        Ok(StepOutcome {
+            emitted: keep,
+            offered: drafts.len(),
+            accepted,
+            stopped,
+        })
+    }
+}
+
+/// Generates up to `max_new` tokens after `prompt`, speculatively when `cfg.window > 1`;
+/// `on_token` sees each token as it is emitted and returns false to stop. Returns the tokens and
+/// the statistics.
+pub fn generate_spec<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    max_new: usize,
+    cfg: SpecConfig,
+    mut on_token: impl FnMut(u32) -> bool,
+) -> Result<(Vec<u32>, SpecStats)> {
+    let mut dec = SpecDecoder::new(model, cfg)?;
+    let out = run(&mut dec, prompt, max_new, &mut on_token)?;
+    Ok((out, dec.stats().clone()))
+}
+
+/// Drives `dec` from its prefill to `max_new` tokens (or until `on_token` says stop).
+pub fn run<B: Backend>(
+    dec: &mut SpecDecoder<'_, B>,
+    prompt: &[u32],
+    max_new: usize,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(max_new);
+    if max_new == 0 {
+        return Ok(out);
+    }
+    let t = dec.prefill(prompt)?;
+    out.push(t);
+    if !on_token(t) {
+        return Ok(out);
+    }
+    while out.len() < max_new {
+        let mut stop = false;
+        let res = dec.step(max_new - out.len(), &mut |t| {
+            out.push(t);
+            let go = on_token(t);
+            stop |= !go;
+            go
+        })?;
+        if res.stopped || stop {
+            break;
+        }
+    }
+    Ok(out)
+}
