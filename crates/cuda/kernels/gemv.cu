@@ -23,7 +23,7 @@ __device__ __forceinline__ void gemv_base(const u8* w, const u8* x, float* y, in
     for (int t = 0; t < nt; ++t) acc[t] = 0.f;
     const int units = k / 32;
     for (int u = lane; u < units; u += 32)
-        for (int t = 0; t < nt; ++t) acc[t] += unit_dot<T>(wr, x + (size_t)t * xrb, u);
+        for (int t = 0; t < nt; ++t) acc[t] += unit_dot<T>(wr, x + (size_t)t * xrb, u, global_tables());
     for (int t = 0; t < nt; ++t) {
         const float s = warp_sum(acc[t]);
         if (lane == 0) y[(size_t)t * rows + r] = dot_post<T>(s);
@@ -92,6 +92,23 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
         // wide coalesced loads; the unit decoders then read bytes at any alignment.
         __shared__ __align__(16) u8 xsh[NT * XRB];
         __shared__ __align__(16) u8 wsh[WARPS][(WRB + 15) / 16 * 16];
+        // The I-quant grids too: lanes look up different entries, which shared memory serves
+        // in one pass where the global tables take one transaction per distinct line.
+        constexpr int G3S = T == T_IQ3_S ? 512 : 1, G3XXS = T == T_IQ3_XXS ? 256 : 1, KS = T == T_IQ3_XXS ? 128 : 4;
+        __shared__ u32 g3s[G3S];
+        __shared__ u32 g3xxs[G3XXS];
+        __shared__ __align__(4) u8 ks[KS];
+        Tables tb = global_tables();
+        if constexpr (T == T_IQ3_S) {
+            for (int i = threadIdx.x; i < 512; i += 32 * WARPS) g3s[i] = iq3s_grid[i];
+            tb.g3s = g3s;
+        }
+        if constexpr (T == T_IQ3_XXS) {
+            for (int i = threadIdx.x; i < 256; i += 32 * WARPS) g3xxs[i] = iq3xxs_grid[i];
+            if (threadIdx.x < 128) ks[threadIdx.x] = ksigns_iq2xs[threadIdx.x];
+            tb.g3xxs = g3xxs;
+            tb.ks = ks;
+        }
         stage<align_of_size<NT * XRB>()>(xsh, x, NT * XRB, threadIdx.x, 32 * WARPS);
         if (r < rows) stage<align_of_size<WRB>()>(wsh[warp], w + (size_t)r * WRB, WRB, lane, 32);
         __syncthreads();
@@ -101,7 +118,7 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
             const int u = lane + 32 * i;
             if (u < U) {
 #pragma unroll
-                for (int t = 0; t < NT; ++t) acc[t] += unit_dot<T>(wsh[warp], xsh + t * XRB, u);
+                for (int t = 0; t < NT; ++t) acc[t] += unit_dot<T>(wsh[warp], xsh + t * XRB, u, tb);
             }
         }
     }

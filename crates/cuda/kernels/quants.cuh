@@ -187,8 +187,17 @@ __device__ __forceinline__ int iq4_lookup4(u32 q, u32 k0, u32 k1, u32 k2, u32 k3
 
 // Integer dot of unit u of weight row `w` with the paired activation row `x`, scaled:
 // returns the unit's f32 contribution (before the type's final factor, see dot_post).
+// Lookup tables a kernel reads (the global ones, or copies it staged in shared memory).
+struct Tables {
+    const u32* g3s;
+    const u32* g3xxs;
+    const u8* ks;
+};
+
+__device__ __forceinline__ Tables global_tables() { return Tables{iq3s_grid, iq3xxs_grid, ksigns_iq2xs}; }
+
 template <int T>
-__device__ __forceinline__ float unit_dot(const u8* w, const u8* x, int u) {
+__device__ __forceinline__ float unit_dot(const u8* w, const u8* x, int u, Tables tb) {
     constexpr int QK = Fmt<T>::QK, TS = Fmt<T>::TS, UPB = QK / 32;
     const u8* b = w + (size_t)(u / UPB) * TS;
     const int s = u % UPB;
@@ -278,8 +287,8 @@ __device__ __forceinline__ float unit_dot(const u8* w, const u8* x, int u) {
                 const int i1 = b[2 + 8 * s + 2 * l] | ((h << (8 - 2 * l)) & 256);
                 const int i2 = b[2 + 8 * s + 2 * l + 1] | ((h << (7 - 2 * l)) & 256);
                 const u32 sg = b[74 + 4 * s + l];
-                isum = dp4a(apply_signs(iq3s_grid[i1], spread_signs4(sg)), (int)xq[2 * l], isum);
-                isum = dp4a(apply_signs(iq3s_grid[i2], spread_signs4(sg >> 4)), (int)xq[2 * l + 1], isum);
+                isum = dp4a(apply_signs(tb.g3s[i1], spread_signs4(sg)), (int)xq[2 * l], isum);
+                isum = dp4a(apply_signs(tb.g3s[i2], spread_signs4(sg >> 4)), (int)xq[2 * l + 1], isum);
             }
             return (d * dx) * (float)((1 + 2 * sc) * isum);
         } else {  // T_IQ3_XXS
@@ -288,9 +297,9 @@ __device__ __forceinline__ float unit_dot(const u8* w, const u8* x, int u) {
             int isum = 0;
 #pragma unroll
             for (int l = 0; l < 4; ++l) {
-                const u32 sg = ksigns_iq2xs[(aux >> (7 * l)) & 127];
-                isum = dp4a(apply_signs(iq3xxs_grid[b[2 + 8 * s + 2 * l]], spread_signs4(sg)), (int)xq[2 * l], isum);
-                isum = dp4a(apply_signs(iq3xxs_grid[b[2 + 8 * s + 2 * l + 1]], spread_signs4(sg >> 4)),
+                const u32 sg = tb.ks[(aux >> (7 * l)) & 127];
+                isum = dp4a(apply_signs(tb.g3xxs[b[2 + 8 * s + 2 * l]], spread_signs4(sg)), (int)xq[2 * l], isum);
+                isum = dp4a(apply_signs(tb.g3xxs[b[2 + 8 * s + 2 * l + 1]], spread_signs4(sg >> 4)),
                             (int)xq[2 * l + 1], isum);
             }
             return (d * dx) * (float)((2 * (int)(aux >> 28) + 1) * isum);

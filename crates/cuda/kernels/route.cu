@@ -5,9 +5,10 @@
 // route_base: runtime E and K; the chosen expert is masked with a run-time index into the
 //             lane's register array (which sends the array to local memory) and every lane
 //             rescans all of its values each round.
-// route_opt_E_K: E and K constants; (value, index) packed in one 64-bit key so each butterfly
-//             step is one max; masking by an unrolled select so the keys stay in registers;
-//             each lane caches its best and rescans only when it lost it.
+// route_opt_E_K: E and K constants; (value, index) as one 64-bit key, its warp max taken by
+//             two redux.sync reductions instead of a 5-step shuffle butterfly; masking by
+//             an unrolled select so the keys stay in registers; each lane caches its best
+//             and rescans only when it lost it.
 
 __device__ __forceinline__ void argmax_warp(float& bv, int& bi) {
 #pragma unroll
@@ -76,7 +77,11 @@ __device__ __forceinline__ void route_opt(const float* logits, int* ids, float* 
         v[j] = l[32 * j];
         m = fmaxf(m, v[j]);
     }
-    m = warp_max(m);
+    // The max of floats as one integer reduction over an order-preserving map of the bits
+    // (the sign of a zero maximum cannot change any v - m).
+    const u32 mb = __float_as_uint(m);
+    const u32 mo = __reduce_max_sync(FULL_MASK, (mb & 0x80000000u) ? ~mb : (mb | 0x80000000u));
+    m = __uint_as_float((mo & 0x80000000u) ? (mo & 0x7fffffffu) : ~mo);
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
@@ -94,12 +99,12 @@ __device__ __forceinline__ void route_opt(const float* logits, int* ids, float* 
     u64 sel[K];
 #pragma unroll
     for (int rk = 0; rk < K; ++rk) {
-        u64 b = lb;
-#pragma unroll
-        for (int st = 16; st > 0; st >>= 1) {
-            const u64 o = __shfl_xor_sync(FULL_MASK, b, st);
-            b = o > b ? o : b;
-        }
+        // The 64-bit max as two 32-bit warp reductions (redux.sync): the value bits, then
+        // the index bits among the lanes holding that value.
+        const u32 hv = (u32)(lb >> 32);
+        const u32 mv = __reduce_max_sync(FULL_MASK, hv);
+        const u32 ml = __reduce_max_sync(FULL_MASK, hv == mv ? (u32)lb : 0u);
+        const u64 b = ((u64)mv << 32) | ml;
         sel[rk] = b;
         if (b == lb) {
 #pragma unroll
