@@ -49,48 +49,61 @@ fn load(kv: KvType) -> Option<Model<CpuBackend>> {
     Some(Model::load(&path, backend, &LoadOptions { kv_type: kv }).unwrap())
 }
 
-#[test]
-fn logits_match_llama_cpp_top20() {
-    let Some(model) = load(KvType::F16) else {
-        return;
+/// Per position: (ids, logits) from one of the fixture JSON files.
+fn positions(name: &str) -> (Vec<u32>, Vec<(Vec<usize>, Vec<f32>)>) {
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture(name)).unwrap()).unwrap();
+    let nums = |a: &serde_json::Value| -> Vec<f64> {
+        a.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
     };
-    let oracle: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixture("qwen25_capital_top.json")).unwrap())
-            .unwrap();
-    let ids: Vec<u32> = oracle["input_ids"]
+    let ids = nums(&v["input_ids"])
+        .into_iter()
+        .map(|x| x as u32)
+        .collect();
+    let rows = v["positions"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
+        .map(|r| {
+            (
+                nums(&r["ids"]).into_iter().map(|x| x as usize).collect(),
+                nums(&r["logits"]).into_iter().map(|x| x as f32).collect(),
+            )
+        })
         .collect();
+    (ids, rows)
+}
+
+#[test]
+fn logits_match_llama_cpp_and_the_exact_reference() {
+    let Some(model) = load(KvType::F16) else {
+        return;
+    };
+    let (ids, llama) = positions("qwen25_capital_top.json");
+    let (exact_ids, exact) = positions("qwen25_capital_exact.json");
+    assert_eq!(ids, exact_ids);
     let mut st = model.new_state().unwrap();
     let out = model.forward(&mut st, &ids).unwrap();
     assert_eq!(out.rows(), ids.len());
-    let mut worst = 0f32;
-    for (p, row) in oracle["positions"].as_array().unwrap().iter().enumerate() {
-        let want_ids: Vec<usize> = row["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as usize)
-            .collect();
-        let want: Vec<f32> = row["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
+    let (mut vs_llama, mut ours_err, mut llama_err) = (0f32, 0f32, 0f32);
+    for (p, ((want_ids, want), (_, ex))) in llama.iter().zip(&exact).enumerate() {
         let got = out.row(p).unwrap();
-        for (&id, &w) in want_ids.iter().zip(&want) {
-            worst = worst.max((got[id] - w).abs());
+        for ((&id, &w), &e) in want_ids.iter().zip(want).zip(ex) {
+            vs_llama = vs_llama.max((got[id] - w).abs());
+            ours_err = ours_err.max((got[id] - e).abs());
+            llama_err = llama_err.max((w - e).abs());
         }
-        // The same token wins, unless llama.cpp's top two are closer than the error bound.
+        // The same token wins, unless llama.cpp's top two are closer than the noise.
         let ours = strata_engine::sampler::argmax(got).unwrap() as usize;
-        if want[0] - want[1] > 0.1 {
+        if want[0] - want[1] > 0.5 {
             assert_eq!(ours, want_ids[0], "position {p}: argmax");
         }
         // llama.cpp's top 5 are our top 5 as a set, where its 5th and 6th are well apart.
-        if want[4] - want[5] > 0.1 {
+        if want[4] - want[5] > 0.5 {
             let mut idx: Vec<usize> = (0..got.len()).collect();
             idx.sort_by(|&a, &b| got[b].total_cmp(&got[a]));
             let mut ours5 = idx[..5].to_vec();
@@ -100,12 +113,25 @@ fn logits_match_llama_cpp_top20() {
             assert_eq!(ours5, theirs5, "position {p}: top-5 set");
         }
     }
-    eprintln!("largest |Δlogit| over llama.cpp's top 20 at 5 positions: {worst:.4}");
-    // Same weights and activation formats as llama.cpp; what differs is the order of f32
-    // sums (norms, attention, the dot kernels' reductions), the f64 RoPE angles and the
-    // softmax. Measured 0.02 on this file; 0.1 leaves room for another ISA's reduction order
-    // while catching any real error (a wrong bias or RoPE moves logits by whole units).
-    assert!(worst < 0.1, "largest logit difference {worst}");
+    eprintln!(
+        "max |Δlogit| over llama.cpp's top 20 at {} positions: vs llama.cpp {vs_llama:.3}; \
+         vs the exact reference: ours {ours_err:.3}, llama.cpp {llama_err:.3}",
+        ids.len()
+    );
+    // Both engines round activations to Q8_0/Q8_K before every product, and a rounding flip in
+    // a Q8 block shifts this model's logits by a few tenths: llama.cpp sits 0.34 from the
+    // float64 reference, and differs from itself by 0.16 between batched and one-token runs.
+    // So: as close to the exact answer as llama.cpp is (25% slack for which blocks flip),
+    // and within the two engines' combined distance of llama.cpp. A real error (a missing
+    // bias, a wrong RoPE pairing) moves logits by whole units.
+    assert!(
+        ours_err <= 1.25 * llama_err,
+        "ours {ours_err} from the exact reference, llama.cpp {llama_err}"
+    );
+    assert!(
+        vs_llama < 0.6,
+        "largest difference from llama.cpp {vs_llama}"
+    );
 }
 
 #[test]
