@@ -15,7 +15,16 @@
 //! Stages see a [`SampleContext`] with the position and the sequence's token history, which is
 //! what the penalty stages planned next (repetition/frequency/presence, DRY, slop) will read.
 
+pub mod bound;
+pub mod dry;
+pub mod guard;
+pub mod penalties;
 pub mod philox;
+pub mod slop;
+pub mod view;
+pub mod vocab;
+
+pub use bound::Sampled;
 
 use serde::{Deserialize, Serialize};
 
@@ -129,6 +138,12 @@ pub enum Stage {
     },
     /// Divide logits by `t`; `t ≤ 0` keeps only the best token.
     Temperature { t: f32 },
+    /// Repetition, frequency and presence penalties over the last n tokens ([`penalties`]).
+    Penalties(penalties::PenaltyParams),
+    /// DRY repeat penalty ([`dry`]).
+    Dry(dry::DryParams),
+    /// Slop penalties ([`slop`]); at most one per chain.
+    Slop(slop::SlopConfig),
 }
 
 fn one() -> usize {
@@ -218,10 +233,13 @@ impl SamplerConfig {
                 Stage::Temperature { t } if !t.is_finite() => {
                     return bad(format!("temperature {t}; expected a finite number"));
                 }
+                ref e if e.is_edit() => bound::validate_stage(e).map_err(|w| {
+                    EngineError::Input(format!("sampler stage {i}: {w}"))
+                })?,
                 _ => {}
             }
         }
-        Ok(())
+        bound::validate_chain(self)
     }
 }
 
@@ -229,28 +247,30 @@ impl SamplerConfig {
 #[derive(Clone, Debug)]
 pub struct Sampler {
     config: SamplerConfig,
+    bound: bound::Bound,
 }
 
 impl Sampler {
     pub fn new(config: SamplerConfig) -> Result<Sampler> {
         config.validate()?;
-        Ok(Sampler { config })
+        let bound = bound::Bound::without_vocab(&config)?;
+        Ok(Sampler { config, bound })
     }
 
     pub fn config(&self) -> &SamplerConfig {
         &self.config
     }
 
-    /// The token for `logits` at `ctx.position`.
+    /// The token for `logits` at `ctx.position`. A slop stage reads a state the sampler keeps
+    /// in line with `ctx.history` ([`Sampler::sample_with`] takes an explicit one).
     pub fn sample(&mut self, logits: &[f32], ctx: &SampleContext<'_>) -> Result<u32> {
-        if self.config.stages.is_empty() && self.config.pick == Pick::Greedy {
-            return argmax(logits);
+        match self.sample_with(logits, ctx, None)? {
+            Sampled::Token(t) => Ok(t),
+            Sampled::DeadEnd => Err(EngineError::Input(format!(
+                "sampler: the slop stage banned every token at position {}",
+                ctx.position
+            ))),
         }
-        let mut c = Candidates::from_logits(logits)?;
-        for stage in &self.config.stages {
-            apply(stage, &mut c, ctx);
-        }
-        pick(&self.config.pick, &mut c, ctx)
     }
 }
 
@@ -271,12 +291,14 @@ pub fn argmax(logits: &[f32]) -> Result<u32> {
         .ok_or_else(|| EngineError::Input("sampler: no logits".to_string()))
 }
 
-/// One stage on the candidate set.
-pub fn apply(stage: &Stage, c: &mut Candidates, _ctx: &SampleContext<'_>) {
+/// One stage on the candidate set. The stages that need a vocabulary run here without it
+/// (DRY with no breaker tokens, slop not at all); a [`Sampler`] runs them in full.
+pub fn apply(stage: &Stage, c: &mut Candidates, ctx: &SampleContext<'_>) {
     if c.items.is_empty() {
         return;
     }
     match *stage {
+        Stage::Penalties(_) | Stage::Dry(_) | Stage::Slop(_) => bound::apply_unbound(stage, c, ctx),
         Stage::TopK { k } => {
             if k > 0 {
                 c.keep_best(k);
