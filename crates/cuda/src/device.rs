@@ -81,21 +81,43 @@ impl Gpu {
         let attr = |a| ctx.attribute(a).map_err(drv("cuDeviceGetAttribute"));
         let sms = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let l2_bytes = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
+        // Compile (or read from the cache) every module in parallel, then load them in order.
+        let built: Vec<Result<(nvrtc::Compiled, f64), CudaError>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = sources::MODULES
+                .iter()
+                .map(|m| {
+                    sc.spawn(move || {
+                        let t = Instant::now();
+                        nvrtc::cached_cubin(m.name, &m.source(), arch)
+                            .map(|c| (c, t.elapsed().as_secs_f64()))
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CudaError::Nvrtc {
+                            module: "?".into(),
+                            what: "the compile thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
         let mut modules = HashMap::new();
         let mut loads = Vec::new();
-        for m in sources::MODULES {
-            let t = Instant::now();
-            let c = nvrtc::cached_cubin(m.name, &m.source(), arch)?;
+        for (m, b) in sources::MODULES.iter().zip(built) {
+            let (c, seconds) = b?;
             let module = ctx
                 .load_module(Ptx::from_binary(c.cubin.clone()))
                 .map_err(|e| CudaError::Driver {
-                    call: format!("cuModuleLoadData({}, {})", m.file, c.path.display()),
+                    call: format!("cuModuleLoadData({}, {})", m.name, c.path.display()),
                     what: e.to_string(),
                 })?;
             loads.push(ModuleLoad {
                 module: m.name,
                 from_cache: c.from_cache,
-                seconds: t.elapsed().as_secs_f64(),
+                seconds,
                 cubin_bytes: c.cubin.len(),
             });
             modules.insert(m.name, module);

@@ -290,10 +290,11 @@ pub fn gemv(
     let grid = rows.div_ceil(4) as u32;
     let ri = i32_of(k, rows)?;
     let tn = ty.name().to_lowercase();
+    let module = format!("gemv_{tn}");
     if optimized(k, variant)? && kk == 2560 {
         launch!(
             gpu,
-            "gemv",
+            &module,
             format!("gemv_opt_{tn}_k2560_nt{nt}"),
             cfg(rows.div_ceil(8) as u32, 256),
             [w, x, y, &ri]
@@ -302,7 +303,7 @@ pub fn gemv(
         let (ki, ni, wb, xb) = (i32_of(k, kk)?, nt as i32, wrb as u64, xrb as u64);
         launch!(
             gpu,
-            "gemv",
+            &module,
             format!("gemv_base_{tn}"),
             cfg(grid, 128),
             [w, x, y, &ri, &ki, &ni, &wb, &xb]
@@ -535,5 +536,5 @@ pub fn pick(
 
 /// An empty kernel: the launch floor.
 pub fn noop(gpu: &Gpu) -> Result<(), CudaError> {
-    launch!(gpu, "gemv", "noop", cfg(1, 32), [])
+    launch!(gpu, "norm", "noop", cfg(1, 32), [])
 }

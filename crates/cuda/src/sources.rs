@@ -1,6 +1,7 @@
-//! The kernel sources: one NVRTC program per `.cu` file under `crates/cuda/kernels/`, each
-//! prefixed with `common.cuh` and, where it reads block formats, the lookup tables (generated
-//! here from `strata_quant::grids`, so the device and the CPU share one copy of the data) and
+//! The kernel sources: one NVRTC program per `.cu` file under `crates/cuda/kernels/` (the GEMV
+//! file split into one program per weight type, so they compile in parallel), each prefixed
+//! with `common.cuh` and, where it reads block formats, the lookup tables (generated here from
+//! `strata_quant::grids`, so the device and the CPU share one copy of the data) and
 //! `quants.cuh`.
 
 use std::fmt::Write;
@@ -10,46 +11,73 @@ use strata_quant::grids::{IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
 const COMMON: &str = include_str!("../kernels/common.cuh");
 const QUANTS: &str = include_str!("../kernels/quants.cuh");
 
-/// A kernel module: its name, its `.cu` text, and whether it needs the block-format helpers.
+/// A kernel module: its name, its `.cu` text, whether it needs the block-format helpers, and
+/// a `#define` that selects part of the file (the GEMV file holds one module per format).
 pub struct Module {
     pub name: &'static str,
     pub file: &'static str,
     text: &'static str,
     quants: bool,
+    define: Option<&'static str>,
 }
 
-/// Every module, in load order.
+const GEMV: &str = include_str!("../kernels/gemv.cu");
+
+const fn m(
+    name: &'static str,
+    file: &'static str,
+    text: &'static str,
+    quants: bool,
+    define: Option<&'static str>,
+) -> Module {
+    Module {
+        name,
+        file,
+        text,
+        quants,
+        define,
+    }
+}
+
+/// Every module, in load order. `gemv_<type>` holds the GEMV kernels of one weight type.
 pub const MODULES: &[Module] = &[
-    Module {
-        name: "norm",
-        file: "norm.cu",
-        text: include_str!("../kernels/norm.cu"),
-        quants: false,
-    },
-    Module {
-        name: "embed",
-        file: "embed.cu",
-        text: include_str!("../kernels/embed.cu"),
-        quants: true,
-    },
-    Module {
-        name: "gemv",
-        file: "gemv.cu",
-        text: include_str!("../kernels/gemv.cu"),
-        quants: true,
-    },
-    Module {
-        name: "route",
-        file: "route.cu",
-        text: include_str!("../kernels/route.cu"),
-        quants: false,
-    },
-    Module {
-        name: "sample",
-        file: "sample.cu",
-        text: include_str!("../kernels/sample.cu"),
-        quants: false,
-    },
+    m(
+        "norm",
+        "norm.cu",
+        include_str!("../kernels/norm.cu"),
+        false,
+        None,
+    ),
+    m(
+        "embed",
+        "embed.cu",
+        include_str!("../kernels/embed.cu"),
+        true,
+        None,
+    ),
+    m(
+        "route",
+        "route.cu",
+        include_str!("../kernels/route.cu"),
+        false,
+        None,
+    ),
+    m(
+        "sample",
+        "sample.cu",
+        include_str!("../kernels/sample.cu"),
+        false,
+        None,
+    ),
+    m("gemv_q2_0", "gemv.cu", GEMV, true, Some("GEMV_Q2_0")),
+    m("gemv_q8_0", "gemv.cu", GEMV, true, Some("GEMV_Q8_0")),
+    m("gemv_q4_k", "gemv.cu", GEMV, true, Some("GEMV_Q4_K")),
+    m("gemv_q5_k", "gemv.cu", GEMV, true, Some("GEMV_Q5_K")),
+    m("gemv_q6_k", "gemv.cu", GEMV, true, Some("GEMV_Q6_K")),
+    m("gemv_iq4_xs", "gemv.cu", GEMV, true, Some("GEMV_IQ4_XS")),
+    m("gemv_iq3_s", "gemv.cu", GEMV, true, Some("GEMV_IQ3_S")),
+    m("gemv_iq3_xxs", "gemv.cu", GEMV, true, Some("GEMV_IQ3_XXS")),
+    m("gemv_bf16", "gemv.cu", GEMV, true, Some("GEMV_BF16")),
 ];
 
 /// The lookup tables as CUDA `__device__` arrays.
@@ -95,6 +123,9 @@ impl Module {
     /// The full program text handed to NVRTC.
     pub fn source(&self) -> String {
         let mut s = String::with_capacity(COMMON.len() + QUANTS.len() + self.text.len() + 16384);
+        if let Some(d) = self.define {
+            s.push_str(&format!("#define {d} 1\n"));
+        }
         s.push_str(COMMON);
         if self.quants {
             s.push_str(&tables_cuh());

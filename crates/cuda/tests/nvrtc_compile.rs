@@ -25,7 +25,10 @@ fn every_module_compiles() {
                     c.len(),
                     t.elapsed()
                 ),
-                Err(e) => failures.push(format!("{} sm_{}{}: {e}", m.file, arch.0, arch.1)),
+                Err(e) => failures.push(format!(
+                    "{} ({}) sm_{}{}: {e}",
+                    m.name, m.file, arch.0, arch.1
+                )),
             }
         }
     }
