@@ -306,4 +306,25 @@ pub trait Backend: Send + Sync {
     ) -> Result<Self::Buf>;
     /// `x[r] += b` for every row: a projection's bias (`b` has `cols` values).
     fn add_bias(&self, x: &mut Self::Buf, b: &Self::Weight) -> Result<()>;
+    /// Appends key or value rows to a dense cache, stored at the cache's precision (F16 rounds
+    /// them once here, as an F16 cache holds them).
+    fn append_kv(&self, cache: &mut Self::Buf, x: &Self::Buf, kv: KvType) -> Result<()>;
+    /// Dense causal softmax attention (GQA): query row `r` attends to cache rows
+    /// `0..=positions[r]`, which `append_kv` wrote at precision `kv` (with F16 the query and the
+    /// probabilities take F16 values too).
+    fn attend_causal(
+        &self,
+        q: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        positions: &[u32],
+        dims: AttnDims,
+        kv: KvType,
+    ) -> Result<Self::Buf>;
+    /// Runs `f`, a whole forward pass, with the backend's workers at hand: the CPU backend
+    /// enters its thread pool once, so the operations inside do not each hand their work over
+    /// to the pool and sleep until it is done.
+    fn scoped<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
 }

@@ -3,6 +3,7 @@
 //! spread over a private rayon pool (`threads`), always by whole rows or whole dot products, so
 //! results do not depend on the thread count.
 
+mod attn;
 mod matmul;
 pub(crate) mod ops;
 
@@ -1009,5 +1010,83 @@ impl Backend for CpuBackend {
             }
         }
         Ok(())
+    }
+
+    fn append_kv(&self, cache: &mut CpuBuf, x: &CpuBuf, kv: KvType) -> Result<()> {
+        let start = cache.data.len();
+        self.append_rows(cache, x)?;
+        if kv == KvType::F16 {
+            attn::round_f16(&mut cache.data[start..]);
+        }
+        Ok(())
+    }
+
+    fn attend_causal(
+        &self,
+        q: &CpuBuf,
+        k_cache: &CpuBuf,
+        v_cache: &CpuBuf,
+        positions: &[u32],
+        dims: AttnDims,
+        kv: KvType,
+    ) -> Result<CpuBuf> {
+        let AttnDims {
+            n_head,
+            n_head_kv,
+            head_dim,
+        } = dims;
+        let kv_cols = n_head_kv * head_dim;
+        let ok = n_head_kv > 0
+            && n_head % n_head_kv == 0
+            && q.cols == n_head * head_dim
+            && k_cache.cols == kv_cols
+            && v_cache.cols == kv_cols
+            && k_cache.rows == v_cache.rows
+            && positions.len() == q.rows
+            && positions.iter().all(|&p| (p as usize) < k_cache.rows);
+        if !ok {
+            return Err(EngineError::shape(
+                "attend_causal",
+                format!(
+                    "q {}×{}, caches {}×{} / {}×{}, {} positions, {dims:?}",
+                    q.rows,
+                    q.cols,
+                    k_cache.rows,
+                    k_cache.cols,
+                    v_cache.rows,
+                    v_cache.cols,
+                    positions.len()
+                ),
+            ));
+        }
+        let group = n_head / n_head_kv;
+        let mut out = vec![0f32; q.data.len()];
+        if head_dim == 0 {
+            return CpuBuf::new(q.rows, q.cols, out);
+        }
+        self.pool.install(|| {
+            out.par_chunks_mut(head_dim).enumerate().for_each_init(
+                Vec::new,
+                |scores, (i, o)| {
+                    let (row, h) = (i / n_head, i % n_head);
+                    attn::causal_head(
+                        &q.row(row)[h * head_dim..(h + 1) * head_dim],
+                        &k_cache.data,
+                        &v_cache.data,
+                        kv_cols,
+                        (h / group) * head_dim,
+                        positions[row] as usize + 1,
+                        kv == KvType::F16,
+                        scores,
+                        o,
+                    )
+                },
+            )
+        });
+        CpuBuf::new(q.rows, q.cols, out)
+    }
+
+    fn scoped<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
     }
 }

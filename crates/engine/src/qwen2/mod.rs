@@ -181,7 +181,6 @@ impl<B: Backend> Model<B> {
     ) -> Result<Outputs> {
         let b = &self.backend;
         let c = &self.config;
-        let w = &self.weights;
         if tokens.is_empty() {
             return Err(EngineError::Input("forward: no tokens".to_string()));
         }
@@ -205,9 +204,30 @@ impl<B: Backend> Model<B> {
             })
             .collect::<Result<_>>()?;
 
+        let logits =
+            b.scoped(|| self.layers_and_head(&mut st.layers, tokens, &positions, last_only))?;
+        st.pos += n;
+        st.tokens.extend_from_slice(tokens);
+        Ok(Outputs {
+            logits,
+            n_vocab: c.n_vocab,
+        })
+    }
+
+    /// Embedding, every decoder layer, final norm and head; the logits downloaded.
+    fn layers_and_head(
+        &self,
+        caches: &mut [KvCache<B>],
+        tokens: &[u32],
+        positions: &[u32],
+        last_only: bool,
+    ) -> Result<Vec<f32>> {
+        let b = &self.backend;
+        let w = &self.weights;
+        let n = tokens.len();
         let mut x = b.embed_rows(&w.token_embd, tokens, 1)?;
-        for (lw, cache) in w.layers.iter().zip(st.layers.iter_mut()) {
-            self.decoder_layer(lw, &mut x, &positions, cache)?;
+        for (lw, cache) in w.layers.iter().zip(caches.iter_mut()) {
+            self.decoder_layer(lw, &mut x, positions, cache)?;
         }
         if last_only && n > 1 {
             let cols = x.cols();
@@ -215,12 +235,7 @@ impl<B: Backend> Model<B> {
             x = b.slice_cols(&flat, (n - 1) * cols, cols)?;
         }
         let logits = self.lm_head(&x)?;
-        st.pos += n;
-        st.tokens.extend_from_slice(tokens);
-        Ok(Outputs {
-            logits: b.download(&logits)?,
-            n_vocab: c.n_vocab,
-        })
+        b.download(&logits)
     }
 
     /// `x += attn(norm(x)); x += mlp(norm(x))`.
@@ -265,10 +280,9 @@ impl<B: Backend> Model<B> {
         let v = proj(&lw.v, &lw.v_bias)?;
         b.rope_neox(&mut q, hd, hd, c.rope_theta, positions)?;
         b.rope_neox(&mut k, hd, hd, c.rope_theta, positions)?;
-        b.append_rows(&mut cache.k, &k)?;
-        b.append_rows(&mut cache.v, &v)?;
-        let sel = b.select_causal(positions)?;
-        let a = b.attend(&q, &cache.k, &cache.v, &sel, c.attn, c.kv_type)?;
+        b.append_kv(&mut cache.k, &k, c.kv_type)?;
+        b.append_kv(&mut cache.v, &v, c.kv_type)?;
+        let a = b.attend_causal(&q, &cache.k, &cache.v, positions, c.attn, c.kv_type)?;
         b.matmul(&lw.o, &a)
     }
 
