@@ -20,6 +20,8 @@ pub struct Args {
 pub enum What {
     /// Dequantize and dot-product throughput of every block format
     Formats(FormatsArgs),
+    /// MTP speculative decoding: tokens/s with and without drafts, window cost, forced acceptance
+    Spec(crate::spec_run::BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -45,6 +47,7 @@ pub struct FormatsArgs {
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.what {
         What::Formats(a) => formats(a),
+        What::Spec(a) => crate::spec_run::bench(a),
     }
 }
 

@@ -44,6 +44,13 @@ pub struct Args {
     /// format (an exact mode for comparisons; block-quantized weights are unaffected)
     #[arg(long)]
     pub f32_activations: bool,
+    /// MTP head GGUF for --mtp-out (a model file that carries `mtp.*` needs none)
+    #[arg(long, value_name = "MTP.gguf")]
+    pub mtp: Option<PathBuf>,
+    /// Also write the MTP head's logits (`mtp_logits` [positions − 1, vocab]: row p from the
+    /// trunk's state at p and token p + 1) to this safetensors file
+    #[arg(long, value_name = "OUT.safetensors")]
+    pub mtp_out: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -69,6 +76,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
     // (logits, n_vocab, threads, time of the forward pass)
     let (out_logits, n_vocab, threads, loaded, ran) = if file.architecture()? == qwen2::ARCH {
+        if args.mtp.is_some() || args.mtp_out.is_some() {
+            bail!("--mtp and --mtp-out need a qwen4exp model");
+        }
         let opts = qwen2::LoadOptions {
             kv_type: args.kv_type,
         };
@@ -86,15 +96,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             qsa_ratio: args.qsa_ratio,
             kv_type: args.kv_type,
         };
-        let model = Model::from_file(file, backend, &opts)
+        let mut model = Model::from_file(file, backend, &opts)
             .with_context(|| format!("loading {}", args.model.display()))?;
         for w in model.warnings() {
             eprintln!("warning: {w}");
         }
+        if let Some(p) = &args.mtp {
+            model
+                .load_mtp(p)
+                .with_context(|| format!("loading the MTP head {}", p.display()))?;
+        }
         let loaded = t0.elapsed();
         let mut state = model.new_state()?;
         let t1 = Instant::now();
-        let out = model.forward(&mut state, &tokens)?;
+        let want = strata_engine::qwen4exp::Want {
+            hidden: args.mtp_out.is_some(),
+            ..Default::default()
+        };
+        let out = model.forward_with(&mut state, &tokens, want)?;
+        if let (Some(path), Some(hidden)) = (&args.mtp_out, &out.hidden) {
+            crate::spec_run::write_mtp_logits(&model, &tokens, hidden, path)?;
+        }
         let threads = model.backend().threads();
         (out.logits, out.n_vocab, threads, loaded, t1.elapsed())
     };

@@ -5,11 +5,14 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod chat;
+mod convert_mtp;
+mod draft_vocab;
 mod fetch;
 mod inspect;
 mod logits;
 mod parity;
 mod run;
+mod spec_run;
 mod tokenize;
 
 #[derive(Parser)]
@@ -37,6 +40,12 @@ enum Command {
     Tokenize(tokenize::Args),
     /// Bitwise A/B of kernel variants with paired timing: mtp-ab | router-ab | sample | gemv | all
     Parity(parity::Args),
+    /// Convert the MTP head (mtp.*) of a Hugging Face qwen4_exp checkpoint to a GGUF for --mtp
+    ConvertMtp(convert_mtp::Args),
+    /// Draft vocabularies for --draft-vocab: `draft-vocab build`
+    DraftVocab(draft_vocab::Args),
+    /// A completion with MTP speculative decoding (--mtp, --spec N)
+    SpecRun(spec_run::RunArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -50,6 +59,9 @@ fn main() -> std::process::ExitCode {
         Command::Logits(a) => logits::run(a),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Parity(a) => parity::run(a),
+        Command::ConvertMtp(a) => convert_mtp::run(a),
+        Command::DraftVocab(a) => draft_vocab::run(a),
+        Command::SpecRun(a) => spec_run::run(a),
     };
     match result {
         Ok(code) => code,

@@ -98,6 +98,9 @@ pub struct Args {
     /// Load and speed report on stderr
     #[arg(short = 'v', long)]
     pub verbose: bool,
+    /// MTP speculative decoding (qwen4exp): --mtp, --spec N, --spec-min-p, --draft-vocab
+    #[command(flatten)]
+    pub spec: crate::spec_run::SpecArgs,
 }
 
 /// A loaded model of any supported architecture, on the CPU backend.
@@ -262,6 +265,17 @@ pub fn report(load: Duration, g: &Generation, threads: usize, sampler: &Sampler)
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    if args.spec.wanted() {
+        return crate::spec_run::run(crate::spec_run::RunArgs {
+            model: args.model,
+            spec: args.spec,
+            prompt: args.prompt,
+            n_predict: args.n_predict,
+            sample: args.sample,
+            no_echo: args.no_echo,
+            verbose: args.verbose,
+        });
+    }
     let path = model_path(&args.model)?;
     let t0 = Instant::now();
     let (model, tok) = load(&path, &args.model)?;

@@ -1,0 +1,536 @@
+//! MTP speculative decoding on the command line: `strata spec-run` (a completion with `--mtp`
+//! and `--spec N`), `strata bench spec` (tokens/s with and without MTP, the cost of a verify
+//! window, and the speed-up when drafts are forced right at chosen rates), and the MTP part of
+//! `strata logits --mtp ... --mtp-out`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::json;
+use strata_engine::qwen4exp::{LoadOptions, Model, Want};
+use strata_engine::spec::{self, DraftHook, DraftVocab, SpecConfig, SpecDecoder, SpecStats};
+use strata_engine::CpuBackend;
+use strata_gguf::GgufFile;
+use strata_tokenizer::{StreamDecoder, Tokenizer};
+
+use crate::run::{ModelArgs, Out, SampleArgs};
+
+/// The speculative-decoding options (shared by `spec-run` and `run`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct SpecArgs {
+    /// The MTP head GGUF (`strata convert-mtp`); a model file that carries `mtp.*` needs none
+    #[arg(long, value_name = "MTP.gguf")]
+    pub mtp: Option<PathBuf>,
+    /// Verify window N = 1..8 (up to N − 1 drafts per trunk pass); default 4 with a head
+    #[arg(long = "spec", value_name = "N")]
+    pub spec: Option<usize>,
+    /// Draft floor: end the draft chain at the first draft less likely than this (0: off)
+    #[arg(long, default_value_t = 0.0)]
+    pub spec_min_p: f32,
+    /// Draft vocabulary: raw little-endian i32 token ids (`strata draft-vocab build`); the draft
+    /// computes only those rows of the LM head (default: the full vocabulary)
+    #[arg(long, value_name = "FILE")]
+    pub draft_vocab: Option<PathBuf>,
+}
+
+impl SpecArgs {
+    /// True when these options ask for speculative decoding.
+    pub fn wanted(&self) -> bool {
+        self.mtp.is_some() || self.spec.is_some_and(|n| n > 1)
+    }
+
+    fn config(&self, model: &Model<CpuBackend>) -> Result<SpecConfig> {
+        let window = self.spec.unwrap_or(if model.has_mtp() { 4 } else { 1 });
+        let draft_vocab = match &self.draft_vocab {
+            Some(p) => Some(
+                DraftVocab::load(p, model.config().n_vocab)
+                    .with_context(|| format!("loading the draft vocabulary {}", p.display()))?,
+            ),
+            None => None,
+        };
+        Ok(SpecConfig {
+            window,
+            min_p: self.spec_min_p,
+            draft_vocab,
+        })
+    }
+}
+
+/// Loads a qwen4exp trunk, its tokenizer and (from `--mtp`, or the trunk file) the MTP head.
+pub fn load(
+    path: &Path,
+    mtp: Option<&Path>,
+    threads: usize,
+    opts: &LoadOptions,
+) -> Result<(Model<CpuBackend>, Tokenizer)> {
+    let file =
+        Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
+    let tok = Tokenizer::from_gguf(&file)
+        .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
+    let mut model = Model::from_file(file, CpuBackend::new(threads)?, opts)
+        .with_context(|| format!("loading {}", path.display()))?;
+    for w in model.warnings() {
+        eprintln!("warning: {w}");
+    }
+    if let Some(p) = mtp {
+        model
+            .load_mtp(p)
+            .with_context(|| format!("loading the MTP head {}", p.display()))?;
+    }
+    Ok((model, tok))
+}
+
+#[derive(clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// The prompt (special tokens such as <|im_start|> are parsed)
+    #[arg(short = 'p', long)]
+    pub prompt: String,
+    /// Most tokens to generate
+    #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
+    pub n_predict: usize,
+    #[command(flatten)]
+    pub sample: SampleArgs,
+    /// Do not print the prompt before the completion
+    #[arg(long)]
+    pub no_echo: bool,
+    /// Speculation statistics and timings on stderr
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
+}
+
+/// `strata spec-run`: like `strata run`, through the speculative controller.
+pub fn run(args: RunArgs) -> Result<ExitCode> {
+    let Some(path) = args.model.model.clone() else {
+        bail!("give the qwen4exp model with -m (speculative decoding needs an MTP head)");
+    };
+    let opts = LoadOptions {
+        kv_type: args.model.kv_type,
+        ..LoadOptions::default()
+    };
+    let t0 = Instant::now();
+    let (model, tok) = load(&path, args.spec.mtp.as_deref(), args.model.threads, &opts)?;
+    let load_time = t0.elapsed();
+    let cfg = args.spec.config(&model)?;
+    let sampler = args.sample.build()?;
+    let sampler_json = sampler.config().to_json();
+    let prompt = tok
+        .encode(&args.prompt, true, true)
+        .context("tokenizing the prompt")?;
+    if prompt.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    let mut out = Out::new();
+    let mut dec_text = StreamDecoder::new(true);
+    if !args.no_echo {
+        let mut text = String::new();
+        for &id in &prompt {
+            text.push_str(&dec_text.push(&tok, id)?);
+        }
+        text.push_str(&dec_text.flush());
+        out.write(&text);
+    }
+    let mut dec = SpecDecoder::new(&model, cfg)?.with_picker(sampler);
+    let mut tok_err = None;
+    let mut eog = None;
+    let t1 = Instant::now();
+    let generated = spec::run(&mut dec, &prompt, args.n_predict, &mut |id| {
+        if tok.is_eog(id) {
+            eog = Some(id);
+            return false;
+        }
+        match dec_text.push(&tok, id) {
+            Ok(s) => out.write(&s),
+            Err(e) => {
+                tok_err = Some(e);
+                false
+            }
+        }
+    })?;
+    let total = t1.elapsed();
+    if let Some(e) = tok_err {
+        return Err(e).context("detokenizing");
+    }
+    out.write(&format!("{}\n", dec_text.flush()));
+    out.finish()?;
+    if args.verbose {
+        let s = dec.stats();
+        let decode = total.saturating_sub(s.prefill_time);
+        eprintln!(
+            "prompt: {} tokens in {:.3} s; decode: {} tokens in {:.3} s ({:.2} tokens/s); load {:.2} s, {} threads",
+            prompt.len(),
+            s.prefill_time.as_secs_f64(),
+            generated.len().saturating_sub(1),
+            decode.as_secs_f64(),
+            generated.len().saturating_sub(1) as f64 / decode.as_secs_f64().max(1e-9),
+            load_time.as_secs_f64(),
+            model.backend().threads()
+        );
+        eprintln!("{}", s.report());
+        eprintln!(
+            "stop: {}; sampler {sampler_json}",
+            match eog {
+                Some(id) => format!("end of generation (token {id})"),
+                None => "token budget or output closed".to_string(),
+            }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `strata logits --mtp-out`: the MTP head's logits for every position but the last, in the
+/// goldens' convention: row `p` from the trunk's pre-mixer state at `p` and token `p + 1`.
+pub fn write_mtp_logits(
+    model: &Model<CpuBackend>,
+    tokens: &[u32],
+    hidden: &[f32],
+    out: &Path,
+) -> Result<()> {
+    let t = tokens.len();
+    if t < 2 {
+        bail!("--mtp-out needs at least two tokens (row p pairs position p with token p + 1)");
+    }
+    let sh = model.config().residual_dim();
+    let mut st = model.new_mtp_state()?;
+    let m = model.mtp_forward(
+        &mut st,
+        hidden.get(..(t - 1) * sh).context("trunk states")?,
+        &tokens[1..],
+        false,
+        None,
+    )?;
+    let logits: Vec<u8> = m.logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let hid: Vec<u8> = m.hidden.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let views = [
+        (
+            "mtp_logits",
+            TensorView::new(Dtype::F32, vec![t - 1, m.cols], &logits)?,
+        ),
+        (
+            "mtp_hidden",
+            TensorView::new(Dtype::F32, vec![t - 1, sh], &hid)?,
+        ),
+    ];
+    safetensors::tensor::serialize_to_file(views, None, out)
+        .with_context(|| format!("writing {}", out.display()))?;
+    eprintln!(
+        "wrote {}: mtp_logits [{}, {}], mtp_hidden [{}, {sh}]",
+        out.display(),
+        t - 1,
+        m.cols,
+        t - 1
+    );
+    Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// The qwen4exp trunk GGUF
+    #[arg(short = 'm', long, value_name = "MODEL.gguf")]
+    pub model: PathBuf,
+    /// The MTP head GGUF (a model file that carries `mtp.*` needs none)
+    #[arg(long, value_name = "MTP.gguf")]
+    pub mtp: Option<PathBuf>,
+    /// Prompt text (default: a fixed English sentence)
+    #[arg(short = 'p', long)]
+    pub prompt: Option<String>,
+    /// Tokens to generate per run
+    #[arg(short = 'n', long, default_value_t = 64)]
+    pub n: usize,
+    /// Verify windows to measure
+    #[arg(long, value_delimiter = ',', default_values_t = vec![2usize, 3, 4, 6, 8])]
+    pub windows: Vec<usize>,
+    /// Force each draft right with these probabilities (per position, seeded), on top of the
+    /// runs with the head's own drafts
+    #[arg(long, value_delimiter = ',')]
+    pub force_accept: Vec<f64>,
+    /// Repetitions of every run (the median is reported)
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Draft floor
+    #[arg(long, default_value_t = 0.0)]
+    pub spec_min_p: f32,
+    /// Draft vocabulary file
+    #[arg(long)]
+    pub draft_vocab: Option<PathBuf>,
+    /// Seed of the forced-acceptance draws
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Worker threads (0: one per core)
+    #[arg(short = 't', long, default_value_t = 0)]
+    pub threads: usize,
+    /// Print JSON instead of tables
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Forced drafts: right (the plain run's token) with probability `rate`, decided once per
+/// position by a hash of (seed, position); wrong otherwise.
+struct ForceRate {
+    truth: Vec<u32>,
+    rate: f64,
+    seed: u64,
+    n_vocab: u32,
+}
+
+fn unit(seed: u64, pos: u64) -> f64 {
+    let mut z = seed ^ pos.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+impl DraftHook for ForceRate {
+    fn draft(&mut self, position: usize, _proposed: u32) -> Option<u32> {
+        let right = *self.truth.get(position)?;
+        if unit(self.seed, position as u64) < self.rate {
+            Some(right)
+        } else {
+            Some((right + 1) % self.n_vocab)
+        }
+    }
+}
+
+/// One measured generation.
+struct Measured {
+    tokens: Vec<u32>,
+    /// Decode time (the prefill excluded).
+    decode: Duration,
+    stats: SpecStats,
+}
+
+fn measure(
+    model: &Model<CpuBackend>,
+    prompt: &[u32],
+    n: usize,
+    cfg: &SpecConfig,
+    hook: Option<&ForceRate>,
+) -> Result<Measured> {
+    let mut dec = SpecDecoder::new(model, cfg.clone())?;
+    if let Some(h) = hook {
+        dec = dec.with_draft_hook(ForceRate {
+            truth: h.truth.clone(),
+            ..*h
+        });
+    }
+    let t0 = Instant::now();
+    let tokens = spec::run(&mut dec, prompt, n, &mut |_| true)?;
+    let total = t0.elapsed();
+    let stats = dec.stats().clone();
+    Ok(Measured {
+        tokens,
+        decode: total.saturating_sub(stats.prefill_time),
+        stats,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The median of `reps` runs, checked to emit exactly `want`.
+fn measure_median(
+    model: &Model<CpuBackend>,
+    prompt: &[u32],
+    n: usize,
+    cfg: &SpecConfig,
+    hook: Option<&ForceRate>,
+    reps: usize,
+    want: &[u32],
+) -> Result<(f64, SpecStats)> {
+    let mut tps = Vec::new();
+    let mut last = None;
+    for _ in 0..reps.max(1) {
+        let m = measure(model, prompt, n, cfg, hook)?;
+        if m.tokens != want {
+            bail!(
+                "window {}: the speculative run emitted other tokens than plain decoding (first difference at {})",
+                cfg.window,
+                m.tokens.iter().zip(want).position(|(a, b)| a != b).unwrap_or(m.tokens.len())
+            );
+        }
+        tps.push((m.tokens.len() - 1) as f64 / m.decode.as_secs_f64().max(1e-9));
+        last = Some(m.stats);
+    }
+    Ok((median(tps), last.unwrap_or_default()))
+}
+
+/// Time of one trunk pass over `rows` window rows at the current position (median of `reps`),
+/// with the state rolled back after each.
+fn window_cost(
+    model: &Model<CpuBackend>,
+    prompt: &[u32],
+    cont: &[u32],
+    rows: usize,
+    reps: usize,
+) -> Result<Duration> {
+    let mut st = model.new_state()?;
+    model.forward_with(
+        &mut st,
+        prompt,
+        Want {
+            last_only: true,
+            ..Want::default()
+        },
+    )?;
+    let cp = model.checkpoint(&st)?;
+    let toks = cont
+        .get(..rows)
+        .context("the plain run is shorter than the window")?;
+    let mut times = Vec::new();
+    for _ in 0..reps.max(1) + 1 {
+        let t0 = Instant::now();
+        model.forward_with(
+            &mut st,
+            toks,
+            Want {
+                hidden: true,
+                ..Want::default()
+            },
+        )?;
+        times.push(t0.elapsed().as_secs_f64());
+        model.restore(&mut st, &cp)?;
+    }
+    times.remove(0);
+    Ok(Duration::from_secs_f64(median(times)))
+}
+
+/// `strata bench spec`.
+pub fn bench(a: BenchArgs) -> Result<ExitCode> {
+    let (model, tok) = load(
+        &a.model,
+        a.mtp.as_deref(),
+        a.threads,
+        &LoadOptions::default(),
+    )?;
+    if !model.has_mtp() {
+        bail!(
+            "{} has no MTP head; give one with --mtp (strata convert-mtp makes it)",
+            a.model.display()
+        );
+    }
+    if a.n < 2 {
+        bail!("-n must be at least 2");
+    }
+    let text = a.prompt.clone().unwrap_or_else(|| {
+        "The old lighthouse stands at the edge of the harbour. Every night the keeper".to_string()
+    });
+    let prompt = tok
+        .encode(&text, true, true)
+        .context("tokenizing the prompt")?;
+    let draft_vocab = match &a.draft_vocab {
+        Some(p) => Some(DraftVocab::load(p, model.config().n_vocab)?),
+        None => None,
+    };
+    let base_cfg = |window: usize| SpecConfig {
+        window,
+        min_p: a.spec_min_p,
+        draft_vocab: draft_vocab.clone(),
+    };
+    let threads = model.backend().threads();
+
+    // Plain decoding: the baseline and the reference sequence.
+    let plain = measure(&model, &prompt, a.n, &base_cfg(1), None)?;
+    let want = plain.tokens.clone();
+    let (plain_tps, _) = measure_median(&model, &prompt, a.n, &base_cfg(1), None, a.reps, &want)?;
+
+    // The cost of a window of N rows against one decode step.
+    let mut cost = Vec::new();
+    let one = window_cost(&model, &prompt, &want, 1, a.reps.max(5))?;
+    for &w in &a.windows {
+        let t = window_cost(&model, &prompt, &want, w, a.reps.max(5))?;
+        cost.push((w, t, t.as_secs_f64() / one.as_secs_f64().max(1e-12)));
+    }
+
+    // The head's own drafts, then forced acceptance rates.
+    let mut rows = Vec::new();
+    let mut runs: Vec<(String, Option<f64>)> = vec![("mtp".to_string(), None)];
+    runs.extend(
+        a.force_accept
+            .iter()
+            .map(|&r| (format!("forced {r}"), Some(r))),
+    );
+    let mut truth = prompt.clone();
+    truth.extend_from_slice(&want);
+    for (label, rate) in &runs {
+        for &w in &a.windows {
+            let hook = rate.map(|r| ForceRate {
+                truth: truth.clone(),
+                rate: r,
+                seed: a.seed,
+                n_vocab: model.config().n_vocab as u32,
+            });
+            let cfg = base_cfg(w);
+            let (tps, s) =
+                measure_median(&model, &prompt, a.n, &cfg, hook.as_ref(), a.reps, &want)?;
+            rows.push((label.clone(), w, tps, s));
+        }
+    }
+
+    if a.json {
+        let j = json!({
+            "model": a.model.display().to_string(),
+            "threads": threads,
+            "prompt_tokens": prompt.len(),
+            "generated": a.n,
+            "plain_tokens_per_s": plain_tps,
+            "one_row_ms": one.as_secs_f64() * 1e3,
+            "window_cost": cost.iter().map(|(w, t, r)| json!({"rows": w, "ms": t.as_secs_f64() * 1e3, "ratio": r})).collect::<Vec<_>>(),
+            "runs": rows.iter().map(|(l, w, tps, s)| json!({
+                "drafts": l, "window": w, "tokens_per_s": tps, "speedup": tps / plain_tps,
+                "tokens_per_pass": s.tokens_per_pass(), "acceptance": s.acceptance_all(),
+                "acceptance_per_step": (0..s.offered.len()).map(|j| s.acceptance(j)).collect::<Vec<_>>(),
+                "ms_per_pass": s.time_per_pass().as_secs_f64() * 1e3,
+                "ms_per_draft": s.time_per_draft().as_secs_f64() * 1e3,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{j:#}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "model {} ({} threads), prompt {} tokens, {} generated, median of {} runs; every run checked to emit the plain run's tokens\n",
+        a.model.display(),
+        threads,
+        prompt.len(),
+        a.n,
+        a.reps.max(1)
+    );
+    println!("plain decoding: {plain_tps:.2} tokens/s\n");
+    println!("| rows N | trunk pass | × one decode step |\n|---:|---:|---:|");
+    println!("| 1 | {:.3} ms | 1.00 |", one.as_secs_f64() * 1e3);
+    for (w, t, r) in &cost {
+        println!("| {w} | {:.3} ms | {r:.2} |", t.as_secs_f64() * 1e3);
+    }
+    println!("\n| drafts | N | tokens/s | speed-up | tokens/pass | acceptance (per step) | ms/pass | ms/draft |\n|---|---:|---:|---:|---:|---|---:|---:|");
+    for (label, w, tps, s) in &rows {
+        let per: Vec<String> = (0..s.offered.len())
+            .map(|j| {
+                s.acceptance(j)
+                    .map(|r| format!("{r:.2}"))
+                    .unwrap_or_else(|| "-".into())
+            })
+            .collect();
+        println!(
+            "| {label} | {w} | {tps:.2} | {:.2} | {:.2} | {} ({}) | {:.3} | {:.3} |",
+            tps / plain_tps,
+            s.tokens_per_pass(),
+            s.acceptance_all()
+                .map(|r| format!("{r:.2}"))
+                .unwrap_or_else(|| "-".into()),
+            per.join(" "),
+            s.time_per_pass().as_secs_f64() * 1e3,
+            s.time_per_draft().as_secs_f64() * 1e3
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
