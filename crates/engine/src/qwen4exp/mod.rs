@@ -405,7 +405,6 @@ impl<B: Backend> Model<B> {
     ) -> Result<DevOutputs<B>> {
         let b = &self.backend;
         let c = &self.config;
-        let w = &self.weights;
         if tokens.is_empty() {
             return Err(EngineError::Input("forward: no tokens".to_string()));
         }
@@ -431,11 +430,33 @@ impl<B: Backend> Model<B> {
         if let Some(log) = log.as_deref_mut() {
             log.reset(c.n_layer);
         }
+        let out = b.scoped(|| {
+            self.layers_and_head(st, tokens, &positions, ple_rows.as_deref(), want, log)
+        })?;
+        st.pos += n;
+        st.tokens.extend_from_slice(tokens);
+        Ok(out)
+    }
+
+    /// The body of [`Model::forward_dev`]: every layer, then the mixer and LM head.
+    fn layers_and_head(
+        &self,
+        st: &mut State<B>,
+        tokens: &[u32],
+        positions: &[u32],
+        ple_rows: Option<&[u32]>,
+        want: Want,
+        mut log: Option<&mut ReplayLog<B>>,
+    ) -> Result<DevOutputs<B>> {
+        let b = &self.backend;
+        let c = &self.config;
+        let w = &self.weights;
+        let n = tokens.len();
         // X_t = [E[x_t]; …; E[x_t]]: the streams start as copies of the embedding.
         let mut x = b.embed_rows(&w.token_embd, tokens, c.hc_streams)?;
         let mut layer_out = Vec::new();
         for (l, lw) in w.layers.iter().enumerate() {
-            if let (Some(pw), Some(rows)) = (&lw.ple, &ple_rows) {
+            if let (Some(pw), Some(rows)) = (&lw.ple, ple_rows) {
                 let rec = log.as_deref_mut().map(|g| &mut g.ple);
                 self.ple_block(pw, rows, &mut x, st.ple_conv.as_mut(), rec)?;
             }
@@ -445,7 +466,7 @@ impl<B: Backend> Model<B> {
                 lw,
                 &mut x,
                 Positions {
-                    positions: &positions,
+                    positions,
                     theta: c.rope_theta,
                 },
                 &mut st.layers[l],
@@ -461,8 +482,6 @@ impl<B: Backend> Model<B> {
             x = self.last_row(x, n)?;
         }
         let logits = self.lm_head(&x)?;
-        st.pos += n;
-        st.tokens.extend_from_slice(tokens);
         Ok(DevOutputs {
             logits,
             hidden,

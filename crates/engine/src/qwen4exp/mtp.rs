@@ -292,10 +292,8 @@ impl<B: Backend> Model<B> {
         rows: Option<&[u32]>,
     ) -> Result<(B::Buf, B::Buf)> {
         let head = self.head()?;
-        let b = &self.backend;
         let c = &self.config;
-        let (h, s, eps) = (c.n_embd, c.hc_streams, c.eps);
-        let sh = s * h;
+        let sh = c.residual_dim();
         let n = next_tokens.len();
         if n == 0 {
             return Err(EngineError::Input("MTP forward: no tokens".to_string()));
@@ -320,6 +318,30 @@ impl<B: Backend> Model<B> {
             })
             .collect::<Result<_>>()?;
 
+        let out = self
+            .backend
+            .scoped(|| self.mtp_body(head, st, hidden, next_tokens, &positions, last_only, rows))?;
+        st.pos += n;
+        Ok(out)
+    }
+
+    /// The body of [`Model::mtp_forward_dev`] (positions checked, state not yet advanced).
+    #[allow(clippy::too_many_arguments)]
+    fn mtp_body(
+        &self,
+        head: &MtpHead<B::Weight>,
+        st: &mut MtpState<B>,
+        hidden: &B::Buf,
+        next_tokens: &[u32],
+        positions: &[u32],
+        last_only: bool,
+        rows: Option<&[u32]>,
+    ) -> Result<(B::Buf, B::Buf)> {
+        let b = &self.backend;
+        let c = &self.config;
+        let (h, s, eps) = (c.n_embd, c.hc_streams, c.eps);
+        let sh = s * h;
+        let n = next_tokens.len();
         // e = fc_embedding · RMS1p(E[x_{p+1}])
         let table = head.token_embd.as_ref().unwrap_or(&self.weights.token_embd);
         let emb = b.embed_rows(table, next_tokens, 1)?;
@@ -344,13 +366,12 @@ impl<B: Backend> Model<B> {
             &head.layer,
             &mut x,
             Positions {
-                positions: &positions,
+                positions,
                 theta: head.config.rope_theta,
             },
             &mut st.layer,
             None,
         )?;
-        st.pos += n;
         let hidden_out = b.copy(&x)?;
         let x = if last_only && n > 1 {
             self.last_row(x, n)?
