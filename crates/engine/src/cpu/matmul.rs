@@ -104,14 +104,23 @@ pub(crate) fn matmul_prepared(
     // Keep each task above ~64k multiply-adds so small products do not drown in scheduling.
     let min_len = (65536 / (k * n).max(1)).max(1);
     let mut out_t = vec![0f32; m * n];
+    // A multi-row kernel unpacks each weight block once for up to eight activation rows (a
+    // prefill); its results are bitwise those of the one-row kernel.
+    let rows_fn = strata_quant::dot_rows_fn(wty, isa).filter(|_| n > 1);
+    let xs: Vec<&[u8]> = xb.chunks_exact(xr.max(1)).take(n).collect();
     out_t
         .par_chunks_mut(n)
         .with_min_len(min_len)
         .enumerate()
         .for_each(|(o, col)| {
             let wr = &w[o * w_row..(o + 1) * w_row];
-            for (r, c) in col.iter_mut().enumerate() {
-                *c = dot(k, wr, &xb[r * xr..(r + 1) * xr]);
+            match rows_fn {
+                Some(f) => f(k, wr, &xs, col),
+                None => {
+                    for (r, c) in col.iter_mut().enumerate() {
+                        *c = dot(k, wr, &xb[r * xr..(r + 1) * xr]);
+                    }
+                }
             }
         });
     if n == 1 {
