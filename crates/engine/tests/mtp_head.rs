@@ -398,3 +398,103 @@ fn head_of_another_model_is_refused() {
     let err = tiny.new_mtp_state().err().unwrap();
     assert!(err.to_string().contains("no MTP head"), "{err}");
 }
+
+#[test]
+fn sharded_checkpoint_converts_to_the_same_file() {
+    use safetensors::tensor::TensorView;
+    let src = tiny_dir().join("hf");
+    let dir = std::env::temp_dir().join(format!("strata-mtp-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    // Two shards, the MTP layer's tensors split between them, and an index naming each.
+    let mut shards: [Vec<(String, TensorView<'_>)>; 2] = [Vec::new(), Vec::new()];
+    let mut map = serde_json::Map::new();
+    for (i, (name, t)) in st.tensors().into_iter().enumerate() {
+        let s = i % 2;
+        let file = format!("model-0000{}-of-00002.safetensors", s + 1);
+        map.insert(name.clone(), serde_json::Value::String(file));
+        shards[s].push((name, t));
+    }
+    for (s, views) in shards.into_iter().enumerate() {
+        let path = dir.join(format!("model-0000{}-of-00002.safetensors", s + 1));
+        safetensors::tensor::serialize_to_file(views, None, &path).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string(&index).unwrap(),
+    )
+    .unwrap();
+    let opts = ConvertOptions {
+        out_type: OutType::Q8_0,
+        include_shared: true,
+    };
+    let (a, _) = convert_mtp(&dir, &opts).unwrap();
+    let (b, _) = convert_mtp(&src, &opts).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let a = GgufFile::from_bytes(a.to_bytes().unwrap(), "sharded").unwrap();
+    let b = GgufFile::from_bytes(b.to_bytes().unwrap(), "single").unwrap();
+    assert_eq!(a.tensors().len(), b.tensors().len());
+    for (x, y) in a.tensors().iter().zip(b.tensors()) {
+        assert_eq!((&x.name, &x.dims, x.ty), (&y.name, &y.dims, y.ty));
+        assert!(
+            a.tensor_data(x).unwrap() == b.tensor_data(y).unwrap(),
+            "{}: data differs",
+            x.name
+        );
+    }
+}
+
+#[test]
+fn converted_layout_follows_the_trunk_conventions() {
+    // Norms carry 1 + w, the indexer projection is split, experts are split gate/up; every
+    // matrix of the head has the shape the trunk's QSA layer has.
+    let head = mtp_file(&tiny_dir().join("hf"), OutType::F32, false);
+    let trunk = GgufFile::open(tiny_dir().join("model-f32.gguf")).unwrap();
+    for t in head.tensors() {
+        if let Some(rest) = t.name.strip_prefix("mtp.blk.0.") {
+            let twin = trunk
+                .tensor(&format!("blk.3.{rest}"))
+                .unwrap_or_else(|| panic!("{} has no trunk counterpart", t.name));
+            assert_eq!(t.dims, twin.dims, "{}", t.name);
+        }
+    }
+    let f32s = |f: &GgufFile, n: &str| -> Vec<f32> {
+        f.tensor_bytes(n)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let bytes = std::fs::read(tiny_dir().join("hf/model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let hf = |n: &str| -> Vec<f32> {
+        st.tensor(n)
+            .unwrap()
+            .data()
+            .chunks_exact(2)
+            .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+            .collect()
+    };
+    let norm = f32s(&head, "mtp.pre_fc_norm_hidden.weight");
+    let raw = hf("mtp.pre_fc_norm_hidden.weight");
+    assert!(norm.iter().zip(&raw).all(|(a, b)| *a == 1.0 + b));
+    let qk = hf("mtp.layers.0.self_attn.indexer.index_qk_proj.weight");
+    let q = f32s(&head, "mtp.blk.0.indexer.q_proj.weight");
+    let k = f32s(&head, "mtp.blk.0.indexer.k_proj.weight");
+    assert_eq!([q.as_slice(), k.as_slice()].concat(), qk);
+    let gu = hf("mtp.layers.0.mlp.experts.gate_up_proj"); // [8, 48, 64]
+    let up = f32s(&head, "mtp.blk.0.ffn_up_exps.weight"); // {64, 24, 8}
+    assert_eq!(up[..24 * 64], gu[24 * 64..48 * 64], "expert 0 up rows");
+    assert_eq!(
+        up[7 * 24 * 64..],
+        gu[(7 * 48 + 24) * 64..8 * 48 * 64],
+        "expert 7 up rows"
+    );
+    assert_eq!(
+        head.get_str("general.architecture").unwrap(),
+        "qwen4exp_mtp"
+    );
+}
