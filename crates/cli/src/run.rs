@@ -105,8 +105,8 @@ pub struct Args {
 
 /// A loaded model of any supported architecture, on the CPU backend.
 pub enum Loaded {
-    Qwen2(qwen2::Model<CpuBackend>),
-    Qwen4exp(qwen4exp::Model<CpuBackend>),
+    Qwen2(Box<qwen2::Model<CpuBackend>>),
+    Qwen4exp(Box<qwen4exp::Model<CpuBackend>>),
 }
 
 impl Loaded {
@@ -166,10 +166,10 @@ pub fn load(path: &Path, m: &ModelArgs) -> Result<(Loaded, Tokenizer)> {
     let backend = CpuBackend::new(m.threads)?;
     let arch = file.architecture()?.to_string();
     let loaded = match arch.as_str() {
-        qwen2::ARCH => Loaded::Qwen2(
+        qwen2::ARCH => Loaded::Qwen2(Box::new(
             qwen2::Model::from_file(file, backend, &qwen2::LoadOptions { kv_type: m.kv_type })
                 .with_context(|| format!("loading {}", path.display()))?,
-        ),
+        )),
         qwen4exp::config::ARCH => {
             let opts = qwen4exp::LoadOptions {
                 kv_type: m.kv_type,
@@ -180,7 +180,7 @@ pub fn load(path: &Path, m: &ModelArgs) -> Result<(Loaded, Tokenizer)> {
             for w in model.warnings() {
                 eprintln!("warning: {w}");
             }
-            Loaded::Qwen4exp(model)
+            Loaded::Qwen4exp(Box::new(model))
         }
         other => bail!(
             "{}: architecture '{other}' is not supported; expected qwen2 or qwen4exp",

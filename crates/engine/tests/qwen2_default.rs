@@ -49,8 +49,11 @@ fn load(kv: KvType) -> Option<Model<CpuBackend>> {
     Some(Model::load(&path, backend, &LoadOptions { kv_type: kv }).unwrap())
 }
 
-/// Per position: (ids, logits) from one of the fixture JSON files.
-fn positions(name: &str) -> (Vec<u32>, Vec<(Vec<usize>, Vec<f32>)>) {
+/// Per position of the prompt: llama.cpp's top ids and the logits at them.
+type TopRows = Vec<(Vec<usize>, Vec<f32>)>;
+
+/// The prompt and its rows from one of the fixture JSON files.
+fn positions(name: &str) -> (Vec<u32>, TopRows) {
     let v: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixture(name)).unwrap()).unwrap();
     let nums = |a: &serde_json::Value| -> Vec<f64> {

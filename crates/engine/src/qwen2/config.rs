@@ -71,7 +71,7 @@ impl Config {
         };
         let head_dim = file.get_u32_or(&key("attention.key_length"), default_hd as u32)? as usize;
         let v_len = file.get_u32_or(&key("attention.value_length"), head_dim as u32)? as usize;
-        if head_dim == 0 || head_dim % 2 != 0 || v_len != head_dim {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || v_len != head_dim {
             return Err(bad(
                 "attention.key_length",
                 format!(
