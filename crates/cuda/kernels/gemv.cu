@@ -10,7 +10,8 @@
 //                       unrolled, accumulators in registers); 8 rows a block; each weight row
 //                       and the activation rows staged in shared memory with 16/8/4-byte
 //                       coalesced loads (the GGUF blocks are only 2-byte aligned, but whole
-//                       rows are); BF16 read with 16-byte loads directly.
+//                       rows are); each unit decoded once for all nt rows; BF16 read with
+//                       16-byte loads directly.
 
 template <int T>
 __device__ __forceinline__ void gemv_base(const u8* w, const u8* x, float* y, int rows, int k,
@@ -117,8 +118,10 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
         for (int i = 0; i < PER; ++i) {
             const int u = lane + 32 * i;
             if (u < U) {
+                // Decoded once, used for every activation row.
+                const DecUnit du = decode_for_dot<T>(wsh[warp], u, tb);
 #pragma unroll
-                for (int t = 0; t < NT; ++t) acc[t] += unit_dot<T>(wsh[warp], xsh + t * XRB, u, tb);
+                for (int t = 0; t < NT; ++t) acc[t] += dot_decoded<T>(du, xsh + t * XRB, u);
             }
         }
     }

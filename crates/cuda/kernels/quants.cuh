@@ -185,8 +185,6 @@ __device__ __forceinline__ int iq4_lookup4(u32 q, u32 k0, u32 k1, u32 k2, u32 k3
     return (int)__byte_perm(lo, hi, pick);
 }
 
-// Integer dot of unit u of weight row `w` with the paired activation row `x`, scaled:
-// returns the unit's f32 contribution (before the type's final factor, see dot_post).
 // Lookup tables a kernel reads (the global ones, or copies it staged in shared memory).
 struct Tables {
     const u32* g3s;
@@ -196,114 +194,154 @@ struct Tables {
 
 __device__ __forceinline__ Tables global_tables() { return Tables{iq3s_grid, iq3xxs_grid, ksigns_iq2xs}; }
 
+// A weight unit decoded for integer dot products: eight words of four signed 8-bit weights in
+// the activation's word order, two integer scales and two float factors (their meaning is
+// per type, see dot_decoded). Decoding depends only on the weights, so a kernel with several
+// activation rows decodes a unit once.
+struct DecUnit {
+    int w[8];
+    int s0, s1;
+    float f0, f1;
+};
+
 template <int T>
-__device__ __forceinline__ float unit_dot(const u8* w, const u8* x, int u, Tables tb) {
+__device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb) {
     constexpr int QK = Fmt<T>::QK, TS = Fmt<T>::TS, UPB = QK / 32;
     const u8* b = w + (size_t)(u / UPB) * TS;
     const int s = u % UPB;
+    DecUnit d;
+    d.s0 = d.s1 = 0;
+    d.f0 = d.f1 = 0.f;
+    if (T == T_Q8_0) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) d.w[k] = (int)ld32a2(b + 2 + 4 * k);
+        d.f0 = ldf16(b);
+    } else if (T == T_Q2_0) {
+        // Codes 0..3 as bytes; the -1 offset is applied through the activation sums.
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const u32 c = b[2 + 8 * s + k];
+            d.w[k] = (int)((c & 3u) | ((c >> 2) & 3u) << 8 | ((c >> 4) & 3u) << 16 | ((c >> 6) & 3u) << 24);
+        }
+        d.f0 = ldf16(b);
+    } else if (T == T_Q4_K || T == T_Q5_K) {
+        scale_min_k4(s, b + 4, d.s0, d.s1);
+        d.f0 = ldf16(b);
+        d.f1 = ldf16(b + 2);
+        const u8* q = b + (T == T_Q5_K ? 48 : 16) + 32 * (s >> 1);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            u32 v = (ld32a2(q + 4 * k) >> (4 * (s & 1))) & 0x0F0F0F0Fu;
+            if (T == T_Q5_K) v |= ((ld32a2(b + 16 + 4 * k) >> s) & 0x01010101u) << 4;
+            d.w[k] = (int)v;
+        }
+    } else if (T == T_Q6_K) {
+        const int half = s >> 2, g = s & 3;
+        const u8* ql = b + 64 * half + 32 * (g & 1);
+        const u8* qh = b + 128 + 32 * half;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const u32 lo = (ld32a2(ql + 4 * k) >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu;
+            const u32 hi = ((ld32a2(qh + 4 * k) >> (2 * g)) & 0x03030303u) << 4;
+            d.w[k] = (int)(lo | hi);  // 0..63; the -32 goes through the group sums
+        }
+        d.s0 = (i8)b[192 + 2 * s];
+        d.s1 = (i8)b[193 + 2 * s];
+        d.f0 = ldf16(b + 208);
+    } else if (T == T_IQ4_XS) {
+        const int lo = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 0xF;
+        d.s0 = (lo | (((ld16(b + 2) >> (2 * s)) & 3) << 4)) - 32;
+        d.f0 = ldf16(b);
+        const u32 k0 = kvalues_iq4nl_w[0], k1 = kvalues_iq4nl_w[1], k2 = kvalues_iq4nl_w[2], k3 = kvalues_iq4nl_w[3];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 q = ld32a2(b + 8 + 16 * s + 4 * k);
+            d.w[k] = iq4_lookup4(q & 0x0F0F0F0Fu, k0, k1, k2, k3);
+            d.w[k + 4] = iq4_lookup4((q >> 4) & 0x0F0F0F0Fu, k0, k1, k2, k3);
+        }
+    } else if (T == T_IQ3_S) {
+        const int sc = (b[106 + (s >> 1)] >> (4 * (s & 1))) & 0xF;
+        d.s0 = 1 + 2 * sc;
+        d.f0 = ldf16(b);
+        const int h = b[66 + s];
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const int i1 = b[2 + 8 * s + 2 * l] | ((h << (8 - 2 * l)) & 256);
+            const int i2 = b[2 + 8 * s + 2 * l + 1] | ((h << (7 - 2 * l)) & 256);
+            const u32 sg = b[74 + 4 * s + l];
+            d.w[2 * l] = apply_signs(tb.g3s[i1], spread_signs4(sg));
+            d.w[2 * l + 1] = apply_signs(tb.g3s[i2], spread_signs4(sg >> 4));
+        }
+    } else if (T == T_IQ3_XXS) {
+        const u32 aux = ld32a2(b + 66 + 4 * s);
+        d.s0 = 2 * (int)(aux >> 28) + 1;
+        d.f0 = ldf16(b);
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const u32 sg = tb.ks[(aux >> (7 * l)) & 127];
+            d.w[2 * l] = apply_signs(tb.g3xxs[b[2 + 8 * s + 2 * l]], spread_signs4(sg));
+            d.w[2 * l + 1] = apply_signs(tb.g3xxs[b[2 + 8 * s + 2 * l + 1]], spread_signs4(sg >> 4));
+        }
+    }
+    return d;
+}
+
+// The f32 contribution of a decoded unit against unit u of activation row `x` (before the
+// type's final factor, see dot_post).
+template <int T>
+__device__ __forceinline__ float dot_decoded(const DecUnit& d, const u8* x, int u) {
+    if (T == T_Q8_0 || T == T_Q2_0) {
+        const u8* xb = x + 34 * (size_t)u;  // Q8_0 activation block u
+        const float dx = ldf16(xb);
+        int isum = 0, sx = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int xw = (int)ld32a2(xb + 2 + 4 * k);
+            isum = dp4a(d.w[k], xw, isum);
+            if (T == T_Q2_0) sx = dp4a(0x01010101, xw, sx);
+        }
+        if (T == T_Q2_0) isum -= sx;
+        return (d.f0 * dx) * (float)isum;
+    } else {
+        const int s = u & 7;
+        const u8* xb = x + 292 * (size_t)(u >> 3);  // Q8_K activation block
+        const float dx = *(const float*)xb;
+        const u32* xq = (const u32*)(xb + 4 + 32 * s);
+        const i16* bs = (const i16*)(xb + 260 + 4 * s);
+        if (T == T_Q6_K) {
+            int ia = 0, ib = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) ia = dp4a(d.w[k], (int)xq[k], ia);
+#pragma unroll
+            for (int k = 4; k < 8; ++k) ib = dp4a(d.w[k], (int)xq[k], ib);
+            ia -= 32 * (int)bs[0];
+            ib -= 32 * (int)bs[1];
+            return (d.f0 * dx) * (float)(d.s0 * ia + d.s1 * ib);
+        }
+        int isum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) isum = dp4a(d.w[k], (int)xq[k], isum);
+        if (T == T_Q4_K || T == T_Q5_K) {
+            const int bsum = (int)bs[0] + (int)bs[1];
+            return (d.f0 * dx) * (float)(d.s0 * isum) - (d.f1 * dx) * (float)(d.s1 * bsum);
+        }
+        return (d.f0 * dx) * (float)(d.s0 * isum);  // IQ4_XS, IQ3_S, IQ3_XXS
+    }
+}
+
+// Integer dot of unit u of weight row `w` with the paired activation row `x`: the unit's f32
+// contribution (before the type's final factor, see dot_post).
+template <int T>
+__device__ __forceinline__ float unit_dot(const u8* w, const u8* x, int u, Tables tb) {
     if (T == T_BF16) {
+        const u8* b = w + 64 * (size_t)u;
         const u8* xb = x + 64 * (size_t)u;
         float a = 0.f;
 #pragma unroll
         for (int j = 0; j < 32; ++j) a = fmaf(bf16_to_f32(ld16(b + 2 * j)), bf16_to_f32(ld16(xb + 2 * j)), a);
         return a;
-    } else if (T == T_Q8_0 || T == T_Q2_0) {
-        const u8* xb = x + 34 * (size_t)u;  // Q8_0 activation block u
-        const float dx = ldf16(xb);
-        int isum = 0;
-        if (T == T_Q8_0) {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) isum = dp4a((int)ld32a2(b + 2 + 4 * k), (int)ld32a2(xb + 2 + 4 * k), isum);
-        } else {
-            int sx = 0;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                const u32 c = b[2 + 8 * s + k];
-                const u32 p = (c & 3u) | ((c >> 2) & 3u) << 8 | ((c >> 4) & 3u) << 16 | ((c >> 6) & 3u) << 24;
-                const int xw = (int)ld32a2(xb + 2 + 4 * k);
-                isum = dp4a((int)p, xw, isum);
-                sx = dp4a(0x01010101, xw, sx);
-            }
-            isum -= sx;
-        }
-        return (ldf16(b) * dx) * (float)isum;
     } else {
-        const u8* xb = x + 292 * (size_t)(u >> 3);  // Q8_K activation block
-        const float dx = *(const float*)xb;
-        const u32* xq = (const u32*)(xb + 4 + 32 * s);
-        const i16* bs = (const i16*)(xb + 260 + 4 * s);
-        if (T == T_Q4_K || T == T_Q5_K) {
-            const float d = ldf16(b), dmin = ldf16(b + 2);
-            int sc, m;
-            scale_min_k4(s, b + 4, sc, m);
-            const u8* q = b + (T == T_Q5_K ? 48 : 16) + 32 * (s >> 1);
-            int isum = 0;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                u32 v = (ld32a2(q + 4 * k) >> (4 * (s & 1))) & 0x0F0F0F0Fu;
-                if (T == T_Q5_K) v |= ((ld32a2(b + 16 + 4 * k) >> s) & 0x01010101u) << 4;
-                isum = dp4a((int)v, (int)xq[k], isum);
-            }
-            const int bsum = (int)bs[0] + (int)bs[1];
-            return (d * dx) * (float)(sc * isum) - (dmin * dx) * (float)(m * bsum);
-        } else if (T == T_Q6_K) {
-            const float d = ldf16(b + 208);
-            const int half = s >> 2, g = s & 3;
-            const u8* ql = b + 64 * half + 32 * (g & 1);
-            const u8* qh = b + 128 + 32 * half;
-            int ia = 0, ib = 0;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                const u32 lo = (ld32a2(ql + 4 * k) >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu;
-                const u32 hi = ((ld32a2(qh + 4 * k) >> (2 * g)) & 0x03030303u) << 4;
-                if (k < 4) ia = dp4a((int)(lo | hi), (int)xq[k], ia);
-                else ib = dp4a((int)(lo | hi), (int)xq[k], ib);
-            }
-            ia -= 32 * (int)bs[0];
-            ib -= 32 * (int)bs[1];
-            const int sa = (i8)b[192 + 2 * s], sb = (i8)b[193 + 2 * s];
-            return (d * dx) * (float)(sa * ia + sb * ib);
-        } else if (T == T_IQ4_XS) {
-            const float d = ldf16(b);
-            const int lo = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 0xF;
-            const int ls = (lo | (((ld16(b + 2) >> (2 * s)) & 3) << 4)) - 32;
-            const u32 k0 = kvalues_iq4nl_w[0], k1 = kvalues_iq4nl_w[1], k2 = kvalues_iq4nl_w[2],
-                      k3 = kvalues_iq4nl_w[3];
-            int isum = 0;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const u32 q = ld32a2(b + 8 + 16 * s + 4 * k);
-                isum = dp4a(iq4_lookup4(q & 0x0F0F0F0Fu, k0, k1, k2, k3), (int)xq[k], isum);
-                isum = dp4a(iq4_lookup4((q >> 4) & 0x0F0F0F0Fu, k0, k1, k2, k3), (int)xq[k + 4], isum);
-            }
-            return (d * dx) * (float)(ls * isum);
-        } else if (T == T_IQ3_S) {
-            const float d = ldf16(b);
-            const int sc = (b[106 + (s >> 1)] >> (4 * (s & 1))) & 0xF;
-            const int h = b[66 + s];
-            int isum = 0;
-#pragma unroll
-            for (int l = 0; l < 4; ++l) {
-                const int i1 = b[2 + 8 * s + 2 * l] | ((h << (8 - 2 * l)) & 256);
-                const int i2 = b[2 + 8 * s + 2 * l + 1] | ((h << (7 - 2 * l)) & 256);
-                const u32 sg = b[74 + 4 * s + l];
-                isum = dp4a(apply_signs(tb.g3s[i1], spread_signs4(sg)), (int)xq[2 * l], isum);
-                isum = dp4a(apply_signs(tb.g3s[i2], spread_signs4(sg >> 4)), (int)xq[2 * l + 1], isum);
-            }
-            return (d * dx) * (float)((1 + 2 * sc) * isum);
-        } else {  // T_IQ3_XXS
-            const float d = ldf16(b);
-            const u32 aux = ld32a2(b + 66 + 4 * s);
-            int isum = 0;
-#pragma unroll
-            for (int l = 0; l < 4; ++l) {
-                const u32 sg = tb.ks[(aux >> (7 * l)) & 127];
-                isum = dp4a(apply_signs(tb.g3xxs[b[2 + 8 * s + 2 * l]], spread_signs4(sg)), (int)xq[2 * l], isum);
-                isum = dp4a(apply_signs(tb.g3xxs[b[2 + 8 * s + 2 * l + 1]], spread_signs4(sg >> 4)),
-                            (int)xq[2 * l + 1], isum);
-            }
-            return (d * dx) * (float)((2 * (int)(aux >> 28) + 1) * isum);
-        }
+        return dot_decoded<T>(decode_for_dot<T>(w, u, tb), x, u);
     }
 }
 
