@@ -172,7 +172,7 @@ pub fn run(suite: Suite, opts: &Options) -> Result<Report, ParityError> {
             let nts: Vec<usize> = if opts.quick {
                 vec![1, 8]
             } else {
-                vec![1, 2, 4, 8]
+                (1..=8).collect()
             };
             for ty in gemv::GEMV_FORMATS {
                 for &nt in &nts {
