@@ -100,7 +100,12 @@ impl<B: Backend> Session for Qwen4expSession<'_, B> {
             last_only: true,
             ..Default::default()
         };
-        match self.model.forward_with(&mut self.state, tokens, want) {
+        let (model, state) = (self.model, &mut self.state);
+        // One entry into the backend's workers for the whole pass, not one per operation.
+        match model
+            .backend()
+            .scoped(|| model.forward_with(state, tokens, want))
+        {
             Ok(out) => Ok(out.logits),
             Err(e) => {
                 // A failed call leaves the recurrent states part-way while the token history is

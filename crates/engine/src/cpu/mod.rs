@@ -892,26 +892,32 @@ impl Backend for CpuBackend {
         }
         let slots = routes.0.iter().map(|r| r.len()).max().unwrap_or(0);
         let mut per_slot = vec![0f32; x.rows * slots * hdim];
-        self.pool.install(|| -> Result<()> {
-            for (e, members) in by_expert.iter().enumerate() {
-                if members.is_empty() {
-                    continue;
-                }
-                let mut xe = Vec::with_capacity(members.len() * hdim);
-                for &(r, _) in members {
-                    xe.extend_from_slice(x.row(r));
-                }
-                let g = self.matmul_slab(ex.gate, e, &xe)?;
-                let u = self.matmul_slab(ex.up, e, &xe)?;
-                let act: Vec<f32> = g.iter().zip(&u).map(|(&a, &b)| ops::silu(a) * b).collect();
-                let y = self.matmul_slab(ex.down, e, &act)?;
-                for (i, &(r, slot)) in members.iter().enumerate() {
-                    per_slot[(r * slots + slot) * hdim..][..hdim]
-                        .copy_from_slice(&y[i * hdim..(i + 1) * hdim]);
-                }
-            }
-            Ok(())
+        // Experts run side by side (each still splits its rows when it is large enough): a
+        // decode step's few small expert products would leave threads idle one at a time.
+        let outs = self.pool.install(|| -> Result<Vec<(usize, Vec<f32>)>> {
+            by_expert
+                .par_iter()
+                .enumerate()
+                .filter(|(_, members)| !members.is_empty())
+                .map(|(e, members)| {
+                    let mut xe = Vec::with_capacity(members.len() * hdim);
+                    for &(r, _) in members {
+                        xe.extend_from_slice(x.row(r));
+                    }
+                    let g = self.matmul_slab(ex.gate, e, &xe)?;
+                    let u = self.matmul_slab(ex.up, e, &xe)?;
+                    let act: Vec<f32> =
+                        g.iter().zip(&u).map(|(&a, &b)| ops::silu(a) * b).collect();
+                    Ok((e, self.matmul_slab(ex.down, e, &act)?))
+                })
+                .collect()
         })?;
+        for (e, y) in outs {
+            for (i, &(r, slot)) in by_expert[e].iter().enumerate() {
+                per_slot[(r * slots + slot) * hdim..][..hdim]
+                    .copy_from_slice(&y[i * hdim..(i + 1) * hdim]);
+            }
+        }
         let mut out = vec![0f32; x.rows * hdim];
         for (r, rt) in routes.0.iter().enumerate() {
             let o = &mut out[r * hdim..(r + 1) * hdim];
