@@ -246,3 +246,80 @@ fn run_rejects_a_bad_sampler_chain() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("top_p"), "{err}");
 }
+
+#[test]
+fn logits_on_qwen2_agree_with_llama_cpp() {
+    let Some(model) = default_model() else {
+        return;
+    };
+    let oracle: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures().join("llamacpp/qwen25_capital_top.json")).unwrap(),
+    )
+    .unwrap();
+    let out = std::env::temp_dir().join(format!("strata-qwen2-logits-{}.st", std::process::id()));
+    strata(
+        &[
+            "logits",
+            "-m",
+            model.to_str().unwrap(),
+            "--text",
+            oracle["prompt"].as_str().unwrap(),
+            "--kv-type",
+            "f16",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        None,
+    );
+    let bytes = std::fs::read(&out).unwrap();
+    std::fs::remove_file(&out).ok();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let ids: Vec<i64> = st
+        .tensor("input_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let want_ids: Vec<i64> = oracle["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        ids, want_ids,
+        "the prompt tokenizes as llama.cpp tokenizes it"
+    );
+    let t = st.tensor("logits").unwrap();
+    let n_vocab = t.shape()[1];
+    assert_eq!(t.shape(), &[ids.len(), 151936]);
+    let logits: Vec<f32> = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    for (p, row) in oracle["positions"].as_array().unwrap().iter().enumerate() {
+        let got = &logits[p * n_vocab..(p + 1) * n_vocab];
+        let top: Vec<usize> = row["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as usize)
+            .collect();
+        let want: Vec<f64> = row["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        // Within the two engines' rounding noise of each other (see qwen2_default.rs).
+        for (&id, &w) in top.iter().zip(&want) {
+            assert!(
+                (f64::from(got[id]) - w).abs() < 0.6,
+                "position {p}, token {id}: {} vs {w}",
+                got[id]
+            );
+        }
+    }
+}
