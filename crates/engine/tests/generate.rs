@@ -1,0 +1,136 @@
+//! The generation loop on the tiny qwen4exp fixture (always present): its tokens against a plain
+//! forward-and-argmax loop, its stop conditions, prefix reuse and the replay that rolls a
+//! recurrent model back.
+
+use std::path::PathBuf;
+
+use strata_engine::generate::{self, GenOptions, Qwen4expSession, Session, StopReason};
+use strata_engine::qwen4exp::{LoadOptions, Model};
+use strata_engine::sampler::{argmax, Sampler, SamplerConfig};
+use strata_engine::CpuBackend;
+
+fn tiny() -> Model<CpuBackend> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/qwen4exp/tiny/model-f32.gguf");
+    Model::load(&path, CpuBackend::new(2).unwrap(), &LoadOptions::default()).unwrap()
+}
+
+const PROMPT: [u32; 6] = [84, 104, 101, 32, 114, 105];
+
+/// Greedy tokens by hand: the whole prompt, then one token at a time.
+fn by_hand(model: &Model<CpuBackend>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut st = model.new_state().unwrap();
+    let out = model.forward(&mut st, prompt).unwrap();
+    let mut next = argmax(out.row(out.rows() - 1).unwrap()).unwrap();
+    let mut toks = vec![next];
+    while toks.len() < n {
+        let out = model.forward(&mut st, &[next]).unwrap();
+        next = argmax(out.row(0).unwrap()).unwrap();
+        toks.push(next);
+    }
+    toks
+}
+
+fn greedy(
+    s: &mut dyn Session,
+    prompt: &[u32],
+    max: usize,
+    chunk: usize,
+    eog: &dyn Fn(u32) -> bool,
+) -> generate::Generation {
+    let mut sampler = Sampler::new(SamplerConfig::greedy()).unwrap();
+    let opts = GenOptions {
+        max_tokens: max,
+        prefill_chunk: chunk,
+    };
+    let mut streamed = Vec::new();
+    let g = generate::generate(s, prompt, &mut sampler, eog, &opts, &mut |t| {
+        streamed.push(t);
+        true
+    })
+    .unwrap();
+    assert_eq!(
+        streamed, g.tokens,
+        "every kept token was streamed, in order"
+    );
+    g
+}
+
+#[test]
+fn greedy_generation_matches_a_hand_loop() {
+    let model = tiny();
+    let want = by_hand(&model, &PROMPT, 8);
+    for chunk in [512, 4, 1] {
+        let mut s = Qwen4expSession::new(&model).unwrap();
+        let g = greedy(&mut s, &PROMPT, 8, chunk, &|_| false);
+        assert_eq!(g.tokens, want, "prefill in chunks of {chunk}");
+        assert_eq!(g.stop, StopReason::MaxTokens);
+        // The last token of the budget is not fed: nothing would read its logits.
+        assert_eq!(s.tokens().len(), PROMPT.len() + 7);
+        assert_eq!(g.timings.decoded_tokens, 7);
+        assert_eq!(g.timings.sampled_tokens, 8);
+    }
+}
+
+#[test]
+fn stops_at_end_of_generation_and_on_request() {
+    let model = tiny();
+    let want = by_hand(&model, &PROMPT, 3);
+    let mut s = Qwen4expSession::new(&model).unwrap();
+    let eog = want[2];
+    let g = greedy(&mut s, &PROMPT, 10, 512, &|t| t == eog);
+    assert_eq!(g.stop, StopReason::Eog(eog));
+    assert_eq!(g.tokens, want[..2]);
+    // The end token is not fed to the sequence.
+    assert_eq!(s.tokens().len(), PROMPT.len() + 2);
+
+    let mut s = Qwen4expSession::new(&model).unwrap();
+    let mut sampler = Sampler::new(SamplerConfig::greedy()).unwrap();
+    let g = generate::generate(
+        &mut s,
+        &PROMPT,
+        &mut sampler,
+        &|_| false,
+        &GenOptions::default(),
+        &mut |_| false,
+    )
+    .unwrap();
+    assert_eq!(g.stop, StopReason::Stopped);
+    assert_eq!(g.tokens, want[..1]);
+
+    let mut sampler = Sampler::new(SamplerConfig::greedy()).unwrap();
+    assert!(generate::generate(
+        &mut s,
+        &[],
+        &mut sampler,
+        &|_| false,
+        &GenOptions::default(),
+        &mut |_| true
+    )
+    .is_err());
+}
+
+#[test]
+fn a_diverging_prompt_replays_the_shared_prefix() {
+    let model = tiny();
+    let mut s = Qwen4expSession::new(&model).unwrap();
+    greedy(&mut s, &PROMPT, 5, 512, &|_| false);
+    // Shares three tokens with what the session holds; the recurrent state must be rebuilt.
+    let other = [84u32, 104, 101, 200, 7, 9];
+    let g = greedy(&mut s, &other, 6, 512, &|_| false);
+    assert_eq!(g.timings.reused_tokens, 3);
+    assert_eq!(g.timings.prompt_tokens, 3);
+    assert_eq!(g.tokens, by_hand(&model, &other, 6));
+    // Extending what the session holds runs only the new tokens.
+    let mut longer = other.to_vec();
+    longer.extend_from_slice(&g.tokens);
+    let h = greedy(&mut s, &longer, 4, 512, &|_| false);
+    assert_eq!(h.timings.reused_tokens, other.len() + 5);
+    assert_eq!(h.tokens, by_hand(&model, &longer, 4));
+    // An out-of-range token fails and leaves the session usable and unchanged.
+    let before = s.tokens().to_vec();
+    assert!(s.feed(&[1, 100_000]).is_err());
+    assert_eq!(s.tokens(), &before[..]);
+    let again = greedy(&mut s, &longer, 4, 512, &|_| false);
+    assert_eq!(again.tokens, h.tokens);
+}
