@@ -127,8 +127,10 @@ pub struct SpecStats {
     pub passes: u64,
     /// Tokens emitted, including the prefill's.
     pub emitted: u64,
-    /// Per draft step `j` (index 0 = first draft): drafts offered and accepted.
+    /// Per draft step `j` (index 0 = first draft): drafts offered, reached (every earlier
+    /// draft of the window accepted, so this one was judged) and accepted.
     pub offered: Vec<u64>,
+    pub reached: Vec<u64>,
     pub accepted: Vec<u64>,
     /// Chained MTP steps run (each first draft comes from the catch-up pass instead).
     pub draft_steps: u64,
@@ -144,6 +146,7 @@ impl SpecStats {
         SpecStats {
             window,
             offered: vec![0; window.saturating_sub(1)],
+            reached: vec![0; window.saturating_sub(1)],
             accepted: vec![0; window.saturating_sub(1)],
             ..SpecStats::default()
         }
@@ -161,6 +164,15 @@ impl SpecStats {
     pub fn acceptance(&self, j: usize) -> Option<f64> {
         match (self.offered.get(j), self.accepted.get(j)) {
             (Some(&o), Some(&a)) if o > 0 => Some(a as f64 / o as f64),
+            _ => None,
+        }
+    }
+
+    /// Accepted / reached at draft step `j`: the chance a draft is right given that the drafts
+    /// before it were (the per-step rate speculative engines usually quote).
+    pub fn conditional_acceptance(&self, j: usize) -> Option<f64> {
+        match (self.reached.get(j), self.accepted.get(j)) {
+            (Some(&r), Some(&a)) if r > 0 => Some(a as f64 / r as f64),
             _ => None,
         }
     }
@@ -193,13 +205,17 @@ impl SpecStats {
             self.passes,
             self.tokens_per_pass()
         );
+        let pct = |r: Option<f64>| {
+            r.map(|r| format!("{:.1}%", 100.0 * r))
+                .unwrap_or_else(|| "-".to_string())
+        };
         for (j, (o, a)) in self.offered.iter().zip(&self.accepted).enumerate() {
             s += &format!(
-                "  draft {}: accepted {a}/{o} ({})\n",
+                "  draft {}: accepted {a}/{o} offered ({}), {a}/{} reached ({})\n",
                 j + 1,
-                self.acceptance(j)
-                    .map(|r| format!("{:.1}%", 100.0 * r))
-                    .unwrap_or_else(|| "-".to_string())
+                pct(self.acceptance(j)),
+                self.reached.get(j).copied().unwrap_or(0),
+                pct(self.conditional_acceptance(j))
             );
         }
         s += &format!(
@@ -514,6 +530,9 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
         let accepted = emitted.len() - 1;
         for j in 0..drafts.len() {
             self.stats.offered[j] += 1;
+            if j <= accepted {
+                self.stats.reached[j] += 1;
+            }
             if j < accepted {
                 self.stats.accepted[j] += 1;
             }
