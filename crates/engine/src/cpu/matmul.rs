@@ -115,7 +115,12 @@ pub(crate) fn matmul_prepared(
         .for_each(|(o, col)| {
             let wr = &w[o * w_row..(o + 1) * w_row];
             match rows_fn {
-                Some(f) => f(k, wr, &xs, col),
+                // At most eight rows per call: the most any multi-row kernel takes in one pass.
+                Some(f) => {
+                    for (xc, oc) in xs.chunks(8).zip(col.chunks_mut(8)) {
+                        f(k, wr, xc, oc);
+                    }
+                }
                 None => {
                     for (r, c) in col.iter_mut().enumerate() {
                         *c = dot(k, wr, &xb[r * xr..(r + 1) * xr]);
@@ -126,13 +131,7 @@ pub(crate) fn matmul_prepared(
     if n == 1 {
         return Ok(out_t);
     }
-    let mut out = vec![0f32; n * m];
-    for o in 0..m {
-        for r in 0..n {
-            out[r * m + o] = out_t[o * n + r];
-        }
-    }
-    Ok(out)
+    Ok(transpose(&out_t, m, n))
 }
 
 /// `out[r][o] = dot(w row o widened to f32, x row r in f32)` for float weights (F16/BF16): the
@@ -181,13 +180,7 @@ pub(crate) fn matmul_widened(
             }
             Ok(())
         })?;
-    let mut out = vec![0f32; n * m];
-    for o in 0..m {
-        for r in 0..n {
-            out[r * m + o] = out_t[o * n + r];
-        }
-    }
-    Ok(out)
+    Ok(transpose(&out_t, m, n))
 }
 
 /// `out[r][i] = dot(w row rows[i], x row r)`: the products of chosen weight rows only (the draft
@@ -290,4 +283,23 @@ pub(crate) fn prepare_f32(x: &[f32], k: usize, name: &str) -> Result<Prepared> {
         row_bytes: k * 4,
         bytes: bytemuck::cast_slice(x).to_vec(),
     })
+}
+
+/// `[m][n]` → `[n][m]`, a block of output rows at a time, so that both sides stay in cache for
+/// a long LM head (the naive loop writes with a stride of `m` floats).
+fn transpose(src: &[f32], m: usize, n: usize) -> Vec<f32> {
+    const TILE: usize = 64;
+    let mut out = vec![0f32; n * m];
+    if n == 0 {
+        return out;
+    }
+    for (bi, block) in src.chunks(TILE * n).enumerate() {
+        let o0 = bi * TILE;
+        for (r, dst) in out.chunks_exact_mut(m).enumerate() {
+            for (j, col) in block.chunks_exact(n).enumerate() {
+                dst[o0 + j] = col[r];
+            }
+        }
+    }
+    out
 }
