@@ -169,7 +169,7 @@ pub fn xprep(
     let rb = fmt
         .row_bytes(n)
         .ok_or_else(|| bad(k, format!("n = {n} is not whole {} blocks", fmt.name())))?;
-    if fmt == ActFmt::Q8K && n % 256 != 0 || n % 32 != 0 {
+    if fmt == ActFmt::Q8K && !n.is_multiple_of(256) || !n.is_multiple_of(32) {
         return Err(bad(k, format!("n = {n} is not whole blocks")));
     }
     need(k, "x", x.len(), rows * n)?;
@@ -218,7 +218,7 @@ pub fn embed(
     let rb = ty
         .row_bytes(row_len)
         .ok_or_else(|| bad(k, format!("row length {row_len} is not whole {ty} blocks")))?;
-    if row_len % 32 != 0 {
+    if !row_len.is_multiple_of(32) {
         return Err(bad(
             k,
             format!("row length {row_len} is not a multiple of 32"),
@@ -324,7 +324,7 @@ pub fn route(
     k: usize,
 ) -> Result<(), CudaError> {
     let kn = "route";
-    if n_exp % 32 != 0 || n_exp == 0 || n_exp > 512 || k == 0 || k > 16 || k > n_exp {
+    if !n_exp.is_multiple_of(32) || n_exp == 0 || n_exp > 512 || k == 0 || k > 16 || k > n_exp {
         return Err(bad(kn, format!("{n_exp} experts / top-{k}: the kernels take multiples of 32 up to 512, k in 1..=16")));
     }
     need(kn, "logits", logits.len(), nt * n_exp)?;

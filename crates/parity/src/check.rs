@@ -56,7 +56,10 @@ pub fn within(got: &[f32], want: &[f32], tol: &[f64]) -> Result<f64, String> {
     for i in 0..got.len() {
         let (g, w) = (got[i] as f64, want[i] as f64);
         let e = (g - w).abs();
-        if !(e <= tol[i]) && !(g == w) {
+        let ok = e
+            .partial_cmp(&tol[i])
+            .is_some_and(|o| o != std::cmp::Ordering::Greater);
+        if !ok && g != w {
             return Err(format!(
                 "element {i}: {g:e} vs reference {w:e} (tolerance {:e})",
                 tol[i]

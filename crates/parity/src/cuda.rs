@@ -439,7 +439,7 @@ fn embed_rows(env: &Env, rng: &mut Rng, rows: &mut Vec<Row>) -> Result<(), Parit
         let (dt, di, mut oa, mut ob) = keep.ok_or_else(|| ParityError::Other("no trial".into()))?;
         let extra = copies(g, &dt, env.opts.cold)?;
         let pick_t = |i: usize| {
-            if extra.is_empty() || i % COLD_COPIES == 0 {
+            if extra.is_empty() || i.is_multiple_of(COLD_COPIES) {
                 &dt
             } else {
                 &extra[i % COLD_COPIES - 1]
@@ -795,7 +795,7 @@ fn gemv_row(
     let (dw, dx, mut ya, mut yb) = keep.ok_or_else(|| ParityError::Other("no trial".into()))?;
     let extra = copies(g, &dw, env.opts.cold)?;
     let pw = |i: usize| {
-        if extra.is_empty() || i % COLD_COPIES == 0 {
+        if extra.is_empty() || i.is_multiple_of(COLD_COPIES) {
             &dw
         } else {
             &extra[i % COLD_COPIES - 1]

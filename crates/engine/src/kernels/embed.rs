@@ -52,7 +52,7 @@ fn embed_check(
             format!("row length {row_len} is not a whole number of {ty} blocks"),
         )
     })?;
-    if table.len() % rb != 0 {
+    if !table.len().is_multiple_of(rb) {
         return Err(invalid(
             "embed",
             format!(

@@ -41,7 +41,7 @@ pub fn gemv_check(
         .filter(|&b| b > 0)
         .ok_or_else(|| invalid("gemv", format!("row length {k} is not whole {xt} blocks")))?;
     check_len("gemv", "weight bytes", w.len(), rows * wb)?;
-    if xq.len() % xb != 0 {
+    if !xq.len().is_multiple_of(xb) {
         return Err(invalid(
             "gemv",
             format!("activations of {} bytes are not whole {xt} rows", xq.len()),

@@ -84,7 +84,7 @@ fn check_fmt(kernel: &'static str, fmt: ActFmt, n: usize) -> Result<usize, Kerne
 }
 
 fn rows_of(kernel: &'static str, len: usize, n: usize) -> Result<usize, KernelError> {
-    if n == 0 || len % n != 0 {
+    if n == 0 || !len.is_multiple_of(n) {
         return Err(invalid(
             kernel,
             format!("input of {len} values is not whole rows of {n}"),

@@ -30,7 +30,7 @@ fn route_check(
     ids: &[i32],
     weights: &[f32],
 ) -> Result<usize, KernelError> {
-    if n_exp == 0 || logits.len() % n_exp != 0 {
+    if n_exp == 0 || !logits.len().is_multiple_of(n_exp) {
         return Err(invalid(
             "route",
             format!("{} logits are not whole rows of {n_exp}", logits.len()),
@@ -127,7 +127,7 @@ pub fn route_optimized(
         let mut len = 0usize;
         for (e, &v) in p.iter().enumerate() {
             // NaN never enters a full list, as in the repeated argmax.
-            if len == k && !(v > tv[k - 1]) {
+            if len == k && v.partial_cmp(&tv[k - 1]) != Some(std::cmp::Ordering::Greater) {
                 continue;
             }
             let mut pos = len.min(k - 1);

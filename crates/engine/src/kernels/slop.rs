@@ -81,6 +81,17 @@ impl SlopTables {
                 format!("inverse map holds {bad}, expected -1 or a draft index below {nv}"),
             ));
         }
+        // One token per draft slot: the parallel kernels rely on distinct ids hitting
+        // distinct slots.
+        let mut used = vec![false; nv];
+        for &d in self.inverse.iter().filter(|&&d| d >= 0) {
+            if std::mem::replace(&mut used[d as usize], true) {
+                return Err(invalid(
+                    k,
+                    format!("inverse map sends two tokens to draft index {d}"),
+                ));
+            }
+        }
         check_len(k, "penalty values", self.pen_vals.len(), self.pen_ids.len())?;
         in_vocab("the penalty list", &self.pen_ids)?;
         let mut seen = std::collections::HashSet::new();
@@ -403,9 +414,8 @@ impl SlopCase {
         let newline = pick_draft(rng, 200.min(nv));
         let mut blank = pick_draft(rng, 222.min(nv));
         // Some tokens are both (a "\n " token is newline and blank).
-        for i in 0..10.min(blank.len()).min(newline.len()) {
-            blank[i] = newline[i];
-        }
+        let shared = 10.min(blank.len()).min(newline.len());
+        blank[..shared].copy_from_slice(&newline[..shared]);
         blank.sort_unstable();
         blank.dedup();
         let pen_ids = rng.distinct(512.min(vocab), vocab);
@@ -489,14 +499,11 @@ mod tests {
                     let mut l2 = c.logits.clone();
                     let mut s1 = vec![-7; STATE_LEN];
                     let mut s2 = vec![-9; STATE_LEN];
-                    slop_pen_baseline(
-                        &c.tables, mode, c.prev, &c.banned, &c.state, &mut s1, &mut l1,
-                    )
-                    .unwrap();
-                    slop_pen_optimized(
-                        &c.tables, mode, c.prev, &c.banned, &c.state, &mut s2, &mut l2,
-                    )
-                    .unwrap();
+                    let ck = c.tables.checked(nv).unwrap();
+                    slop_pen_baseline(&ck, mode, c.prev, &c.banned, &c.state, &mut s1, &mut l1)
+                        .unwrap();
+                    slop_pen_optimized(&ck, mode, c.prev, &c.banned, &c.state, &mut s2, &mut l2)
+                        .unwrap();
                     assert_eq!(s1, s2);
                     assert!(l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()));
                     if mode == 0 {
