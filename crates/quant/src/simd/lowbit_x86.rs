@@ -15,6 +15,10 @@
 //!
 //! An AVX-512 CPU without VBMI gets the AVX2 kernel (the bits are the same). Single-thread
 //! speed, 4096-element rows: see the `q2_0_bench` test in `tests/fmt_lowbit.rs`.
+//!
+//! Multi-row kernels ([`dot_rows`]: one pass over a weight row for up to 8 activation rows,
+//! each row bitwise equal to the single-row kernel) are at the end of the file; their bench is
+//! `bench_dot_rows` in `tests/dot_rows.rs`.
 
 use crate::{DotFn, GgmlType, Isa};
 
@@ -30,6 +34,30 @@ pub(crate) fn dot(ty: GgmlType, isa: Isa) -> Option<DotFn> {
                 Some(x86::q2_0_avx512 as DotFn)
             }
             Isa::Avx512 => Some(x86::q2_0_avx2 as DotFn),
+            Isa::Scalar => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ty, isa);
+        None
+    }
+}
+
+/// The Q2_0 multi-row kernel on `isa` (one weight row against up to 8 activation rows per pass),
+/// each row's result bitwise equal to [`dot`]'s kernel for the same ISA.
+pub(crate) fn dot_rows(ty: GgmlType, isa: Isa) -> Option<crate::DotRowsFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if ty != GgmlType::Q2_0 {
+            return None;
+        }
+        match isa {
+            Isa::Avx2 => Some(x86::q2_0_rows_avx2 as crate::DotRowsFn),
+            Isa::Avx512 if is_x86_feature_detected!("avx512vbmi") => {
+                Some(x86::q2_0_rows_avx512 as crate::DotRowsFn)
+            }
+            Isa::Avx512 => Some(x86::q2_0_rows_avx2 as crate::DotRowsFn),
             Isa::Scalar => None,
         }
     }
@@ -244,5 +272,337 @@ mod x86 {
         _mm512_storeu_ps(lanes.as_mut_ptr(), acc[0]);
         _mm512_storeu_ps(lanes.as_mut_ptr().add(16), acc[1]);
         reduce_q2_0(&lanes)
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Several activation rows against one pass over the weight row.
+    //
+    // Per block the integer sums g_j = Σ (code − 1)·q are formed as
+    // `Σ (q + 128)·(code − 1) − 128·Σ (code − 1)`: the activation side becomes unsigned by a
+    // xor, the weight side `code − 1` is signed, and the correction depends on the weights
+    // alone, so it is computed once per block for all rows. Both forms are exact, so every row
+    // gets the single-row kernel's g and, with the same scales, lanes and FMA order, its bits.
+    // AVX-512 keeps the single-row layout (one block per zmm, all rows' accumulators in
+    // registers). AVX2 cannot hold 8 rows of 4 accumulators in 16 registers, so it decodes a
+    // chunk of blocks into an L1 table that the rows take turns over, with every row's scales
+    // `d_w · d_x` (exact) formed first into a small table that the FMAs read as broadcasts.
+
+    /// Blocks per chunk (2048 elements): the scale table holds 2·CH f32 per row.
+    const CH: usize = 32;
+
+    /// Rows a multi-row call may touch and the blocks every one of them holds (clamped to the
+    /// slices, like [`blocks`], so a caller that breaks the length contract gets short sums,
+    /// never an out-of-bounds read).
+    fn rows_blocks(n: usize, w: &[u8], xs: &[&[u8]], out: &[f32]) -> (usize, usize) {
+        let rows = xs.len().min(out.len());
+        let nb = xs[..rows]
+            .iter()
+            .fold((n / 64).min(w.len() / WB), |nb, x| nb.min(x.len() / XB));
+        (rows, nb)
+    }
+
+    /// Calls `$kernel::<R>` on groups of at most 8 rows; a lone row goes to the single-row
+    /// kernel `$one`, which gives the same bits without the shared-decode overhead.
+    macro_rules! rows_in_groups {
+        ($kernel:ident, $one:ident, $nb:expr, $w:expr, $xs:expr, $out:expr) => {
+            for (xc, oc) in $xs.chunks(8).zip($out.chunks_mut(8)) {
+                macro_rules! go {
+                    ($r:literal) => {{
+                        let p: [*const u8; $r] = core::array::from_fn(|i| xc[i].as_ptr());
+                        // SAFETY: handed out only after `simd::supported` (and, for AVX-512,
+                        // a VBMI check) confirmed the kernel's features; every row holds `nb`
+                        // blocks (`rows_blocks`).
+                        oc.copy_from_slice(&unsafe { $kernel::<$r>($nb, $w.as_ptr(), p) });
+                    }};
+                }
+                match xc.len() {
+                    // SAFETY: as for `go!`.
+                    1 => oc[0] = unsafe { $one($nb, $w.as_ptr(), xc[0].as_ptr()) },
+                    2 => go!(2),
+                    3 => go!(3),
+                    4 => go!(4),
+                    5 => go!(5),
+                    6 => go!(6),
+                    7 => go!(7),
+                    _ => go!(8),
+                }
+            }
+        };
+    }
+
+    pub(super) fn q2_0_rows_avx2(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) {
+        let (rows, nb) = rows_blocks(n, w, xs, out);
+        rows_in_groups!(
+            q2_0_rows_avx2_inner,
+            q2_0_avx2_inner,
+            nb,
+            w,
+            xs[..rows],
+            out[..rows]
+        );
+    }
+
+    pub(super) fn q2_0_rows_avx512(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) {
+        let (rows, nb) = rows_blocks(n, w, xs, out);
+        rows_in_groups!(
+            q2_0_rows_avx512_inner,
+            q2_0_avx512_inner,
+            nb,
+            w,
+            xs[..rows],
+            out[..rows]
+        );
+    }
+
+    /// The f16 scales of the 8 Q8_0 blocks paired with four Q2_0 blocks at `x`, as f32.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn xscales8(x: *const u8) -> __m256 {
+        let d = |o: usize| rd16(x.add(o));
+        let xlo = d(0) | d(34) << 16 | d(XB) << 32 | d(XB + 34) << 48;
+        let xhi = d(2 * XB) | d(2 * XB + 34) << 16 | d(3 * XB) << 32 | d(3 * XB + 34) << 48;
+        _mm256_cvtph_ps(_mm_set_epi64x(xhi as i64, xlo as i64))
+    }
+
+    /// The f16 scales of four Q2_0 blocks at `w`, each twice: `[d0, d0, d1, d1, …, d3, d3]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn wscales4_dup(w: *const u8) -> __m256 {
+        let wd =
+            rd16(w) | rd16(w.add(WB)) << 16 | rd16(w.add(2 * WB)) << 32 | rd16(w.add(3 * WB)) << 48;
+        let wf = _mm_cvtph_ps(_mm_cvtsi64_si128(wd as i64));
+        let dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+        _mm256_permutevar8x32_ps(_mm256_castps128_ps256(wf), dup)
+    }
+
+    /// Every row's scales of the `k <= CH` blocks at `w` / `xs[r]`: `s[r][2j + h] = d_w(j) ·
+    /// d_x(r, j, h)`, the products the single-row kernels form (exact, so equal however made).
+    // Rows and blocks index parallel arrays.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn chunk_scales<const R: usize>(
+        w: *const u8,
+        xs: &[*const u8; R],
+        k: usize,
+        s: &mut [[f32; 2 * CH]; R],
+    ) {
+        let groups = k / 4;
+        let mut wd = [_mm256_setzero_ps(); CH / 4];
+        for g in 0..groups {
+            wd[g] = wscales4_dup(w.add(4 * WB * g));
+        }
+        for r in 0..R {
+            for g in 0..groups {
+                let v = _mm256_mul_ps(xscales8(xs[r].add(4 * XB * g)), wd[g]);
+                _mm256_storeu_ps(s[r].as_mut_ptr().add(8 * g), v);
+            }
+            for j in 4 * groups..k {
+                let (s0, s1) = scales1(w.add(WB * j), xs[r].add(XB * j));
+                s[r][2 * j] = s0;
+                s[r][2 * j + 1] = s1;
+            }
+        }
+    }
+
+    /// A decoded block: per half, the signed codes `code − 1` and the per-dword correction
+    /// `−128·Σ (code − 1)`.
+    #[derive(Clone, Copy)]
+    struct Decoded {
+        c: [__m256i; 2],
+        corr: [__m256i; 2],
+    }
+
+    const DECODED_ZERO: Decoded = Decoded {
+        c: [unsafe { core::mem::zeroed() }; 2],
+        corr: [unsafe { core::mem::zeroed() }; 2],
+    };
+
+    /// One half of [`decode_avx2`]: the codes of the 8 code bytes at `w` and their correction.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn decode_half_avx2(w: *const u8) -> (__m256i, __m256i) {
+        let one8 = _mm256_set1_epi8(1);
+        let c = spread_codes_avx2(w, _mm256_set1_epi8(3));
+        // 128 · (1 − code): pair sums within ±512, no saturation.
+        let nc = _mm256_maddubs_epi16(_mm256_set1_epi8(0x80_u8 as i8), _mm256_sub_epi8(one8, c));
+        (
+            _mm256_sub_epi8(c, one8),
+            _mm256_madd_epi16(nc, _mm256_set1_epi16(1)),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn decode_avx2(w: *const u8) -> Decoded {
+        let (c0, k0) = decode_half_avx2(w.add(2));
+        let (c1, k1) = decode_half_avx2(w.add(10));
+        Decoded {
+            c: [c0, c1],
+            corr: [k0, k1],
+        }
+    }
+
+    /// One half block of one row into `a`: g per dword is `Σ (q + 128)·(code − 1) + corr`
+    /// (`maddubs` pair sums stay within [−510, 1020]), then `a + g·s` fused.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn half_avx2(a: __m256, c: __m256i, corr: __m256i, q: *const u8, s: &f32) -> __m256 {
+        let y = _mm256_loadu_si256(q as *const __m256i);
+        let yu = _mm256_xor_si256(y, _mm256_set1_epi8(0x80_u8 as i8));
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(yu, c), _mm256_set1_epi16(1));
+        let g = _mm256_add_epi32(p, corr);
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(g), _mm256_broadcast_ss(s), a)
+    }
+
+    /// AVX2: the 16 registers cannot hold 8 rows of 4 accumulators, so a chunk of blocks is
+    /// decoded once into an L1 table and the rows take turns over it.
+    // Rows and blocks index parallel arrays.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q2_0_rows_avx2_inner<const R: usize>(
+        nb: usize,
+        wp: *const u8,
+        xs: [*const u8; R],
+    ) -> [f32; R] {
+        // acc[r][2·set + h]: reference lanes 16·set + 8h .. +8 of row r.
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        let mut s = [[0f32; 2 * CH]; R];
+        let mut dec = [DECODED_ZERO; CH];
+        let mut b = 0;
+        while b < nb {
+            let k = CH.min(nb - b);
+            let w = wp.add(WB * b);
+            let x: [*const u8; R] = core::array::from_fn(|r| xs[r].add(XB * b));
+            for j in 0..k {
+                dec[j] = decode_avx2(w.add(WB * j));
+            }
+            chunk_scales(w, &x, k, &mut s);
+            // CH is even, so block b + j is in set j % 2.
+            for r in 0..R {
+                let mut a = acc[r];
+                let sr = &s[r];
+                let mut j = 0;
+                while j + 2 <= k {
+                    for i in 0..2 {
+                        let (d, xb) = (&dec[j + i], x[r].add(XB * (j + i)));
+                        let sj = &sr[2 * (j + i)..];
+                        a[2 * i] = half_avx2(a[2 * i], d.c[0], d.corr[0], xb.add(2), &sj[0]);
+                        a[2 * i + 1] =
+                            half_avx2(a[2 * i + 1], d.c[1], d.corr[1], xb.add(36), &sj[1]);
+                    }
+                    j += 2;
+                }
+                if j < k {
+                    let (d, xb) = (&dec[j], x[r].add(XB * j));
+                    a[0] = half_avx2(a[0], d.c[0], d.corr[0], xb.add(2), &sr[2 * j]);
+                    a[1] = half_avx2(a[1], d.c[1], d.corr[1], xb.add(36), &sr[2 * j + 1]);
+                }
+                acc[r] = a;
+            }
+            b += k;
+        }
+        finish_rows(&acc)
+    }
+
+    /// Each row's lanes (`acc[r][2·set + h]` = reference lanes `16·set + 8h ..`) reduced.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn finish_rows<const R: usize>(acc: &[[__m256; 4]; R]) -> [f32; R] {
+        let mut out = [0f32; R];
+        for (o, a) in out.iter_mut().zip(acc) {
+            let mut lanes = [0f32; Q2_0_LANES];
+            for (l, v) in a.iter().enumerate() {
+                _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * l), *v);
+            }
+            *o = reduce_q2_0(&lanes);
+        }
+        out
+    }
+
+    /// The 64 activation codes of the two Q8_0 blocks at `x`, xor `bias`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn ypair(x: *const u8, bias: __m512i) -> __m512i {
+        let y0 = _mm512_castsi256_si512(_mm256_loadu_si256(x.add(2) as *const __m256i));
+        let y = _mm512_inserti64x4::<1>(y0, _mm256_loadu_si256(x.add(36) as *const __m256i));
+        _mm512_xor_si512(y, bias)
+    }
+
+    /// AVX-512 (VNNI + VBMI): one block per zmm as in the single-row kernel, every row's two
+    /// accumulator sets in registers (16 for 8 rows), four decoded blocks shared by all rows.
+    // Rows and blocks index parallel arrays.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+    unsafe fn q2_0_rows_avx512_inner<const R: usize>(
+        nb: usize,
+        wp: *const u8,
+        xs: [*const u8; R],
+    ) -> [f32; R] {
+        let shift = _mm512_loadu_si512(CODE_SHIFT.as_ptr() as *const _);
+        let m3 = _mm512_set1_epi8(3);
+        let one8 = _mm512_set1_epi8(1);
+        let bias = _mm512_set1_epi8(0x80_u8 as i8);
+        let zero = _mm512_setzero_si512();
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let idx = |j: i32| {
+            let (a, b) = (2 * j, 2 * j + 1);
+            _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
+        };
+        let ix = [idx(0), idx(1), idx(2), idx(3)];
+        let mut b = 0;
+        while b + 4 <= nb {
+            let w = wp.add(WB * b);
+            let mut c = [zero; 4];
+            let mut corr = [zero; 4];
+            for j in 0..4 {
+                let q = _mm512_cvtepu16_epi64(_mm_loadu_si128(w.add(WB * j + 2) as *const __m128i));
+                let cj = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift, q), m3);
+                corr[j] = _mm512_dpbusd_epi32(zero, bias, _mm512_sub_epi8(one8, cj));
+                c[j] = _mm512_sub_epi8(cj, one8);
+            }
+            let wdup = wscales4_dup(w);
+            for r in 0..R {
+                let x = xs[r].add(XB * b);
+                let s = _mm512_castps256_ps512(_mm256_mul_ps(xscales8(x), wdup));
+                for j in 0..4 {
+                    let xb = x.add(XB * j);
+                    let y = ypair(xb, bias);
+                    let g = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr[j], y, c[j]));
+                    let sj = _mm512_permutexvar_ps(ix[j], s);
+                    acc[r][j % 2] = _mm512_fmadd_ps(g, sj, acc[r][j % 2]);
+                }
+            }
+            b += 4;
+        }
+        while b < nb {
+            let w = wp.add(WB * b);
+            let q = _mm512_cvtepu16_epi64(_mm_loadu_si128(w.add(2) as *const __m128i));
+            let cj = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift, q), m3);
+            let corr = _mm512_dpbusd_epi32(zero, bias, _mm512_sub_epi8(one8, cj));
+            let c = _mm512_sub_epi8(cj, one8);
+            let set = b % 2;
+            for r in 0..R {
+                let xb = xs[r].add(XB * b);
+                let (s0, s1) = scales1(w, xb);
+                let s = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+                let y = ypair(xb, bias);
+                let g = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, y, c));
+                if set == 0 {
+                    acc[r][0] = _mm512_fmadd_ps(g, s, acc[r][0]);
+                } else {
+                    acc[r][1] = _mm512_fmadd_ps(g, s, acc[r][1]);
+                }
+            }
+            b += 1;
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            let mut lanes = [0f32; Q2_0_LANES];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), acc[r][0]);
+            _mm512_storeu_ps(lanes.as_mut_ptr().add(16), acc[r][1]);
+            out[r] = reduce_q2_0(&lanes);
+        }
+        out
     }
 }

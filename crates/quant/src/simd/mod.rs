@@ -89,11 +89,12 @@ pub(crate) fn dot(ty: GgmlType, isa: Isa) -> Option<DotFn> {
         .or_else(|| iquants_x86::dot(ty, isa))
 }
 
-/// Multi-row kernels (one weight row, several activation rows). Families add theirs here.
+/// Multi-row kernels (one weight row against up to 8 activation rows per pass; callers may hand
+/// any number of rows, the kernels loop in groups of 8). Each gives, per row, the bits of
+/// [`dot`]'s kernel for the same `ty` and `isa`. Callers check `supported(isa)`.
 pub(crate) fn dot_rows(ty: GgmlType, isa: Isa) -> Option<crate::DotRowsFn> {
     if isa == Isa::Scalar {
         return None;
     }
-    let _ = ty;
-    None
+    legacy_x86::dot_rows(ty, isa).or_else(|| lowbit_x86::dot_rows(ty, isa))
 }
