@@ -37,31 +37,45 @@ __device__ float elem_any(int type, const u8* row, int i) {
     }
 }
 
+// An id outside the table (bad input that slipped past the host) yields a row of NaN rather
+// than a read out of bounds.
 extern "C" __global__ void __launch_bounds__(256)
-embed_base(const u8* table, const u32* ids, float* out, int row_len, u64 row_bytes, int type) {
-    const u8* row = table + (size_t)ids[blockIdx.x] * row_bytes;
+embed_base(const u8* table, u32 n_rows, const u32* ids, float* out, int row_len, u64 row_bytes, int type) {
+    const u32 id = ids[blockIdx.x];
     float* o = out + (size_t)blockIdx.x * row_len;
+    if (id >= n_rows) {
+        for (int i = threadIdx.x; i < row_len; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const u8* row = table + (size_t)id * row_bytes;
     for (int i = threadIdx.x; i < row_len; i += blockDim.x) o[i] = elem_any(type, row, i);
 }
 
 template <int T, int N>
-__device__ __forceinline__ void embed_opt(const u8* table, const u32* ids, float* out) {
+__device__ __forceinline__ void embed_opt(const u8* table, u32 n_rows, const u32* ids, float* out) {
     constexpr int QK = Fmt<T>::QK, TS = Fmt<T>::TS, UPB = QK / 32, U = N / 32;
     constexpr size_t RB = (size_t)(N / QK) * TS;
     const int u = threadIdx.x;
     if (u >= U) return;
-    const u8* row = table + (size_t)ids[blockIdx.x] * RB;
+    const u32 id = ids[blockIdx.x];
+    float4* o = (float4*)(out + (size_t)blockIdx.x * N + 32 * u);
+    if (id >= n_rows) {
+        const float q = __int_as_float(0x7fc00000);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) o[k] = make_float4(q, q, q, q);
+        return;
+    }
+    const u8* row = table + (size_t)id * RB;
     float v[32];
     decode_unit<T>(row + (u / UPB) * TS, u % UPB, v);
-    float4* o = (float4*)(out + (size_t)blockIdx.x * N + 32 * u);
 #pragma unroll
     for (int k = 0; k < 8; ++k) o[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
 }
 
 #define EMBED_OPT(T, NAME)                                                                     \
     extern "C" __global__ void __launch_bounds__(128)                                          \
-    embed_opt_2560_##NAME(const u8* table, const u32* ids, float* out) {                       \
-        embed_opt<T, 2560>(table, ids, out);                                                   \
+    embed_opt_2560_##NAME(const u8* table, u32 n_rows, const u32* ids, float* out) {           \
+        embed_opt<T, 2560>(table, n_rows, ids, out);                                           \
     }
 EMBED_OPT(T_BF16, bf16)
 EMBED_OPT(T_Q8_0, q8_0)

@@ -227,7 +227,9 @@ pub fn embed(
     need(k, "table", table.len(), table_rows * rb)?;
     need(k, "ids", ids.len(), n_ids)?;
     need(k, "out", out.len(), n_ids * row_len)?;
-    // Ids are checked on the host side of the harness; the kernel trusts them.
+    // An id at or past `table_rows` gives a NaN row (checked in the kernel: no host copy).
+    let nr = u32::try_from(table_rows)
+        .map_err(|_| bad(k, format!("{table_rows} rows exceed 32-bit ids")))?;
     if optimized(k, variant)? && row_len == 2560 {
         let name = format!("embed_opt_2560_{}", ty.name().to_lowercase());
         launch!(
@@ -235,7 +237,7 @@ pub fn embed(
             "embed",
             name,
             cfg(n_ids as u32, 128),
-            [table, ids, out]
+            [table, &nr, ids, out]
         )
     } else {
         let (li, rbu, ti) = (i32_of(k, row_len)?, rb as u64, ty.id() as i32);
@@ -244,7 +246,7 @@ pub fn embed(
             "embed",
             "embed_base",
             cfg(n_ids as u32, 256),
-            [table, ids, out, &li, &rbu, &ti]
+            [table, &nr, ids, out, &li, &rbu, &ti]
         )
     }
 }

@@ -437,6 +437,18 @@ fn embed_rows(env: &Env, rng: &mut Rng, rows: &mut Vec<Row>) -> Result<(), Parit
             keep = Some((dt, di, oa, ob));
         }
         let (dt, di, mut oa, mut ob) = keep.ok_or_else(|| ParityError::Other("no trial".into()))?;
+        // An id past the table must give a NaN row, not a read out of bounds.
+        let bad_id = g.upload(&[table_rows as u32])?;
+        for v in ["baseline", "optimized"] {
+            ops::embed(g, v, ty, &dt, table_rows, &bad_id, 1, &mut oa, n)?;
+            let h = g.download(&oa)?;
+            if !h.iter().all(|x| x.is_nan()) {
+                keep_first(
+                    &mut par,
+                    Err(format!("{v}: an out-of-range id did not give a NaN row")),
+                );
+            }
+        }
         let extra = copies(g, &dt, env.opts.cold)?;
         let pick_t = |i: usize| {
             if extra.is_empty() || i.is_multiple_of(COLD_COPIES) {
