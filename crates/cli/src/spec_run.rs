@@ -283,6 +283,9 @@ pub struct BenchArgs {
     /// Print JSON instead of tables
     #[arg(long)]
     pub json: bool,
+    /// Time with the wall clock or the process's CPU time (steadier on a shared machine)
+    #[arg(long, value_enum, default_value_t = Clock::Wall)]
+    pub clock: Clock,
 }
 
 /// Forced drafts: right (the plain run's token) with probability `rate`, decided once per
@@ -327,6 +330,7 @@ fn measure(
     n: usize,
     cfg: &SpecConfig,
     hook: Option<&ForceRate>,
+    clock: Clock,
 ) -> Result<Measured> {
     let mut dec = SpecDecoder::new(model, cfg.clone())?;
     if let Some(h) = hook {
@@ -335,15 +339,51 @@ fn measure(
             ..*h
         });
     }
-    let t0 = Instant::now();
-    let tokens = spec::run(&mut dec, prompt, n, &mut |_| true)?;
-    let total = t0.elapsed();
-    let stats = dec.stats().clone();
+    let mut tokens = vec![dec.prefill(prompt)?];
+    let c0 = clock.now();
+    while tokens.len() < n {
+        dec.step(n - tokens.len(), &mut |t| {
+            tokens.push(t);
+            true
+        })?;
+    }
+    let decode = Duration::from_secs_f64((clock.now() - c0).max(0.0));
     Ok(Measured {
         tokens,
-        decode: total.saturating_sub(stats.prefill_time),
-        stats,
+        decode,
+        stats: dec.stats().clone(),
     })
+}
+
+/// What the benchmark times with: wall time, or the CPU time of the whole process (the sum of
+/// its threads' run time from `/proc/self/task/*/schedstat`), which a busy machine disturbs far
+/// less than the wall clock when the run uses fewer threads than there are idle cores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Clock {
+    Wall,
+    Cpu,
+}
+
+impl Clock {
+    fn now(self) -> f64 {
+        match self {
+            Clock::Wall => {
+                static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+                START.get_or_init(Instant::now).elapsed().as_secs_f64()
+            }
+            Clock::Cpu => process_cpu_seconds().unwrap_or(f64::NAN),
+        }
+    }
+}
+
+fn process_cpu_seconds() -> Option<f64> {
+    let mut ns = 0u64;
+    for entry in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = entry.ok()?.path().join("schedstat");
+        let text = std::fs::read_to_string(path).ok()?;
+        ns += text.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 * 1e-9)
 }
 
 fn best_min(v: &[f64]) -> f64 {
@@ -360,10 +400,11 @@ fn measure_best(
     hook: Option<&ForceRate>,
     reps: usize,
     want: &[u32],
+    clock: Clock,
 ) -> Result<(f64, SpecStats)> {
     let mut best: Option<(f64, SpecStats)> = None;
     for _ in 0..reps.max(1) {
-        let m = measure(model, prompt, n, cfg, hook)?;
+        let m = measure(model, prompt, n, cfg, hook, clock)?;
         if m.tokens != want {
             bail!(
                 "window {}: the speculative run emitted other tokens than plain decoding (first difference at {})",
@@ -387,6 +428,7 @@ fn window_cost(
     cont: &[u32],
     rows: usize,
     reps: usize,
+    clock: Clock,
 ) -> Result<Duration> {
     let mut st = model.new_state()?;
     model.forward_with(
@@ -403,7 +445,7 @@ fn window_cost(
         .context("the plain run is shorter than the window")?;
     let mut times = Vec::new();
     for _ in 0..reps.max(1) + 1 {
-        let t0 = Instant::now();
+        let t0 = clock.now();
         model.forward_with(
             &mut st,
             toks,
@@ -412,7 +454,7 @@ fn window_cost(
                 ..Want::default()
             },
         )?;
-        times.push(t0.elapsed().as_secs_f64());
+        times.push(clock.now() - t0);
         model.restore(&mut st, &cp)?;
     }
     times.remove(0);
@@ -475,15 +517,24 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let threads = model.backend().threads();
 
     // Plain decoding: the baseline and the reference sequence.
-    let plain = measure(&model, &prompt, a.n, &base_cfg(1), None)?;
+    let plain = measure(&model, &prompt, a.n, &base_cfg(1), None, a.clock)?;
     let want = plain.tokens.clone();
-    let (plain_tps, _) = measure_best(&model, &prompt, a.n, &base_cfg(1), None, a.reps, &want)?;
+    let (plain_tps, _) = measure_best(
+        &model,
+        &prompt,
+        a.n,
+        &base_cfg(1),
+        None,
+        a.reps,
+        &want,
+        a.clock,
+    )?;
 
     // The cost of a window of N rows against one decode step.
     let mut cost = Vec::new();
-    let one = window_cost(&model, &prompt, &want, 1, a.reps.max(5))?;
+    let one = window_cost(&model, &prompt, &want, 1, a.reps.max(11), a.clock)?;
     for &w in &a.windows {
-        let t = window_cost(&model, &prompt, &want, w, a.reps.max(5))?;
+        let t = window_cost(&model, &prompt, &want, w, a.reps.max(11), a.clock)?;
         cost.push((w, t, t.as_secs_f64() / one.as_secs_f64().max(1e-12)));
     }
 
@@ -506,7 +557,16 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 n_vocab: model.config().n_vocab as u32,
             });
             let cfg = base_cfg(w);
-            let (tps, s) = measure_best(&model, &prompt, a.n, &cfg, hook.as_ref(), a.reps, &want)?;
+            let (tps, s) = measure_best(
+                &model,
+                &prompt,
+                a.n,
+                &cfg,
+                hook.as_ref(),
+                a.reps,
+                &want,
+                a.clock,
+            )?;
             rows.push((label.clone(), w, tps, s));
         }
     }
@@ -535,12 +595,13 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "model {} ({} threads), prompt {} tokens, {} generated, best of {} runs; every run checked to emit the plain run's tokens\n",
+        "model {} ({} threads), prompt {} tokens, {} generated, best of {} runs, {:?} clock; every run checked to emit the plain run's tokens\n",
         name,
         threads,
         prompt.len(),
         a.n,
-        a.reps.max(1)
+        a.reps.max(1),
+        a.clock
     );
     println!("plain decoding: {plain_tps:.2} tokens/s\n");
     println!("| rows N | trunk pass | × one decode step |\n|---:|---:|---:|");
