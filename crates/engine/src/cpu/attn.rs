@@ -54,13 +54,19 @@ pub(crate) fn causal_head(
     out: &mut [f32],
 ) {
     let d = q.len();
-    let mut qr = [0f32; 256];
-    let qv: &[f32] = if f16 && d <= qr.len() {
-        qr[..d].copy_from_slice(q);
-        round_f16(&mut qr[..d]);
-        &qr[..d]
-    } else {
+    // The rounded query on the stack for the usual head sizes, on the heap past them.
+    let mut stack = [0f32; 256];
+    let mut heap = Vec::new();
+    let qv: &[f32] = if !f16 {
         q
+    } else if d <= stack.len() {
+        stack[..d].copy_from_slice(q);
+        round_f16(&mut stack[..d]);
+        &stack[..d]
+    } else {
+        heap.extend_from_slice(q);
+        round_f16(&mut heap);
+        &heap
     };
     let scale = 1.0 / (d as f32).sqrt();
     scores.clear();
