@@ -3,8 +3,8 @@
 //! callback, stop at end-of-generation, a token budget or the context's end, and time it all.
 //!
 //! The loop follows llama.cpp's `simple` example step for step, so a greedy run gives the same
-//! tokens: the prompt runs as one batch, each sampled token is fed back before the next is
-//! chosen, the end-of-generation token is never fed, and the last token of the budget is not
+//! tokens: the prompt runs first (in chunks, which give the same bits as one batch on the CPU
+//! backend), each sampled token is fed back before the next is chosen, the end-of-generation token is never fed, and the last token of the budget is not
 //! decoded (nothing would read its logits).
 
 use std::time::{Duration, Instant};
