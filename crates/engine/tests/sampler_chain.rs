@@ -412,3 +412,41 @@ fn seeded_chain_with_edits_is_a_function_of_position_and_history() {
     assert_eq!(fwd, bwd);
     assert!(fwd.iter().any(|&t| t != fwd[0]));
 }
+
+/// The vectorized argmax equals a scalar scan that keeps the first maximum, on random data
+/// with ties, ±0, −∞ and lengths around the 16-lane chunking; a NaN is reported at its index.
+#[test]
+fn vectorized_argmax_equals_the_scalar_scan() {
+    use strata_engine::sampler::view::first_max;
+    let mut r = Rng(77);
+    for case in 0..2000 {
+        let n = match case % 4 {
+            0 => r.below(40),
+            1 => 16 * (1 + r.below(8)),
+            _ => r.below(3000),
+        };
+        let pool = [0.0f32, -0.0, 1.5, -2.0, f32::NEG_INFINITY, 7.25];
+        let v: Vec<f32> = (0..n)
+            .map(|_| match r.below(3) {
+                0 => pool[r.below(pool.len())],
+                _ => 4.0 * r.unit(),
+            })
+            .collect();
+        let mut want: Option<(usize, f32)> = None;
+        for (i, &x) in v.iter().enumerate() {
+            if want.is_none_or(|(_, b)| x > b) {
+                want = Some((i, x));
+            }
+        }
+        let got = first_max(&v).unwrap();
+        assert_eq!(got.map(|g| g.0), want.map(|w| w.0), "case {case}: {v:?}");
+        if n > 0 {
+            let mut w = v.clone();
+            let k = r.below(n);
+            w[k] = f32::NAN;
+            let first = w.iter().position(|x| x.is_nan()).unwrap();
+            assert_eq!(first_max(&w), Err(first));
+            assert!(strata_engine::sampler::argmax(&w).is_err());
+        }
+    }
+}

@@ -276,19 +276,13 @@ impl Sampler {
 
 /// The highest logit, ties to the lower id (the first in index order).
 pub fn argmax(logits: &[f32]) -> Result<u32> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l.is_nan() {
-            return Err(EngineError::Input(format!(
-                "sampler: logit of token {i} is NaN"
-            )));
-        }
-        if best.is_none_or(|(_, b)| l > b) {
-            best = Some((i, l));
-        }
+    match view::first_max(logits) {
+        Ok(Some((i, _))) => Ok(i as u32),
+        Ok(None) => Err(EngineError::Input("sampler: no logits".to_string())),
+        Err(i) => Err(EngineError::Input(format!(
+            "sampler: logit of token {i} is NaN"
+        ))),
     }
-    best.map(|(i, _)| i as u32)
-        .ok_or_else(|| EngineError::Input("sampler: no logits".to_string()))
 }
 
 /// One stage on the candidate set. The stages that need a vocabulary run here without it

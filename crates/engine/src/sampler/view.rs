@@ -21,13 +21,20 @@ pub trait LogitEdit {
 /// The chain's candidate set.
 pub struct CandidateEdit<'a> {
     c: &'a mut Candidates,
+    /// Whether item `i` is token `i` for every `i` (checked on the first miss): then a token
+    /// not at its own index is simply absent.
+    identity: Option<bool>,
     /// id → item index, built on first need when the set is not in the identity layout.
     index: Option<HashMap<u32, usize>>,
 }
 
 impl<'a> CandidateEdit<'a> {
     pub fn new(c: &'a mut Candidates) -> Self {
-        CandidateEdit { c, index: None }
+        CandidateEdit {
+            c,
+            identity: None,
+            index: None,
+        }
     }
 }
 
@@ -37,6 +44,12 @@ impl LogitEdit for CandidateEdit<'_> {
         if let Some(x) = items.get_mut(id as usize).filter(|x| x.id == id) {
             f(&mut x.logit);
             self.c.sorted = false;
+            return;
+        }
+        let identity = *self
+            .identity
+            .get_or_insert_with(|| items.iter().enumerate().all(|(i, x)| x.id as usize == i));
+        if identity {
             return;
         }
         let index = self
@@ -104,38 +117,76 @@ impl<'a> Overlay<'a> {
         }
         self.edits.sort_unstable_by_key(|e| e.0);
         let nan = |i: usize| EngineError::Input(format!("sampler: logit of token {i} is NaN"));
-        // Candidates are visited in id order, so `>` keeps the lowest id among equals.
+        // Better = larger, or equal with a lower id; segments and edits come in id order.
         let mut best: Option<(usize, f32)> = None;
-        let consider = |i: usize, l: f32, best: &mut Option<(usize, f32)>| {
-            if best.is_none_or(|(_, b)| l > b) {
-                *best = Some((i, l));
+        let take = |c: Option<(usize, f32)>, best: &mut Option<(usize, f32)>| {
+            if let Some((i, l)) = c {
+                if best.is_none_or(|(_, b)| l > b) {
+                    *best = Some((i, l));
+                }
             }
         };
         let mut from = 0usize;
         for &(id, v) in &self.edits {
             let id = id as usize;
-            for (k, &l) in self.base[from..id].iter().enumerate() {
-                if l.is_nan() {
-                    return Err(nan(from + k));
-                }
-                consider(from + k, l, &mut best);
-            }
+            let seg = first_max(&self.base[from..id]).map_err(|k| nan(from + k))?;
+            take(seg.map(|(k, l)| (from + k, l)), &mut best);
             if v.is_nan() || self.base[id].is_nan() {
                 return Err(nan(id));
             }
-            consider(id, v, &mut best);
+            take(Some((id, v)), &mut best);
             from = id + 1;
         }
-        for (k, &l) in self.base[from..].iter().enumerate() {
-            if l.is_nan() {
-                return Err(nan(from + k));
-            }
-            consider(from + k, l, &mut best);
-        }
+        let seg = first_max(&self.base[from..]).map_err(|k| nan(from + k))?;
+        take(seg.map(|(k, l)| (from + k, l)), &mut best);
         Ok(best
             .filter(|&(_, l)| l > f32::NEG_INFINITY)
             .map(|(i, _)| i as u32))
     }
+}
+
+/// The first maximum of `v` as (index, value), None when empty; `Err(i)`: `v[i]` is the first
+/// NaN. Two passes the compiler vectorizes (a max over 16 lanes, then the first 16-value chunk
+/// holding it), several times faster than a scalar scan that keeps the index; the same answer,
+/// since ties go to the first index either way (and −0.0 equals 0.0 in both).
+pub fn first_max(v: &[f32]) -> std::result::Result<Option<(usize, f32)>, usize> {
+    const L: usize = 16;
+    if v.is_empty() {
+        return Ok(None);
+    }
+    let mut m = [f32::NEG_INFINITY; L];
+    let mut bad = [false; L];
+    let chunks = v.chunks_exact(L);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for j in 0..L {
+            let x = c[j];
+            bad[j] |= x.is_nan();
+            m[j] = if x > m[j] { x } else { m[j] };
+        }
+    }
+    for (j, &x) in rem.iter().enumerate() {
+        bad[j] |= x.is_nan();
+        m[j] = if x > m[j] { x } else { m[j] };
+    }
+    if bad.iter().any(|&b| b) {
+        return Err(v.iter().position(|x| x.is_nan()).unwrap_or(0));
+    }
+    let mx = m
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+    // No NaN, so the maximum is one of the values (−∞ when all are −∞). Whole chunks are
+    // tested without early exit inside (that vectorizes), then the hit chunk is searched.
+    let mut base = 0;
+    for c in v.chunks(L) {
+        if c.iter().fold(false, |a, &x| a | (x == mx)) {
+            let k = c.iter().position(|&x| x == mx).unwrap_or(0);
+            return Ok(Some((base + k, c[k])));
+        }
+        base += c.len();
+    }
+    Ok(Some((0, v[0])))
 }
 
 impl LogitEdit for Overlay<'_> {
