@@ -286,6 +286,18 @@ impl<B: Backend> Model<B> {
         if keep == window {
             return Ok(());
         }
+        self.backend
+            .scoped(|| self.rollback_body(st, cp, log, keep))
+    }
+
+    /// The body of [`Model::rollback_window`] (arguments checked), inside the backend's pool.
+    fn rollback_body(
+        &self,
+        st: &mut State<B>,
+        cp: &Checkpoint<B>,
+        log: ReplayLog<B>,
+        keep: usize,
+    ) -> Result<()> {
         let b = &self.backend;
         let new_pos = cp.pos + keep;
         let mut gdn_log = log.gdn;
