@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use strata_engine::generate::{self, GenOptions};
+use strata_engine::generate::GenOptions;
 use strata_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder};
 
 use crate::run::{self, ModelArgs, Out, SampleArgs};
@@ -58,7 +58,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             ChatTemplate::new(CHATML, &text(tok.bos()), &text(tok.eos()))?
         }
     };
-    let mut sampler = args.sample.build()?;
+    let mut sampler = args.sample.build_for(&tok)?;
     let mut session = model.session()?;
     let mut history: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &args.system {
@@ -103,7 +103,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             .context("tokenizing the conversation")?;
         let mut dec = StreamDecoder::new(false);
         let mut tok_err = None;
-        let g = generate::generate(
+        // The guarded loop: slop's phrase level may rewind; text is streamed once final.
+        let gg = strata_engine::sampler::guard::generate(
             session.as_mut(),
             &prompt,
             &mut sampler,
@@ -117,6 +118,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 }
             },
         )?;
+        let g = &gg.generation;
         if let Some(e) = tok_err {
             return Err(e).context("detokenizing");
         }
@@ -129,7 +131,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             .context("detokenizing the reply")?;
         history.push(ChatMessage::new("assistant", reply));
         if args.verbose {
-            run::report(load_time, &g, model.threads(), &sampler);
+            run::report(load_time, g, model.threads(), &sampler);
+            crate::sampling_args::report_slop(&gg);
         }
     }
     out.finish()?;

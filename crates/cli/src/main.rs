@@ -12,6 +12,7 @@ mod inspect;
 mod logits;
 mod parity;
 mod run;
+mod sampling_args;
 mod spec_run;
 mod tokenize;
 

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use strata_engine::generate::{
-    self, GenOptions, Generation, Qwen2Session, Qwen4expSession, Session, StopReason,
+    GenOptions, Generation, Qwen2Session, Qwen4expSession, Session, StopReason,
 };
-use strata_engine::sampler::{Sampler, SamplerConfig};
+use strata_engine::sampler::Sampler;
 use strata_engine::{qwen2, qwen4exp, CpuBackend, KvType};
 use strata_gguf::GgufFile;
 use strata_tokenizer::{StreamDecoder, Tokenizer};
@@ -58,22 +58,19 @@ pub struct SampleArgs {
     /// '{"stages":[{"type":"top_k","k":20},{"type":"temperature","t":0.7}],"pick":{"type":"draw","seed":1}}'
     #[arg(long, value_name = "JSON")]
     pub sampler: Option<String>,
+    /// Penalties, DRY, slop and the chain's order (sampling_args.rs).
+    #[command(flatten)]
+    pub extra: crate::sampling_args::PenaltyArgs,
 }
 
 impl SampleArgs {
+    /// Without the vocabulary: refuses DRY breakers and slop (use `build_for`).
     pub fn build(&self) -> Result<Sampler> {
-        let cfg = match &self.sampler {
-            Some(json) => SamplerConfig::from_json(json)?,
-            None => {
-                let seed = self.seed.unwrap_or_else(clock_seed);
-                SamplerConfig::standard(self.temp, self.top_k, self.top_p, self.min_p, seed)
-            }
-        };
-        Ok(Sampler::new(cfg)?)
+        Ok(Sampler::new(self.config()?)?)
     }
 }
 
-fn clock_seed() -> u64 {
+pub(crate) fn clock_seed() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -283,7 +280,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.verbose {
         eprintln!("model: {} ({})", path.display(), model.describe());
     }
-    let mut sampler = args.sample.build()?;
+    let mut sampler = args.sample.build_for(&tok)?;
     let prompt = tok
         .encode(&args.prompt, true, true)
         .context("tokenizing the prompt")?;
@@ -307,7 +304,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
         max_tokens: args.n_predict,
         ..Default::default()
     };
-    let g = generate::generate(
+    // The guarded loop: slop's phrase level may rewind; text is streamed once final.
+    let gg = strata_engine::sampler::guard::generate(
         session.as_mut(),
         &prompt,
         &mut sampler,
@@ -321,6 +319,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             }
         },
     )?;
+    let g = &gg.generation;
     if let Some(e) = tok_err {
         return Err(e).context("detokenizing");
     }
@@ -328,7 +327,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     out.write(&format!("{rest}\n"));
     out.finish()?;
     if args.verbose {
-        report(load_time, &g, model.threads(), &sampler);
+        report(load_time, g, model.threads(), &sampler);
+        crate::sampling_args::report_slop(&gg);
     }
     Ok(ExitCode::SUCCESS)
 }
