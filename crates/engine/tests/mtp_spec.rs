@@ -402,3 +402,47 @@ fn generate_spec_reports_and_refuses_bad_settings() {
     let (got, _) = generate_spec(&bare, &prompt(), 12, cfg(1), |_| true).unwrap();
     assert_eq!(got, want);
 }
+
+#[test]
+fn feeding_a_second_turn_continues_exactly() {
+    // A chat: prompt A, a generation, then turn B appended after the last emitted token.
+    let m = model();
+    let p = prompt();
+    let (a, b) = p.split_at(17);
+    let (n1, n2) = (9, 15);
+    // Oracle: plain one-token steps; turn B is consumed right after the first generation's
+    // last token.
+    let mut st = m.new_state().unwrap();
+    let want = Want {
+        last_only: true,
+        ..Want::default()
+    };
+    let mut logits = m.forward_with(&mut st, a, want).unwrap().logits;
+    let mut plain_out = Vec::new();
+    for i in 0..n1 + n2 {
+        let t = strata_engine::spec::argmax(&logits) as u32;
+        plain_out.push(t);
+        let next: Vec<u32> = if i + 1 == n1 {
+            std::iter::once(t).chain(b.iter().copied()).collect()
+        } else {
+            vec![t]
+        };
+        if i + 1 < n1 + n2 {
+            logits = m.forward_with(&mut st, &next, want).unwrap().logits;
+        }
+    }
+    for window in [1, 4, 8] {
+        let mut dec = SpecDecoder::new(&m, cfg(window)).unwrap();
+        let mut out = run(&mut dec, a, n1, &mut |_| true).unwrap();
+        out.push(dec.feed(b).unwrap());
+        while out.len() < n1 + n2 {
+            dec.step(n1 + n2 - out.len(), &mut |t| {
+                out.push(t);
+                true
+            })
+            .unwrap();
+        }
+        assert_eq!(out, plain_out, "window {window}");
+        check_states(&m, &mut dec, &st, &format!("two turns, window {window}"));
+    }
+}

@@ -124,6 +124,15 @@ fn mtp_config(file: &GgufFile, trunk: &Config) -> Result<MtpConfig> {
         ));
     }
     let ratio = u("attention.compress_ratio")?;
+    if ratio > 0 && trunk.indexer.budget / ratio == 0 {
+        return Err(bad(
+            "attention.compress_ratio",
+            format!(
+                "{ratio}: the budget of {} tokens holds no whole block",
+                trunk.indexer.budget
+            ),
+        ));
+    }
     let rope_theta = file.get_f32(&key("rope.freq_base"))?;
     if !(rope_theta.is_finite() && rope_theta > 0.0) {
         return Err(bad("rope.freq_base", format!("{rope_theta}; expected > 0")));

@@ -356,9 +356,23 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
                 "prefill: the sequence has already started".to_string(),
             ));
         }
-        if prompt.is_empty() {
+        self.feed(prompt)
+    }
+
+    /// Appends `tokens` to the sequence (a prompt, or the next turn of a chat after a
+    /// generation: the pending token is consumed first) and returns the token chosen after
+    /// them, which becomes the pending token. The MTP state follows, so speculative steps can
+    /// continue from here.
+    pub fn feed(&mut self, tokens: &[u32]) -> Result<u32> {
+        let mut input = Vec::with_capacity(tokens.len() + 1);
+        input.extend(self.pending);
+        input.extend_from_slice(tokens);
+        if input.is_empty() {
             return Err(EngineError::Input("prefill: empty prompt".to_string()));
         }
+        // The MTP state must hold every consumed token before new rows are appended.
+        self.run_catchup()?;
+        self.next_draft = None;
         let b = self.model.backend();
         let t0 = Instant::now();
         let want = Want {
@@ -368,14 +382,15 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
         };
         let out = self
             .model
-            .forward_dev(&mut self.state, prompt, want, None)?;
+            .forward_dev(&mut self.state, &input, want, None)?;
         let logits = b.download(&out.logits)?;
-        let tok = self.picker.pick(&logits, prompt.len(), prompt)?;
+        let pos = self.state.position();
+        let tok = self.picker.pick(&logits, pos, self.state.tokens())?;
         self.stats.prefill_time += t0.elapsed();
         self.stats.emitted += 1;
         self.pending = Some(tok);
         if let Some(hidden) = out.hidden {
-            let mut next = prompt[1..].to_vec();
+            let mut next = input[1..].to_vec();
             next.push(tok);
             self.catchup = Some(Catchup { hidden, next });
             self.run_catchup()?;
