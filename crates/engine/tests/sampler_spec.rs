@@ -202,7 +202,7 @@ fn speculative(s: &Setup, cfg: &SamplerConfig, penalize_drafts: bool) -> SpecRun
             if hist.len() - start >= N {
                 break 'outer;
             }
-            if i == K || tok != drafts[i] {
+            if drafts.get(i) != Some(&tok) {
                 continue 'outer;
             }
             if i == 0 {
@@ -315,7 +315,7 @@ fn implicit_state_follows_a_speculative_history() {
                         };
                         let tok = b.sample(&logits, &ctx).unwrap();
                         hist.push(tok);
-                        if i == K || tok != drafts[i] || hist.len() - s.prompt.len() >= N {
+                        if drafts.get(i) != Some(&tok) || hist.len() - s.prompt.len() >= N {
                             break;
                         }
                     }

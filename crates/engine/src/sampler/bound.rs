@@ -98,7 +98,7 @@ impl Bound {
             }
         }
         Ok(Bound {
-            dry: vec![Arc::new(Vec::new()); c.stages.len()],
+            dry: c.stages.iter().map(|_| Arc::new(Vec::new())).collect(),
             slop: None,
             own: None,
         })
@@ -106,7 +106,7 @@ impl Bound {
 
     fn with_vocab(c: &SamplerConfig, vocab: &dyn SamplerVocab) -> Result<Bound> {
         let mut b = Bound {
-            dry: vec![Arc::new(Vec::new()); c.stages.len()],
+            dry: c.stages.iter().map(|_| Arc::new(Vec::new())).collect(),
             slop: None,
             own: None,
         };
