@@ -390,34 +390,45 @@ fn best_min(v: &[f64]) -> f64 {
     v.iter().copied().fold(f64::INFINITY, f64::min)
 }
 
-/// The best of `reps` runs (tokens/s, and the statistics of that run), each checked to emit
-/// exactly `want`.
-fn measure_best(
-    model: &Model<CpuBackend>,
-    prompt: &[u32],
+/// The benchmark's fixed inputs: model, prompt, run length, repetitions, clock.
+struct Runner<'a> {
+    model: &'a Model<CpuBackend>,
+    prompt: &'a [u32],
     n: usize,
-    cfg: &SpecConfig,
-    hook: Option<&ForceRate>,
     reps: usize,
-    want: &[u32],
     clock: Clock,
-) -> Result<(f64, SpecStats)> {
-    let mut best: Option<(f64, SpecStats)> = None;
-    for _ in 0..reps.max(1) {
-        let m = measure(model, prompt, n, cfg, hook, clock)?;
-        if m.tokens != want {
-            bail!(
-                "window {}: the speculative run emitted other tokens than plain decoding (first difference at {})",
-                cfg.window,
-                m.tokens.iter().zip(want).position(|(a, b)| a != b).unwrap_or(m.tokens.len())
-            );
-        }
-        let tps = (m.tokens.len() - 1) as f64 / m.decode.as_secs_f64().max(1e-9);
-        if best.as_ref().is_none_or(|(b, _)| tps > *b) {
-            best = Some((tps, m.stats));
-        }
+}
+
+impl Runner<'_> {
+    fn once(&self, cfg: &SpecConfig, hook: Option<&ForceRate>) -> Result<Measured> {
+        measure(self.model, self.prompt, self.n, cfg, hook, self.clock)
     }
-    Ok(best.unwrap_or_default())
+
+    /// The best of `reps` runs (tokens/s, and the statistics of that run), each checked to
+    /// emit exactly `want`.
+    fn best(
+        &self,
+        cfg: &SpecConfig,
+        hook: Option<&ForceRate>,
+        want: &[u32],
+    ) -> Result<(f64, SpecStats)> {
+        let mut best: Option<(f64, SpecStats)> = None;
+        for _ in 0..self.reps.max(1) {
+            let m = self.once(cfg, hook)?;
+            if m.tokens != want {
+                bail!(
+                    "window {}: the speculative run emitted other tokens than plain decoding (first difference at {})",
+                    cfg.window,
+                    m.tokens.iter().zip(want).position(|(a, b)| a != b).unwrap_or(m.tokens.len())
+                );
+            }
+            let tps = (m.tokens.len() - 1) as f64 / m.decode.as_secs_f64().max(1e-9);
+            if best.as_ref().is_none_or(|(b, _)| tps > *b) {
+                best = Some((tps, m.stats));
+            }
+        }
+        Ok(best.unwrap_or_default())
+    }
 }
 
 /// Time of one trunk pass over `rows` window rows at the current position (best of `reps`),
@@ -517,18 +528,16 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let threads = model.backend().threads();
 
     // Plain decoding: the baseline and the reference sequence.
-    let plain = measure(&model, &prompt, a.n, &base_cfg(1), None, a.clock)?;
+    let runner = Runner {
+        model: &model,
+        prompt: &prompt,
+        n: a.n,
+        reps: a.reps,
+        clock: a.clock,
+    };
+    let plain = runner.once(&base_cfg(1), None)?;
     let want = plain.tokens.clone();
-    let (plain_tps, _) = measure_best(
-        &model,
-        &prompt,
-        a.n,
-        &base_cfg(1),
-        None,
-        a.reps,
-        &want,
-        a.clock,
-    )?;
+    let (plain_tps, _) = runner.best(&base_cfg(1), None, &want)?;
 
     // The cost of a window of N rows against one decode step.
     let mut cost = Vec::new();
@@ -557,16 +566,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 n_vocab: model.config().n_vocab as u32,
             });
             let cfg = base_cfg(w);
-            let (tps, s) = measure_best(
-                &model,
-                &prompt,
-                a.n,
-                &cfg,
-                hook.as_ref(),
-                a.reps,
-                &want,
-                a.clock,
-            )?;
+            let (tps, s) = runner.best(&cfg, hook.as_ref(), &want)?;
             rows.push((label.clone(), w, tps, s));
         }
     }

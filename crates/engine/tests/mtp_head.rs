@@ -389,8 +389,7 @@ fn head_of_another_model_is_refused() {
     let mut tiny = tiny_model(CpuBackend::new(2).unwrap());
     let err = tiny
         .attach_mtp(mtp_file(&dir.join("hf"), OutType::F32, false))
-        .err()
-        .expect("a small head on the tiny trunk must be refused");
+        .expect_err("a small head on the tiny trunk must be refused");
     let msg = err.to_string();
     assert!(msg.contains("qwen4exp_mtp.embedding_length"), "{msg}");
     assert!(!tiny.has_mtp());

@@ -210,7 +210,8 @@ fn forced_acceptance_patterns_equal_plain() {
     let (want, plain_state) = greedy_plain(&m, NEW);
     let mut truth = prompt();
     truth.extend_from_slice(&want);
-    let patterns: [(&str, fn(usize) -> Option<bool>); 5] = [
+    type Pattern = (&'static str, fn(usize) -> Option<bool>);
+    let patterns: [Pattern; 5] = [
         ("all accepted", |_| Some(true)),
         ("all rejected", |_| Some(false)),
         ("mixed", |p| Some((p * 7 + 3) % 5 != 0)),
