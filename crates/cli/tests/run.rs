@@ -323,3 +323,51 @@ fn logits_on_qwen2_agree_with_llama_cpp() {
         }
     }
 }
+
+#[test]
+fn run_without_a_model_uses_the_cached_default() {
+    let Some(model) = default_model() else {
+        return;
+    };
+    // A cache directory of our own that holds the model (a link) and its verified-hash marker,
+    // so the default path is exercised without touching the network or the real cache.
+    let cache = std::env::temp_dir().join(format!("strata-cache-{}", std::process::id()));
+    let dir = cache.join("models");
+    std::fs::create_dir_all(&dir).unwrap();
+    let link = dir.join(MODEL_FILE);
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&model, &link).unwrap();
+    std::fs::write(
+        dir.join(format!("{MODEL_FILE}.sha256")),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "run",
+            "-p",
+            "The capital of France is",
+            "-n",
+            "8",
+            "--temp",
+            "0",
+        ])
+        .env("STRATA_CACHE", &cache)
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&cache).ok();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = std::fs::read_to_string(fixtures().join("llamacpp/qwen25_capital.txt")).unwrap();
+    let got = String::from_utf8(out.stdout).unwrap();
+    // Eight tokens of the 64-token greedy text, then the final newline.
+    let body = got.strip_suffix('\n').unwrap();
+    assert!(body.len() > "The capital of France is".len(), "{got}");
+    assert!(
+        want.starts_with(body),
+        "{got:?} is not a prefix of llama.cpp's text"
+    );
+}
