@@ -119,8 +119,8 @@ pub trait DraftHook: Send {
     fn draft(&mut self, position: usize, proposed: u32) -> Option<u32>;
 }
 
-/// What the speculative path did (kept for the server to expose).
-#[derive(Clone, Debug, Default)]
+/// What the speculative path did (kept for the server to expose; serializes to JSON).
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct SpecStats {
     pub window: usize,
     /// Verify passes of the trunk (not counting the prefill).
