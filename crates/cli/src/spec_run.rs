@@ -13,6 +13,7 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
 use strata_engine::qwen4exp::{LoadOptions, Model, Want};
+use strata_engine::sampler::Stage;
 use strata_engine::spec::{self, DraftHook, DraftVocab, SpecConfig, SpecDecoder, SpecStats};
 use strata_engine::CpuBackend;
 use strata_gguf::GgufFile;
@@ -122,7 +123,17 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     let (model, tok) = load(&path, args.spec.mtp.as_deref(), args.model.threads, &opts)?;
     let load_time = t0.elapsed();
     let cfg = args.spec.config(&model)?;
-    let sampler = args.sample.build()?;
+    let sampler = args.sample.build_for(&tok)?;
+    // Phrase-level slop rewinds the sequence after the fact, which the guarded plain loop
+    // does; the speculative loop emits every token it accepts.
+    if sampler
+        .config()
+        .stages
+        .iter()
+        .any(|st| matches!(st, Stage::Slop(c) if c.mode >= 2))
+    {
+        bail!("--slop-mode 2 (phrase rewinds) is not supported with speculative decoding; use --slop-mode 1 or drop --mtp/--spec");
+    }
     let sampler_json = sampler.config().to_json();
     let prompt = tok
         .encode(&args.prompt, true, true)
