@@ -450,3 +450,24 @@ fn vectorized_argmax_equals_the_scalar_scan() {
         }
     }
 }
+
+/// docs/SAMPLING.md's examples are valid: its JSON configuration parses and builds, and its
+/// slop-list excerpt parses.
+#[test]
+fn the_documented_examples_parse() {
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/SAMPLING.md"),
+    )
+    .unwrap();
+    let block = |lang: &str| -> String {
+        let start = doc.find(&format!("```{lang}\n")).unwrap() + lang.len() + 4;
+        let end = start + doc[start..].find("```").unwrap();
+        doc[start..end].to_string()
+    };
+    let c = SamplerConfig::from_json(&block("json")).unwrap();
+    assert_eq!(c.stages.len(), 7);
+    Sampler::with_vocab(c, &ToyVocab::new()).unwrap();
+    let list = strata_engine::sampler::slop::parse_list(&block("slop"), "SAMPLING.md").unwrap();
+    assert_eq!(list.len(), 3);
+    assert_eq!(list[2].penalty, f32::INFINITY);
+}
