@@ -9,7 +9,12 @@ use strata_quant::synth::{random_blocks, SplitMix64};
 use strata_quant::{dot_fn, dot_rows_fn, simd, vec_dot_isa, vec_dot_rows_isa, GgmlType, Isa};
 
 /// Types with multi-row kernels (on AVX2 and AVX-512), most used first.
-const ROWS_TYPES: &[GgmlType] = &[GgmlType::Q2_0, GgmlType::Q8_0, GgmlType::Q4_0];
+const ROWS_TYPES: &[GgmlType] = &[
+    GgmlType::Q2_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::IQ4_XS,
+];
 
 /// An activation row of `n` values for weight type `ty`: normal values times `scale`, quantized
 /// to `ty`'s activation type as a matmul would.
@@ -168,6 +173,12 @@ fn rows_check_sizes() {
     }
 }
 
+/// Seconds per timed case.
+const BENCH_SECS: f64 = 0.5;
+
+/// Activation-row counts the bench times the multi-row kernels at.
+const ROWS_BENCH: [usize; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+
 /// Nanoseconds this thread has run on a CPU (Linux `schedstat`), if available.
 fn thread_cpu_ns() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
@@ -198,7 +209,7 @@ fn time_per_run(secs: f64, mut f: impl FnMut()) -> f64 {
 /// `fallback xR` calls it R times per weight row (the row then comes from L1 after the first);
 /// `rows xR` is the multi-row kernel. Timing, not a check:
 /// `cargo test --release -p strata-quant --test dot_rows -- --ignored --nocapture bench`
-/// (`STRATA_BENCH_TYPES=Q2_0,Q4_K` picks types, `STRATA_BENCH_N=2048` the row length).
+/// (`STRATA_BENCH_TYPES=Q2_0,Q4_K` picks types, `STRATA_BENCH_N=2048` the row length, `STRATA_BENCH_MIB=1` the weight size).
 #[test]
 #[ignore]
 fn bench_dot_rows() {
@@ -206,6 +217,10 @@ fn bench_dot_rows() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(4096);
+    let mib: usize = std::env::var("STRATA_BENCH_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
     let pick = std::env::var("STRATA_BENCH_TYPES").ok();
     for &ty in ROWS_TYPES {
         if let Some(p) = &pick {
@@ -214,10 +229,13 @@ fn bench_dot_rows() {
             }
         }
         let rb = ty.row_bytes(n).expect("whole blocks");
-        let wrows = (64 << 20) / rb;
+        let wrows = (mib << 20) / rb;
         let w = random_blocks(ty, wrows * n / ty.block_size(), 11);
-        let xs: Vec<Vec<u8>> = (0..8).map(|r| activation(ty, n, 50 + r, 1.0)).collect();
-        let xr: Vec<&[u8]> = xs.iter().map(|x| x.as_slice()).collect();
+        // One contiguous activation matrix, as a matmul holds it.
+        let xm: Vec<u8> = (0..8)
+            .flat_map(|r| activation(ty, n, 50 + r, 1.0))
+            .collect();
+        let xr: Vec<&[u8]> = xm.chunks_exact(xm.len() / 8).collect();
         let gbs = |secs: f64, rows: usize| (wrows * rb * rows) as f64 / secs / 1e9;
         for isa in isas() {
             if isa == Isa::Scalar {
@@ -225,7 +243,7 @@ fn bench_dot_rows() {
             }
             let f = dot_fn(ty, isa).expect("a dot kernel");
             let mut sink = 0f32;
-            let single = time_per_run(1.0, || {
+            let single = time_per_run(BENCH_SECS, || {
                 for wr in w.chunks_exact(rb) {
                     sink += f(n, wr, xr[0]);
                 }
@@ -237,7 +255,7 @@ fn bench_dot_rows() {
                 gbs(single, 1)
             );
             for rows in [4usize, 8] {
-                let fb = time_per_run(1.0, || {
+                let fb = time_per_run(BENCH_SECS, || {
                     for wr in w.chunks_exact(rb) {
                         for x in &xr[..rows] {
                             sink += f(n, wr, x);
@@ -247,9 +265,9 @@ fn bench_dot_rows() {
                 line += &format!(" | fallback x{rows} {:6.2}", gbs(fb, rows));
             }
             if let Some(g) = dot_rows_fn(ty, isa) {
-                for rows in [1usize, 4, 8] {
+                for rows in ROWS_BENCH {
                     let mut out = [0f32; 8];
-                    let t = time_per_run(1.0, || {
+                    let t = time_per_run(BENCH_SECS, || {
                         for wr in w.chunks_exact(rb) {
                             g(n, wr, &xr[..rows], &mut out[..rows]);
                             sink += out[0];

@@ -290,48 +290,8 @@ mod x86 {
     /// Blocks per chunk (2048 elements): the scale table holds 2·CH f32 per row.
     const CH: usize = 32;
 
-    /// Rows a multi-row call may touch and the blocks every one of them holds (clamped to the
-    /// slices, like [`blocks`], so a caller that breaks the length contract gets short sums,
-    /// never an out-of-bounds read).
-    fn rows_blocks(n: usize, w: &[u8], xs: &[&[u8]], out: &[f32]) -> (usize, usize) {
-        let rows = xs.len().min(out.len());
-        let nb = xs[..rows]
-            .iter()
-            .fold((n / 64).min(w.len() / WB), |nb, x| nb.min(x.len() / XB));
-        (rows, nb)
-    }
-
-    /// Calls `$kernel::<R>` on groups of at most 8 rows; a lone row goes to the single-row
-    /// kernel `$one`, which gives the same bits without the shared-decode overhead.
-    macro_rules! rows_in_groups {
-        ($kernel:ident, $one:ident, $nb:expr, $w:expr, $xs:expr, $out:expr) => {
-            for (xc, oc) in $xs.chunks(8).zip($out.chunks_mut(8)) {
-                macro_rules! go {
-                    ($r:literal) => {{
-                        let p: [*const u8; $r] = core::array::from_fn(|i| xc[i].as_ptr());
-                        // SAFETY: handed out only after `simd::supported` (and, for AVX-512,
-                        // a VBMI check) confirmed the kernel's features; every row holds `nb`
-                        // blocks (`rows_blocks`).
-                        oc.copy_from_slice(&unsafe { $kernel::<$r>($nb, $w.as_ptr(), p) });
-                    }};
-                }
-                match xc.len() {
-                    // SAFETY: as for `go!`.
-                    1 => oc[0] = unsafe { $one($nb, $w.as_ptr(), xc[0].as_ptr()) },
-                    2 => go!(2),
-                    3 => go!(3),
-                    4 => go!(4),
-                    5 => go!(5),
-                    6 => go!(6),
-                    7 => go!(7),
-                    _ => go!(8),
-                }
-            }
-        };
-    }
-
     pub(super) fn q2_0_rows_avx2(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) {
-        let (rows, nb) = rows_blocks(n, w, xs, out);
+        let (rows, nb) = crate::simd::rows_blocks(n, 64, WB, XB, w, xs, out);
         rows_in_groups!(
             q2_0_rows_avx2_inner,
             q2_0_avx2_inner,
@@ -343,7 +303,7 @@ mod x86 {
     }
 
     pub(super) fn q2_0_rows_avx512(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) {
-        let (rows, nb) = rows_blocks(n, w, xs, out);
+        let (rows, nb) = crate::simd::rows_blocks(n, 64, WB, XB, w, xs, out);
         rows_in_groups!(
             q2_0_rows_avx512_inner,
             q2_0_avx512_inner,

@@ -4,11 +4,65 @@
 
 use crate::{DotFn, GgmlType};
 
+/// Runs a multi-row kernel over `$xs` in groups of at most 8 rows: a group of `R` rows goes to
+/// `$kernel::<R>(nb, w, [x; R]) -> [f32; R]`, a lone row to `$one(nb, w, x) -> f32` (raw
+/// pointers). The expansion is unsafe code: the caller must have checked the kernels' CPU
+/// features and that `$w` and every row hold `$nb` blocks ([`rows_blocks`]).
+#[allow(unused_macros)]
+macro_rules! rows_in_groups {
+    ($kernel:ident, $one:expr, $nb:expr, $w:expr, $xs:expr, $out:expr) => {
+        for (xc, oc) in $xs.chunks(8).zip($out.chunks_mut(8)) {
+            macro_rules! go {
+                ($r:literal) => {{
+                    let p: [*const u8; $r] = core::array::from_fn(|i| xc[i].as_ptr());
+                    // SAFETY: the caller of `rows_in_groups!` checked the CPU features and
+                    // that every slice holds `nb` blocks.
+                    oc.copy_from_slice(&unsafe { $kernel::<$r>($nb, $w.as_ptr(), p) });
+                }};
+            }
+            match xc.len() {
+                // SAFETY: as for `go!`.
+                1 => oc[0] = unsafe { $one($nb, $w.as_ptr(), xc[0].as_ptr()) },
+                2 => go!(2),
+                3 => go!(3),
+                4 => go!(4),
+                5 => go!(5),
+                6 => go!(6),
+                7 => go!(7),
+                _ => go!(8),
+            }
+        }
+    };
+}
+
+/// Rows a multi-row call may touch and the blocks of `qk` elements that the weight row (blocks
+/// of `wsize` bytes) and every activation row (`xsize`) hold: never more than the slices, so a
+/// caller that breaks the length contract gets short sums, not out-of-bounds reads.
+#[allow(dead_code)]
+pub(crate) fn rows_blocks(
+    n: usize,
+    qk: usize,
+    wsize: usize,
+    xsize: usize,
+    w: &[u8],
+    xs: &[&[u8]],
+    out: &[f32],
+) -> (usize, usize) {
+    let rows = xs.len().min(out.len());
+    let nb = xs[..rows]
+        .iter()
+        .fold((n / qk).min(w.len() / wsize), |nb, x| {
+            nb.min(x.len() / xsize)
+        });
+    (rows, nb)
+}
+
 pub mod fp_x86;
 pub mod iquants_x86;
 pub mod kquants_x86;
 pub mod legacy_x86;
 pub mod lowbit_x86;
+pub mod rows_iquants;
 
 /// Instruction-set levels a kernel can target.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -96,5 +150,7 @@ pub(crate) fn dot_rows(ty: GgmlType, isa: Isa) -> Option<crate::DotRowsFn> {
     if isa == Isa::Scalar {
         return None;
     }
-    legacy_x86::dot_rows(ty, isa).or_else(|| lowbit_x86::dot_rows(ty, isa))
+    legacy_x86::dot_rows(ty, isa)
+        .or_else(|| lowbit_x86::dot_rows(ty, isa))
+        .or_else(|| rows_iquants::dot_rows(ty, isa))
 }
