@@ -264,11 +264,9 @@ impl Sampler {
                 apply(s, &mut c, ctx);
             }
         }
-        if slop_on {
-            c.sort();
-            if c.items.first().is_none_or(|x| x.logit == f32::NEG_INFINITY) {
-                return Ok(Sampled::DeadEnd);
-            }
+        // Any token with mass stops the scan at once in the usual case.
+        if slop_on && !c.items.iter().any(|x| x.logit > f32::NEG_INFINITY) {
+            return Ok(Sampled::DeadEnd);
         }
         pick(&self.config.pick, &mut c, ctx).map(Sampled::Token)
     }

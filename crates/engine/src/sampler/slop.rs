@@ -439,21 +439,6 @@ impl CompiledSlop {
         self.max_rewinds
     }
 
-    /// Whether `text` (the whole generated text) contains a listed phrase, by the phrase
-    /// level's rules: the tests' oracle, written independently of the incremental matcher.
-    pub fn text_contains_phrase(&self, text: &[u8]) -> Option<usize> {
-        let t = text.to_ascii_lowercase();
-        for (i, p) in self.text.iter().enumerate() {
-            let n = p.bytes.len();
-            for s in 0..(t.len() + 1).saturating_sub(n) {
-                if t[s..s + n] == p.bytes[..] && (!p.word_start || s == 0 || !word_byte(t[s - 1])) {
-                    return Some(i);
-                }
-            }
-        }
-        None
-    }
-
     /// The state after `tok` follows `s` (the kernel's `advance`).
     pub fn advance(&self, s: &TokenState, tok: u32) -> TokenState {
         let c = self.class.get(tok as usize).copied().unwrap_or(0);
