@@ -233,9 +233,8 @@ impl SamplerConfig {
                 Stage::Temperature { t } if !t.is_finite() => {
                     return bad(format!("temperature {t}; expected a finite number"));
                 }
-                ref e if e.is_edit() => bound::validate_stage(e).map_err(|w| {
-                    EngineError::Input(format!("sampler stage {i}: {w}"))
-                })?,
+                ref e if e.is_edit() => bound::validate_stage(e)
+                    .map_err(|w| EngineError::Input(format!("sampler stage {i}: {w}")))?,
                 _ => {}
             }
         }
