@@ -12,8 +12,9 @@ use anyhow::{bail, Context, Result};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
+use strata_engine::generate::StopReason;
 use strata_engine::qwen4exp::{LoadOptions, Model, Want};
-use strata_engine::sampler::Stage;
+use strata_engine::sampler::guard::GuardStop;
 use strata_engine::spec::{self, DraftHook, DraftVocab, SpecConfig, SpecDecoder, SpecStats};
 use strata_engine::CpuBackend;
 use strata_gguf::GgufFile;
@@ -123,17 +124,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     let (model, tok) = load(&path, args.spec.mtp.as_deref(), args.model.threads, &opts)?;
     let load_time = t0.elapsed();
     let cfg = args.spec.config(&model)?;
-    let sampler = args.sample.build_for(&tok)?;
-    // Phrase-level slop rewinds the sequence after the fact, which the guarded plain loop
-    // does; the speculative loop emits every token it accepts.
-    if sampler
-        .config()
-        .stages
-        .iter()
-        .any(|st| matches!(st, Stage::Slop(c) if c.mode >= 2))
-    {
-        bail!("--slop-mode 2 (phrase rewinds) is not supported with speculative decoding; use --slop-mode 1 or drop --mtp/--spec");
-    }
+    // The guarded loop on the controller: penalties and slop (modes 1 and 2, with phrase
+    // rewinds and held-back streaming) on the verify rows and on the drafts.
+    let mut sampler = args.sample.build_for(&tok)?;
     let sampler_json = sampler.config().to_json();
     let prompt = tok
         .encode(&args.prompt, true, true)
@@ -151,23 +144,23 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         text.push_str(&dec_text.flush());
         out.write(&text);
     }
-    let mut dec = SpecDecoder::new(&model, cfg)?.with_picker(sampler);
+    let mut dec = SpecDecoder::new(&model, cfg)?;
     let mut tok_err = None;
-    let mut eog = None;
     let t1 = Instant::now();
-    let generated = spec::run(&mut dec, &prompt, args.n_predict, &mut |id| {
-        if tok.is_eog(id) {
-            eog = Some(id);
-            return false;
-        }
-        match dec_text.push(&tok, id) {
+    let generated = spec::guarded::generate(
+        &mut dec,
+        &prompt,
+        &mut sampler,
+        &|id| tok.is_eog(id),
+        args.n_predict,
+        &mut |id| match dec_text.push(&tok, id) {
             Ok(s) => out.write(&s),
             Err(e) => {
                 tok_err = Some(e);
                 false
             }
-        }
-    })?;
+        },
+    )?;
     let total = t1.elapsed();
     if let Some(e) = tok_err {
         return Err(e).context("detokenizing");
@@ -181,19 +174,24 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             "prompt: {} tokens in {:.3} s; decode: {} tokens in {:.3} s ({:.2} tokens/s); load {:.2} s, {} threads",
             prompt.len(),
             s.prefill_time.as_secs_f64(),
-            generated.len().saturating_sub(1),
+            generated.tokens.len().saturating_sub(1),
             decode.as_secs_f64(),
-            generated.len().saturating_sub(1) as f64 / decode.as_secs_f64().max(1e-9),
+            generated.tokens.len().saturating_sub(1) as f64 / decode.as_secs_f64().max(1e-9),
             load_time.as_secs_f64(),
             model.backend().threads()
         );
         eprintln!("{}", s.report());
         eprintln!(
-            "stop: {}; sampler {sampler_json}",
-            match eog {
-                Some(id) => format!("end of generation (token {id})"),
-                None => "token budget or output closed".to_string(),
-            }
+            "stop: {}; {} slop rewinds; sampler {sampler_json}",
+            match generated.stop {
+                GuardStop::Plain(StopReason::Eog(id)) => format!("end of generation (token {id})"),
+                GuardStop::Plain(StopReason::MaxTokens) => "token budget".to_string(),
+                GuardStop::Plain(r) => format!("{r:?}"),
+                GuardStop::RewindBudget =>
+                    "slop rewind budget spent (the reply ends before a listed phrase)".to_string(),
+                GuardStop::DeadEnd => "slop: every continuation was banned".to_string(),
+            },
+            generated.rewinds
         );
     }
     Ok(ExitCode::SUCCESS)

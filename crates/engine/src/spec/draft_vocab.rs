@@ -92,6 +92,12 @@ impl DraftVocab {
         self.inverse.get(id as usize).copied().unwrap_or(-1)
     }
 
+    /// The whole inverse map (full-vocabulary id → draft index or −1), the form
+    /// [`crate::sampler::Sampler::penalize_draft`] takes.
+    pub fn inverse_map(&self) -> &[i32] {
+        &self.inverse
+    }
+
     /// A draft vocabulary of the `size` most frequent ids in `counts` (ties to the lower id),
     /// always including `always` (e.g. end-of-generation tokens), written in ascending id order
     /// so that a pick's ties go to the lower token id as over the full vocabulary.

@@ -20,6 +20,7 @@
 //! tokens (`position()` equal), as if the sequence had been decoded one token at a time.
 
 pub mod draft_vocab;
+pub mod guarded;
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,7 @@ use crate::backend::{Backend, DeviceBuf};
 use crate::error::{EngineError, Result};
 use crate::qwen4exp::mtp::MtpState;
 use crate::qwen4exp::{Model, ReplayLog, State, Want};
+use crate::sampler::slop::SlopState;
 use crate::sampler::{SampleContext, Sampler};
 
 pub use draft_vocab::DraftVocab;
@@ -60,6 +62,18 @@ impl Default for SpecConfig {
 /// speculation cannot change the output (DESIGN.md §3, determinism 4).
 pub trait Picker: Send {
     fn pick(&mut self, logits: &[f32], position: usize, history: &[u32]) -> Result<u32>;
+
+    /// Edits the draft logits for the token at `position` after `history` (drafts included) the
+    /// way `pick` will edit the trunk's, so drafts follow the same penalties; `inverse` maps a
+    /// full-vocabulary id to its index in `draft_logits` (or −1). Default: no edits.
+    fn penalize_draft(
+        &self,
+        _draft_logits: &mut [f32],
+        _inverse: &[i32],
+        _position: usize,
+        _history: &[u32],
+    ) {
+    }
 }
 
 /// Greedy decoding: the largest logit, ties to the lower id.
@@ -84,6 +98,34 @@ impl Picker for Sampler {
             },
         )
     }
+
+    fn penalize_draft(
+        &self,
+        draft_logits: &mut [f32],
+        inverse: &[i32],
+        position: usize,
+        history: &[u32],
+    ) {
+        Sampler::penalize_draft(
+            self,
+            draft_logits,
+            inverse,
+            &SampleContext {
+                position: position as u64,
+                history,
+            },
+            None,
+        );
+    }
+}
+
+/// Who edits the draft logits in a draft chain.
+#[derive(Clone, Copy)]
+enum DraftPen<'a> {
+    /// The decoder's picker (its own state follows the history).
+    Picker,
+    /// A sampler with the sequence's explicit slop state (the guarded loop).
+    Sampler(&'a Sampler, Option<&'a SlopState>),
 }
 
 /// Index of the largest value, ties to the lower index; NaN is never chosen (index 0 when every
@@ -272,6 +314,10 @@ pub struct SpecDecoder<'m, B: Backend> {
     catchup: Option<Catchup<B>>,
     picker: Box<dyn Picker + 'm>,
     hook: Option<Box<dyn DraftHook + 'm>>,
+    /// Apply the sampler's edits to the drafts (off only to measure what they buy).
+    penalize: bool,
+    /// The identity map, for drafts over the full vocabulary.
+    full_inverse: Vec<i32>,
     stats: SpecStats,
 }
 
@@ -303,6 +349,14 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
         } else {
             None
         };
+        let full_inverse = if cfg.window > 1 && cfg.draft_vocab.is_none() {
+            let n = i32::try_from(model.config().n_vocab).map_err(|_| {
+                EngineError::Input("the vocabulary has more than 2^31 tokens".to_string())
+            })?;
+            (0..n).collect()
+        } else {
+            Vec::new()
+        };
         Ok(SpecDecoder {
             model,
             window: cfg.window,
@@ -315,6 +369,8 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
             catchup: None,
             picker: Box::new(Greedy),
             hook: None,
+            penalize: true,
+            full_inverse,
             stats: SpecStats::new(cfg.window),
         })
     }
@@ -328,6 +384,13 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
     /// Installs a hook over the drafts (tests, forced-acceptance benchmarks).
     pub fn with_draft_hook(mut self, hook: impl DraftHook + 'm) -> Self {
         self.hook = Some(Box::new(hook));
+        self
+    }
+
+    /// Turns the sampler's edits of the drafts off (on by default): for tests and benchmarks
+    /// that measure what they buy; the output does not change, only the acceptance.
+    pub fn with_draft_penalties(mut self, on: bool) -> Self {
+        self.penalize = on;
         self
     }
 
@@ -444,8 +507,10 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
         (tok, p)
     }
 
-    /// Up to `max` drafts for the positions after the pending token.
-    fn draft_chain(&mut self, max: usize) -> Result<Vec<u32>> {
+    /// Up to `max` drafts for the positions after the pending token; each draft's logits get
+    /// the sampler's edits for the history before it (the consumed tokens, the pending token and
+    /// the earlier drafts), so a draft never proposes what the sampler has removed.
+    fn draft_chain(&mut self, max: usize, pen: DraftPen<'_>) -> Result<Vec<u32>> {
         let Some(first) = self.next_draft.take() else {
             return Ok(Vec::new());
         };
@@ -454,10 +519,41 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
             return Ok(drafts);
         }
         let base = self.state.position() + 1;
+        let mut history = Vec::new();
+        if self.penalize {
+            history.reserve(base + max);
+            history.extend_from_slice(self.state.tokens());
+            history.extend(self.pending);
+        }
         let mut hidden = first.hidden;
         let mut logits = first.logits;
         loop {
             let j = drafts.len();
+            if self.penalize {
+                let inverse: &[i32] = match &self.vocab {
+                    Some(v) => v.inverse_map(),
+                    None => &self.full_inverse,
+                };
+                match pen {
+                    DraftPen::Picker => {
+                        self.picker
+                            .penalize_draft(&mut logits, inverse, base + j, &history)
+                    }
+                    DraftPen::Sampler(s, slop) => s.penalize_draft(
+                        &mut logits,
+                        inverse,
+                        &SampleContext {
+                            position: (base + j) as u64,
+                            history: &history,
+                        },
+                        slop,
+                    ),
+                }
+                // Everything removed: no draft can be right.
+                if !logits.iter().any(|&x| x > f32::NEG_INFINITY) {
+                    break;
+                }
+            }
             let (proposed, p) = self.pick_draft(&logits);
             if p < self.min_p {
                 break;
@@ -470,6 +566,9 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
                 None => proposed,
             };
             drafts.push(tok);
+            if self.penalize {
+                history.push(tok);
+            }
             if drafts.len() == max {
                 break;
             }
@@ -504,7 +603,7 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
         }
         self.run_catchup()?;
         let start = self.state.position();
-        let drafts = self.draft_chain((self.window - 1).min(max_emit - 1))?;
+        let drafts = self.draft_chain((self.window - 1).min(max_emit - 1), DraftPen::Picker)?;
 
         let mut window = Vec::with_capacity(1 + drafts.len());
         window.push(pending);
