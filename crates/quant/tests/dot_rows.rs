@@ -14,6 +14,11 @@ const ROWS_TYPES: &[GgmlType] = &[
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::IQ4_XS,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+    GgmlType::Q5_K,
+    GgmlType::Q3_K,
+    GgmlType::Q2_K,
 ];
 
 /// An activation row of `n` values for weight type `ty`: normal values times `scale`, quantized
@@ -221,13 +226,12 @@ fn bench_dot_rows() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(64);
-    let pick = std::env::var("STRATA_BENCH_TYPES").ok();
-    for &ty in ROWS_TYPES {
-        if let Some(p) = &pick {
-            if !p.split(',').any(|t| t == ty.name()) {
-                continue;
-            }
-        }
+    // Any types by name (also ones without a multi-row kernel yet, to time the fallback).
+    let types: Vec<GgmlType> = match std::env::var("STRATA_BENCH_TYPES") {
+        Ok(p) => p.split(',').filter_map(GgmlType::from_name).collect(),
+        Err(_) => ROWS_TYPES.to_vec(),
+    };
+    for ty in types {
         let rb = ty.row_bytes(n).expect("whole blocks");
         let wrows = (mib << 20) / rb;
         let w = random_blocks(ty, wrows * n / ty.block_size(), 11);
@@ -266,6 +270,11 @@ fn bench_dot_rows() {
             }
             if let Some(g) = dot_rows_fn(ty, isa) {
                 for rows in ROWS_BENCH {
+                    if let Ok(only) = std::env::var("STRATA_BENCH_ROWS") {
+                        if only.parse() != Ok(rows) {
+                            continue;
+                        }
+                    }
                     let mut out = [0f32; 8];
                     let t = time_per_run(BENCH_SECS, || {
                         for wr in w.chunks_exact(rb) {

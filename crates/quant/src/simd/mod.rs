@@ -63,6 +63,7 @@ pub mod kquants_x86;
 pub mod legacy_x86;
 pub mod lowbit_x86;
 pub mod rows_iquants;
+pub mod rows_kquants;
 
 /// Instruction-set levels a kernel can target.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -153,4 +154,5 @@ pub(crate) fn dot_rows(ty: GgmlType, isa: Isa) -> Option<crate::DotRowsFn> {
     legacy_x86::dot_rows(ty, isa)
         .or_else(|| lowbit_x86::dot_rows(ty, isa))
         .or_else(|| rows_iquants::dot_rows(ty, isa))
+        .or_else(|| rows_kquants::dot_rows(ty, isa))
 }
