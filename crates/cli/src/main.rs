@@ -17,7 +17,11 @@ mod spec_run;
 mod tokenize;
 
 #[derive(Parser)]
-#[command(name = "strata", version, about = "Inference engine for huge Mixture-of-Experts models in GGUF files")]
+#[command(
+    name = "strata",
+    version,
+    about = "Inference engine for huge Mixture-of-Experts models in GGUF files"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

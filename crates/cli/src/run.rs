@@ -63,13 +63,6 @@ pub struct SampleArgs {
     pub extra: crate::sampling_args::PenaltyArgs,
 }
 
-impl SampleArgs {
-    /// Without the vocabulary: refuses DRY breakers and slop (use `build_for`).
-    pub fn build(&self) -> Result<Sampler> {
-        Ok(Sampler::new(self.config()?)?)
-    }
-}
-
 pub(crate) fn clock_seed() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -8,8 +8,8 @@ pub mod generate;
 pub mod kernels;
 pub mod qwen2;
 pub mod qwen4exp;
-pub mod spec;
 pub mod sampler;
+pub mod spec;
 
 pub use backend::{Backend, DeviceBuf, DeviceWeight, KvType, QsaRule, Usage};
 pub use cpu::{CpuBackend, CpuBuf, CpuWeight, FloatActivations};

@@ -90,7 +90,15 @@ fn truncated_anywhere() {
         );
     }
     let m = refuse(b[..60].to_vec());
-    has(&m, &["offset 56", "'general.architecture' value: string length", "needs 8 bytes", "only 4"]);
+    has(
+        &m,
+        &[
+            "offset 56",
+            "'general.architecture' value: string length",
+            "needs 8 bytes",
+            "only 4",
+        ],
+    );
 }
 
 #[test]

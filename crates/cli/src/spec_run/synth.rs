@@ -143,7 +143,7 @@ impl Builder {
         let n: usize = dims.iter().product();
         let vals = self.pool.take(n, 1.0 / (row as f32).sqrt(), 0.0);
         let dims64: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
-        if row % 32 == 0 {
+        if row.is_multiple_of(32) {
             let rb = GgmlType::Q8_0.row_bytes(row).unwrap_or(0);
             let mut data = vec![0u8; n / row * rb];
             for (src, dst) in vals.chunks(row).zip(data.chunks_mut(rb)) {

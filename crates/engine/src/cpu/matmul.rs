@@ -31,7 +31,7 @@ pub(crate) fn prepare(wty: GgmlType, x: &[f32], k: usize, name: &str) -> Result<
             ),
         )
     })?;
-    if k == 0 || x.len() % k != 0 {
+    if k == 0 || !x.len().is_multiple_of(k) {
         return Err(EngineError::shape(
             "matmul",
             format!("{name}: {} activations are not rows of {k}", x.len()),
@@ -153,7 +153,7 @@ pub(crate) fn matmul_widened(
             format!("{name}: rows of {k} are not whole {wty} blocks"),
         )
     })?;
-    if k == 0 || x.len() % k != 0 || w.len() < m * w_row {
+    if k == 0 || !x.len().is_multiple_of(k) || w.len() < m * w_row {
         return Err(EngineError::shape(
             "matmul",
             format!(
@@ -270,7 +270,7 @@ pub(crate) fn matmul_rows(
 
 /// Activation rows kept in f32 (the widened path's operand), in [`Prepared`] form.
 pub(crate) fn prepare_f32(x: &[f32], k: usize, name: &str) -> Result<Prepared> {
-    if k == 0 || x.len() % k != 0 {
+    if k == 0 || !x.len().is_multiple_of(k) {
         return Err(EngineError::shape(
             "matmul",
             format!("{name}: {} activations are not rows of {k}", x.len()),

@@ -290,7 +290,7 @@ impl Backend for CpuBackend {
     }
 
     fn deinterleave(&self, x: &CpuBuf, chunk: usize, parts: usize) -> Result<Vec<CpuBuf>> {
-        if chunk == 0 || parts == 0 || x.cols % (chunk * parts) != 0 {
+        if chunk == 0 || parts == 0 || !x.cols.is_multiple_of(chunk * parts) {
             return Err(EngineError::shape(
                 "deinterleave",
                 format!("rows of {} into {parts} parts of {chunk}", x.cols),
@@ -398,7 +398,7 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuBuf, w: &CpuWeight, group: usize, eps: f32) -> Result<CpuBuf> {
         let wv = w.values()?;
-        if group == 0 || x.cols % group != 0 || (wv.len() != x.cols && wv.len() != group) {
+        if group == 0 || !x.cols.is_multiple_of(group) || (wv.len() != x.cols && wv.len() != group) {
             return Err(EngineError::shape(
                 "rms_norm",
                 format!(
@@ -428,9 +428,9 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         if positions.len() != x.rows
             || head_dim == 0
-            || x.cols % head_dim != 0
+            || !x.cols.is_multiple_of(head_dim)
             || rot > head_dim
-            || rot % 2 != 0
+            || !rot.is_multiple_of(2)
         {
             return Err(EngineError::shape(
                 "rope_neox",
@@ -458,7 +458,7 @@ impl Backend for CpuBackend {
         x: &CpuBuf,
     ) -> Result<(CpuBuf, Option<CpuBuf>)> {
         let s = hc.streams;
-        if s == 0 || x.cols % s != 0 {
+        if s == 0 || !x.cols.is_multiple_of(s) {
             return Err(EngineError::shape(
                 "hc_mix",
                 format!("rows of {} in {s} streams", x.cols),
@@ -691,7 +691,7 @@ impl Backend for CpuBackend {
         sel: QsaSelect,
     ) -> Result<CpuSelection> {
         let d = blocks.cols;
-        if d == 0 || qi.cols % d != 0 || positions.len() != qi.rows || sel.ratio == 0 {
+        if d == 0 || !qi.cols.is_multiple_of(d) || positions.len() != qi.rows || sel.ratio == 0 {
             return Err(EngineError::shape(
                 "qsa_select",
                 format!(
@@ -906,8 +906,7 @@ impl Backend for CpuBackend {
                     }
                     let g = self.matmul_slab(ex.gate, e, &xe)?;
                     let u = self.matmul_slab(ex.up, e, &xe)?;
-                    let act: Vec<f32> =
-                        g.iter().zip(&u).map(|(&a, &b)| ops::silu(a) * b).collect();
+                    let act: Vec<f32> = g.iter().zip(&u).map(|(&a, &b)| ops::silu(a) * b).collect();
                     Ok((e, self.matmul_slab(ex.down, e, &act)?))
                 })
                 .collect()
@@ -1071,9 +1070,9 @@ impl Backend for CpuBackend {
             return CpuBuf::new(q.rows, q.cols, out);
         }
         self.pool.install(|| {
-            out.par_chunks_mut(head_dim).enumerate().for_each_init(
-                Vec::new,
-                |scores, (i, o)| {
+            out.par_chunks_mut(head_dim)
+                .enumerate()
+                .for_each_init(Vec::new, |scores, (i, o)| {
                     let (row, h) = (i / n_head, i % n_head);
                     attn::causal_head(
                         &q.row(row)[h * head_dim..(h + 1) * head_dim],
@@ -1086,8 +1085,7 @@ impl Backend for CpuBackend {
                         scores,
                         o,
                     )
-                },
-            )
+                })
         });
         CpuBuf::new(q.rows, q.cols, out)
     }

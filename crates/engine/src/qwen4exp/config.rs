@@ -209,7 +209,7 @@ impl Config {
             head_v: m.positive("ssm.state_size")?,
             conv_kernel: m.positive("ssm.conv_kernel")?,
         };
-        if gdn.n_v_heads % gdn.n_k_heads != 0 {
+        if !gdn.n_v_heads.is_multiple_of(gdn.n_k_heads) {
             return Err(m.bad(
                 "ssm.time_step_rank",
                 format!(

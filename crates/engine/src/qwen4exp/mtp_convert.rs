@@ -153,7 +153,7 @@ impl HfConfig {
             ));
         }
         let rot = head_dim as f64 * partial;
-        if rot.fract() != 0.0 || (rot as usize) % 2 != 0 {
+        if rot.fract() != 0.0 || !(rot as usize).is_multiple_of(2) {
             return Err(cfg_err(
                 &path,
                 "partial_rotary_factor",
@@ -669,7 +669,7 @@ fn choose_type(pl: &Plan, ty: OutType) -> (GgmlType, Option<String>) {
         (_, OutType::Bf16) => (GgmlType::BF16, None),
         (Role::NoBlockQuant, OutType::Q8_0) => (GgmlType::BF16, None),
         (Role::Matrix, OutType::Q8_0) => {
-            if row % GgmlType::Q8_0.block_size() == 0 {
+            if row.is_multiple_of(GgmlType::Q8_0.block_size()) {
                 (GgmlType::Q8_0, None)
             } else {
                 (

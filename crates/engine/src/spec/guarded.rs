@@ -309,7 +309,7 @@ pub fn generate<B: Backend>(
         target.extend_from_slice(&j.gen);
         let len = target.len();
         let consumed = &target[..len - 1];
-        let in_window = len - 1 >= pos0
+        let in_window = len > pos0
             && len - 1 <= pos0 + n
             && dec.state.tokens().get(..len - 1) == Some(consumed);
         let keep = (len - 1).saturating_sub(pos0);
