@@ -19,6 +19,8 @@ const ROWS_TYPES: &[GgmlType] = &[
     GgmlType::Q5_K,
     GgmlType::Q3_K,
     GgmlType::Q2_K,
+    GgmlType::IQ3_S,
+    GgmlType::IQ3_XXS,
 ];
 
 /// An activation row of `n` values for weight type `ty`: normal values times `scale`, quantized

@@ -21,6 +21,10 @@ pub(crate) fn dot_rows(ty: GgmlType, isa: Isa) -> Option<DotRowsFn> {
         let f: DotRowsFn = match (ty, isa) {
             (GgmlType::IQ4_XS, Isa::Avx2) => x86::iq4_xs_rows_avx2,
             (GgmlType::IQ4_XS, Isa::Avx512) => x86::iq4_xs_rows_avx512,
+            (GgmlType::IQ3_S, Isa::Avx2) => x86::iq3_s_rows_avx2,
+            (GgmlType::IQ3_S, Isa::Avx512) => x86::iq3_s_rows_avx512,
+            (GgmlType::IQ3_XXS, Isa::Avx2) => x86::iq3_xxs_rows_avx2,
+            (GgmlType::IQ3_XXS, Isa::Avx512) => x86::iq3_xxs_rows_avx512,
             _ => return None,
         };
         Some(f)
@@ -39,7 +43,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use crate::dot::reduce8;
-    use crate::grids::KVALUES_IQ4NL;
+    use crate::grids::{IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
     use crate::iquants::{Q8K_BYTES, QK_K};
 
     /// IQ4_XS block: f16 d | u16 scales_h | u8 scales_l[4] | qs[128] (sub-block `ib`: byte
@@ -192,8 +196,9 @@ mod x86 {
     }
 
     /// A lone row goes to the single-row kernel of the same ISA (faster for one row, and by
-    /// contract the same bits).
+    /// contract the same bits), looked up once into `f`.
     unsafe fn single(
+        f: &std::sync::OnceLock<Option<crate::DotFn>>,
         ty: crate::GgmlType,
         isa: crate::Isa,
         nb: usize,
@@ -209,15 +214,21 @@ mod x86 {
             )
         };
         // `dot_fn` always has at least the scalar reference for these types.
-        crate::dot_fn(ty, isa).map_or(f32::NAN, |f| f(nb * QK_K, w, x))
+        let f = f.get_or_init(|| crate::dot_fn(ty, isa));
+        f.map_or(f32::NAN, |f| f(nb * QK_K, w, x))
     }
 
+    /// The cache of one `single` call site.
+    type One = std::sync::OnceLock<Option<crate::DotFn>>;
+
     unsafe fn one_avx2(nb: usize, w: *const u8, x: *const u8) -> f32 {
-        single(crate::GgmlType::IQ4_XS, crate::Isa::Avx2, nb, w, x)
+        static F: One = One::new();
+        single(&F, crate::GgmlType::IQ4_XS, crate::Isa::Avx2, nb, w, x)
     }
 
     unsafe fn one_avx512(nb: usize, w: *const u8, x: *const u8) -> f32 {
-        single(crate::GgmlType::IQ4_XS, crate::Isa::Avx512, nb, w, x)
+        static F: One = One::new();
+        single(&F, crate::GgmlType::IQ4_XS, crate::Isa::Avx512, nb, w, x)
     }
 
     pub(super) fn iq4_xs_rows_avx2(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) {
@@ -244,5 +255,200 @@ mod x86 {
             xs[..rows],
             out[..rows]
         );
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // IQ3_S and IQ3_XXS: grid magnitudes (unsigned), one sign bit per element, one scale per
+    // 32 elements. Per sub-block the 8 grid entries are looked up once for all rows; a row
+    // flips the signs of its codes (byte arithmetic, as the single-row kernels) and multiplies.
+
+    /// Grid types, as const-generic tags.
+    const IQ3S: u8 = 0;
+    const IQ3XXS: u8 = 1;
+
+    const fn grid_bytes(t: u8) -> usize {
+        if t == IQ3S {
+            110
+        } else {
+            98
+        }
+    }
+
+    fn grid_ty(t: u8) -> crate::GgmlType {
+        if t == IQ3S {
+            crate::GgmlType::IQ3_S
+        } else {
+            crate::GgmlType::IQ3_XXS
+        }
+    }
+
+    /// `post` of the reference (the scale unit of the type).
+    const fn grid_post(t: u8) -> f32 {
+        if t == IQ3S {
+            1.0
+        } else {
+            0.25
+        }
+    }
+
+    /// Sub-block `ib` of the block at `w`: its 32 grid magnitudes in element order, its 32 sign
+    /// bits (bit `j` for element `j`) and its scale `2s + 1`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn grid_sub<const T: u8>(w: *const u8, ib: usize) -> (__m256i, u32, i16) {
+        let byte = |o: usize| *w.add(o) as usize;
+        let u32_at = |o: usize| (w.add(o) as *const u32).read_unaligned();
+        if T == IQ3S {
+            let h = byte(66 + ib);
+            let g = |k: usize| IQ3S_GRID[byte(2 + 8 * ib + k) | ((h >> k) & 1) << 8] as i32;
+            let grid = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+            let s = (byte(106 + ib / 2) >> (4 * (ib % 2))) & 0xf;
+            (grid, u32_at(74 + 4 * ib), 2 * s as i16 + 1)
+        } else {
+            let g = |k: usize| IQ3XXS_GRID[byte(2 + 8 * ib + k)] as i32;
+            let grid = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+            let a = u32_at(66 + 4 * ib);
+            let sg = |l: usize| (KSIGNS_IQ2XS[((a >> (7 * l)) & 127) as usize] as u32) << (8 * l);
+            (
+                grid,
+                sg(0) | sg(1) | sg(2) | sg(3),
+                2 * (a >> 28) as i16 + 1,
+            )
+        }
+    }
+
+    /// 32 sign bits as bytes −1 (bit set) or +1, for `vpsignb`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn sign_bytes(bits: u32) -> __m256i {
+        // Byte j takes byte j/8 of `bits`; it is all ones when bit j%8 of that byte is set.
+        let rep = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_setr_epi64x(
+                0,
+                0x0101_0101_0101_0101,
+                0x0202_0202_0202_0202,
+                0x0303_0303_0303_0303,
+            ),
+        );
+        let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let neg = _mm256_cmpeq_epi8(_mm256_and_si256(rep, sel), sel);
+        _mm256_or_si256(neg, _mm256_set1_epi8(1))
+    }
+
+    /// AVX2: per sub-block the grid, signs and scale stay in registers while every row adds
+    /// `madd(maddubs(grid, ±q), ls)` to its i32 lanes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn grid_rows_avx2<const T: u8, const R: usize>(
+        nb: usize,
+        wp: *const u8,
+        xs: [*const u8; R],
+    ) -> [f32; R] {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let w = wp.add(grid_bytes(T) * b);
+            let dw = f16_at(w);
+            let mut l = [_mm256_setzero_si256(); R];
+            // An opaque trip count keeps the sub-blocks from being unrolled and hoisted.
+            for ib in 0..core::hint::black_box(8usize) {
+                let (grid, sbits, ls) = grid_sub::<T>(w, ib);
+                let sg = sign_bytes(sbits);
+                let sc = _mm256_set1_epi16(ls);
+                for r in 0..R {
+                    let q = _mm256_loadu_si256(xs[r].add(Q8K_BYTES * b + 4 + 32 * ib) as *const _);
+                    let p = _mm256_maddubs_epi16(grid, _mm256_sign_epi8(q, sg));
+                    l[r] = _mm256_add_epi32(l[r], _mm256_madd_epi16(p, sc));
+                }
+            }
+            for r in 0..R {
+                let d = dw * q8k_d(xs[r].add(Q8K_BYTES * b));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(l[r]), acc[r]);
+            }
+        }
+        finish(&acc, grid_post(T))
+    }
+
+    /// AVX-512: two sub-blocks per zmm; signs as a mask register, scales by `vpdpwssd`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn grid_rows_avx512<const T: u8, const R: usize>(
+        nb: usize,
+        wp: *const u8,
+        xs: [*const u8; R],
+    ) -> [f32; R] {
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let w = wp.add(grid_bytes(T) * b);
+            let dw = f16_at(w);
+            let mut grid = [zero; 4];
+            let mut neg = [0u64; 4];
+            let mut sc = [zero; 4];
+            for c in 0..4 {
+                let (g0, s0, l0) = grid_sub::<T>(w, 2 * c);
+                let (g1, s1, l1) = grid_sub::<T>(w, 2 * c + 1);
+                grid[c] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(g0), g1);
+                neg[c] = s0 as u64 | (s1 as u64) << 32;
+                sc[c] = _mm512_inserti64x4::<1>(_mm512_set1_epi16(l0), _mm256_set1_epi16(l1));
+            }
+            for r in 0..R {
+                let x = xs[r].add(Q8K_BYTES * b);
+                let mut l = zero;
+                for c in 0..4 {
+                    let q = _mm512_loadu_si512(x.add(4 + 64 * c) as *const _);
+                    let q = _mm512_mask_sub_epi8(q, neg[c], zero, q);
+                    l = _mm512_dpwssd_epi32(l, _mm512_maddubs_epi16(grid[c], q), sc[c]);
+                }
+                let l =
+                    _mm256_add_epi32(_mm512_castsi512_si256(l), _mm512_extracti64x4_epi64(l, 1));
+                let d = dw * q8k_d(x);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(l), acc[r]);
+            }
+        }
+        finish(&acc, grid_post(T))
+    }
+
+    macro_rules! grid_entries {
+        ($($t:ident: $avx2:ident, $avx512:ident;)*) => {$(
+            pub(super) fn $avx2(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) {
+                let (rows, nb) =
+                    crate::simd::rows_blocks(n, QK_K, grid_bytes($t), Q8K_BYTES, w, xs, out);
+                unsafe fn one(nb: usize, w: *const u8, x: *const u8) -> f32 {
+                    static F: One = One::new();
+                    single(&F, grid_ty($t), crate::Isa::Avx2, nb, w, x)
+                }
+                unsafe fn kernel<const R: usize>(
+                    nb: usize,
+                    w: *const u8,
+                    xs: [*const u8; R],
+                ) -> [f32; R] {
+                    grid_rows_avx2::<$t, R>(nb, w, xs)
+                }
+                // Handed out only after `simd::supported(Avx2)`; `rows_blocks` bounds `nb`.
+                rows_in_groups!(kernel, one, nb, w, xs[..rows], out[..rows]);
+            }
+
+            pub(super) fn $avx512(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) {
+                let (rows, nb) =
+                    crate::simd::rows_blocks(n, QK_K, grid_bytes($t), Q8K_BYTES, w, xs, out);
+                unsafe fn one(nb: usize, w: *const u8, x: *const u8) -> f32 {
+                    static F: One = One::new();
+                    single(&F, grid_ty($t), crate::Isa::Avx512, nb, w, x)
+                }
+                unsafe fn kernel<const R: usize>(
+                    nb: usize,
+                    w: *const u8,
+                    xs: [*const u8; R],
+                ) -> [f32; R] {
+                    grid_rows_avx512::<$t, R>(nb, w, xs)
+                }
+                // Handed out only after `simd::supported(Avx512)`; `rows_blocks` bounds `nb`.
+                rows_in_groups!(kernel, one, nb, w, xs[..rows], out[..rows]);
+            }
+        )*};
+    }
+
+    grid_entries! {
+        IQ3S: iq3_s_rows_avx2, iq3_s_rows_avx512;
+        IQ3XXS: iq3_xxs_rows_avx2, iq3_xxs_rows_avx512;
     }
 }
