@@ -100,11 +100,15 @@ struct Plain {
 }
 
 fn plain(m: &M, tok: &Tokenizer, cfg: &SamplerConfig) -> Plain {
+    plain_on(m, tok, cfg, &prompt())
+}
+
+fn plain_on(m: &M, tok: &Tokenizer, cfg: &SamplerConfig, prompt: &[u32]) -> Plain {
     let mut sampler = Sampler::with_vocab(cfg.clone(), tok).unwrap();
     let mut streamed = Vec::new();
     let g = guard::generate(
         &mut Qwen4expSession::new(m).unwrap(),
-        &prompt(),
+        prompt,
         &mut sampler,
         &|t| tok.is_eog(t),
         &GenOptions {
@@ -156,6 +160,18 @@ fn spec(
     truth: Option<Vec<u32>>,
     penalize: bool,
 ) -> Spec {
+    spec_on(m, tok, cfg, &prompt(), window, truth, penalize)
+}
+
+fn spec_on(
+    m: &M,
+    tok: &Tokenizer,
+    cfg: &SamplerConfig,
+    prompt: &[u32],
+    window: usize,
+    truth: Option<Vec<u32>>,
+    penalize: bool,
+) -> Spec {
     let mut sampler = Sampler::with_vocab(cfg.clone(), tok).unwrap();
     let proposed = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut dec = SpecDecoder::new(
@@ -174,7 +190,7 @@ fn spec(
     let mut streamed = Vec::new();
     let g = guarded::generate(
         &mut dec,
-        &prompt(),
+        prompt,
         &mut sampler,
         &|t| tok.is_eog(t),
         NEW,
@@ -389,4 +405,178 @@ fn penalized_drafts_never_propose_banned_tokens() {
         eprintln!("mode {mode}: acceptance {a_on:.3} with penalized drafts, {a_off:.3} without");
         assert!(a_on >= a_off, "mode {mode}: {a_on} < {a_off}");
     }
+}
+
+/// Word bytes as the phrase matcher reads them (`sampler::slop`): a phrase starting with one
+/// matches only after a byte that is not one.
+fn word_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b >= 0x80
+}
+
+/// A phrase that makes the plain mode-2 loop rewind at generated index `at`.
+struct Rewinding {
+    phrase: String,
+    penalty: f32,
+    at: usize,
+}
+
+/// Phrases that the free mode-2 output `pre` (no list) contains through a tokenization the
+/// token level does not know: text starting inside (or at) token `g` and ending with token
+/// `g + len - 1`, at a place where the text matcher can see it. Each is kept only when the
+/// plain loop with that phrase listed follows `pre` up to `g` and then rewinds there (token
+/// `g` banned and sampled again), so the rewind is the one the speculative loop must mirror.
+/// Alternates infinite and finite penalties (the text level rewinds on either).
+fn rewinding_phrases(
+    m: &M,
+    tok: &Tokenizer,
+    pick: &Pick,
+    prompt: &[u32],
+    pre: &[u32],
+    want: usize,
+) -> Vec<Rewinding> {
+    let lower: Vec<Vec<u8>> = pre
+        .iter()
+        .map(|&t| tok.piece(t).to_ascii_lowercase())
+        .collect();
+    let mut found: Vec<Rewinding> = Vec::new();
+    let mut g = 1;
+    'outer: while g + 1 < pre.len() && found.len() < want {
+        for len in [2usize, 3] {
+            if g + len > pre.len() {
+                continue;
+            }
+            let a = tok.piece(pre[g]);
+            let rest: Vec<u8> = pre[g + 1..g + len]
+                .iter()
+                .flat_map(|&t| tok.piece(t))
+                .collect();
+            // Ends inside the last token too (the match completes at that byte).
+            let last = tok.piece(pre[g + len - 1]).len();
+            let ends = (rest.len() + 1 - last.min(rest.len())..=rest.len()).rev();
+            for (cut, end) in (0..a.len()).flat_map(|c| ends.clone().map(move |e| (c, e))) {
+                let mut bytes = a[cut..].to_vec();
+                bytes.extend_from_slice(&rest[..end]);
+                let Ok(ph) = String::from_utf8(bytes) else {
+                    continue;
+                };
+                if ph.len() < 2 || ph.trim() != ph || ph.chars().any(|c| c.is_control()) {
+                    continue;
+                }
+                // The matcher's word-start rule, on the lower-cased text before the phrase.
+                let before = if cut > 0 {
+                    lower[g].get(cut - 1).copied()
+                } else {
+                    lower[..g].iter().rev().find_map(|p| p.last().copied())
+                };
+                let first = ph.as_bytes()[0].to_ascii_lowercase();
+                if word_byte(first) && before.is_some_and(word_byte) {
+                    continue;
+                }
+                let penalty = if found.len() % 2 == 0 {
+                    f32::INFINITY
+                } else {
+                    4.0
+                };
+                let cfg = config(2, pick, &[(ph.clone(), penalty)]);
+                let with = plain_on(m, tok, &cfg, prompt);
+                if with.rewinds > 0
+                    && with.tokens.get(..g) == pre.get(..g)
+                    && with.tokens.get(g) != pre.get(g)
+                {
+                    found.push(Rewinding {
+                        phrase: ph,
+                        penalty,
+                        at: g,
+                    });
+                    g += len;
+                    continue 'outer;
+                }
+            }
+        }
+        g += 1;
+    }
+    found
+}
+
+/// Mode-2 rewinds in the real speculative controller: phrases the output only reaches
+/// through a tokenization the token level cannot pre-empt, so the phrase level completes a
+/// match and rewinds. With drafts forced to the pre-rewind path (the phrase inside the
+/// windows), to the final path, and the head's own, and windows 2, 4 and 8, the rewinds land
+/// inside a window, at a window's start and further back (a rebuild); every run must equal
+/// the plain guarded loop (tokens, stop, rewind count) and each roll-back path must run.
+#[test]
+fn mode_2_rewinds_take_every_rollback_path() {
+    let m = model();
+    let tok = tokenizer();
+    let golden = Golden::open(tiny_dir().join("golden.safetensors")).ids("input_ids");
+    let prompts = [golden[..30].to_vec(), golden[3..19].to_vec()];
+    let (mut rewinds, mut in_window, mut at_start, mut rebuilt) = (0u64, 0u64, 0u64, 0u64);
+    let mut phrases_used = 0;
+    for pick in picks() {
+        for (pi, prompt) in prompts.iter().enumerate() {
+            let pre = plain_on(&m, &tok, &config(2, &pick, &[]), prompt);
+            assert_eq!(pre.rewinds, 0);
+            let found = rewinding_phrases(&m, &tok, &pick, prompt, &pre.tokens, 3);
+            eprintln!(
+                "{pick:?} prompt {pi}: {} phrases, {:?}",
+                found.len(),
+                text(&tok, &pre.tokens)
+            );
+            for r in &found {
+                phrases_used += 1;
+                let cfg = config(2, &pick, &[(r.phrase.clone(), r.penalty)]);
+                let want = plain_on(&m, &tok, &cfg, prompt);
+                let what = format!(
+                    "{pick:?} prompt {pi} phrase {:?} ({}) at {}",
+                    r.phrase, r.penalty, r.at
+                );
+                assert!(want.rewinds > 0, "{what}");
+                let lower = text(&tok, &want.tokens).to_ascii_lowercase();
+                if r.penalty.is_infinite() {
+                    assert!(!lower.contains(&r.phrase.to_ascii_lowercase()), "{what}");
+                }
+                let path = |t: &[u32]| {
+                    let mut v = prompt.clone();
+                    v.extend_from_slice(t);
+                    v
+                };
+                let truths = [
+                    ("pre-rewind", Some(path(&pre.tokens))),
+                    ("final", Some(path(&want.tokens))),
+                    ("head", None),
+                ];
+                for window in [2usize, 4, 8] {
+                    for (name, truth) in &truths {
+                        let got = spec_on(&m, &tok, &cfg, prompt, window, truth.clone(), true);
+                        let label = format!("{what} window {window} drafts {name}");
+                        assert_eq!(got.g.tokens, want.tokens, "{label}");
+                        assert_eq!(got.g.stop, want.stop, "{label}");
+                        assert_eq!(got.g.rewinds, want.rewinds, "{label}");
+                        let s = &got.stats;
+                        // Every rewind was rolled back by exactly one path (two rewinds in
+                        // one pass count once).
+                        let paths = s.rewinds_in_window + s.rewinds_at_start + s.rewinds_rebuilt;
+                        assert!(
+                            paths >= 1 && paths <= u64::from(got.g.rewinds),
+                            "{label}: {paths} roll-backs for {} rewinds",
+                            got.g.rewinds
+                        );
+                        rewinds += u64::from(got.g.rewinds);
+                        in_window += s.rewinds_in_window;
+                        at_start += s.rewinds_at_start;
+                        rebuilt += s.rewinds_rebuilt;
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{phrases_used} rewinding phrases; speculative rewinds {rewinds}: rolled back in window \
+         {in_window}, at window start {at_start}, rebuilt {rebuilt}"
+    );
+    assert!(phrases_used >= 4, "too few rewinding phrases found");
+    assert!(rewinds > 0);
+    assert!(in_window > 0, "no rewind rolled back inside a window");
+    assert!(at_start > 0, "no rewind rolled back to a window start");
+    assert!(rebuilt > 0, "no rewind rebuilt the states");
 }

@@ -268,6 +268,7 @@ pub fn generate<B: Backend>(
         let mut end = None;
         let mut accepted = 0;
         let mut kept = 0u64;
+        let rewinds0 = j.rewinds;
         for i in 0..n {
             let row = logits
                 .get(i * v..(i + 1) * v)
@@ -313,8 +314,10 @@ pub fn generate<B: Backend>(
             && len - 1 <= pos0 + n
             && dec.state.tokens().get(..len - 1) == Some(consumed);
         let keep = (len - 1).saturating_sub(pos0);
+        let rewound = j.rewinds > rewinds0;
         match (in_window, keep, cp) {
             (true, 1.., cp) => {
+                dec.stats.rewinds_in_window += u64::from(rewound);
                 if let Some(cp) = cp {
                     if n > 1 {
                         model.rollback_window(&mut dec.state, &cp, log, keep)?;
@@ -330,6 +333,7 @@ pub fn generate<B: Backend>(
                 }
             }
             (true, 0, Some(cp)) if dec.mtp.is_none() || saved.is_some() => {
+                dec.stats.rewinds_at_start += u64::from(rewound);
                 model.restore(&mut dec.state, &cp)?;
                 if let Some(mtp) = dec.mtp.as_mut() {
                     model.mtp_truncate(mtp, pos0)?;
@@ -337,7 +341,10 @@ pub fn generate<B: Backend>(
                 dec.catchup = None;
                 dec.next_draft = saved;
             }
-            _ => replay(dec, &target)?,
+            _ => {
+                dec.stats.rewinds_rebuilt += u64::from(rewound);
+                replay(dec, &target)?
+            }
         }
         dec.pending = target.last().copied();
         dec.stats.rollback_time += t1.elapsed();

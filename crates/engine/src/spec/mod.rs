@@ -181,6 +181,12 @@ pub struct SpecStats {
     pub draft_time: Duration,
     pub catchup_time: Duration,
     pub rollback_time: Duration,
+    /// Guarded loop (`guarded::generate`): verify passes that rewound, by how the trunk and
+    /// the head were rolled back to the phrase's first token: inside the window, to the
+    /// window's start (checkpoint and saved first draft), or rebuilt by a replay.
+    pub rewinds_in_window: u64,
+    pub rewinds_at_start: u64,
+    pub rewinds_rebuilt: u64,
 }
 
 impl SpecStats {
