@@ -1,6 +1,7 @@
 //! Speculative decoding under the sampler chain with slop penalties, on the tiny qwen4exp
 //! fixture and its MTP head: for slop modes 1 and 2 (phrases taken from the model's own
-//! output, so bans and phrase rewinds really happen), greedy and seeded, windows 2, 4 and 8,
+//! output, so bans and phrase rewinds really happen; the rewinds, and each roll-back path of
+//! the controller, are required by `mode_2_rewinds_take_every_rollback_path`), greedy and seeded, windows 2, 4 and 8,
 //! with the head's drafts and with drafts forced to the final tokens, the guarded speculative
 //! loop emits exactly the plain guarded loop's tokens (the oracle: `sampler::guard::generate`
 //! on a one-token-at-a-time session). Penalized drafts never propose a token the sampler bans;
@@ -271,8 +272,8 @@ fn phrases(m: &M, tok: &Tokenizer, pick: &Pick) -> Vec<(String, f32)> {
             }
         }
     }
-    // Known gap: on the tiny fixture's byte-level gibberish no candidate has made mode 2
-    // rewind yet; the run then covers the token level of both modes only.
+    // On the tiny fixture this search seldom finds one (the mode-1 text it searches is not
+    // the mode-2 path); `mode_2_rewinds_take_every_rollback_path` covers the rewinds.
     eprintln!("no phrase makes mode 2 rewind: {:?}", text(tok, ids));
     out
 }
@@ -472,7 +473,7 @@ fn rewinding_phrases(
                 if word_byte(first) && before.is_some_and(word_byte) {
                     continue;
                 }
-                let penalty = if found.len() % 2 == 0 {
+                let penalty = if found.len().is_multiple_of(2) {
                     f32::INFINITY
                 } else {
                     4.0
@@ -509,10 +510,16 @@ fn mode_2_rewinds_take_every_rollback_path() {
     let m = model();
     let tok = tokenizer();
     let golden = Golden::open(tiny_dir().join("golden.safetensors")).ids("input_ids");
-    let prompts = [golden[..30].to_vec(), golden[3..19].to_vec()];
+    let prompts = [
+        golden[..30].to_vec(),
+        golden[3..19].to_vec(),
+        golden[..9].to_vec(),
+        golden[12..].to_vec(),
+    ];
     let (mut rewinds, mut in_window, mut at_start, mut rebuilt) = (0u64, 0u64, 0u64, 0u64);
     let mut phrases_used = 0;
     for pick in picks() {
+        let mut of_pick = 0;
         for (pi, prompt) in prompts.iter().enumerate() {
             let pre = plain_on(&m, &tok, &config(2, &pick, &[]), prompt);
             assert_eq!(pre.rewinds, 0);
@@ -524,6 +531,7 @@ fn mode_2_rewinds_take_every_rollback_path() {
             );
             for r in &found {
                 phrases_used += 1;
+                of_pick += 1;
                 let cfg = config(2, &pick, &[(r.phrase.clone(), r.penalty)]);
                 let want = plain_on(&m, &tok, &cfg, prompt);
                 let what = format!(
@@ -569,6 +577,7 @@ fn mode_2_rewinds_take_every_rollback_path() {
                 }
             }
         }
+        assert!(of_pick > 0, "{pick:?}: no phrase makes mode 2 rewind");
     }
     eprintln!(
         "{phrases_used} rewinding phrases; speculative rewinds {rewinds}: rolled back in window \
