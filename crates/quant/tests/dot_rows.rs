@@ -21,7 +21,20 @@ const ROWS_TYPES: &[GgmlType] = &[
     GgmlType::Q2_K,
     GgmlType::IQ3_S,
     GgmlType::IQ3_XXS,
+    GgmlType::BF16,
+    GgmlType::F16,
+    GgmlType::F32,
 ];
+
+/// Blocks per test row: the float types have one element per block, so they get rows long
+/// enough to cross their kernels' 64-lane steps and 1024-element chunks.
+fn test_blocks(ty: GgmlType, nb: usize) -> usize {
+    if ty.block_size() == 1 {
+        97 * nb + nb % 64
+    } else {
+        nb
+    }
+}
 
 /// An activation row of `n` values for weight type `ty`: normal values times `scale`, quantized
 /// to `ty`'s activation type as a matmul would.
@@ -89,6 +102,7 @@ proptest! {
     #[test]
     fn rows_equal_single_row_dots(nb in 1usize..=11, seed in any::<u64>(), exps in scales()) {
         for &ty in ROWS_TYPES {
+            let nb = test_blocks(ty, nb);
             let w = random_blocks(ty, nb, seed);
             let n = nb * ty.block_size();
             let xs: Vec<Vec<u8>> = exps
@@ -108,6 +122,7 @@ proptest! {
         rows in 1usize..=17,
     ) {
         for &ty in ROWS_TYPES {
+            let nb = test_blocks(ty, nb);
             let mut w = vec![0u8; nb * ty.type_size()];
             SplitMix64(seed).fill_bytes(&mut w);
             let n = nb * ty.block_size();
@@ -138,7 +153,7 @@ fn long_rows_and_group_edges() {
 }
 
 /// Every type above has its own multi-row kernel on each SIMD ISA this CPU runs (not the
-/// per-row fallback), and the best ISA has one.
+/// per-row fallback; the float types on AVX-512 only), and the best ISA has one.
 #[test]
 fn multi_row_kernels_exist() {
     for &ty in ROWS_TYPES {
@@ -147,13 +162,21 @@ fn multi_row_kernels_exist() {
                 eprintln!("{}: not supported by this CPU, not checked", isa.name());
                 continue;
             }
+            // The float types have no AVX2 kernel: the per-row fallback is faster there.
+            if isa == Isa::Avx2 && ty.block_size() == 1 {
+                assert!(
+                    dot_rows_fn(ty, isa).is_none(),
+                    "{ty}: unexpected AVX2 kernel"
+                );
+                continue;
+            }
             assert!(
                 dot_rows_fn(ty, isa).is_some(),
                 "{ty}: no {} multi-row kernel",
                 isa.name()
             );
         }
-        if simd::best() != Isa::Scalar {
+        if simd::best() == Isa::Avx512 || (simd::best() == Isa::Avx2 && ty.block_size() > 1) {
             assert!(
                 dot_rows_fn(ty, simd::best()).is_some(),
                 "{ty}: none on the best ISA"

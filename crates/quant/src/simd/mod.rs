@@ -62,6 +62,7 @@ pub mod iquants_x86;
 pub mod kquants_x86;
 pub mod legacy_x86;
 pub mod lowbit_x86;
+pub mod rows_fp;
 pub mod rows_iquants;
 pub mod rows_kquants;
 
@@ -155,4 +156,5 @@ pub(crate) fn dot_rows(ty: GgmlType, isa: Isa) -> Option<crate::DotRowsFn> {
         .or_else(|| lowbit_x86::dot_rows(ty, isa))
         .or_else(|| rows_iquants::dot_rows(ty, isa))
         .or_else(|| rows_kquants::dot_rows(ty, isa))
+        .or_else(|| rows_fp::dot_rows(ty, isa))
 }
