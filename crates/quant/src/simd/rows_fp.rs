@@ -145,9 +145,7 @@ mod x86 {
     ) {
         let rows = GROUP.min(R - g0);
         let mut a = [[_mm512_setzero_ps(); 4]; GROUP];
-        for j in 0..rows {
-            a[j] = acc[g0 + j];
-        }
+        a[..rows].copy_from_slice(&acc[g0..g0 + rows]);
         let mut e = c0;
         while e < end {
             let wv: [__m512; 4] = core::array::from_fn(|k| ld16::<T>(w, e + 16 * k));
@@ -161,9 +159,7 @@ mod x86 {
             }
             e += FP_LANES;
         }
-        for j in 0..rows {
-            acc[g0 + j] = a[j];
-        }
+        acc[g0..g0 + rows].copy_from_slice(&a[..rows]);
     }
 
     macro_rules! entries {
