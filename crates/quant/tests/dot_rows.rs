@@ -95,7 +95,7 @@ fn scales() -> impl Strategy<Value = Vec<i32>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
     /// Valid random blocks (`synth::random_blocks`), 1..=19 activation rows of random
     /// magnitudes: every multi-row result equals the single-row one, per type and ISA.

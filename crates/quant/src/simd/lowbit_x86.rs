@@ -513,6 +513,10 @@ mod x86 {
         let mut b = 0;
         while b + 4 <= nb {
             let w = wp.add(WB * b);
+            // A hint for the weights 16 blocks ahead (it may point past the row: prefetches
+            // never fault, and the address is formed with wrapping arithmetic).
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(16 * WB) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(16 * WB + 64) as *const i8);
             let mut c = [zero; 4];
             let mut corr = [zero; 4];
             for j in 0..4 {

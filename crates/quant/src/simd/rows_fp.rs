@@ -55,6 +55,9 @@ mod x86 {
         }
     }
 
+    /// Elements ahead of the first group that it asks the memory system for.
+    const PREFETCH: usize = 1024;
+
     /// Elements per chunk (2-4 KiB of weights).
     const CHUNK: usize = 1024;
 
@@ -148,6 +151,15 @@ mod x86 {
         a[..rows].copy_from_slice(&acc[g0..g0 + rows]);
         let mut e = c0;
         while e < end {
+            if g0 == 0 {
+                // The first group streams the chunk from memory: ask a few KiB ahead (a hint
+                // past the row never faults; the address is formed with wrapping arithmetic).
+                let ahead = w.wrapping_add(size(T) * (e + PREFETCH));
+                // One 64-element step is `size(T)` cache lines.
+                for l in 0..size(T) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
+                }
+            }
             let wv: [__m512; 4] = core::array::from_fn(|k| ld16::<T>(w, e + 16 * k));
             for j in 0..GROUP {
                 if j < rows {
