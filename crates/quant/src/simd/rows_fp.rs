@@ -55,6 +55,14 @@ mod x86 {
         }
     }
 
+    fn ty(t: u8) -> crate::GgmlType {
+        match t {
+            F32 => crate::GgmlType::F32,
+            F16 => crate::GgmlType::F16,
+            _ => crate::GgmlType::BF16,
+        }
+    }
+
     /// Elements ahead of the first group that it asks the memory system for.
     const PREFETCH: usize = 1024;
 
@@ -179,8 +187,19 @@ mod x86 {
             pub(super) fn $avx512(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) {
                 // Elements, not blocks: every row holds `n` of them.
                 let (rows, n) = crate::simd::rows_blocks(n, 1, size($t), size($t), w, xs, out);
+                // A lone row goes to the single-row kernel (faster alone, the same bits).
                 unsafe fn one(n: usize, w: *const u8, x: *const u8) -> f32 {
-                    rows_avx512::<$t, 1>(n, w, [x])[0]
+                    static F: std::sync::OnceLock<Option<crate::DotFn>> =
+                        std::sync::OnceLock::new();
+                    let f = F.get_or_init(|| crate::dot_fn(ty($t), crate::Isa::Avx512));
+                    // SAFETY: the caller's `rows_blocks` proved both rows hold `n` elements.
+                    let (w, x) = unsafe {
+                        (
+                            std::slice::from_raw_parts(w, size($t) * n),
+                            std::slice::from_raw_parts(x, size($t) * n),
+                        )
+                    };
+                    f.map_or(f32::NAN, |f| f(n, w, x))
                 }
                 unsafe fn kernel<const R: usize>(
                     n: usize,
