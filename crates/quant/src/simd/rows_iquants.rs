@@ -93,6 +93,17 @@ mod x86 {
         out
     }
 
+    /// `acc + d·l` fused, on an accumulator kept in memory: it is touched once per block, and
+    /// held in a register across the sub-block loop it made LLVM spill hot values instead (the
+    /// AVX2 kernels have 16 registers). Volatile, so LLVM keeps it there.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn fma_acc(acc: &mut __m256, d: f32, l: __m256i) {
+        let p = acc as *mut __m256;
+        let a = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(l), p.read_volatile());
+        p.write_volatile(a);
+    }
+
     /// The 8 sub-block scales `ls − 32` of the IQ4_XS block at `w`.
     #[inline(always)]
     unsafe fn iq4_xs_ls(w: *const u8) -> [i16; 8] {
@@ -151,7 +162,7 @@ mod x86 {
             }
             for r in 0..R {
                 let d = dw * q8k_d(xs[r].add(Q8K_BYTES * b));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(l[r]), acc[r]);
+                fma_acc(&mut acc[r], d, l[r]);
             }
         }
         finish(&acc, 1.0)
@@ -381,7 +392,7 @@ mod x86 {
             }
             for r in 0..R {
                 let d = dw * q8k_d(xs[r].add(Q8K_BYTES * b));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(l[r]), acc[r]);
+                fma_acc(&mut acc[r], d, l[r]);
             }
         }
         finish(&acc, grid_post(T))
