@@ -3,7 +3,7 @@
 //! wrappers that are only handed out after `supported(isa)` said yes. Multi-row kernels (one
 //! pass over a weight row for up to 8 activation rows, bitwise equal per row to `dot`'s) live
 //! in `legacy_x86`, `lowbit_x86` and `rows_{iquants,kquants,fp}.rs`, handed out by
-//! [`dot_rows`]; `tests/dot_rows.rs` holds them to the single-row kernels and benches them.
+//! `dot_rows`; `tests/dot_rows.rs` holds them to the single-row kernels and benches them.
 
 use crate::{DotFn, GgmlType};
 
