@@ -30,8 +30,13 @@ fn every_weight_type_dequantizes_and_dots() {
 
 #[test]
 fn quantizers_exist() {
-    for name in ["Q8_0", "Q8_1", "Q8_K", "F16", "BF16", "Q4_0", "Q4_K", "Q6_K", "Q2_0"] {
-        assert!(format_fns(ty(name)).quantize.is_some(), "{name}: no quantizer");
+    for name in [
+        "Q8_0", "Q8_1", "Q8_K", "F16", "BF16", "Q4_0", "Q4_K", "Q6_K", "Q2_0",
+    ] {
+        assert!(
+            format_fns(ty(name)).quantize.is_some(),
+            "{name}: no quantizer"
+        );
     }
 }
 
@@ -39,11 +44,18 @@ fn quantizers_exist() {
 fn release_types_have_simd_kernels() {
     for isa in [Isa::Avx2, Isa::Avx512] {
         if !simd::supported(isa) {
-            eprintln!("{}: not supported by this CPU, coverage not checked", isa.name());
+            eprintln!(
+                "{}: not supported by this CPU, coverage not checked",
+                isa.name()
+            );
             continue;
         }
         for name in RELEASE_TYPES {
-            assert!(has_simd_dot(ty(name), isa), "{name}: no {} kernel", isa.name());
+            assert!(
+                has_simd_dot(ty(name), isa),
+                "{name}: no {} kernel",
+                isa.name()
+            );
         }
     }
 }

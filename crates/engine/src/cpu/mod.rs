@@ -398,7 +398,8 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuBuf, w: &CpuWeight, group: usize, eps: f32) -> Result<CpuBuf> {
         let wv = w.values()?;
-        if group == 0 || !x.cols.is_multiple_of(group) || (wv.len() != x.cols && wv.len() != group) {
+        if group == 0 || !x.cols.is_multiple_of(group) || (wv.len() != x.cols && wv.len() != group)
+        {
             return Err(EngineError::shape(
                 "rms_norm",
                 format!(
