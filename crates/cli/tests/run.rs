@@ -3,58 +3,21 @@
 //! when the model is not cached), and the qwen4exp path on the tiny fixture against
 //! transformers' golden logits.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 
 use safetensors::{Dtype, SafeTensors};
 
-const MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+mod common;
+use common::{default_model, MODEL_FILE};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
 }
 
-/// Where `strata fetch` caches the default model, or `STRATA_DEFAULT_MODEL`; None (with a
-/// message) when it is not there.
-fn default_model() -> Option<PathBuf> {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    let path = env("STRATA_DEFAULT_MODEL").or_else(|| {
-        env("STRATA_CACHE")
-            .map(|d| d.join("models"))
-            .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("strata/models")))
-            .or_else(|| env("HOME").map(|d| d.join(".cache/strata/models")))
-            .map(|d| d.join(MODEL_FILE))
-    })?;
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIP: {} not found (run `strata fetch` to cache the default model)",
-            path.display()
-        );
-        None
-    }
-}
-
+/// Runs `strata` and asserts it succeeded.
 fn strata(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut input = child.stdin.take().unwrap();
-    if let Some(s) = stdin {
-        input.write_all(s.as_bytes()).unwrap();
-    }
-    drop(input);
-    let out = child.wait_with_output().unwrap();
+    let out = common::strata(args, stdin);
     assert!(
         out.status.success(),
         "strata {args:?} failed: {}",

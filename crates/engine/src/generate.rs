@@ -210,17 +210,8 @@ pub struct Generation {
     pub timings: Timings,
 }
 
-/// Runs `prompt` (reusing whatever prefix of it `session` already holds) and generates up to
-/// `opts.max_tokens` tokens, handing each to `on_token` as soon as it is chosen; `on_token`
-/// returns false to stop. `is_eog` says which tokens end generation.
-pub fn generate(
-    session: &mut dyn Session,
-    prompt: &[u32],
-    sampler: &mut Sampler,
-    is_eog: &dyn Fn(u32) -> bool,
-    opts: &GenOptions,
-    on_token: &mut dyn FnMut(u32) -> bool,
-) -> Result<Generation> {
+/// Refuses an empty prompt or one that leaves no room in the context.
+pub(crate) fn check_prompt(session: &dyn Session, prompt: &[u32]) -> Result<()> {
     if prompt.is_empty() {
         return Err(EngineError::Input("the prompt has no tokens".to_string()));
     }
@@ -231,18 +222,18 @@ pub fn generate(
             session.n_ctx()
         )));
     }
-    let mut t = Timings::default();
-    let mut gen = Generation {
-        tokens: Vec::new(),
-        stop: StopReason::MaxTokens,
-        timings: Timings::default(),
-    };
-    if opts.max_tokens == 0 {
-        return Ok(gen);
-    }
+    Ok(())
+}
 
-    // Keep the longest cached prefix, but always run at least the last prompt token: its
-    // logits choose the first new token.
+/// Runs `prompt` through `session`, keeping the longest prefix it already holds but always
+/// running at least the last prompt token (its logits choose the first new token); returns
+/// those logits and fills the prompt part of `t`.
+pub(crate) fn prefill(
+    session: &mut dyn Session,
+    prompt: &[u32],
+    opts: &GenOptions,
+    t: &mut Timings,
+) -> Result<Vec<f32>> {
     let common = session
         .tokens()
         .iter()
@@ -259,6 +250,32 @@ pub fn generate(
     }
     t.prompt = t0.elapsed();
     t.prompt_tokens = prompt.len() - common;
+    Ok(logits)
+}
+
+/// Runs `prompt` (reusing whatever prefix of it `session` already holds) and generates up to
+/// `opts.max_tokens` tokens, handing each to `on_token` as soon as it is chosen; `on_token`
+/// returns false to stop. `is_eog` says which tokens end generation.
+pub fn generate(
+    session: &mut dyn Session,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    is_eog: &dyn Fn(u32) -> bool,
+    opts: &GenOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Generation> {
+    check_prompt(session, prompt)?;
+    let mut t = Timings::default();
+    let mut gen = Generation {
+        tokens: Vec::new(),
+        stop: StopReason::MaxTokens,
+        timings: Timings::default(),
+    };
+    if opts.max_tokens == 0 {
+        return Ok(gen);
+    }
+
+    let mut logits = prefill(session, prompt, opts, &mut t)?;
 
     loop {
         let pos = session.tokens().len();

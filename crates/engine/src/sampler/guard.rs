@@ -16,7 +16,9 @@ use super::bound::Sampled;
 use super::slop::{Accepted, DeadEnd};
 use super::{SampleContext, Sampler};
 use crate::error::{EngineError, Result};
-use crate::generate::{GenOptions, Generation, Session, StopReason, Timings};
+use crate::generate::{
+    check_prompt, prefill, GenOptions, Generation, Session, StopReason, Timings,
+};
 
 /// Why a guarded generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,16 +51,7 @@ pub fn generate(
     opts: &GenOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<GuardedGeneration> {
-    if prompt.is_empty() {
-        return Err(EngineError::Input("the prompt has no tokens".to_string()));
-    }
-    if prompt.len() >= session.n_ctx() {
-        return Err(EngineError::Input(format!(
-            "the prompt has {} tokens; the model's context holds {} positions",
-            prompt.len(),
-            session.n_ctx()
-        )));
-    }
+    check_prompt(session, prompt)?;
     let mut t = Timings::default();
     let mut out = GuardedGeneration {
         generation: Generation {
@@ -72,22 +65,7 @@ pub fn generate(
     if opts.max_tokens == 0 {
         return Ok(out);
     }
-    let common = session
-        .tokens()
-        .iter()
-        .zip(prompt)
-        .take_while(|(a, b)| a == b)
-        .count()
-        .min(prompt.len() - 1);
-    session.rewind(common)?;
-    t.reused_tokens = common;
-    let t0 = Instant::now();
-    let mut logits = Vec::new();
-    for chunk in prompt[common..].chunks(opts.prefill_chunk.max(1)) {
-        logits = session.feed(chunk)?;
-    }
-    t.prompt = t0.elapsed();
-    t.prompt_tokens = prompt.len() - common;
+    let mut logits = prefill(session, prompt, opts, &mut t)?;
 
     let start = prompt.len();
     let mut slop = sampler.new_slop_state(start);
