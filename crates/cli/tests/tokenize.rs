@@ -46,7 +46,11 @@ fn corpus() -> Vec<(String, Vec<u32>, Vec<u32>)> {
 }
 
 fn check_model(model: &str) {
-    let dir = std::env::temp_dir().join(format!("strata-tokenize-{}", std::process::id()));
+    // One directory per call: the tests of this file run in parallel in one process, and one
+    // removing a shared directory while the other writes into it failed CI once.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("strata-tokenize-{}-{call}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // A sample of the corpus (each run loads the 151k-token vocabulary; the whole corpus is
     // checked through the library in strata-tokenizer's tests).
