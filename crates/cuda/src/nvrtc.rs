@@ -238,7 +238,14 @@ pub fn cached_cubin(name: &str, source: &str, arch: (i32, i32)) -> Result<Compil
     let cubin = compile_cubin(name, source, arch)?;
     // A cache that cannot be written only costs the next start a compile.
     if std::fs::create_dir_all(&dir).is_ok() {
-        let tmp = dir.join(format!(".{name}-{key:016x}.{}.tmp", std::process::id()));
+        // Unique per process and call: two threads compiling the same source must not share
+        // (and rename away) one half-written file.
+        static WRITES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = dir.join(format!(
+            ".{name}-{key:016x}.{}-{call}.tmp",
+            std::process::id()
+        ));
         if std::fs::write(&tmp, &cubin).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }
