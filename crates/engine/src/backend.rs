@@ -13,7 +13,7 @@ use std::sync::Arc;
 use strata_gguf::{GgufFile, TensorInfo};
 use strata_quant::GgmlType;
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 
 /// A 2-D f32 activation buffer on the device: `rows` tokens (or heads, or blocks) of `cols`.
 pub trait DeviceBuf: Send + Sync {
@@ -201,6 +201,21 @@ pub trait Backend: Send + Sync {
     fn embed_rows(&self, table: &Self::Weight, ids: &[u32], copies: usize) -> Result<Self::Buf>;
     /// `y = W·x` per row; each activation row is quantized to the weight's `vec_dot_type` first.
     fn matmul(&self, w: &Self::Weight, x: &Self::Buf) -> Result<Self::Buf>;
+    /// `[W_0·x, W_1·x, …]`: several products of one input, each bit-identical to `matmul(W_i,
+    /// x)`. A backend may share work between them (the CPU backend quantizes `x` once per
+    /// activation format instead of once per weight).
+    fn matmuls<const N: usize>(
+        &self,
+        ws: [&Self::Weight; N],
+        x: &Self::Buf,
+    ) -> Result<[Self::Buf; N]> {
+        let ys = ws
+            .iter()
+            .map(|w| self.matmul(w, x))
+            .collect::<Result<Vec<_>>>()?;
+        ys.try_into()
+            .map_err(|_| EngineError::shape("matmuls", "product count"))
+    }
     /// `matmul` restricted to the weight rows `rows` (output column `i` is row `rows[i]`), each
     /// entry bit-identical to the full product's: the draft vocabulary's rows of the LM head.
     fn matmul_rows(&self, w: &Self::Weight, rows: &[u32], x: &Self::Buf) -> Result<Self::Buf>;

@@ -137,6 +137,17 @@ fn dequantize_iq4_nl(src: &[u8], dst: &mut [f32]) {
 // Quantization.
 
 /// Largest |x| of a block, starting from 0 (so an all-zero block gives 0).
+/// `v.round_ties_even() as i8`, for every `v`, without the `roundevenf` library call that
+/// `round_ties_even` becomes on the baseline x86-64 target (no SSE4.1): adding and subtracting
+/// 1.5·2^23 rounds to the nearest integer, ties to even, for |v| ≤ 2^22; beyond that (and for
+/// infinities) the sum keeps the sign and `as i8` saturates exactly as it does for the rounded
+/// value; NaN stays NaN and converts to 0 either way. Plain code, so the loops vectorize.
+#[inline(always)]
+pub(crate) fn round_to_i8(v: f32) -> i8 {
+    const MAGIC: f32 = 12582912.0;
+    ((v + MAGIC) - MAGIC) as i8
+}
+
 fn amax(x: &[f32]) -> f32 {
     x.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
@@ -169,7 +180,7 @@ pub fn quantize_row_q8_0_act(src: &[f32], dst: &mut [u8]) {
         let id = if m != 0.0 { 127.0 / m } else { 0.0 };
         put_f16(b, 0, d);
         for j in 0..QK {
-            b[2 + j] = (x[j] * id).round_ties_even() as i8 as u8;
+            b[2 + j] = round_to_i8(x[j] * id) as u8;
         }
     }
 }
@@ -184,7 +195,7 @@ pub fn quantize_row_q8_1(src: &[f32], dst: &mut [u8]) {
         put_f16(b, 0, d);
         let mut sum = 0i32;
         for j in 0..QK {
-            let q = (x[j] * id).round_ties_even() as i8;
+            let q = round_to_i8(x[j] * id);
             sum += q as i32;
             b[4 + j] = q as u8;
         }
@@ -628,4 +639,61 @@ pub fn dot_rows_q8_0(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) -> Resul
 /// [`dot_rows`] for a Q4_0 weight row on this CPU's best ISA.
 pub fn dot_rows_q4_0(n: usize, w: &[u8], xs: &[&[u8]], out: &mut [f32]) -> Result<(), QuantError> {
     dot_rows(GgmlType::Q4_0, crate::simd::best(), n, w, xs, out)
+}
+
+#[cfg(test)]
+mod rounding_tests {
+    use super::round_to_i8;
+
+    fn check(v: f32) {
+        assert_eq!(
+            round_to_i8(v),
+            v.round_ties_even() as i8,
+            "{v:e} ({:#010x})",
+            v.to_bits()
+        );
+    }
+
+    /// The magic-constant rounding equals `round_ties_even` then the saturating cast, over
+    /// every halfway point and its neighbours in the quantizer's range, the edges of the magic
+    /// constant's range, special values, and a stride through all 2^32 bit patterns.
+    #[test]
+    fn round_to_i8_is_round_ties_even() {
+        for i in -300i32..=300 {
+            let h = i as f32 + 0.5;
+            for v in [
+                h,
+                f32::from_bits(h.to_bits() + 1),
+                f32::from_bits(h.to_bits() - 1),
+            ] {
+                check(v);
+                check(-v);
+            }
+            check(i as f32);
+        }
+        for e in [4194304.0f32, 8388608.0, 12582912.0, 16777216.0] {
+            for d in -4i32..=4 {
+                let v = f32::from_bits((e.to_bits() as i32 + d) as u32);
+                check(v);
+                check(-v);
+            }
+        }
+        for v in [
+            0.0,
+            -0.0,
+            f32::MIN_POSITIVE,
+            1e-45,
+            f32::MAX,
+            f32::INFINITY,
+            f32::NAN,
+        ] {
+            check(v);
+            check(-v);
+        }
+        let mut bits = 0u32;
+        for _ in 0..(1 << 22) {
+            check(f32::from_bits(bits));
+            bits = bits.wrapping_add(1021);
+        }
+    }
 }

@@ -164,6 +164,18 @@ impl CpuBackend {
 
     /// Matrix product against the `slab`-th `[m, k]` matrix of a (possibly 3-D) weight.
     fn matmul_slab(&self, w: &CpuWeight, slab: usize, x: &[f32]) -> Result<Vec<f32>> {
+        self.matmul_slab_shared(w, slab, x, &mut Vec::new())
+    }
+
+    /// [`Self::matmul_slab`] with `x` quantized at most once per activation format across
+    /// calls that pass the same `prepared` (which must only ever hold `x`'s rows).
+    fn matmul_slab_shared(
+        &self,
+        w: &CpuWeight,
+        slab: usize,
+        x: &[f32],
+        prepared: &mut Vec<matmul::Prepared>,
+    ) -> Result<Vec<f32>> {
         let k = w.row_len();
         let m = w.n_rows2();
         let row_bytes = w.ty.row_bytes(k).ok_or_else(|| {
@@ -184,8 +196,37 @@ impl CpuBackend {
         {
             return matmul::matmul_widened(self.isa, w.ty, bytes, m, k, x, w.name());
         }
-        let xp = matmul::prepare(w.ty, x, k, w.name())?;
-        matmul::matmul_prepared(self.isa, w.ty, bytes, m, &xp, w.name())
+        let xty = w.ty.vec_dot_type();
+        let i = match prepared.iter().position(|p| Some(p.ty) == xty && p.k == k) {
+            Some(i) => i,
+            None => {
+                prepared.push(matmul::prepare(w.ty, x, k, w.name())?);
+                prepared.len() - 1
+            }
+        };
+        matmul::matmul_prepared(self.isa, w.ty, bytes, m, &prepared[i], w.name())
+    }
+
+    /// A matrix weight whose rows take `x`'s rows.
+    fn check_matmul(w: &CpuWeight, x: &CpuBuf) -> Result<()> {
+        if w.info.dims.len() > 2 {
+            return Err(EngineError::shape(
+                "matmul",
+                format!("{} is not a matrix", w.name()),
+            ));
+        }
+        if x.cols != w.row_len() {
+            return Err(EngineError::shape(
+                "matmul",
+                format!(
+                    "{}: rows of {} against weight rows of {}",
+                    w.name(),
+                    x.cols,
+                    w.row_len()
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -348,26 +389,27 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, w: &CpuWeight, x: &CpuBuf) -> Result<CpuBuf> {
-        if w.info.dims.len() > 2 {
-            return Err(EngineError::shape(
-                "matmul",
-                format!("{} is not a matrix", w.name()),
-            ));
-        }
-        if x.cols != w.row_len() {
-            return Err(EngineError::shape(
-                "matmul",
-                format!(
-                    "{}: rows of {} against weight rows of {}",
-                    w.name(),
-                    x.cols,
-                    w.row_len()
-                ),
-            ));
-        }
+        Self::check_matmul(w, x)?;
         let m = w.n_rows2();
         let y = self.pool.install(|| self.matmul_slab(w, 0, &x.data))?;
         CpuBuf::new(x.rows, m, y)
+    }
+
+    fn matmuls<const N: usize>(&self, ws: [&CpuWeight; N], x: &CpuBuf) -> Result<[CpuBuf; N]> {
+        for w in ws {
+            Self::check_matmul(w, x)?;
+        }
+        let ys = self.pool.install(|| -> Result<Vec<CpuBuf>> {
+            let mut prepared = Vec::new();
+            ws.iter()
+                .map(|w| {
+                    let y = self.matmul_slab_shared(w, 0, &x.data, &mut prepared)?;
+                    CpuBuf::new(x.rows, w.n_rows2(), y)
+                })
+                .collect()
+        })?;
+        ys.try_into()
+            .map_err(|_| EngineError::shape("matmuls", "product count"))
     }
 
     fn matmul_rows(&self, w: &CpuWeight, rows: &[u32], x: &CpuBuf) -> Result<CpuBuf> {
@@ -905,8 +947,9 @@ impl Backend for CpuBackend {
                     for &(r, _) in members {
                         xe.extend_from_slice(x.row(r));
                     }
-                    let g = self.matmul_slab(ex.gate, e, &xe)?;
-                    let u = self.matmul_slab(ex.up, e, &xe)?;
+                    let mut prepared = Vec::new();
+                    let g = self.matmul_slab_shared(ex.gate, e, &xe, &mut prepared)?;
+                    let u = self.matmul_slab_shared(ex.up, e, &xe, &mut prepared)?;
                     let act: Vec<f32> = g.iter().zip(&u).map(|(&a, &b)| ops::silu(a) * b).collect();
                     Ok((e, self.matmul_slab(ex.down, e, &act)?))
                 })

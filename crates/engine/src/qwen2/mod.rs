@@ -268,16 +268,16 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let c = &self.config;
         let hd = c.attn.head_dim;
-        let proj = |wt: &B::Weight, bias: &Option<B::Weight>| -> Result<B::Buf> {
-            let mut y = b.matmul(wt, h)?;
+        let [mut q, mut k, mut v] = b.matmuls([&lw.q, &lw.k, &lw.v], h)?;
+        for (y, bias) in [
+            (&mut q, &lw.q_bias),
+            (&mut k, &lw.k_bias),
+            (&mut v, &lw.v_bias),
+        ] {
             if let Some(bw) = bias {
-                b.add_bias(&mut y, bw)?;
+                b.add_bias(y, bw)?;
             }
-            Ok(y)
-        };
-        let mut q = proj(&lw.q, &lw.q_bias)?;
-        let mut k = proj(&lw.k, &lw.k_bias)?;
-        let v = proj(&lw.v, &lw.v_bias)?;
+        }
         b.rope_neox(&mut q, hd, hd, c.rope_theta, positions)?;
         b.rope_neox(&mut k, hd, hd, c.rope_theta, positions)?;
         b.append_kv(&mut cache.k, &k, c.kv_type)?;
@@ -289,7 +289,8 @@ impl<B: Backend> Model<B> {
     /// `down(silu(gate·h) ⊙ up·h)`.
     fn mlp(&self, lw: &LayerW<B::Weight>, h: &B::Buf) -> Result<B::Buf> {
         let b = &self.backend;
-        let act = b.swiglu(&b.matmul(&lw.gate, h)?, &b.matmul(&lw.up, h)?)?;
+        let [g, u] = b.matmuls([&lw.gate, &lw.up], h)?;
+        let act = b.swiglu(&g, &u)?;
         b.matmul(&lw.down, &act)
     }
 

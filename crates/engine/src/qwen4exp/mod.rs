@@ -585,8 +585,8 @@ impl<B: Backend> Model<B> {
         // e_t = concat_j T[id_j]
         let e = b.embed_rows(table, rows, 1)?;
         let e = b.reshape(e, n, pc.embed_dim())?;
-        let k = b.rms_norm(&b.matmul(&pw.key, &e)?, &pw.norm_key, h, eps)?;
-        let v = b.matmul(&pw.value, &e)?;
+        let [k, v] = b.matmuls([&pw.key, &pw.value], &e)?;
+        let k = b.rms_norm(&k, &pw.norm_key, h, eps)?;
         let q = b.rms_norm(x, &pw.norm_query, h, eps)?;
         let mut g = b.ple_gate(&k, &q, &v, c.hc_streams)?;
         let cn = b.rms_norm(&g, &pw.norm_conv, h, eps)?;
@@ -609,11 +609,8 @@ impl<B: Backend> Model<B> {
         rec: Option<&mut Option<GdnRecord<B>>>,
     ) -> Result<B::Buf> {
         let b = &self.backend;
-        let raw = b.matmul(&gw.qkv, u)?;
+        let [raw, z, beta, alpha] = b.matmuls([&gw.qkv, &gw.z, &gw.beta, &gw.alpha], u)?;
         let m = b.conv1d_silu(&raw, &gw.conv, conv, 1)?;
-        let z = b.matmul(&gw.z, u)?;
-        let beta = b.matmul(&gw.beta, u)?;
-        let alpha = b.matmul(&gw.alpha, u)?;
         let o = b.gdn_step(&self.gdn_params(gw), &m, &z, &alpha, &beta, s)?;
         let y = b.matmul(&gw.out, &o)?;
         if let Some(rec) = rec {
@@ -653,16 +650,15 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let c = &self.config;
         let (hd, eps) = (c.attn.head_dim, c.eps);
-        let qg = b.matmul(&aw.q, u)?;
+        let [qg, k, v] = b.matmuls([&aw.q, &aw.k, &aw.v], u)?;
         let mut parts = b.deinterleave(&qg, hd, 2)?.into_iter();
         let (Some(q), Some(gate)) = (parts.next(), parts.next()) else {
             return Err(EngineError::shape("qsa", "q/gate split"));
         };
         let mut q = b.rms_norm(&q, &aw.q_norm, hd, eps)?;
         b.rope_neox(&mut q, hd, c.rot_dims, theta, positions)?;
-        let mut k = b.rms_norm(&b.matmul(&aw.k, u)?, &aw.k_norm, hd, eps)?;
+        let mut k = b.rms_norm(&k, &aw.k_norm, hd, eps)?;
         b.rope_neox(&mut k, hd, c.rot_dims, theta, positions)?;
-        let v = b.matmul(&aw.v, u)?;
         b.append_rows(&mut cache.k, &k)?;
         b.append_rows(&mut cache.v, &v)?;
         let sel = match (&aw.indexer, ratio) {
@@ -687,9 +683,10 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let c = &self.config;
         let (di, eps) = (c.indexer.head_dim, c.eps);
-        let mut qi = b.rms_norm(&b.matmul(&ix.q, u)?, &ix.q_norm, di, eps)?;
+        let [qi, kraw] = b.matmuls([&ix.q, &ix.k], u)?;
+        let mut qi = b.rms_norm(&qi, &ix.q_norm, di, eps)?;
         b.rope_neox(&mut qi, di, c.rot_dims, theta, positions)?;
-        b.append_rows(&mut cache.kraw, &b.matmul(&ix.k, u)?)?;
+        b.append_rows(&mut cache.kraw, &kraw)?;
         let complete = cache.kraw.rows() / ratio;
         let have = cache.blocks.rows();
         if complete > have {
@@ -712,7 +709,10 @@ impl<B: Backend> Model<B> {
 
     fn moe(&self, mw: &MoeW<B::Weight>, u: &B::Buf) -> Result<B::Buf> {
         let b = &self.backend;
-        let logits = b.matmul(&mw.router, u)?;
+        let [logits, g, up, gate] = b.matmuls(
+            [&mw.router, &mw.gate_shexp, &mw.up_shexp, &mw.shexp_gate],
+            u,
+        )?;
         let routes = b.route(&logits, self.config.moe.n_used)?;
         let experts = ExpertWeights {
             gate: &mw.gate_exps,
@@ -720,9 +720,7 @@ impl<B: Backend> Model<B> {
             down: &mw.down_exps,
         };
         let mut y = b.moe_experts(&experts, u, &routes)?;
-        let hid = b.swiglu(&b.matmul(&mw.gate_shexp, u)?, &b.matmul(&mw.up_shexp, u)?)?;
-        let shared = b.matmul(&mw.down_shexp, &hid)?;
-        let gate = b.matmul(&mw.shexp_gate, u)?;
+        let shared = b.matmul(&mw.down_shexp, &b.swiglu(&g, &up)?)?;
         b.add_sigmoid_gated(&mut y, &shared, &gate)?;
         Ok(y)
     }
