@@ -107,6 +107,24 @@ mod x86 {
         t
     };
 
+    /// Scale bytes `2p` (low 256 bits) and `2p + 1` (high 256 bits) as i16 words: the scales
+    /// of a 512-bit register holding two sub-blocks.
+    static SC_WHOLE_PAIRS: [[u8; 64]; 4] = {
+        let mut t = [[0u8; 64]; 4];
+        let mut p = 0;
+        while p < 4 {
+            let (lo, hi) = (SC_WHOLE[2 * p], SC_WHOLE[2 * p + 1]);
+            let mut i = 0;
+            while i < 32 {
+                t[p][i] = lo[i];
+                t[p][32 + i] = hi[i];
+                i += 1;
+            }
+            p += 1;
+        }
+        t
+    };
+
     /// i16 words `2j` (low half) and `2j+1` (high half) of a lane holding 8 words.
     static W16_HALVES: [[u8; 32]; 4] = {
         let mut t = [[0u8; 32]; 4];
@@ -594,28 +612,37 @@ mod x86 {
         finish(acc, 1.0)
     }
 
-    /// AVX-512 at 256-bit width: on CPUs that split 512-bit operations in two (Zen 4), the
-    /// 16 grid loads of a 512-bit register stall more than they gain; VL still saves the sign
-    /// expansion (a mask register) and the scale multiply-add (`vpdpwssd`).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    /// Sixteen grid entries (sub-blocks `2p` and `2p + 1`) by one gather: index `j` is
+    /// `qs[16p + j]` with bit `j` of the little-endian `qh[2p..2p + 2]` as its ninth bit.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn iq3_s_gather16(wb: &[u8], p: usize) -> __m512i {
+        let lo = _mm512_cvtepu8_epi32(load128(wb, 2 + 16 * p));
+        let idx = _mm512_mask_or_epi32(lo, le_u16(wb, 66 + 2 * p), lo, _mm512_set1_epi32(0x100));
+        // SAFETY: every index is below 512, the grid's length.
+        unsafe { _mm512_i32gather_epi32::<4>(idx, IQ3S_GRID.as_ptr() as *const i32) }
+    }
+
+    /// Two sub-blocks per 512-bit register: one 16-entry gather, the signs as a mask register,
+    /// the scale multiply-add by `vpdpwssd`; the halves fold onto the reference's 8 lanes once
+    /// per block (exact integer sums, so the result is the scalar reference's bit for bit).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     fn iq3_s_avx512_impl(n: usize, w: &[u8], x: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
-        let mut idx = [0u16; 64];
         for b in 0..blocks(n, w, 110, x) {
             let wb = &w[b * 110..(b + 1) * 110];
             let xb = &x[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
             let d = f16(le_u16(wb, 0)) * q8_d(xb);
-            let sb = _mm256_broadcastsi128_si256(odd_nibbles16(le_u32(wb, 106) as u64));
-            iq3_s_indices(wb, &mut idx);
-            let mut l = _mm256_setzero_si256();
-            for ib in 0..8 {
-                let grid = grid8x32(&IQ3S_GRID, &idx[8 * ib..8 * ib + 8]);
-                let q = load256(xb, 4 + 32 * ib);
-                let q = _mm256_mask_sub_epi8(q, le_u32(wb, 74 + 4 * ib), _mm256_setzero_si256(), q);
-                let sc = _mm256_shuffle_epi8(sb, ctrl(&SC_WHOLE[ib]));
-                l = _mm256_dpwssd_epi32(l, _mm256_maddubs_epi16(grid, q), sc);
+            let sb = _mm512_broadcast_i32x4(odd_nibbles16(le_u32(wb, 106) as u64));
+            let mut l = _mm512_setzero_si512();
+            for p in 0..4 {
+                let grid = iq3_s_gather16(wb, p);
+                let q = load512(xb, 4 + 64 * p);
+                let q = _mm512_mask_sub_epi8(q, le_u64(wb, 74 + 8 * p), _mm512_setzero_si512(), q);
+                let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC_WHOLE_PAIRS[p]));
+                l = _mm512_dpwssd_epi32(l, _mm512_maddubs_epi16(grid, q), sc);
             }
-            acc = fma_block(acc, d, l);
+            acc = fma_block(acc, d, fold(l));
         }
         finish(acc, 1.0)
     }
