@@ -107,6 +107,29 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
     Ok(())
 }
 
+/// The quantizer of `quantize(ty, ..)` on `isa`: a SIMD version where there is one (Q8_0
+/// activations) and the CPU supports it, bitwise equal to the scalar reference; else the
+/// reference. None when the type has no quantizer. The caller checks lengths as `quantize` does.
+pub fn quantize_fn(ty: GgmlType, isa: Isa) -> Option<QuantFn> {
+    if isa != Isa::Scalar && simd::supported(isa) {
+        if let Some(f) = simd::quantize_x86::quantize(ty, isa) {
+            return Some(f);
+        }
+    }
+    format_fns(ty).quantize
+}
+
+/// `quantize` through [`quantize_fn`]'s kernel for `isa`.
+pub fn quantize_isa(ty: GgmlType, isa: Isa, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
+    check_bytes(ty, src.len(), dst.len(), "destination")?;
+    let f = quantize_fn(ty, isa).ok_or(QuantError::Unsupported {
+        ty,
+        what: "quantize",
+    })?;
+    f(src, dst);
+    Ok(())
+}
+
 /// The dot-product kernel for weight type `ty` on `isa`: the SIMD version when that ISA has one
 /// (and the CPU supports it), else the scalar reference. None when the type has no dot product.
 pub fn dot_fn(ty: GgmlType, isa: Isa) -> Option<DotFn> {

@@ -17,8 +17,15 @@ pub(crate) struct Prepared {
     pub bytes: Vec<u8>,
 }
 
-/// Quantize `n` rows of `k` f32 values to the activation type that `wty` pairs with.
-pub(crate) fn prepare(wty: GgmlType, x: &[f32], k: usize, name: &str) -> Result<Prepared> {
+/// Quantize `n` rows of `k` f32 values to the activation type that `wty` pairs with (by the
+/// `isa` version of the quantizer: bitwise the reference's).
+pub(crate) fn prepare(
+    isa: Isa,
+    wty: GgmlType,
+    x: &[f32],
+    k: usize,
+    name: &str,
+) -> Result<Prepared> {
     let xty = wty.vec_dot_type().ok_or_else(|| {
         EngineError::shape("matmul", format!("{name}: type {wty} has no dot product"))
     })?;
@@ -42,7 +49,8 @@ pub(crate) fn prepare(wty: GgmlType, x: &[f32], k: usize, name: &str) -> Result<
     if xty == GgmlType::F32 {
         bytes.copy_from_slice(bytemuck::cast_slice(x));
     } else {
-        let quantize_row = |(src, dst): (&[f32], &mut [u8])| strata_quant::quantize(xty, src, dst);
+        let quantize_row =
+            |(src, dst): (&[f32], &mut [u8])| strata_quant::quantize_isa(xty, isa, src, dst);
         if n > 1 {
             x.par_chunks(k)
                 .zip(bytes.par_chunks_mut(row_bytes))
@@ -101,37 +109,64 @@ pub(crate) fn matmul_prepared(
     }
     let xr = x.row_bytes;
     let xb = &x.bytes;
-    // Keep each task above ~64k multiply-adds so small products do not drown in scheduling.
-    let min_len = (65536 / (k * n).max(1)).max(1);
-    let mut out_t = vec![0f32; m * n];
-    // A multi-row kernel unpacks each weight block once for up to eight activation rows (a
-    // prefill); its results are bitwise those of the one-row kernel.
-    let rows_fn = strata_quant::dot_rows_fn(wty, isa).filter(|_| n > 1);
     let xs: Vec<&[u8]> = xb.chunks_exact(xr.max(1)).take(n).collect();
-    out_t
-        .par_chunks_mut(n)
-        .with_min_len(min_len)
-        .enumerate()
-        .for_each(|(o, col)| {
-            let wr = &w[o * w_row..(o + 1) * w_row];
-            match rows_fn {
-                // At most eight rows per call: the most any multi-row kernel takes in one pass.
-                Some(f) => {
-                    for (xc, oc) in xs.chunks(8).zip(col.chunks_mut(8)) {
-                        f(k, wr, xc, oc);
+    if n == 1 {
+        // A decode step: one value per weight row, which is already the output's layout.
+        // Keep each task above ~64k multiply-adds so small products do not drown in scheduling.
+        let min_len = (65536 / k.max(1)).max(1);
+        let mut out = vec![0f32; m];
+        out.par_iter_mut()
+            .with_min_len(min_len)
+            .enumerate()
+            .for_each(|(o, c)| *c = dot(k, &w[o * w_row..(o + 1) * w_row], xs[0]));
+        return Ok(out);
+    }
+    // A prefill or verify window: tiles of weight rows, each against every activation row. A
+    // multi-row kernel unpacks each weight block once for up to eight activation rows; its
+    // results are bitwise those of the one-row kernel. Each tile is written row-major
+    // (`[activation row][weight row]`), so the output is assembled by contiguous copies.
+    let rows_fn = strata_quant::dot_rows_fn(wty, isa);
+    let threads = rayon::current_num_threads().max(1);
+    let tile = (m / (4 * threads)).clamp(8, 64);
+    let tiles: Vec<Vec<f32>> = (0..m.div_ceil(tile))
+        .into_par_iter()
+        .map(|t| {
+            let o0 = t * tile;
+            let rows = tile.min(m - o0);
+            let mut out = vec![0f32; n * rows];
+            let mut part = [0f32; 8];
+            for j in 0..rows {
+                let o = o0 + j;
+                let wr = &w[o * w_row..(o + 1) * w_row];
+                match rows_fn {
+                    // At most eight rows per call: the most any multi-row kernel takes.
+                    Some(f) => {
+                        for (c, xc) in xs.chunks(8).enumerate() {
+                            let part = &mut part[..xc.len()];
+                            f(k, wr, xc, part);
+                            for (i, &v) in part.iter().enumerate() {
+                                out[(8 * c + i) * rows + j] = v;
+                            }
+                        }
                     }
-                }
-                None => {
-                    for (r, c) in col.iter_mut().enumerate() {
-                        *c = dot(k, wr, &xb[r * xr..(r + 1) * xr]);
+                    None => {
+                        for (r, xr) in xs.iter().enumerate() {
+                            out[r * rows + j] = dot(k, wr, xr);
+                        }
                     }
                 }
             }
-        });
-    if n == 1 {
-        return Ok(out_t);
-    }
-    Ok(transpose(&out_t, m, n))
+            out
+        })
+        .collect();
+    let mut out = vec![0f32; n * m];
+    out.par_chunks_mut(m).enumerate().for_each(|(r, row)| {
+        for (t, part) in tiles.iter().enumerate() {
+            let rows = part.len() / n;
+            row[t * tile..t * tile + rows].copy_from_slice(&part[r * rows..(r + 1) * rows]);
+        }
+    });
+    Ok(out)
 }
 
 /// `out[r][o] = dot(w row o widened to f32, x row r in f32)` for float weights (F16/BF16): the

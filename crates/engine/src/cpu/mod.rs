@@ -200,7 +200,7 @@ impl CpuBackend {
         let i = match prepared.iter().position(|p| Some(p.ty) == xty && p.k == k) {
             Some(i) => i,
             None => {
-                prepared.push(matmul::prepare(w.ty, x, k, w.name())?);
+                prepared.push(matmul::prepare(self.isa, w.ty, x, k, w.name())?);
                 prepared.len() - 1
             }
         };
@@ -431,7 +431,7 @@ impl Backend for CpuBackend {
             let xp = if widen {
                 matmul::prepare_f32(&x.data, k, w.name())?
             } else {
-                matmul::prepare(w.ty, &x.data, k, w.name())?
+                matmul::prepare(self.isa, w.ty, &x.data, k, w.name())?
             };
             matmul::matmul_rows(self.isa, w.ty, w.bytes()?, w.n_rows2(), rows, &xp, w.name())
         })?;

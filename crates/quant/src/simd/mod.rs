@@ -65,6 +65,7 @@ pub mod iquants_x86;
 pub mod kquants_x86;
 pub mod legacy_x86;
 pub mod lowbit_x86;
+pub mod quantize_x86;
 pub mod rows_fp;
 pub mod rows_iquants;
 pub mod rows_kquants;
