@@ -35,14 +35,11 @@ fn every_module_compiles() {
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
-/// With `STRATA_PTXAS_REPORT=1`: prints ptxas's resource report (registers, stack frame,
-/// spills) of every kernel; fails if an optimized kernel spills or keeps a stack frame.
+/// ptxas's resource report (registers, stack frame, spills) of every kernel for sm_90, printed
+/// (`--nocapture`); fails if an optimized kernel spills or keeps a stack frame. Needs only
+/// NVRTC (no GPU); skipped with a message without it.
 #[test]
 fn optimized_kernels_do_not_spill() {
-    if std::env::var_os("STRATA_PTXAS_REPORT").is_none() {
-        eprintln!("SKIPPED optimized_kernels_do_not_spill: set STRATA_PTXAS_REPORT=1 to run it");
-        return;
-    }
     if let Err(e) = nvrtc::ensure_nvrtc() {
         eprintln!("SKIPPED optimized_kernels_do_not_spill: {e}");
         return;
