@@ -19,6 +19,10 @@ use crate::backend::{
 };
 use crate::error::{EngineError, Result};
 
+/// Element-wise operations split their work only in pieces at least this long (a prefill's
+/// activations; a decode step's rows stay on one thread).
+const ELEMENTWISE_MIN: usize = 1 << 15;
+
 /// A row-major f32 buffer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CpuBuf {
@@ -348,9 +352,13 @@ impl Backend for CpuBackend {
 
     fn add_assign(&self, x: &mut CpuBuf, y: &CpuBuf) -> Result<()> {
         Self::same_shape("add_assign", x, y)?;
-        for (a, b) in x.data.iter_mut().zip(&y.data) {
-            *a += b;
-        }
+        self.pool.install(|| {
+            x.data
+                .par_iter_mut()
+                .with_min_len(ELEMENTWISE_MIN)
+                .zip(y.data.par_iter())
+                .for_each(|(a, b)| *a += b)
+        });
         Ok(())
     }
 
@@ -976,12 +984,14 @@ impl Backend for CpuBackend {
 
     fn swiglu(&self, g: &CpuBuf, u: &CpuBuf) -> Result<CpuBuf> {
         Self::same_shape("swiglu", g, u)?;
-        let data = g
-            .data
-            .iter()
-            .zip(&u.data)
-            .map(|(&a, &b)| ops::silu(a) * b)
-            .collect();
+        let data = self.pool.install(|| {
+            g.data
+                .par_iter()
+                .with_min_len(ELEMENTWISE_MIN)
+                .zip(u.data.par_iter())
+                .map(|(&a, &b)| ops::silu(a) * b)
+                .collect()
+        });
         CpuBuf::new(g.rows, g.cols, data)
     }
 
