@@ -354,6 +354,18 @@ mod x86 {
         _mm256_setr_m128i(pair64(t, &i[0..2]), pair64(t, &i[2..4]))
     }
 
+    /// Eight u64 grid entries `t[i[o..o + 8]]` (two sub-blocks) by one gather.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn gather8x64<const N: usize>(t: &[u64; N], i: &[u16; 32], o: usize) -> __m512i {
+        // SAFETY: `i[o..o + 8]` is 16 readable bytes (o ≤ 24), and every index a caller stores
+        // is below N.
+        unsafe {
+            let v = _mm_loadu_si128(i[o..o + 8].as_ptr() as *const __m128i);
+            _mm512_i32gather_epi64::<8>(_mm256_cvtepu16_epi32(v), t.as_ptr() as *const i64)
+        }
+    }
+
     /// `acc + d · L` lane by lane, as the reference's `d.mul_add(L as f32, acc)`.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -864,10 +876,7 @@ mod x86 {
             store_u8(&mut sgn, iq2_xs_prep(wb, &mut idx));
             let mut a = _mm512_setzero_si512();
             for p in 0..4 {
-                let grid = join(
-                    grid4x64(&IQ2XS_GRID, &idx[8 * p..8 * p + 4]),
-                    grid4x64(&IQ2XS_GRID, &idx[8 * p + 4..8 * p + 8]),
-                );
+                let grid = gather8x64(&IQ2XS_GRID, &idx, 8 * p);
                 let q = neg_mask(load512(xb, 4 + 64 * p), le_u64(&sgn, 8 * p));
                 let sc = _mm512_shuffle_epi8(sb, ctrl512(&SC4_QUARTERS[p]));
                 a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(grid, q), sc);
