@@ -205,6 +205,14 @@ fn mtp_batch_equals_single_steps_and_chains() {
         .mtp_forward(&mut c, &hidden[..n * sh], &ids[1..=n], true, None)
         .unwrap();
     assert_eq!(last.logits, all.logits[(n - 1) * v..]);
+    // Only the last row's outputs are computed; the others only fill the caches, which must
+    // be the full pass's.
+    assert_eq!(last.hidden, all.hidden[(n - 1) * sh..]);
+    assert_eq!(
+        model.mtp_state_buffers(&a).unwrap(),
+        model.mtp_state_buffers(&c).unwrap(),
+        "last_only state"
+    );
     model.mtp_truncate(&mut c, 13).unwrap();
     model
         .mtp_forward(&mut c, &hidden[13 * sh..n * sh], &ids[14..=n], false, None)

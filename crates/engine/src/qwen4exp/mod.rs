@@ -70,6 +70,13 @@ pub struct Model<B: Backend> {
 /// The RoPE positions of a layer call's rows and the base they rotate with (the MTP layer may
 /// have its own).
 #[derive(Clone, Copy)]
+/// A QSA layer's per-row projections that go into its cache.
+struct QsaKeys<B: Backend> {
+    k: B::Buf,
+    v: B::Buf,
+    kraw: Option<B::Buf>,
+}
+
 pub(crate) struct Positions<'a> {
     pub positions: &'a [u32],
     pub theta: f32,
@@ -650,19 +657,37 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let c = &self.config;
         let (hd, eps) = (c.attn.head_dim, c.eps);
-        let [qg, k, v] = b.matmuls([&aw.q, &aw.k, &aw.v], u)?;
+        let indexed = aw.indexer.as_ref().zip(ratio);
+        // Every projection of `u` in one call (one quantization of `u` per activation format).
+        let (qg, keys, qi) = match indexed {
+            Some((ix, _)) => {
+                let [qg, k, v, qi, kraw] = b.matmuls([&aw.q, &aw.k, &aw.v, &ix.q, &ix.k], u)?;
+                (
+                    qg,
+                    QsaKeys {
+                        k,
+                        v,
+                        kraw: Some(kraw),
+                    },
+                    Some(qi),
+                )
+            }
+            None => {
+                let [qg, k, v] = b.matmuls([&aw.q, &aw.k, &aw.v], u)?;
+                (qg, QsaKeys { k, v, kraw: None }, None)
+            }
+        };
         let mut parts = b.deinterleave(&qg, hd, 2)?.into_iter();
         let (Some(q), Some(gate)) = (parts.next(), parts.next()) else {
             return Err(EngineError::shape("qsa", "q/gate split"));
         };
         let mut q = b.rms_norm(&q, &aw.q_norm, hd, eps)?;
         b.rope_neox(&mut q, hd, c.rot_dims, theta, positions)?;
-        let mut k = b.rms_norm(&k, &aw.k_norm, hd, eps)?;
-        b.rope_neox(&mut k, hd, c.rot_dims, theta, positions)?;
-        b.append_rows(&mut cache.k, &k)?;
-        b.append_rows(&mut cache.v, &v)?;
-        let sel = match (&aw.indexer, ratio) {
-            (Some(ix), Some(ratio)) => self.qsa_index(ix, u, positions, cache, ratio, theta)?,
+        self.qsa_store(aw, keys, positions, cache, ratio, theta)?;
+        let sel = match (indexed, qi) {
+            (Some((ix, ratio)), Some(qi)) => {
+                self.qsa_select(ix, qi, positions, cache, ratio, theta)?
+            }
             _ => b.select_causal(positions)?,
         };
         let a = b.attend(&q, &cache.k, &cache.v, &sel, c.attn, c.kv_type)?;
@@ -670,22 +695,29 @@ impl<B: Backend> Model<B> {
         b.matmul(&aw.o, &a)
     }
 
-    /// §7.3: indexer queries, raw keys into the cache, newly completed blocks pooled, selection.
-    fn qsa_index(
+    /// §7.1–7.3, the cache side: keys (normed, rotated) and values appended, raw indexer keys
+    /// appended and newly completed blocks pooled. What a row leaves in the cache depends on that
+    /// row alone.
+    fn qsa_store(
         &self,
-        ix: &IndexerW<B::Weight>,
-        u: &B::Buf,
+        aw: &AttnW<B::Weight>,
+        keys: QsaKeys<B>,
         positions: &[u32],
         cache: &mut AttnCache<B>,
-        ratio: usize,
+        ratio: Option<usize>,
         theta: f32,
-    ) -> Result<B::Selection> {
+    ) -> Result<()> {
         let b = &self.backend;
         let c = &self.config;
-        let (di, eps) = (c.indexer.head_dim, c.eps);
-        let [qi, kraw] = b.matmuls([&ix.q, &ix.k], u)?;
-        let mut qi = b.rms_norm(&qi, &ix.q_norm, di, eps)?;
-        b.rope_neox(&mut qi, di, c.rot_dims, theta, positions)?;
+        let (hd, eps) = (c.attn.head_dim, c.eps);
+        let mut k = b.rms_norm(&keys.k, &aw.k_norm, hd, eps)?;
+        b.rope_neox(&mut k, hd, c.rot_dims, theta, positions)?;
+        b.append_rows(&mut cache.k, &k)?;
+        b.append_rows(&mut cache.v, &keys.v)?;
+        let (Some(ix), Some(ratio), Some(kraw)) = (&aw.indexer, ratio, keys.kraw) else {
+            return Ok(());
+        };
+        let di = c.indexer.head_dim;
         b.append_rows(&mut cache.kraw, &kraw)?;
         let complete = cache.kraw.rows() / ratio;
         let have = cache.blocks.rows();
@@ -697,12 +729,67 @@ impl<B: Backend> Model<B> {
             b.rope_neox(&mut kb, di, c.rot_dims, theta, &first)?;
             b.append_rows(&mut cache.blocks, &kb)?;
         }
+        Ok(())
+    }
+
+    /// §7.3, the query side: indexer queries (normed, rotated) against the pooled blocks.
+    fn qsa_select(
+        &self,
+        ix: &IndexerW<B::Weight>,
+        qi: B::Buf,
+        positions: &[u32],
+        cache: &AttnCache<B>,
+        ratio: usize,
+        theta: f32,
+    ) -> Result<B::Selection> {
+        let b = &self.backend;
+        let c = &self.config;
+        let (di, eps) = (c.indexer.head_dim, c.eps);
+        let mut qi = b.rms_norm(&qi, &ix.q_norm, di, eps)?;
+        b.rope_neox(&mut qi, di, c.rot_dims, theta, positions)?;
         let sel = QsaSelect {
             ratio,
             budget: c.indexer.budget,
             rule: c.qsa_rule,
         };
         b.qsa_select(&qi, &cache.blocks, positions, sel)
+    }
+
+    /// An attention layer's cache writes for `x`'s rows and nothing else: what the rows before
+    /// the last of an MTP catch-up need, since no one reads their outputs. The caches end up
+    /// exactly as after [`Self::decoder_layer`] over the same rows.
+    pub(crate) fn attention_cache_only(
+        &self,
+        kind: &LayerKind,
+        lw: &LayerW<B::Weight>,
+        x: &B::Buf,
+        at: Positions<'_>,
+        st: &mut LayerState<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let (MixerW::Attn(aw), LayerState::Attn(cache), LayerKind::Attention { ratio }) =
+            (&lw.mixer, st, kind)
+        else {
+            return Err(EngineError::Input(
+                "a cache-only pass needs an attention layer".to_string(),
+            ));
+        };
+        let (u, _) = self.hc_mix(&lw.hc_attn, x)?;
+        let keys = match aw.indexer.as_ref().filter(|_| ratio.is_some()) {
+            Some(ix) => {
+                let [k, v, kraw] = b.matmuls([&aw.k, &aw.v, &ix.k], &u)?;
+                QsaKeys {
+                    k,
+                    v,
+                    kraw: Some(kraw),
+                }
+            }
+            None => {
+                let [k, v] = b.matmuls([&aw.k, &aw.v], &u)?;
+                QsaKeys { k, v, kraw: None }
+            }
+        };
+        self.qsa_store(aw, keys, at.positions, cache, *ratio, at.theta)
     }
 
     // ---- §8 MoE

@@ -77,7 +77,8 @@ pub struct MtpOutputs {
     /// `[rows, cols]`: rows = tokens (or 1 with `last_only`), cols = vocabulary or draft rows.
     pub logits: Vec<f32>,
     pub cols: usize,
-    /// `[tokens, S·H]`: the MTP layer's pre-mixer output (the next chained step's `Hp`).
+    /// `[rows, S·H]` (rows as for `logits`): the MTP layer's pre-mixer output (the next
+    /// chained step's `Hp`).
     pub hidden: Vec<f32>,
 }
 
@@ -265,6 +266,8 @@ impl<B: Backend> Model<B> {
     /// The MTP head over `n` draft positions continuing `st`: `hidden` is `[n, S·H]` (trunk
     /// pre-mixer states, or a chain's previous outputs), `next_tokens` the `n` tokens
     /// `x_{p+1}`. `rows` restricts the LM head to those vocabulary rows (a draft vocabulary).
+    /// With `last_only`, only the last position's logits and output are computed: the others
+    /// only fill the head's caches (an MTP catch-up), which end up as after the full pass.
     pub fn mtp_forward(
         &self,
         st: &mut MtpState<B>,
@@ -370,23 +373,31 @@ impl<B: Backend> Model<B> {
         let kind = LayerKind::Attention {
             ratio: head.config.ratio,
         };
+        let theta = head.config.rope_theta;
+        // With `last_only`, the rows before the last only leave their keys in the layer's
+        // caches (no one reads their outputs); the last row then runs the whole layer. Each
+        // row's cache entries and the last row's outputs are the bits of the full batch.
+        let (mut x, positions) = if last_only && n > 1 {
+            let mut before = b.copy(&x)?;
+            b.truncate_rows(&mut before, n - 1)?;
+            let at = Positions {
+                positions: &positions[..n - 1],
+                theta,
+            };
+            self.attention_cache_only(&kind, &head.layer, &before, at, &mut st.layer)?;
+            (self.last_row(x, n)?, &positions[n - 1..])
+        } else {
+            (x, positions)
+        };
         self.decoder_layer(
             &kind,
             &head.layer,
             &mut x,
-            Positions {
-                positions,
-                theta: head.config.rope_theta,
-            },
+            Positions { positions, theta },
             &mut st.layer,
             None,
         )?;
         let hidden_out = b.copy(&x)?;
-        let x = if last_only && n > 1 {
-            self.last_row(x, n)?
-        } else {
-            x
-        };
         let (mixed, _) = self.hc_mix(&head.output_hc, &x)?;
         let out = head.output.as_ref().unwrap_or(&self.weights.output);
         let logits = match rows {
