@@ -226,6 +226,14 @@ fn check(tied: bool, biases: bool) {
         worst <= 1e-5 * scale.max(1.0),
         "tied {tied}, biases {biases}: max|Δ| {worst:e} (logits up to {scale})"
     );
+    // A prefill that wants only the last logits (its last layer runs the rows before the last
+    // only as far as the cache): the same last row, and a cache that the next step reads to
+    // the same bits as the full pass's.
+    let mut st2 = model.new_state().unwrap();
+    let last = model.forward_with(&mut st2, &ids[..6], true).unwrap();
+    assert_eq!(last.row(0).unwrap(), out.row(5).unwrap());
+    let next = model.forward(&mut st2, &ids[6..]).unwrap();
+    assert_eq!(next.row(0).unwrap(), out.row(6).unwrap());
 }
 
 #[test]

@@ -226,10 +226,24 @@ impl<B: Backend> Model<B> {
         let w = &self.weights;
         let n = tokens.len();
         let mut x = b.embed_rows(&w.token_embd, tokens, 1)?;
-        for (lw, cache) in w.layers.iter().zip(caches.iter_mut()) {
-            self.decoder_layer(lw, &mut x, positions, cache)?;
+        let layers = w.layers.len();
+        for (i, (lw, cache)) in w.layers.iter().zip(caches.iter_mut()).enumerate() {
+            if last_only && n > 1 && i + 1 == layers {
+                // Only the last row's output is read after the last layer: the rows before it
+                // just leave their keys and values in its cache (the same bits as the full pass).
+                let mut before = b.copy(&x)?;
+                b.truncate_rows(&mut before, n - 1)?;
+                let h = b.rms_norm(&before, &lw.attn_norm, self.config.n_embd, self.config.eps)?;
+                self.store_kv(lw, &h, &positions[..n - 1], cache)?;
+                let cols = x.cols();
+                let flat = b.reshape(x, 1, n * cols)?;
+                x = b.slice_cols(&flat, (n - 1) * cols, cols)?;
+                self.decoder_layer(lw, &mut x, &positions[n - 1..], cache)?;
+            } else {
+                self.decoder_layer(lw, &mut x, positions, cache)?;
+            }
         }
-        if last_only && n > 1 {
+        if last_only && x.rows() > 1 {
             let cols = x.cols();
             let flat = b.reshape(x, 1, n * cols)?;
             x = b.slice_cols(&flat, (n - 1) * cols, cols)?;
@@ -268,22 +282,48 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let c = &self.config;
         let hd = c.attn.head_dim;
-        let [mut q, mut k, mut v] = b.matmuls([&lw.q, &lw.k, &lw.v], h)?;
-        for (y, bias) in [
-            (&mut q, &lw.q_bias),
-            (&mut k, &lw.k_bias),
-            (&mut v, &lw.v_bias),
-        ] {
+        let [mut q, k, v] = b.matmuls([&lw.q, &lw.k, &lw.v], h)?;
+        if let Some(bw) = &lw.q_bias {
+            b.add_bias(&mut q, bw)?;
+        }
+        b.rope_neox(&mut q, hd, hd, c.rope_theta, positions)?;
+        self.append_kv(lw, k, v, positions, cache)?;
+        let a = b.attend_causal(&q, &cache.k, &cache.v, positions, c.attn, c.kv_type)?;
+        b.matmul(&lw.o, &a)
+    }
+
+    /// The keys and values of `h`'s rows into the cache, without the attention output.
+    fn store_kv(
+        &self,
+        lw: &LayerW<B::Weight>,
+        h: &B::Buf,
+        positions: &[u32],
+        cache: &mut KvCache<B>,
+    ) -> Result<()> {
+        let [k, v] = self.backend.matmuls([&lw.k, &lw.v], h)?;
+        self.append_kv(lw, k, v, positions, cache)
+    }
+
+    /// Biased, rotated keys and biased values appended to the cache.
+    fn append_kv(
+        &self,
+        lw: &LayerW<B::Weight>,
+        mut k: B::Buf,
+        mut v: B::Buf,
+        positions: &[u32],
+        cache: &mut KvCache<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let c = &self.config;
+        let hd = c.attn.head_dim;
+        for (y, bias) in [(&mut k, &lw.k_bias), (&mut v, &lw.v_bias)] {
             if let Some(bw) = bias {
                 b.add_bias(y, bw)?;
             }
         }
-        b.rope_neox(&mut q, hd, hd, c.rope_theta, positions)?;
         b.rope_neox(&mut k, hd, hd, c.rope_theta, positions)?;
         b.append_kv(&mut cache.k, &k, c.kv_type)?;
-        b.append_kv(&mut cache.v, &v, c.kv_type)?;
-        let a = b.attend_causal(&q, &cache.k, &cache.v, positions, c.attn, c.kv_type)?;
-        b.matmul(&lw.o, &a)
+        b.append_kv(&mut cache.v, &v, c.kv_type)
     }
 
     /// `down(silu(gate·h) ⊙ up·h)`.
