@@ -245,6 +245,27 @@ fn tiny_prefill_equals_token_by_token_bitwise() {
         );
         assert_eq!(last.rows(), 1);
         assert_eq!(last.row(0), all.row(tokens.len() - 1), "{file}: last_only");
+        // A last-logits prefill leaves the state of the full pass (its last layer, attention,
+        // runs the rows before the last only as far as the caches): every state buffer equal.
+        let n = tokens.len();
+        let mut full = model.new_state().unwrap();
+        model.forward(&mut full, &tokens[..n - 1]).unwrap();
+        let mut part = model.new_state().unwrap();
+        let want = Want {
+            last_only: true,
+            ..Want::default()
+        };
+        let p = model
+            .forward_with(&mut part, &tokens[..n - 1], want)
+            .unwrap();
+        assert_eq!(p.row(0), all.row(n - 2), "{file}: last_only row");
+        assert_eq!(
+            model.state_buffers(&full).unwrap(),
+            model.state_buffers(&part).unwrap(),
+            "{file}: last_only state"
+        );
+        let next = model.forward(&mut part, &tokens[n - 1..]).unwrap();
+        assert_eq!(next.row(0), all.row(n - 1), "{file}: step after last_only");
         // Uneven chunks (crossing QSA block and PLE conv boundaries) give the same bits too.
         let mut st = model.new_state().unwrap();
         let mut chunked = Vec::new();

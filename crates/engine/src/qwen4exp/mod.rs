@@ -474,10 +474,37 @@ impl<B: Backend> Model<B> {
         // X_t = [E[x_t]; …; E[x_t]]: the streams start as copies of the embedding.
         let mut x = b.embed_rows(&w.token_embd, tokens, c.hc_streams)?;
         let mut layer_out = Vec::new();
+        let last_layer = w.layers.len().saturating_sub(1);
+        // Only the last row's output is read after the last layer when nothing but the last
+        // logits is wanted: if that layer is an attention layer, the rows before the last only
+        // leave their keys in its cache (the same bits as the full pass).
+        let last_row_only = want.last_only
+            && n > 1
+            && !want.hidden
+            && !want.layer_out
+            && log.is_none()
+            && matches!(c.layers.get(last_layer), Some(LayerKind::Attention { .. }));
         for (l, lw) in w.layers.iter().enumerate() {
             if let (Some(pw), Some(rows)) = (&lw.ple, ple_rows) {
                 let rec = log.as_deref_mut().map(|g| &mut g.ple);
                 self.ple_block(pw, rows, &mut x, st.ple_conv.as_mut(), rec)?;
+            }
+            if last_row_only && l == last_layer {
+                x = b.reshape(x, n, c.residual_dim())?;
+                let mut before = b.copy(&x)?;
+                b.truncate_rows(&mut before, n - 1)?;
+                let at = Positions {
+                    positions: &positions[..n - 1],
+                    theta: c.rope_theta,
+                };
+                self.attention_cache_only(&c.layers[l], lw, &before, at, &mut st.layers[l])?;
+                x = self.last_row(x, n)?;
+                let at = Positions {
+                    positions: &positions[n - 1..],
+                    theta: c.rope_theta,
+                };
+                self.decoder_layer(&c.layers[l], lw, &mut x, at, &mut st.layers[l], None)?;
+                continue;
             }
             let rec = log.as_deref_mut().and_then(|g| g.gdn.get_mut(l));
             self.decoder_layer(
@@ -496,7 +523,7 @@ impl<B: Backend> Model<B> {
             }
         }
         let hidden = if want.hidden { Some(b.copy(&x)?) } else { None };
-        if want.last_only {
+        if want.last_only && !last_row_only {
             x = b.reshape(x, n, c.residual_dim())?;
             x = self.last_row(x, n)?;
         }
