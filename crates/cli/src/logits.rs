@@ -1,5 +1,5 @@
 //! `strata logits`: every position's logits for a prompt (token ids or text), written as a
-//! safetensors file with `logits` (f32, [positions, vocab]) and `input_ids` (i64, [positions]).
+//! safetensors file with `logits` (f32, `[positions, vocab]`) and `input_ids` (i64, `[positions]`).
 //! The whole prompt runs as one prefill, which gives the same bits as token-by-token decode.
 
 use std::path::PathBuf;

@@ -31,7 +31,7 @@ use crate::{FormatFns, GgmlType};
 
 /// Elements per super-block.
 pub const QK_K: usize = 256;
-/// Bytes of one Q8_K block: f32 d, i8 qs[256], i16 bsums[16].
+/// Bytes of one Q8_K block: f32 d, i8 qs\[256\], i16 bsums\[16\].
 pub const Q8K_BYTES: usize = 292;
 
 pub(crate) fn fns(ty: GgmlType) -> Option<FormatFns> {

@@ -13,7 +13,7 @@
 
 use crate::{DotFn, GgmlType, Isa};
 
-/// Every kernel for `ty` on `isa` that this CPU can run, named, the one [`dot`] hands out
+/// Every kernel for `ty` on `isa` that this CPU can run, named, the one `dot` hands out
 /// first; for tests and benchmarks that hold each variant to the scalar reference.
 pub fn variants(ty: GgmlType, isa: Isa) -> Vec<(&'static str, DotFn)> {
     #[cfg(target_arch = "x86_64")]

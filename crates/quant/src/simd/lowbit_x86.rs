@@ -16,7 +16,7 @@
 //! An AVX-512 CPU without VBMI gets the AVX2 kernel (the bits are the same). Single-thread
 //! speed, 4096-element rows: see the `q2_0_bench` test in `tests/fmt_lowbit.rs`.
 //!
-//! Multi-row kernels ([`dot_rows`]: one pass over a weight row for up to 8 activation rows,
+//! Multi-row kernels (`dot_rows`: one pass over a weight row for up to 8 activation rows,
 //! each row bitwise equal to the single-row kernel) are at the end of the file; their bench is
 //! `bench_dot_rows` in `tests/dot_rows.rs`.
 
