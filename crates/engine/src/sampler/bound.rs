@@ -250,8 +250,21 @@ impl Sampler {
                 None => Sampled::Token(argmax(logits)?),
             });
         }
-        let mut c = Candidates::from_logits(logits)?;
-        for (i, s) in stages.iter().enumerate() {
+        // When the first filter is a top-k, the candidate set after it is found on the edited
+        // logits directly (`Overlay::top_k`: the same set, order and bits) instead of building
+        // and selecting from the whole vocabulary.
+        let first_filter = stages.iter().position(|s| !s.is_edit());
+        let (mut c, from) = match first_filter.map(|f| (f, &stages[f])) {
+            Some((f, &Stage::TopK { k })) if k > 0 => {
+                let mut ov = Overlay::new(logits);
+                for (i, s) in stages[..f].iter().enumerate() {
+                    apply_edit(s, &self.bound.dry[i], ctx, cursor.as_ref(), &mut ov);
+                }
+                (ov.top_k(k)?, f + 1)
+            }
+            _ => (Candidates::from_logits(logits)?, 0),
+        };
+        for (i, s) in stages.iter().enumerate().skip(from) {
             if s.is_edit() {
                 apply_edit(
                     s,

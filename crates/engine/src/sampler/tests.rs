@@ -238,3 +238,81 @@ fn masked_and_bad_logits() {
     assert!(s.sample(&[f32::NEG_INFINITY; 3], &CTX).is_err());
     assert!(s.sample(&[0.0, f32::NAN], &CTX).is_err());
 }
+
+mod overlay_top_k {
+    use super::super::view::{CandidateEdit, LogitEdit, Overlay};
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Values with many ties, both zeros and both infinities.
+    fn value() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            (-6i32..6).prop_map(|v| v as f32 * 0.5),
+            Just(0.0f32),
+            Just(-0.0f32),
+            Just(f32::NEG_INFINITY),
+            Just(f32::INFINITY),
+            any::<f32>().prop_filter("finite", |v| v.is_finite()),
+        ]
+    }
+
+    /// The reference: every candidate built, the edits applied through the chain's own view,
+    /// the best `k` kept.
+    fn reference(base: &[f32], edits: &[(u32, f32)], k: usize) -> Result<Vec<(u32, u32)>> {
+        let mut c = Candidates::from_logits(base)?;
+        {
+            let mut e = CandidateEdit::new(&mut c);
+            for &(id, d) in edits {
+                e.edit(id, &mut |x| *x -= d);
+            }
+        }
+        c.keep_best(k);
+        Ok(c.items.iter().map(|x| (x.id, x.logit.to_bits())).collect())
+    }
+
+    fn fast(base: &[f32], edits: &[(u32, f32)], k: usize) -> Result<Vec<(u32, u32)>> {
+        let mut ov = Overlay::new(base);
+        for &(id, d) in edits {
+            ov.edit(id, &mut |x| *x -= d);
+        }
+        let c = ov.top_k(k)?;
+        assert!(c.sorted);
+        Ok(c.items.iter().map(|x| (x.id, x.logit.to_bits())).collect())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(600))]
+        /// `Overlay::top_k` keeps exactly the reference's candidates, in its order, with its
+        /// bits, for any k (below, at and above the vocabulary), repeated edits of one id,
+        /// edits that remove tokens (+∞ subtracted) and ties everywhere.
+        #[test]
+        fn top_k_equals_building_every_candidate(
+            base in prop::collection::vec(value(), 1..300),
+            edits in prop::collection::vec(
+                (0u32..320, prop_oneof![Just(f32::INFINITY), (-3i32..4).prop_map(|v| v as f32)]),
+                0..12,
+            ),
+            k in 1usize..320,
+        ) {
+            prop_assert_eq!(fast(&base, &edits, k).unwrap(), reference(&base, &edits, k).unwrap());
+        }
+
+        /// A NaN logit is the same error, naming the first NaN, edited or not.
+        #[test]
+        fn nan_is_the_same_error(
+            mut base in prop::collection::vec(value(), 1..100),
+            at in prop::collection::vec(0usize..100, 1..3),
+            edits in prop::collection::vec((0u32..100, -2i32..3), 0..5),
+            k in 1usize..50,
+        ) {
+            for &i in &at {
+                let i = i % base.len();
+                base[i] = f32::NAN;
+            }
+            let edits: Vec<(u32, f32)> = edits.into_iter().map(|(i, d)| (i, d as f32)).collect();
+            let a = fast(&base, &edits, k).unwrap_err().to_string();
+            let b = reference(&base, &edits, k).unwrap_err().to_string();
+            prop_assert_eq!(a, b);
+        }
+    }
+}

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use super::Candidates;
+use super::{canonical, Candidate, Candidates};
 use crate::error::{EngineError, Result};
 
 pub trait LogitEdit {
@@ -142,6 +142,105 @@ impl<'a> Overlay<'a> {
         Ok(best
             .filter(|&(_, l)| l > f32::NEG_INFINITY)
             .map(|(i, _)| i as u32))
+    }
+}
+
+impl Overlay<'_> {
+    /// The `k` best tokens after the edits (`k > 0`), in canonical order: the same set, order
+    /// and bits as building every candidate, applying the edits and keeping the best `k`
+    /// (`Candidates::from_logits` + `keep_best`), found without building them. Values below the
+    /// current k-th best are rejected 16 at a time; a NaN base logit is an error naming the
+    /// first one, as `from_logits` does.
+    pub fn top_k(mut self, k: usize) -> Result<Candidates> {
+        if self.base.is_empty() {
+            return Err(EngineError::Input("sampler: no logits".to_string()));
+        }
+        let k = k.max(1);
+        self.edits.sort_unstable_by_key(|e| e.0);
+        let nan = |i: usize| EngineError::Input(format!("sampler: logit of token {i} is NaN"));
+        let mut best = TopK::new(k);
+        let mut from = 0usize;
+        for &(id, v) in &self.edits {
+            let id = id as usize;
+            best.scan(&self.base[from..id], from).map_err(nan)?;
+            if self.base[id].is_nan() {
+                return Err(nan(id));
+            }
+            best.offer(Candidate {
+                id: id as u32,
+                logit: v,
+            });
+            from = id + 1;
+        }
+        best.scan(&self.base[from..], from).map_err(nan)?;
+        Ok(best.finish())
+    }
+}
+
+/// The `k` best candidates seen so far, kept in a buffer of up to `2k` that is cut back to the
+/// best `k` when full; `floor` is then the k-th best, and only a better candidate can enter.
+struct TopK {
+    k: usize,
+    buf: Vec<Candidate>,
+    floor: Option<Candidate>,
+}
+
+impl TopK {
+    fn new(k: usize) -> TopK {
+        TopK {
+            k,
+            buf: Vec::with_capacity(2 * k),
+            floor: None,
+        }
+    }
+
+    fn offer(&mut self, c: Candidate) {
+        if let Some(f) = &self.floor {
+            // Canonical order: higher logit (total order, so −0.0 < 0.0), then lower id.
+            if canonical(&c, f) != std::cmp::Ordering::Less {
+                return;
+            }
+        }
+        self.buf.push(c);
+        if self.buf.len() == 2 * self.k {
+            self.buf.select_nth_unstable_by(self.k - 1, canonical);
+            self.buf.truncate(self.k);
+            self.floor = Some(self.buf[self.k - 1]);
+        }
+    }
+
+    /// Offers `v[i]` as token `first + i`, in order; `Err(token)` at the first NaN.
+    fn scan(&mut self, v: &[f32], first: usize) -> std::result::Result<(), usize> {
+        const L: usize = 16;
+        for (ci, chunk) in v.chunks(L).enumerate() {
+            // `x < floor` is false for NaN and for values the floor does not exclude, so a
+            // chunk that holds neither is skipped whole (a comparison the compiler vectorizes).
+            if let Some(f) = self.floor {
+                if chunk.iter().fold(true, |all, &x| all & (x < f.logit)) {
+                    continue;
+                }
+            }
+            for (j, &x) in chunk.iter().enumerate() {
+                let id = first + ci * L + j;
+                if x.is_nan() {
+                    return Err(id);
+                }
+                self.offer(Candidate {
+                    id: id as u32,
+                    logit: x,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Candidates {
+        self.buf.sort_unstable_by(canonical);
+        self.buf.truncate(self.k);
+        Candidates {
+            items: self.buf,
+            sorted: true,
+        }
     }
 }
 
