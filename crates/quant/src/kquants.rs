@@ -288,12 +288,32 @@ fn q6_code(b: &[u8], e: usize) -> u8 {
     lo | (hi << 4)
 }
 
+/// Element `e` is `d · sc[e/16] · (q6_code(e) − 32)`, evaluated left to right as ggml does;
+/// the loop walks the layout in ggml's order (per 128-element half, 32 columns of four codes
+/// that share one `ql`/`qh` byte pair) so that each byte is read once and the columns
+/// vectorize. `q6_code` is the per-element definition it is tested against.
 fn dequantize_q6_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q6K_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let d = le_f16(b, 208);
-        for (e, o) in y.iter_mut().enumerate() {
-            let sc = b[192 + e / 16] as i8;
-            *o = d * sc as f32 * (q6_code(b, e) as i32 - 32) as f32;
+        let sc: [f32; 16] = std::array::from_fn(|i| d * b[192 + i] as i8 as f32);
+        for half in 0..2 {
+            let ql = &b[64 * half..64 * half + 64];
+            let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+            let y = &mut y[128 * half..128 * half + 128];
+            let sc = &sc[8 * half..8 * half + 8];
+            for l in 0..32 {
+                let (lo0, lo1, h) = (ql[l], ql[32 + l], qh[l]);
+                let q = [
+                    (lo0 & 0xF) | ((h & 3) << 4),
+                    (lo1 & 0xF) | (((h >> 2) & 3) << 4),
+                    (lo0 >> 4) | (((h >> 4) & 3) << 4),
+                    (lo1 >> 4) | (((h >> 6) & 3) << 4),
+                ];
+                for (quarter, &q) in q.iter().enumerate() {
+                    let e = 32 * quarter + l;
+                    y[e] = sc[e / 16] * (q as i32 - 32) as f32;
+                }
+            }
         }
     }
 }
@@ -922,4 +942,40 @@ fn dot_q6_k(_n: usize, w: &[u8], x: &[u8]) -> f32 {
         fold_lanes(&mut acc, q8k_d(y) * le_f16(b, 208), &il);
     }
     reduce8(acc)
+}
+
+#[cfg(test)]
+mod q6_k_layout_tests {
+    use super::*;
+
+    /// The structured Q6_K dequantizer equals the per-element definition (`q6_code`, the
+    /// reading of the block layout the dot reference uses) bit for bit on random blocks.
+    #[test]
+    fn dequantize_q6_k_equals_the_per_element_definition() {
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut b = vec![0u8; 4 * Q6K_BYTES];
+        for x in b.iter_mut() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            *x = (s >> 32) as u8;
+        }
+        for blk in b.chunks_exact_mut(Q6K_BYTES) {
+            blk[208..210].copy_from_slice(&0x3555u16.to_le_bytes()); // a finite f16 scale
+        }
+        let mut got = vec![0f32; 4 * QK_K];
+        dequantize_q6_k(&b, &mut got);
+        for (k, blk) in b.chunks_exact(Q6K_BYTES).enumerate() {
+            let d = le_f16(blk, 208);
+            for e in 0..QK_K {
+                let sc = blk[192 + e / 16] as i8;
+                let want = d * sc as f32 * (q6_code(blk, e) as i32 - 32) as f32;
+                assert_eq!(
+                    got[k * QK_K + e].to_bits(),
+                    want.to_bits(),
+                    "block {k} element {e}"
+                );
+            }
+        }
+    }
 }
