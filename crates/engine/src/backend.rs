@@ -190,6 +190,16 @@ pub trait Backend: Send + Sync {
     fn truncate_rows(&self, dst: &mut Self::Buf, rows: usize) -> Result<()>;
     /// Columns `[start, start + len)` of every row.
     fn slice_cols(&self, x: &Self::Buf, start: usize, len: usize) -> Result<Self::Buf>;
+    /// The last row as a buffer of its own (`x` itself when it has at most one row): the batch
+    /// viewed as one long row, sliced.
+    fn last_row(&self, x: Self::Buf) -> Result<Self::Buf> {
+        let (n, cols) = (x.rows(), x.cols());
+        if n <= 1 {
+            return Ok(x);
+        }
+        let flat = self.reshape(x, 1, n * cols)?;
+        self.slice_cols(&flat, (n - 1) * cols, cols)
+    }
     /// Split rows laid out as repeated `[part 0 (chunk) | part 1 (chunk) | ...]` into the parts
     /// (the per-head `[q | gate]` interleave of `attn_q`).
     fn deinterleave(&self, x: &Self::Buf, chunk: usize, parts: usize) -> Result<Vec<Self::Buf>>;

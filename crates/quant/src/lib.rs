@@ -98,13 +98,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
 /// Quantize `src` into `dst` (ggml's reference quantizer for `ty`, bit-exact where ggml is
 /// deterministic; for Q8_0/Q8_1/Q8_K the activation quantizers of the CPU backend).
 pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
-    check_bytes(ty, src.len(), dst.len(), "destination")?;
-    let f = format_fns(ty).quantize.ok_or(QuantError::Unsupported {
-        ty,
-        what: "quantize",
-    })?;
-    f(src, dst);
-    Ok(())
+    quantize_isa(ty, Isa::Scalar, src, dst)
 }
 
 /// The quantizer of `quantize(ty, ..)` on `isa`: a SIMD version where there is one (Q8_0

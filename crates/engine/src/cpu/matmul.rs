@@ -49,16 +49,16 @@ pub(crate) fn prepare(
     if xty == GgmlType::F32 {
         bytes.copy_from_slice(bytemuck::cast_slice(x));
     } else {
-        let quantize_row =
-            |(src, dst): (&[f32], &mut [u8])| strata_quant::quantize_isa(xty, isa, src, dst);
+        // Looked up once; every row is `k` values into `row_bytes` bytes (checked above).
+        let quantize_row = strata_quant::quantize_fn(xty, isa).ok_or_else(|| {
+            EngineError::shape("matmul", format!("{name}: {xty} has no quantizer"))
+        })?;
         if n > 1 {
             x.par_chunks(k)
                 .zip(bytes.par_chunks_mut(row_bytes))
-                .try_for_each(quantize_row)?;
+                .for_each(|(src, dst)| quantize_row(src, dst));
         } else {
-            x.chunks(k)
-                .zip(bytes.chunks_mut(row_bytes))
-                .try_for_each(quantize_row)?;
+            quantize_row(x, &mut bytes);
         }
     }
     Ok(Prepared {

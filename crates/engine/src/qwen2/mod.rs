@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use strata_gguf::GgufFile;
 
-use crate::backend::{Backend, DeviceBuf};
+use crate::backend::Backend;
 use crate::error::{EngineError, Result};
 
 pub use config::{Config, LoadOptions, ARCH};
@@ -235,18 +235,14 @@ impl<B: Backend> Model<B> {
                 b.truncate_rows(&mut before, n - 1)?;
                 let h = b.rms_norm(&before, &lw.attn_norm, self.config.n_embd, self.config.eps)?;
                 self.store_kv(lw, &h, &positions[..n - 1], cache)?;
-                let cols = x.cols();
-                let flat = b.reshape(x, 1, n * cols)?;
-                x = b.slice_cols(&flat, (n - 1) * cols, cols)?;
+                x = b.last_row(x)?;
                 self.decoder_layer(lw, &mut x, &positions[n - 1..], cache)?;
             } else {
                 self.decoder_layer(lw, &mut x, positions, cache)?;
             }
         }
-        if last_only && x.rows() > 1 {
-            let cols = x.cols();
-            let flat = b.reshape(x, 1, n * cols)?;
-            x = b.slice_cols(&flat, (n - 1) * cols, cols)?;
+        if last_only {
+            x = b.last_row(x)?;
         }
         let logits = self.lm_head(&x)?;
         b.download(&logits)

@@ -490,20 +490,12 @@ impl<B: Backend> Model<B> {
                 self.ple_block(pw, rows, &mut x, st.ple_conv.as_mut(), rec)?;
             }
             if last_row_only && l == last_layer {
-                x = b.reshape(x, n, c.residual_dim())?;
-                let mut before = b.copy(&x)?;
-                b.truncate_rows(&mut before, n - 1)?;
                 let at = Positions {
-                    positions: &positions[..n - 1],
+                    positions,
                     theta: c.rope_theta,
                 };
-                self.attention_cache_only(&c.layers[l], lw, &before, at, &mut st.layers[l])?;
-                x = self.last_row(x, n)?;
-                let at = Positions {
-                    positions: &positions[n - 1..],
-                    theta: c.rope_theta,
-                };
-                self.decoder_layer(&c.layers[l], lw, &mut x, at, &mut st.layers[l], None)?;
+                let rows = b.reshape(x, n, c.residual_dim())?;
+                x = self.attention_layer_last_row(&c.layers[l], lw, rows, at, &mut st.layers[l])?;
                 continue;
             }
             let rec = log.as_deref_mut().and_then(|g| g.gdn.get_mut(l));
@@ -525,7 +517,7 @@ impl<B: Backend> Model<B> {
         let hidden = if want.hidden { Some(b.copy(&x)?) } else { None };
         if want.last_only && !last_row_only {
             x = b.reshape(x, n, c.residual_dim())?;
-            x = self.last_row(x, n)?;
+            x = self.backend.last_row(x)?;
         }
         let logits = self.lm_head(&x)?;
         Ok(DevOutputs {
@@ -533,14 +525,6 @@ impl<B: Backend> Model<B> {
             hidden,
             layer_out,
         })
-    }
-
-    fn last_row(&self, x: B::Buf, n: usize) -> Result<B::Buf> {
-        let b = &self.backend;
-        let cols = x.cols();
-        // The last row as a buffer of its own: view the batch as one long row and slice it.
-        let flat = b.reshape(x, 1, n * cols)?;
-        b.slice_cols(&flat, (n - 1) * cols, cols)
     }
 
     /// One decoder layer: token mixer and MoE, each behind a hyper-connection mix and combine.
@@ -782,10 +766,39 @@ impl<B: Backend> Model<B> {
         b.qsa_select(&qi, &cache.blocks, positions, sel)
     }
 
-    /// An attention layer's cache writes for `x`'s rows and nothing else: what the rows before
-    /// the last of an MTP catch-up need, since no one reads their outputs. The caches end up
+    /// One attention layer over `x`'s rows (n > 1) when only the last row's output is read
+    /// (a last-logits prefill, an MTP catch-up): the rows before the last only write the
+    /// layer's caches, the last runs the whole layer. Returns the last row after the layer;
+    /// the caches and that row are the bits of [`Self::decoder_layer`] over every row.
+    pub(crate) fn attention_layer_last_row(
+        &self,
+        kind: &LayerKind,
+        lw: &LayerW<B::Weight>,
+        x: B::Buf,
+        at: Positions<'_>,
+        st: &mut LayerState<B>,
+    ) -> Result<B::Buf> {
+        let b = &self.backend;
+        let n = x.rows();
+        let mut before = b.copy(&x)?;
+        b.truncate_rows(&mut before, n - 1)?;
+        let head = Positions {
+            positions: &at.positions[..n - 1],
+            theta: at.theta,
+        };
+        self.attention_cache_only(kind, lw, &before, head, st)?;
+        let mut last = b.last_row(x)?;
+        let tail = Positions {
+            positions: &at.positions[n - 1..],
+            theta: at.theta,
+        };
+        self.decoder_layer(kind, lw, &mut last, tail, st, None)?;
+        Ok(last)
+    }
+
+    /// An attention layer's cache writes for `x`'s rows and nothing else. The caches end up
     /// exactly as after [`Self::decoder_layer`] over the same rows.
-    pub(crate) fn attention_cache_only(
+    fn attention_cache_only(
         &self,
         kind: &LayerKind,
         lw: &LayerW<B::Weight>,

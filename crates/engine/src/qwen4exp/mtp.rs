@@ -377,26 +377,13 @@ impl<B: Backend> Model<B> {
         // With `last_only`, the rows before the last only leave their keys in the layer's
         // caches (no one reads their outputs); the last row then runs the whole layer. Each
         // row's cache entries and the last row's outputs are the bits of the full batch.
-        let (mut x, positions) = if last_only && n > 1 {
-            let mut before = b.copy(&x)?;
-            b.truncate_rows(&mut before, n - 1)?;
-            let at = Positions {
-                positions: &positions[..n - 1],
-                theta,
-            };
-            self.attention_cache_only(&kind, &head.layer, &before, at, &mut st.layer)?;
-            (self.last_row(x, n)?, &positions[n - 1..])
+        let at = Positions { positions, theta };
+        let x = if last_only && n > 1 {
+            self.attention_layer_last_row(&kind, &head.layer, x, at, &mut st.layer)?
         } else {
-            (x, positions)
+            self.decoder_layer(&kind, &head.layer, &mut x, at, &mut st.layer, None)?;
+            x
         };
-        self.decoder_layer(
-            &kind,
-            &head.layer,
-            &mut x,
-            Positions { positions, theta },
-            &mut st.layer,
-            None,
-        )?;
         let hidden_out = b.copy(&x)?;
         let (mixed, _) = self.hc_mix(&head.output_hc, &x)?;
         let out = head.output.as_ref().unwrap_or(&self.weights.output);

@@ -24,7 +24,7 @@ pub mod guarded;
 
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, DeviceBuf};
+use crate::backend::Backend;
 use crate::error::{EngineError, Result};
 use crate::qwen4exp::mtp::MtpState;
 use crate::qwen4exp::{Model, ReplayLog, State, Want};
@@ -482,14 +482,7 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
             .model
             .mtp_forward_dev(mtp, &c.hidden, &c.next, true, rows)?;
         let b = self.model.backend();
-        let n = hidden.rows();
-        let hidden = if n > 1 {
-            let cols = hidden.cols();
-            let flat = b.reshape(hidden, 1, n * cols)?;
-            b.slice_cols(&flat, (n - 1) * cols, cols)?
-        } else {
-            hidden
-        };
+        let hidden = b.last_row(hidden)?;
         self.next_draft = Some(NextDraft {
             hidden,
             logits: b.download(&logits)?,
