@@ -1,13 +1,13 @@
 //! `strata convert-mtp`: the MTP head (`mtp.*`) of a qwen4_exp Hugging Face checkpoint as a
 //! small GGUF that `--mtp` loads beside the trunk GGUF (published trunk GGUFs carry no head).
-//! The conversion itself lives in the engine (`qwen4exp::mtp_convert`); docs/MTP-GGUF.md has
+//! The conversion itself lives in the `strata-convert` crate; docs/MTP-GGUF.md has
 //! the layout.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use strata_engine::qwen4exp::mtp_convert::{convert_mtp, ConvertOptions, OutType};
+use strata_convert::{convert_mtp, ConvertOptions, OutType};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use strata_engine::spec::DraftVocab;
+use strata_engine::speculative::DraftVocab;
 use strata_gguf::GgufFile;
 use strata_tokenizer::Tokenizer;
 

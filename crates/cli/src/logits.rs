@@ -95,6 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             qsa_rule: args.qsa_rule,
             qsa_ratio: args.qsa_ratio,
             kv_type: args.kv_type,
+            ..LoadOptions::default()
         };
         let mut model = Model::from_file(file, backend, &opts)
             .with_context(|| format!("loading {}", args.model.display()))?;

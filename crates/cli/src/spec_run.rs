@@ -15,7 +15,7 @@ use serde_json::json;
 use strata_engine::generate::StopReason;
 use strata_engine::qwen4exp::{LoadOptions, Model, Want};
 use strata_engine::sampler::guard::GuardStop;
-use strata_engine::spec::{self, DraftHook, DraftVocab, SpecConfig, SpecDecoder, SpecStats};
+use strata_engine::speculative::{self, DraftHook, DraftVocab, SpecConfig, SpecDecoder, SpecStats};
 use strata_engine::CpuBackend;
 use strata_gguf::GgufFile;
 use strata_tokenizer::{StreamDecoder, Tokenizer};
@@ -147,7 +147,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     let mut dec = SpecDecoder::new(&model, cfg)?;
     let mut tok_err = None;
     let t1 = Instant::now();
-    let generated = spec::guarded::generate(
+    let generated = speculative::guarded::generate(
         &mut dec,
         &prompt,
         &mut sampler,

@@ -1,7 +1,23 @@
 //! The backend boundary (DESIGN.md §2.1): the operations model code is written against, over
-//! device-resident buffers. Model code never sees a device buffer's memory; it only moves host
-//! data that is host data by nature (token ids, positions, n-gram row ids) across the boundary,
-//! and reads results back with [`Backend::download`].
+//! device-resident buffers. Model code never sees a device buffer's memory; host data that is
+//! host data by nature (token ids, positions, n-gram row ids, draft rows) enters once per step
+//! as device inputs ([`StepInputs`], [`Backend::upload_ids`]), and results come back with
+//! [`Backend::download`] after the step.
+//!
+//! **Capturable steps.** A forward pass runs inside [`Backend::step`], keyed by its shape. Inside
+//! a step nothing is read back to the host and the host's control flow depends only on the key,
+//! so a GPU backend can capture the step once and replay it with only its inputs rewritten:
+//! - caches are fixed-capacity [`RowStore`]s written at device-given positions
+//!   ([`Backend::write_rows`]); truncation sets a length on the host and moves no data;
+//! - recurrent states (GDN, conv histories) are fixed-size buffers updated in place, and
+//!   checkpoints are pre-allocated buffers filled with [`Backend::copy_into`];
+//! - temporaries are whatever the operations return: a backend that captures serves them from a
+//!   per-step arena, whose addresses repeat for the same key because the model allocates the same
+//!   sequence of buffers for the same shape.
+//!
+//! **Two layers.** This trait holds the core operations every model uses; a model family's own
+//! operations live beside the model (`qwen4exp::ops::Qwen4expOps`), so a backend implements the
+//! core once and each family's operations where it has kernels for them.
 //!
 //! The operations sit at the granularity of the spec's blocks (and of the report's kernels), so a
 //! backend may fuse freely inside one. Every operation works on a batch of rows (tokens) and must
@@ -19,6 +35,200 @@ use crate::error::{EngineError, Result};
 pub trait DeviceBuf: Send + Sync {
     fn rows(&self) -> usize;
     fn cols(&self) -> usize;
+}
+
+/// A vector of u32 on the device: a step's token ids, positions, n-gram rows or draft rows.
+pub trait DeviceIds: Send + Sync {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What a step is, for a backend that captures steps: host control flow inside a step depends
+/// on nothing else, so one capture per key can be replayed for every step with the same key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StepKey {
+    pub kind: StepKind,
+    /// Rows (tokens) of the step.
+    pub rows: usize,
+    /// What the step returns or keeps besides its state updates (a model-defined bit set: the
+    /// same rows with other outputs run different operations).
+    pub outputs: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StepKind {
+    /// The trunk over a prefill chunk, a decode token or a verify window.
+    Forward,
+    /// The MTP head over draft positions (a draft step or a catch-up).
+    Draft,
+    /// Re-running logged recurrences over the kept rows of a verify window.
+    Replay,
+}
+
+/// A fixed-capacity cache of rows (K, V, raw indexer keys, pooled blocks): `cap` rows reserved
+/// at creation, rows written at device-given positions, `len` the rows that are valid. Rolling
+/// back sets `len`; no data moves and the buffer's address never changes.
+pub struct RowStore<B: Backend + ?Sized> {
+    pub buf: B::Buf,
+    cap: usize,
+    len: usize,
+    what: &'static str,
+}
+
+impl<B: Backend + ?Sized> RowStore<B> {
+    /// A store of `cap` rows of `cols` values, none valid yet (`what` names it in errors).
+    pub fn new(b: &B, what: &'static str, cap: usize, cols: usize) -> Result<Self> {
+        Ok(RowStore {
+            buf: b.store(cap, cols)?,
+            cap,
+            len: 0,
+            what,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Refuses, before a step runs, a step that would write past the capacity.
+    pub fn check_room(&self, end: usize) -> Result<()> {
+        if end > self.cap {
+            return Err(EngineError::ContextFull {
+                what: self.what,
+                needed: end,
+                capacity: self.cap,
+            });
+        }
+        Ok(())
+    }
+
+    /// Marks rows `0..len` valid (after a step wrote them, or to roll back).
+    pub fn set_len(&mut self, len: usize) -> Result<()> {
+        self.check_room(len)?;
+        self.len = len;
+        Ok(())
+    }
+}
+
+/// A step's integer inputs, uploaded once before the step: the token ids, their positions, and
+/// for each QSA block size the blocks the rows complete ([`Blocks`]). Model-specific inputs
+/// (n-gram rows, draft rows) are uploaded beside it.
+pub struct StepInputs<B: Backend + ?Sized> {
+    pub tokens: B::Ids,
+    pub positions: B::Ids,
+    blocks: Vec<(usize, Blocks<B>)>,
+    /// Host copies of the positions (host data by nature: the controller chose them).
+    host_positions: Vec<u32>,
+}
+
+impl<B: Backend + ?Sized> StepInputs<B> {
+    /// Inputs for `tokens` at positions `start..`, with block starts for each of `ratios`.
+    pub fn new(b: &B, tokens: &[u32], start: usize, ratios: &[usize]) -> Result<Self> {
+        let host_positions: Vec<u32> = (start..start + tokens.len())
+            .map(|p| {
+                u32::try_from(p)
+                    .map_err(|_| EngineError::Input(format!("position {p} is too large")))
+            })
+            .collect::<Result<_>>()?;
+        let mut blocks: Vec<(usize, Blocks<B>)> = Vec::new();
+        for &r in ratios {
+            if r == 0 || blocks.iter().any(|(q, _)| *q == r) {
+                continue;
+            }
+            blocks.push((r, Blocks::new(b, &host_positions, r)?));
+        }
+        Ok(StepInputs {
+            tokens: b.upload_ids(tokens)?,
+            positions: b.upload_ids(&host_positions)?,
+            blocks,
+            host_positions,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.host_positions.len()
+    }
+
+    /// Rows `start..start + len` of these inputs (device views where the backend has them: a
+    /// step that splits its rows stays capturable).
+    pub fn range(&self, b: &B, start: usize, len: usize) -> Result<Self> {
+        let host_positions = self
+            .host_positions
+            .get(start..start + len)
+            .ok_or_else(|| {
+                EngineError::shape(
+                    "step inputs",
+                    format!("rows {start}..{} of {}", start + len, self.rows()),
+                )
+            })?
+            .to_vec();
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|(r, blk)| {
+                Ok((
+                    *r,
+                    Blocks {
+                        starts: b.ids_range(&blk.starts, start, len)?,
+                        slots: b.ids_range(&blk.slots, start, len)?,
+                    },
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(StepInputs {
+            tokens: b.ids_range(&self.tokens, start, len)?,
+            positions: b.ids_range(&self.positions, start, len)?,
+            blocks,
+            host_positions,
+        })
+    }
+
+    /// The blocks of `ratio` tokens that the rows complete.
+    pub fn blocks(&self, ratio: usize) -> Result<&Blocks<B>> {
+        self.blocks
+            .iter()
+            .find(|(r, _)| *r == ratio)
+            .map(|(_, blk)| blk)
+            .ok_or_else(|| EngineError::shape("step inputs", format!("no blocks of {ratio}")))
+    }
+
+    pub fn host_positions(&self) -> &[u32] {
+        &self.host_positions
+    }
+}
+
+/// Where a step's rows complete pooled blocks of `ratio` tokens: per row, the first position of
+/// the row's block (the block is rotated there) and the block's slot in the pooled store, or
+/// `u32::MAX` when the row completes no block. Host data: it follows from the positions.
+pub struct Blocks<B: Backend + ?Sized> {
+    pub starts: B::Ids,
+    pub slots: B::Ids,
+}
+
+impl<B: Backend + ?Sized> Blocks<B> {
+    fn new(b: &B, positions: &[u32], ratio: usize) -> Result<Self> {
+        let r = u32::try_from(ratio)
+            .map_err(|_| EngineError::Input(format!("block size {ratio} is too large")))?;
+        let starts: Vec<u32> = positions.iter().map(|&p| p - p % r).collect();
+        let slots: Vec<u32> = positions
+            .iter()
+            .map(|&p| if (p + 1) % r == 0 { p / r } else { u32::MAX })
+            .collect();
+        Ok(Blocks {
+            starts: b.upload_ids(&starts)?,
+            slots: b.upload_ids(&slots)?,
+        })
+    }
 }
 
 /// A weight tensor on the device, kept in its file format.
@@ -50,41 +260,6 @@ impl Usage {
     }
 }
 
-/// Geometry of a Gated DeltaNet layer (GGUF order: value heads tiled, head `h` uses key head
-/// `h % n_k_heads`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GdnDims {
-    pub n_k_heads: usize,
-    pub n_v_heads: usize,
-    pub head_k: usize,
-    pub head_v: usize,
-    pub conv_kernel: usize,
-}
-
-impl GdnDims {
-    pub fn key_dim(&self) -> usize {
-        self.n_k_heads * self.head_k
-    }
-    pub fn value_dim(&self) -> usize {
-        self.n_v_heads * self.head_v
-    }
-    pub fn conv_dim(&self) -> usize {
-        2 * self.key_dim() + self.value_dim()
-    }
-}
-
-/// The per-head weights and constants a GDN step reads besides its projections.
-pub struct GdnParams<'a, W> {
-    /// `ssm_a` = −exp(A_log), one per value head.
-    pub a: &'a W,
-    /// `ssm_dt.bias`, one per value head.
-    pub dt_bias: &'a W,
-    /// Gated output norm weight (plain `w`), `head_v` values.
-    pub norm: &'a W,
-    pub dims: GdnDims,
-    pub eps: f32,
-}
-
 /// Attention geometry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnDims {
@@ -114,49 +289,6 @@ impl std::str::FromStr for KvType {
     }
 }
 
-/// Which tokens a QSA query attends to (DESIGN.md §3: the reference rule is the default).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum QsaRule {
-    /// transformers / vLLM: the top `budget / ratio` complete blocks plus the incomplete tail.
-    #[default]
-    Reference,
-    /// llama.cpp 0c1e570: every visible token takes its block's score, tail tokens +1e9, top
-    /// `min(visible, budget + ratio − 1)` tokens by `std::partial_sort`.
-    LlamaCpp,
-}
-
-impl std::str::FromStr for QsaRule {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "reference" => Ok(QsaRule::Reference),
-            "llamacpp" | "llama.cpp" => Ok(QsaRule::LlamaCpp),
-            _ => Err(format!(
-                "unknown QSA rule '{s}'; expected 'reference' or 'llamacpp'"
-            )),
-        }
-    }
-}
-
-/// How one QSA layer selects: block size, budget in tokens, rule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct QsaSelect {
-    pub ratio: usize,
-    pub budget: usize,
-    pub rule: QsaRule,
-}
-
-/// The four matrices of a hyper-connection module (the final mixer has no inject).
-pub struct HcWeights<'a, W> {
-    /// Grouped norm weight, `S·H` values, (1 + w) already folded by the converter.
-    pub norm: &'a W,
-    pub down: &'a W,
-    pub up: &'a W,
-    pub inject: Option<&'a W>,
-    pub streams: usize,
-    pub eps: f32,
-}
-
 /// The routed experts of one MoE layer: 3-D stacks, one `[rows, row_len]` slab per expert.
 pub struct ExpertWeights<'a, W> {
     pub gate: &'a W,
@@ -164,14 +296,14 @@ pub struct ExpertWeights<'a, W> {
     pub down: &'a W,
 }
 
-/// The device operations of one forward step.
+/// The core device operations: memory, steps, and the operations every model uses. A model
+/// family's own operations are a trait beside the model (`qwen4exp::ops::Qwen4expOps`).
 pub trait Backend: Send + Sync {
     type Buf: DeviceBuf;
     type Weight: DeviceWeight;
+    type Ids: DeviceIds;
     /// Router decisions: per row, `(expert, weight)` in rank order.
     type Routes: Send + Sync;
-    /// QSA decisions: per row, the attended token positions.
-    type Selection: Send + Sync;
 
     fn name(&self) -> &'static str;
     fn supports(&self, ty: GgmlType, usage: Usage) -> bool;
@@ -179,14 +311,26 @@ pub trait Backend: Send + Sync {
     /// Make one tensor of the file device-resident (the file stays open while weights live).
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> Result<Self::Weight>;
 
-    // ---- buffers
+    // ---- memory
     fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Buf>;
+    /// The buffer of a [`RowStore`]: `cap` rows of `cols` that [`Backend::write_rows`] fills. A
+    /// backend may commit memory lazily (the CPU grows it as rows are written), but the rows
+    /// it returns stay where they are.
+    fn store(&self, cap: usize, cols: usize) -> Result<Self::Buf> {
+        self.zeros(cap, cols)
+    }
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Buf>;
+    fn upload_ids(&self, ids: &[u32]) -> Result<Self::Ids>;
+    /// Entries `start..start + len` of `ids` (a view where the device allows one).
+    fn ids_range(&self, ids: &Self::Ids, start: usize, len: usize) -> Result<Self::Ids>;
     fn download(&self, x: &Self::Buf) -> Result<Vec<f32>>;
+    fn download_ids(&self, ids: &Self::Ids) -> Result<Vec<u32>>;
     fn copy(&self, x: &Self::Buf) -> Result<Self::Buf>;
+    /// `dst = src` (same shape): fills a pre-allocated checkpoint or restores from one.
+    fn copy_into(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
     /// Same elements, new row length (`rows·cols` unchanged).
     fn reshape(&self, x: Self::Buf, rows: usize, cols: usize) -> Result<Self::Buf>;
-    fn append_rows(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
+    /// The first `rows` rows of `x` (a temporary; stores are never truncated, see [`RowStore`]).
     fn truncate_rows(&self, dst: &mut Self::Buf, rows: usize) -> Result<()>;
     /// Columns `[start, start + len)` of every row.
     fn slice_cols(&self, x: &Self::Buf, start: usize, len: usize) -> Result<Self::Buf>;
@@ -203,12 +347,34 @@ pub trait Backend: Send + Sync {
     /// Split rows laid out as repeated `[part 0 (chunk) | part 1 (chunk) | ...]` into the parts
     /// (the per-head `[q | gate]` interleave of `attn_q`).
     fn deinterleave(&self, x: &Self::Buf, chunk: usize, parts: usize) -> Result<Vec<Self::Buf>>;
-    fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
+    /// Row `r` of `x` into row `at[r]` of a store's buffer; rows with `at[r]` = `u32::MAX` are
+    /// skipped (a step's rows that complete no pooled block).
+    fn write_rows(&self, store: &mut Self::Buf, x: &Self::Buf, at: &Self::Ids) -> Result<()>;
+    /// [`Backend::write_rows`] of key or value rows into a dense cache, stored at the cache's
+    /// precision (F16 rounds them once here, as an F16 cache holds them).
+    fn write_kv(
+        &self,
+        cache: &mut Self::Buf,
+        x: &Self::Buf,
+        at: &Self::Ids,
+        kv: KvType,
+    ) -> Result<()>;
 
-    // ---- the spec's blocks
+    /// Runs `f`, the body of one step (a forward pass, a draft step, a replay), keyed by its
+    /// shape. The CPU runs it inside its thread pool (the operations inside do not each hand
+    /// their work to the pool and sleep until it is done); a capturing backend records the body
+    /// once per key and replays it; a re-encoding backend encodes it into one command stream.
+    fn step<R: Send>(&self, key: StepKey, f: impl FnOnce() -> R + Send) -> R {
+        let _ = key;
+        f()
+    }
+
+    // ---- operations
+    fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
     /// Embedding rows of `ids`, dequantized from any format, each repeated `copies` times along
     /// the row (the hyper-connection streams start as copies of the embedding).
-    fn embed_rows(&self, table: &Self::Weight, ids: &[u32], copies: usize) -> Result<Self::Buf>;
+    fn embed_rows(&self, table: &Self::Weight, ids: &Self::Ids, copies: usize)
+        -> Result<Self::Buf>;
     /// `y = W·x` per row; each activation row is quantized to the weight's `vec_dot_type` first.
     fn matmul(&self, w: &Self::Weight, x: &Self::Buf) -> Result<Self::Buf>;
     /// `[W_0·x, W_1·x, …]`: several products of one input, each bit-identical to `matmul(W_i,
@@ -228,7 +394,7 @@ pub trait Backend: Send + Sync {
     }
     /// `matmul` restricted to the weight rows `rows` (output column `i` is row `rows[i]`), each
     /// entry bit-identical to the full product's: the draft vocabulary's rows of the LM head.
-    fn matmul_rows(&self, w: &Self::Weight, rows: &[u32], x: &Self::Buf) -> Result<Self::Buf>;
+    fn matmul_rows(&self, w: &Self::Weight, rows: &Self::Ids, x: &Self::Buf) -> Result<Self::Buf>;
     /// RMS norm over groups of `group` columns, then × `w` (either `cols` values, or `group`
     /// values broadcast over the groups, as for per-head norms).
     fn rms_norm(
@@ -245,66 +411,8 @@ pub trait Backend: Send + Sync {
         head_dim: usize,
         rot: usize,
         theta: f32,
-        positions: &[u32],
+        positions: &Self::Ids,
     ) -> Result<()>;
-    /// GatedResidual mix: the block input `u` and, when `hc.inject` is present, the stream
-    /// weights `inj` (`2σ(W_inject·Xn / S)`).
-    fn hc_mix(
-        &self,
-        hc: &HcWeights<'_, Self::Weight>,
-        x: &Self::Buf,
-    ) -> Result<(Self::Buf, Option<Self::Buf>)>;
-    /// `X_s += inj_s · y` for every stream.
-    fn hc_combine(&self, x: &mut Self::Buf, y: &Self::Buf, inj: &Self::Buf) -> Result<()>;
-    /// Causal depthwise conv over rows (kernel `w` is `[channels, K]`, tap K−1 on the current
-    /// row, taps `dilation` rows apart) continuing from `history` (the last `(K−1)·dilation`
-    /// input rows, updated), then silu.
-    fn conv1d_silu(
-        &self,
-        x: &Self::Buf,
-        w: &Self::Weight,
-        history: &mut Self::Buf,
-        dilation: usize,
-    ) -> Result<Self::Buf>;
-    /// Gated DeltaNet recurrence over the rows in order, from the convolved `[q | k | v]` rows,
-    /// the gate `z` and the `a`/`b` projections; returns the gated-norm output (value dim).
-    fn gdn_step(
-        &self,
-        p: &GdnParams<'_, Self::Weight>,
-        qkv: &Self::Buf,
-        z: &Self::Buf,
-        a: &Self::Buf,
-        b: &Self::Buf,
-        state: &mut Self::Buf,
-    ) -> Result<Self::Buf>;
-    /// Mean of `ratio` consecutive raw indexer keys for blocks `first..first + count`.
-    fn qsa_pool_blocks(
-        &self,
-        kraw: &Self::Buf,
-        first: usize,
-        count: usize,
-        ratio: usize,
-    ) -> Result<Self::Buf>;
-    /// Block scores `Σ_h relu(<q_h, kb_b>) / sqrt(d)` and the attended tokens of each query row.
-    fn qsa_select(
-        &self,
-        qi: &Self::Buf,
-        blocks: &Self::Buf,
-        positions: &[u32],
-        sel: QsaSelect,
-    ) -> Result<Self::Selection>;
-    /// Dense causal selection (an attention layer without an indexer).
-    fn select_causal(&self, positions: &[u32]) -> Result<Self::Selection>;
-    /// Softmax attention of each query row over its selected cached keys/values (GQA).
-    fn attend(
-        &self,
-        q: &Self::Buf,
-        k_cache: &Self::Buf,
-        v_cache: &Self::Buf,
-        sel: &Self::Selection,
-        dims: AttnDims,
-        kv: KvType,
-    ) -> Result<Self::Buf>;
     /// `x ⊙ σ(gate)`.
     fn mul_sigmoid(&self, x: &Self::Buf, gate: &Self::Buf) -> Result<Self::Buf>;
     /// Router body: fp32 softmax over the logits, top-k (ties to the lower index), renormalised.
@@ -320,36 +428,18 @@ pub trait Backend: Send + Sync {
     fn swiglu(&self, g: &Self::Buf, u: &Self::Buf) -> Result<Self::Buf>;
     /// `y += σ(gate) · x`, `gate` one column per row.
     fn add_sigmoid_gated(&self, y: &mut Self::Buf, x: &Self::Buf, gate: &Self::Buf) -> Result<()>;
-    /// PLE gate: per stream `γ_s = σ(sign(z)·sqrt(max(|z|, 1e-6)))` with `z = <K_s, Q_s>/sqrt(H)`,
-    /// returns `[γ_0·V, …, γ_{S−1}·V]`.
-    fn ple_gate(
-        &self,
-        k: &Self::Buf,
-        q: &Self::Buf,
-        v: &Self::Buf,
-        streams: usize,
-    ) -> Result<Self::Buf>;
     /// `x[r] += b` for every row: a projection's bias (`b` has `cols` values).
     fn add_bias(&self, x: &mut Self::Buf, b: &Self::Weight) -> Result<()>;
-    /// Appends key or value rows to a dense cache, stored at the cache's precision (F16 rounds
-    /// them once here, as an F16 cache holds them).
-    fn append_kv(&self, cache: &mut Self::Buf, x: &Self::Buf, kv: KvType) -> Result<()>;
     /// Dense causal softmax attention (GQA): query row `r` attends to cache rows
-    /// `0..=positions[r]`, which `append_kv` wrote at precision `kv` (with F16 the query and the
+    /// `0..=positions[r]`, which `write_kv` wrote at precision `kv` (with F16 the query and the
     /// probabilities take F16 values too).
     fn attend_causal(
         &self,
         q: &Self::Buf,
         k_cache: &Self::Buf,
         v_cache: &Self::Buf,
-        positions: &[u32],
+        positions: &Self::Ids,
         dims: AttnDims,
         kv: KvType,
     ) -> Result<Self::Buf>;
-    /// Runs `f`, a whole forward pass, with the backend's workers at hand: the CPU backend
-    /// enters its thread pool once, so the operations inside do not each hand their work over
-    /// to the pool and sleep until it is done.
-    fn scoped<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        f()
-    }
 }

@@ -55,6 +55,14 @@ pub enum EngineError {
     #[error("{op}: {what}")]
     Shape { op: &'static str, what: String },
 
+    /// A step would write past a fixed-capacity cache (the sequence reached its context).
+    #[error("the context is full: {what} would need {needed} positions; its capacity is {capacity} (raise it with --ctx)")]
+    ContextFull {
+        what: &'static str,
+        needed: usize,
+        capacity: usize,
+    },
+
     /// A request the model cannot serve (token id out of range, empty batch, ...).
     #[error("{0}")]
     Input(String),

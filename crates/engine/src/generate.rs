@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::error::{EngineError, Result};
+use crate::qwen4exp::ops::Qwen4expOps;
 use crate::sampler::{SampleContext, Sampler};
 use crate::{qwen2, qwen4exp};
 
@@ -70,12 +71,12 @@ impl<B: Backend> Session for Qwen2Session<'_, B> {
 
 /// A qwen4exp sequence. Its recurrent layers cannot be truncated, so a rewind replays the kept
 /// prefix into a fresh state (chat turns usually extend the sequence and need none).
-pub struct Qwen4expSession<'m, B: Backend> {
+pub struct Qwen4expSession<'m, B: Qwen4expOps> {
     model: &'m qwen4exp::Model<B>,
     state: qwen4exp::State<B>,
 }
 
-impl<'m, B: Backend> Qwen4expSession<'m, B> {
+impl<'m, B: Qwen4expOps> Qwen4expSession<'m, B> {
     pub fn new(model: &'m qwen4exp::Model<B>) -> Result<Self> {
         Ok(Qwen4expSession {
             model,
@@ -84,7 +85,7 @@ impl<'m, B: Backend> Qwen4expSession<'m, B> {
     }
 }
 
-impl<B: Backend> Session for Qwen4expSession<'_, B> {
+impl<B: Qwen4expOps> Session for Qwen4expSession<'_, B> {
     fn n_vocab(&self) -> usize {
         self.model.config().n_vocab
     }
@@ -100,12 +101,7 @@ impl<B: Backend> Session for Qwen4expSession<'_, B> {
             last_only: true,
             ..Default::default()
         };
-        let (model, state) = (self.model, &mut self.state);
-        // One entry into the backend's workers for the whole pass, not one per operation.
-        match model
-            .backend()
-            .scoped(|| model.forward_with(state, tokens, want))
-        {
+        match self.model.forward_with(&mut self.state, tokens, want) {
             Ok(out) => Ok(out.logits),
             Err(e) => {
                 // A failed call leaves the recurrent states part-way while the token history is
@@ -130,7 +126,7 @@ impl<B: Backend> Session for Qwen4expSession<'_, B> {
     }
 }
 
-impl<B: Backend> Qwen4expSession<'_, B> {
+impl<B: Qwen4expOps> Qwen4expSession<'_, B> {
     /// A fresh state that has consumed the first `pos` tokens of the current history.
     fn replay(&mut self, pos: usize) -> Result<()> {
         let keep = self.state.tokens()[..pos.min(self.state.tokens().len())].to_vec();

@@ -9,9 +9,12 @@ pub mod kernels;
 pub mod qwen2;
 pub mod qwen4exp;
 pub mod sampler;
-pub mod spec;
+pub mod speculative;
 
-pub use backend::{Backend, DeviceBuf, DeviceWeight, KvType, QsaRule, Usage};
+pub use backend::{
+    Backend, DeviceBuf, DeviceIds, DeviceWeight, KvType, RowStore, StepInputs, StepKey, Usage,
+};
 pub use cpu::{CpuBackend, CpuBuf, CpuWeight, FloatActivations};
 pub use error::{EngineError, Result};
+pub use qwen4exp::ops::{QsaRule, Qwen4expOps};
 pub use qwen4exp::{LoadOptions, Model, Outputs, State, Want};

@@ -1,7 +1,7 @@
 //! Draft vocabulary files: the raw little-endian i32 format, its errors, and the frequency
 //! builder's choice (most frequent first, ties to the lower id, required ids always in).
 
-use strata_engine::spec::DraftVocab;
+use strata_engine::speculative::DraftVocab;
 
 fn write(tag: &str, bytes: &[u8]) -> std::path::PathBuf {
     let p = std::env::temp_dir().join(format!("strata-dv-{tag}-{}.bin", std::process::id()));

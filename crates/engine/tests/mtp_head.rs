@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{compare, small_dir, tiny_dir, Golden};
-use strata_engine::qwen4exp::mtp_convert::{convert_mtp, ConvertOptions, OutType};
+use strata_convert::{convert_mtp, ConvertOptions, OutType};
 use strata_engine::qwen4exp::{LoadOptions, Model, Want};
 use strata_engine::{CpuBackend, EngineError, FloatActivations};
 use strata_gguf::{GgufFile, GgufWriter};

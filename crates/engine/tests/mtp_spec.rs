@@ -10,10 +10,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{tiny_dir, Golden};
-use strata_engine::qwen4exp::mtp_convert::{convert_mtp, ConvertOptions, OutType};
+use strata_convert::{convert_mtp, ConvertOptions, OutType};
 use strata_engine::qwen4exp::{LoadOptions, Model, State, Want};
 use strata_engine::sampler::{SampleContext, Sampler, SamplerConfig};
-use strata_engine::spec::{
+use strata_engine::speculative::{
     generate_spec, run, DraftHook, DraftVocab, Picker, SpecConfig, SpecDecoder, SpecStats,
 };
 use strata_engine::CpuBackend;
@@ -77,7 +77,7 @@ fn plain(
 }
 
 fn greedy_plain(m: &M, n: usize) -> (Vec<u32>, State<CpuBackend>) {
-    plain(m, &prompt(), n, &mut strata_engine::spec::Greedy)
+    plain(m, &prompt(), n, &mut strata_engine::speculative::Greedy)
 }
 
 fn assert_bits_eq(what: &str, a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) {
@@ -421,7 +421,7 @@ fn feeding_a_second_turn_continues_exactly() {
     let mut logits = m.forward_with(&mut st, a, want).unwrap().logits;
     let mut plain_out = Vec::new();
     for i in 0..n1 + n2 {
-        let t = strata_engine::spec::argmax(&logits) as u32;
+        let t = strata_engine::speculative::argmax(&logits) as u32;
         plain_out.push(t);
         let next: Vec<u32> = if i + 1 == n1 {
             std::iter::once(t).chain(b.iter().copied()).collect()

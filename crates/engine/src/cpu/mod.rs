@@ -6,6 +6,9 @@
 mod attn;
 mod matmul;
 pub(crate) mod ops;
+mod qwen4exp;
+
+pub use qwen4exp::CpuSelection;
 
 use std::sync::{Arc, OnceLock};
 
@@ -14,8 +17,7 @@ use strata_gguf::{GgufFile, TensorInfo};
 use strata_quant::{GgmlType, Isa};
 
 use crate::backend::{
-    AttnDims, Backend, DeviceBuf, DeviceWeight, ExpertWeights, GdnParams, HcWeights, KvType,
-    QsaRule, QsaSelect, Usage,
+    AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, StepKey, Usage,
 };
 use crate::error::{EngineError, Result};
 
@@ -57,6 +59,16 @@ impl DeviceBuf for CpuBuf {
     }
     fn cols(&self) -> usize {
         self.cols
+    }
+}
+
+/// Step inputs: u32 values in host memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuIds(pub Vec<u32>);
+
+impl DeviceIds for CpuIds {
+    fn len(&self) -> usize {
+        self.0.len()
     }
 }
 
@@ -234,17 +246,14 @@ impl CpuBackend {
     }
 }
 
-/// Per query row: the attended token positions, ascending.
-pub struct CpuSelection(pub Vec<Vec<u32>>);
-
 /// Per row: `(expert, weight)` in rank order.
 pub struct CpuRoutes(pub Vec<Vec<(u32, f32)>>);
 
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type Weight = CpuWeight;
+    type Ids = CpuIds;
     type Routes = CpuRoutes;
-    type Selection = CpuSelection;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -280,32 +289,94 @@ impl Backend for CpuBackend {
         CpuBuf::new(rows, cols, vec![0.0; rows * cols])
     }
 
+    /// Rows are committed as they are written: a store starts empty and grows to the highest
+    /// row written (never beyond what the model's [`RowStore`](crate::backend::RowStore)
+    /// allows), so a long context costs memory only once it is used.
+    fn store(&self, _cap: usize, cols: usize) -> Result<CpuBuf> {
+        CpuBuf::new(0, cols, Vec::new())
+    }
+
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CpuBuf> {
         CpuBuf::new(rows, cols, data.to_vec())
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> Result<CpuIds> {
+        Ok(CpuIds(ids.to_vec()))
+    }
+
+    fn ids_range(&self, ids: &CpuIds, start: usize, len: usize) -> Result<CpuIds> {
+        ids.0
+            .get(start..start + len)
+            .map(|s| CpuIds(s.to_vec()))
+            .ok_or_else(|| {
+                EngineError::shape(
+                    "ids_range",
+                    format!("{start}..{} of {} ids", start + len, ids.0.len()),
+                )
+            })
     }
 
     fn download(&self, x: &CpuBuf) -> Result<Vec<f32>> {
         Ok(x.data.clone())
     }
 
+    fn download_ids(&self, ids: &CpuIds) -> Result<Vec<u32>> {
+        Ok(ids.0.clone())
+    }
+
     fn copy(&self, x: &CpuBuf) -> Result<CpuBuf> {
         Ok(x.clone())
     }
 
-    fn reshape(&self, x: CpuBuf, rows: usize, cols: usize) -> Result<CpuBuf> {
-        CpuBuf::new(rows, cols, x.data)
+    fn copy_into(&self, dst: &mut CpuBuf, src: &CpuBuf) -> Result<()> {
+        Self::same_shape("copy_into", dst, src)?;
+        dst.data.copy_from_slice(&src.data);
+        Ok(())
     }
 
-    fn append_rows(&self, dst: &mut CpuBuf, src: &CpuBuf) -> Result<()> {
-        if dst.cols != src.cols {
+    fn write_rows(&self, store: &mut CpuBuf, x: &CpuBuf, at: &CpuIds) -> Result<()> {
+        if store.cols != x.cols || at.0.len() != x.rows {
             return Err(EngineError::shape(
-                "append_rows",
-                format!("rows of {} onto rows of {}", src.cols, dst.cols),
+                "write_rows",
+                format!(
+                    "{} rows of {} at {} positions into rows of {}",
+                    x.rows,
+                    x.cols,
+                    at.0.len(),
+                    store.cols
+                ),
             ));
         }
-        dst.data.extend_from_slice(&src.data);
-        dst.rows += src.rows;
+        let cols = store.cols;
+        for (r, &slot) in at.0.iter().enumerate() {
+            if slot == u32::MAX {
+                continue;
+            }
+            let slot = slot as usize;
+            if slot >= store.rows {
+                store.data.resize((slot + 1) * cols, 0.0);
+                store.rows = slot + 1;
+            }
+            store.data[slot * cols..(slot + 1) * cols].copy_from_slice(x.row(r));
+        }
         Ok(())
+    }
+
+    fn write_kv(&self, cache: &mut CpuBuf, x: &CpuBuf, at: &CpuIds, kv: KvType) -> Result<()> {
+        if kv == KvType::F32 {
+            return self.write_rows(cache, x, at);
+        }
+        let mut rounded = x.clone();
+        attn::round_f16(&mut rounded.data);
+        self.write_rows(cache, &rounded, at)
+    }
+
+    fn step<R: Send>(&self, _key: StepKey, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    fn reshape(&self, x: CpuBuf, rows: usize, cols: usize) -> Result<CpuBuf> {
+        CpuBuf::new(rows, cols, x.data)
     }
 
     fn truncate_rows(&self, dst: &mut CpuBuf, rows: usize) -> Result<()> {
@@ -362,7 +433,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn embed_rows(&self, table: &CpuWeight, ids: &[u32], copies: usize) -> Result<CpuBuf> {
+    fn embed_rows(&self, table: &CpuWeight, ids: &CpuIds, copies: usize) -> Result<CpuBuf> {
+        let ids = &ids.0[..];
         let k = table.row_len();
         let rows = table.info.n_rows() as usize;
         let row_bytes = table.ty.row_bytes(k).ok_or_else(|| {
@@ -420,7 +492,8 @@ impl Backend for CpuBackend {
             .map_err(|_| EngineError::shape("matmuls", "product count"))
     }
 
-    fn matmul_rows(&self, w: &CpuWeight, rows: &[u32], x: &CpuBuf) -> Result<CpuBuf> {
+    fn matmul_rows(&self, w: &CpuWeight, rows: &CpuIds, x: &CpuBuf) -> Result<CpuBuf> {
+        let rows = &rows.0[..];
         let k = w.row_len();
         if w.info.dims.len() > 2 || x.cols != k {
             return Err(EngineError::shape(
@@ -475,8 +548,9 @@ impl Backend for CpuBackend {
         head_dim: usize,
         rot: usize,
         theta: f32,
-        positions: &[u32],
+        positions: &CpuIds,
     ) -> Result<()> {
+        let positions = &positions.0[..];
         if positions.len() != x.rows
             || head_dim == 0
             || !x.cols.is_multiple_of(head_dim)
@@ -501,379 +575,6 @@ impl Backend for CpuBackend {
             })
         });
         Ok(())
-    }
-
-    fn hc_mix(
-        &self,
-        hc: &HcWeights<'_, CpuWeight>,
-        x: &CpuBuf,
-    ) -> Result<(CpuBuf, Option<CpuBuf>)> {
-        let s = hc.streams;
-        if s == 0 || !x.cols.is_multiple_of(s) {
-            return Err(EngineError::shape(
-                "hc_mix",
-                format!("rows of {} in {s} streams", x.cols),
-            ));
-        }
-        let h = x.cols / s;
-        let xn = self.rms_norm(x, hc.norm, h, hc.eps)?;
-        let inv_s = 1.0 / s as f32;
-        let mut a = self.matmul(hc.down, &xn)?;
-        for v in a.data.iter_mut() {
-            *v = ops::silu(*v * inv_s);
-        }
-        let g = self.matmul(hc.up, &a)?;
-        Self::same_shape("hc_mix (up)", &g, &xn)?;
-        let mut u = vec![0f32; x.rows * h];
-        for r in 0..x.rows {
-            let (gr, xr) = (g.row(r), xn.row(r));
-            let ur = &mut u[r * h..(r + 1) * h];
-            for st in 0..s {
-                for j in 0..h {
-                    ur[j] += ops::sigmoid(gr[st * h + j]) * xr[st * h + j];
-                }
-            }
-            for v in ur.iter_mut() {
-                *v *= inv_s;
-            }
-        }
-        let u = CpuBuf::new(x.rows, h, u)?;
-        let inj = match hc.inject {
-            Some(wi) => {
-                let mut inj = self.matmul(wi, &xn)?;
-                if inj.cols != s {
-                    return Err(EngineError::shape(
-                        "hc_mix",
-                        format!("{}: {} inject weights for {s} streams", wi.name(), inj.cols),
-                    ));
-                }
-                for v in inj.data.iter_mut() {
-                    *v = 2.0 * ops::sigmoid(*v * inv_s);
-                }
-                Some(inj)
-            }
-            None => None,
-        };
-        Ok((u, inj))
-    }
-
-    fn hc_combine(&self, x: &mut CpuBuf, y: &CpuBuf, inj: &CpuBuf) -> Result<()> {
-        let s = inj.cols;
-        if y.rows != x.rows || inj.rows != x.rows || y.cols * s != x.cols {
-            return Err(EngineError::shape(
-                "hc_combine",
-                format!(
-                    "x {}×{}, y {}×{}, inj {}×{}",
-                    x.rows, x.cols, y.rows, y.cols, inj.rows, s
-                ),
-            ));
-        }
-        let h = y.cols;
-        for r in 0..x.rows {
-            let (yr, ir) = (y.row(r), inj.row(r));
-            let xr = &mut x.data[r * s * h..(r + 1) * s * h];
-            for (st, &w) in ir.iter().enumerate() {
-                for (xv, &yv) in xr[st * h..(st + 1) * h].iter_mut().zip(yr) {
-                    *xv += w * yv;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn conv1d_silu(
-        &self,
-        x: &CpuBuf,
-        w: &CpuWeight,
-        history: &mut CpuBuf,
-        dilation: usize,
-    ) -> Result<CpuBuf> {
-        let c = x.cols;
-        let k = w.row_len();
-        let wv = w.values()?;
-        let hist_rows = (k.max(1) - 1) * dilation;
-        if wv.len() != c * k || history.cols != c || history.rows != hist_rows {
-            return Err(EngineError::shape(
-                "conv1d_silu",
-                format!(
-                    "{}: kernel {k}×{} for {c} channels, history {}×{} (expected {hist_rows} rows)",
-                    w.name(),
-                    wv.len() / k.max(1),
-                    history.rows,
-                    history.cols
-                ),
-            ));
-        }
-        let mut p = Vec::with_capacity((hist_rows + x.rows) * c);
-        p.extend_from_slice(&history.data);
-        p.extend_from_slice(&x.data);
-        let mut out = vec![0f32; x.data.len()];
-        self.pool.install(|| {
-            ops::for_rows(&mut out, c, |r, o| {
-                ops::conv_row(&p, c, hist_rows + r, wv, k, dilation, o)
-            })
-        });
-        let tail = p.len() - hist_rows * c;
-        history.data.copy_from_slice(&p[tail..]);
-        CpuBuf::new(x.rows, c, out)
-    }
-
-    fn gdn_step(
-        &self,
-        p: &GdnParams<'_, CpuWeight>,
-        qkv: &CpuBuf,
-        z: &CpuBuf,
-        a: &CpuBuf,
-        b: &CpuBuf,
-        state: &mut CpuBuf,
-    ) -> Result<CpuBuf> {
-        let d = p.dims;
-        let (nk, nv, dk, dv) = (d.n_k_heads, d.n_v_heads, d.head_k, d.head_v);
-        let n = qkv.rows;
-        let (ssm_a, dt, norm) = (p.a.values()?, p.dt_bias.values()?, p.norm.values()?);
-        let ok = nk > 0
-            && nv % nk == 0
-            && qkv.cols == d.conv_dim()
-            && z.cols == d.value_dim()
-            && a.cols == nv
-            && b.cols == nv
-            && z.rows == n
-            && a.rows == n
-            && b.rows == n
-            && ssm_a.len() == nv
-            && dt.len() == nv
-            && norm.len() == dv
-            && state.rows == nv
-            && state.cols == dk * dv;
-        if !ok {
-            return Err(EngineError::shape(
-                "gdn_step",
-                format!(
-                    "qkv {}×{}, z {}×{}, a/b {}/{}, state {}×{} for {d:?}",
-                    qkv.rows, qkv.cols, z.rows, z.cols, a.cols, b.cols, state.rows, state.cols
-                ),
-            ));
-        }
-        let mut out = vec![0f32; n * d.value_dim()];
-        let qscale = 1.0 / (dk as f32).sqrt();
-        self.pool.install(|| {
-            for t in 0..n {
-                let row = qkv.row(t);
-                let mut q = row[..nk * dk].to_vec();
-                let mut k = row[nk * dk..2 * nk * dk].to_vec();
-                let v = &row[2 * nk * dk..];
-                for hq in q.chunks_mut(dk) {
-                    ops::l2_norm(hq, 1e-6);
-                    for x in hq.iter_mut() {
-                        *x *= qscale;
-                    }
-                }
-                for hk in k.chunks_mut(dk) {
-                    ops::l2_norm(hk, 1e-6);
-                }
-                let (zr, ar, br) = (z.row(t), a.row(t), b.row(t));
-                let orow = &mut out[t * nv * dv..(t + 1) * nv * dv];
-                state
-                    .data
-                    .par_chunks_mut(dk * dv)
-                    .zip(orow.par_chunks_mut(dv))
-                    .enumerate()
-                    .for_each(|(h, (s, o))| {
-                        // Tiled GGUF order: value head h reads key head h % nk.
-                        let g = h % nk;
-                        let beta = ops::sigmoid(br[h]);
-                        let decay = (ssm_a[h] * ops::softplus(ar[h] + dt[h])).exp();
-                        ops::gdn_head(
-                            s,
-                            &q[g * dk..(g + 1) * dk],
-                            &k[g * dk..(g + 1) * dk],
-                            &v[h * dv..(h + 1) * dv],
-                            beta,
-                            decay,
-                            &zr[h * dv..(h + 1) * dv],
-                            norm,
-                            p.eps,
-                            o,
-                        );
-                    });
-            }
-        });
-        CpuBuf::new(n, d.value_dim(), out)
-    }
-
-    fn qsa_pool_blocks(
-        &self,
-        kraw: &CpuBuf,
-        first: usize,
-        count: usize,
-        ratio: usize,
-    ) -> Result<CpuBuf> {
-        if ratio == 0 || (first + count) * ratio > kraw.rows {
-            return Err(EngineError::shape(
-                "qsa_pool_blocks",
-                format!(
-                    "blocks {first}..{} of {ratio} from {} keys",
-                    first + count,
-                    kraw.rows
-                ),
-            ));
-        }
-        let d = kraw.cols;
-        let mut out = vec![0f32; count * d];
-        for (bi, o) in out.chunks_mut(d).enumerate() {
-            let b = first + bi;
-            for r in b * ratio..(b + 1) * ratio {
-                for (a, &v) in o.iter_mut().zip(kraw.row(r)) {
-                    *a += v;
-                }
-            }
-            for a in o.iter_mut() {
-                *a /= ratio as f32;
-            }
-        }
-        CpuBuf::new(count, d, out)
-    }
-
-    fn qsa_select(
-        &self,
-        qi: &CpuBuf,
-        blocks: &CpuBuf,
-        positions: &[u32],
-        sel: QsaSelect,
-    ) -> Result<CpuSelection> {
-        let d = blocks.cols;
-        if d == 0 || !qi.cols.is_multiple_of(d) || positions.len() != qi.rows || sel.ratio == 0 {
-            return Err(EngineError::shape(
-                "qsa_select",
-                format!(
-                    "queries {}×{}, blocks {}×{d}, {} positions",
-                    qi.rows,
-                    qi.cols,
-                    blocks.rows,
-                    positions.len()
-                ),
-            ));
-        }
-        let scale = 1.0 / (d as f32).sqrt();
-        let r = sel.ratio;
-        let keep_blocks = sel.budget / r;
-        let rows: Result<Vec<Vec<u32>>> = self.pool.install(|| {
-            (0..qi.rows)
-                .into_par_iter()
-                .map(|row| {
-                    let pos = positions[row] as usize;
-                    let nb = (pos + 1) / r;
-                    if nb > blocks.rows {
-                        return Err(EngineError::shape(
-                            "qsa_select",
-                            format!(
-                                "position {pos} needs {nb} pooled blocks, {} cached",
-                                blocks.rows
-                            ),
-                        ));
-                    }
-                    let q = qi.row(row);
-                    let scores: Vec<f32> = (0..nb)
-                        .map(|b| {
-                            let kb = blocks.row(b);
-                            let s: f32 = q
-                                .chunks(d)
-                                .map(|qh| {
-                                    qh.iter().zip(kb).map(|(x, y)| x * y).sum::<f32>().max(0.0)
-                                })
-                                .sum();
-                            s * scale
-                        })
-                        .collect();
-                    Ok(match sel.rule {
-                        QsaRule::Reference => {
-                            let mut chosen = ops::top_k_lower_index(&scores, keep_blocks.min(nb));
-                            chosen.sort_unstable();
-                            let mut toks: Vec<u32> = chosen
-                                .iter()
-                                .flat_map(|&b| (b * r..(b + 1) * r).map(|t| t as u32))
-                                .collect();
-                            toks.extend((nb * r..=pos).map(|t| t as u32));
-                            toks
-                        }
-                        QsaRule::LlamaCpp => {
-                            let mut tok_score = vec![1e9f32; pos + 1];
-                            for (t, s) in tok_score.iter_mut().take(nb * r).enumerate() {
-                                *s = scores[t / r];
-                            }
-                            let width = (pos + 1).min(sel.budget + r - 1);
-                            let mut toks: Vec<u32> = ops::partial_sort_top_k(&tok_score, width)
-                                .into_iter()
-                                .map(|t| t as u32)
-                                .collect();
-                            toks.sort_unstable();
-                            toks
-                        }
-                    })
-                })
-                .collect()
-        });
-        Ok(CpuSelection(rows?))
-    }
-
-    fn select_causal(&self, positions: &[u32]) -> Result<CpuSelection> {
-        Ok(CpuSelection(
-            positions.iter().map(|&p| (0..=p).collect()).collect(),
-        ))
-    }
-
-    fn attend(
-        &self,
-        q: &CpuBuf,
-        k_cache: &CpuBuf,
-        v_cache: &CpuBuf,
-        sel: &CpuSelection,
-        dims: AttnDims,
-        kv: KvType,
-    ) -> Result<CpuBuf> {
-        let AttnDims {
-            n_head,
-            n_head_kv,
-            head_dim,
-        } = dims;
-        let kv_cols = n_head_kv * head_dim;
-        let ok = n_head_kv > 0
-            && n_head % n_head_kv == 0
-            && q.cols == n_head * head_dim
-            && k_cache.cols == kv_cols
-            && v_cache.cols == kv_cols
-            && k_cache.rows == v_cache.rows
-            && sel.0.len() == q.rows
-            && sel.0.iter().flatten().all(|&t| (t as usize) < k_cache.rows);
-        if !ok {
-            return Err(EngineError::shape(
-                "attend",
-                format!(
-                    "q {}×{}, caches {}×{} / {}×{}, {dims:?}",
-                    q.rows, q.cols, k_cache.rows, k_cache.cols, v_cache.rows, v_cache.cols
-                ),
-            ));
-        }
-        let group = n_head / n_head_kv;
-        let mut out = vec![0f32; q.data.len()];
-        self.pool.install(|| {
-            out.par_chunks_mut(head_dim).enumerate().for_each(|(i, o)| {
-                let (row, h) = (i / n_head, i % n_head);
-                let qh = &q.row(row)[h * head_dim..(h + 1) * head_dim];
-                let off = (h / group) * head_dim;
-                ops::attend_head(
-                    qh,
-                    &k_cache.data,
-                    &v_cache.data,
-                    kv_cols,
-                    off,
-                    &sel.0[row],
-                    kv == KvType::F16,
-                    o,
-                );
-            })
-        });
-        CpuBuf::new(q.rows, q.cols, out)
     }
 
     fn mul_sigmoid(&self, x: &CpuBuf, gate: &CpuBuf) -> Result<CpuBuf> {
@@ -1013,45 +714,6 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn ple_gate(&self, k: &CpuBuf, q: &CpuBuf, v: &CpuBuf, streams: usize) -> Result<CpuBuf> {
-        Self::same_shape("ple_gate", k, q)?;
-        let h = v.cols;
-        if v.rows != k.rows || h * streams != k.cols {
-            return Err(EngineError::shape(
-                "ple_gate",
-                format!(
-                    "K {}×{}, V {}×{h}, {streams} streams",
-                    k.rows, k.cols, v.rows
-                ),
-            ));
-        }
-        let inv = 1.0 / (h as f32).sqrt();
-        let mut out = vec![0f32; k.data.len()];
-        for r in 0..k.rows {
-            let (kr, qr, vr) = (k.row(r), q.row(r), v.row(r));
-            for s in 0..streams {
-                let z: f32 = kr[s * h..(s + 1) * h]
-                    .iter()
-                    .zip(&qr[s * h..(s + 1) * h])
-                    .map(|(a, b)| a * b)
-                    .sum::<f32>()
-                    * inv;
-                let signed = if z > 0.0 {
-                    z.abs().max(1e-6).sqrt()
-                } else if z < 0.0 {
-                    -z.abs().max(1e-6).sqrt()
-                } else {
-                    0.0
-                };
-                let gamma = ops::sigmoid(signed);
-                for (o, &vv) in out[(r * streams + s) * h..][..h].iter_mut().zip(vr) {
-                    *o = gamma * vv;
-                }
-            }
-        }
-        CpuBuf::new(k.rows, k.cols, out)
-    }
-
     fn add_bias(&self, x: &mut CpuBuf, b: &CpuWeight) -> Result<()> {
         let bv = b.values()?;
         if bv.len() != x.cols {
@@ -1071,24 +733,16 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn append_kv(&self, cache: &mut CpuBuf, x: &CpuBuf, kv: KvType) -> Result<()> {
-        let start = cache.data.len();
-        self.append_rows(cache, x)?;
-        if kv == KvType::F16 {
-            attn::round_f16(&mut cache.data[start..]);
-        }
-        Ok(())
-    }
-
     fn attend_causal(
         &self,
         q: &CpuBuf,
         k_cache: &CpuBuf,
         v_cache: &CpuBuf,
-        positions: &[u32],
+        positions: &CpuIds,
         dims: AttnDims,
         kv: KvType,
     ) -> Result<CpuBuf> {
+        let positions = &positions.0[..];
         let AttnDims {
             n_head,
             n_head_kv,
@@ -1142,9 +796,5 @@ impl Backend for CpuBackend {
                 })
         });
         CpuBuf::new(q.rows, q.cols, out)
-    }
-
-    fn scoped<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use strata_gguf::GgufFile;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, RowStore, StepInputs, StepKey, StepKind};
 use crate::error::{EngineError, Result};
 
 pub use config::{Config, LoadOptions, ARCH};
@@ -37,8 +37,8 @@ impl Outputs {
 
 /// One layer's attention cache: keys after RoPE, values, one row per position.
 struct KvCache<B: Backend> {
-    k: B::Buf,
-    v: B::Buf,
+    k: RowStore<B>,
+    v: RowStore<B>,
 }
 
 /// One sequence's state: create with [`Model::new_state`], advance with [`Model::forward`],
@@ -134,9 +134,10 @@ impl<B: Backend> Model<B> {
         let kv = self.config.kv_dim();
         let layers = (0..self.config.n_layer)
             .map(|_| {
+                let cap = self.config.n_ctx_train;
                 Ok(KvCache {
-                    k: self.backend.zeros(0, kv)?,
-                    v: self.backend.zeros(0, kv)?,
+                    k: RowStore::new(&self.backend, "the K cache", cap, kv)?,
+                    v: RowStore::new(&self.backend, "the V cache", cap, kv)?,
                 })
             })
             .collect::<Result<_>>()?;
@@ -156,8 +157,8 @@ impl<B: Backend> Model<B> {
             )));
         }
         for c in &mut st.layers {
-            self.backend.truncate_rows(&mut c.k, pos)?;
-            self.backend.truncate_rows(&mut c.v, pos)?;
+            c.k.set_len(pos)?;
+            c.v.set_len(pos)?;
         }
         st.pos = pos;
         st.tokens.truncate(pos);
@@ -197,15 +198,20 @@ impl<B: Backend> Model<B> {
                 n, st.pos, c.n_ctx_train
             )));
         }
-        let positions: Vec<u32> = (st.pos..st.pos + n)
-            .map(|p| {
-                u32::try_from(p)
-                    .map_err(|_| EngineError::Input(format!("position {p} is too large")))
-            })
-            .collect::<Result<_>>()?;
-
-        let logits =
-            b.scoped(|| self.layers_and_head(&mut st.layers, tokens, &positions, last_only))?;
+        let inputs = StepInputs::new(b, tokens, st.pos, &[])?;
+        let key = StepKey {
+            kind: StepKind::Forward,
+            rows: n,
+            outputs: last_only as u32,
+        };
+        let logits = b.step(key, || {
+            self.layers_and_head(&mut st.layers, &inputs, last_only)
+        })?;
+        let logits = b.download(&logits)?;
+        for c in &mut st.layers {
+            c.k.set_len(st.pos + n)?;
+            c.v.set_len(st.pos + n)?;
+        }
         st.pos += n;
         st.tokens.extend_from_slice(tokens);
         Ok(Outputs {
@@ -214,18 +220,17 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// Embedding, every decoder layer, final norm and head; the logits downloaded.
+    /// Embedding, every decoder layer, final norm and head.
     fn layers_and_head(
         &self,
         caches: &mut [KvCache<B>],
-        tokens: &[u32],
-        positions: &[u32],
+        inputs: &StepInputs<B>,
         last_only: bool,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<B::Buf> {
         let b = &self.backend;
         let w = &self.weights;
-        let n = tokens.len();
-        let mut x = b.embed_rows(&w.token_embd, tokens, 1)?;
+        let n = inputs.rows();
+        let mut x = b.embed_rows(&w.token_embd, &inputs.tokens, 1)?;
         let layers = w.layers.len();
         for (i, (lw, cache)) in w.layers.iter().zip(caches.iter_mut()).enumerate() {
             if last_only && n > 1 && i + 1 == layers {
@@ -234,18 +239,18 @@ impl<B: Backend> Model<B> {
                 let mut before = b.copy(&x)?;
                 b.truncate_rows(&mut before, n - 1)?;
                 let h = b.rms_norm(&before, &lw.attn_norm, self.config.n_embd, self.config.eps)?;
-                self.store_kv(lw, &h, &positions[..n - 1], cache)?;
+                self.store_kv(lw, &h, &b.ids_range(&inputs.positions, 0, n - 1)?, cache)?;
                 x = b.last_row(x)?;
-                self.decoder_layer(lw, &mut x, &positions[n - 1..], cache)?;
+                let last = b.ids_range(&inputs.positions, n - 1, 1)?;
+                self.decoder_layer(lw, &mut x, &last, cache)?;
             } else {
-                self.decoder_layer(lw, &mut x, positions, cache)?;
+                self.decoder_layer(lw, &mut x, &inputs.positions, cache)?;
             }
         }
         if last_only {
             x = b.last_row(x)?;
         }
-        let logits = self.lm_head(&x)?;
-        b.download(&logits)
+        self.lm_head(&x)
     }
 
     /// `x += attn(norm(x)); x += mlp(norm(x))`.
@@ -253,7 +258,7 @@ impl<B: Backend> Model<B> {
         &self,
         lw: &LayerW<B::Weight>,
         x: &mut B::Buf,
-        positions: &[u32],
+        positions: &B::Ids,
         cache: &mut KvCache<B>,
     ) -> Result<()> {
         let b = &self.backend;
@@ -272,7 +277,7 @@ impl<B: Backend> Model<B> {
         &self,
         lw: &LayerW<B::Weight>,
         h: &B::Buf,
-        positions: &[u32],
+        positions: &B::Ids,
         cache: &mut KvCache<B>,
     ) -> Result<B::Buf> {
         let b = &self.backend;
@@ -284,7 +289,7 @@ impl<B: Backend> Model<B> {
         }
         b.rope_neox(&mut q, hd, hd, c.rope_theta, positions)?;
         self.append_kv(lw, k, v, positions, cache)?;
-        let a = b.attend_causal(&q, &cache.k, &cache.v, positions, c.attn, c.kv_type)?;
+        let a = b.attend_causal(&q, &cache.k.buf, &cache.v.buf, positions, c.attn, c.kv_type)?;
         b.matmul(&lw.o, &a)
     }
 
@@ -293,20 +298,20 @@ impl<B: Backend> Model<B> {
         &self,
         lw: &LayerW<B::Weight>,
         h: &B::Buf,
-        positions: &[u32],
+        positions: &B::Ids,
         cache: &mut KvCache<B>,
     ) -> Result<()> {
         let [k, v] = self.backend.matmuls([&lw.k, &lw.v], h)?;
         self.append_kv(lw, k, v, positions, cache)
     }
 
-    /// Biased, rotated keys and biased values appended to the cache.
+    /// Biased, rotated keys and biased values written into the cache at their positions.
     fn append_kv(
         &self,
         lw: &LayerW<B::Weight>,
         mut k: B::Buf,
         mut v: B::Buf,
-        positions: &[u32],
+        positions: &B::Ids,
         cache: &mut KvCache<B>,
     ) -> Result<()> {
         let b = &self.backend;
@@ -318,8 +323,8 @@ impl<B: Backend> Model<B> {
             }
         }
         b.rope_neox(&mut k, hd, hd, c.rope_theta, positions)?;
-        b.append_kv(&mut cache.k, &k, c.kv_type)?;
-        b.append_kv(&mut cache.v, &v, c.kv_type)
+        b.write_kv(&mut cache.k.buf, &k, positions, c.kv_type)?;
+        b.write_kv(&mut cache.v.buf, &v, positions, c.kv_type)
     }
 
     /// `down(silu(gate·h) ⊙ up·h)`.

@@ -4,7 +4,8 @@
 
 use strata_gguf::{Array, GgufFile};
 
-use crate::backend::{AttnDims, GdnDims, KvType, QsaRule};
+use super::ops::{GdnDims, QsaRule};
+use crate::backend::{AttnDims, KvType};
 use crate::error::{EngineError, Result};
 
 pub const ARCH: &str = "qwen4exp";
@@ -21,7 +22,14 @@ pub struct LoadOptions {
     pub qsa_ratio: Option<usize>,
     /// Attention reads K/V at this precision (F16 reproduces llama.cpp's default cache).
     pub kv_type: KvType,
+    /// Positions a sequence may hold (the capacity of its caches); None: the file's
+    /// `context_length`, or [`DEFAULT_CTX`] when it states none.
+    pub ctx: Option<usize>,
 }
+
+/// The cache capacity of a file that states no `context_length` (the model's documented
+/// native context). The CPU commits cache memory only as positions are used.
+pub const DEFAULT_CTX: usize = 262_144;
 
 /// What kind of token mixer a layer has.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -103,6 +111,8 @@ pub struct Config {
     pub layers: Vec<LayerKind>,
     pub qsa_rule: QsaRule,
     pub kv_type: KvType,
+    /// Positions a sequence may hold: every cache's capacity.
+    pub n_ctx: usize,
 }
 
 /// Key lookups that name the file and the key in every error.
@@ -308,6 +318,18 @@ impl Config {
             layers,
             qsa_rule: opts.qsa_rule,
             kv_type: opts.kv_type,
+            n_ctx: match opts.ctx {
+                Some(0) => {
+                    return Err(EngineError::Input(
+                        "--ctx must be greater than zero".to_string(),
+                    ))
+                }
+                Some(n) => n,
+                None => m
+                    .file
+                    .get_u32_or(&m.key("context_length"), DEFAULT_CTX as u32)?
+                    as usize,
+            },
         })
     }
 

@@ -4,8 +4,8 @@
 
 pub mod config;
 pub mod mtp;
-pub mod mtp_convert;
 mod ngram;
+pub mod ops;
 pub mod state;
 pub mod weights;
 
@@ -14,10 +14,11 @@ use std::sync::Arc;
 
 use strata_gguf::GgufFile;
 
-use crate::backend::{Backend, DeviceBuf, ExpertWeights, GdnParams, HcWeights, QsaSelect};
+use crate::backend::{Backend, DeviceBuf, ExpertWeights, StepInputs, StepKey, StepKind};
 use crate::error::{EngineError, Result};
 
 pub use config::{Config, LayerKind, LoadOptions, DOCUMENTED_QSA_RATIO};
+use ops::{GdnParams, HcWeights, QsaSelect, Qwen4expOps};
 use state::GdnRecord;
 use state::{AttnCache, LayerState};
 pub use state::{Checkpoint, ReplayLog, State};
@@ -67,9 +68,6 @@ pub struct Model<B: Backend> {
     mtp: Option<mtp::MtpHead<B::Weight>>,
 }
 
-/// The RoPE positions of a layer call's rows and the base they rotate with (the MTP layer may
-/// have its own).
-#[derive(Clone, Copy)]
 /// A QSA layer's per-row projections that go into its cache.
 struct QsaKeys<B: Backend> {
     k: B::Buf,
@@ -77,10 +75,26 @@ struct QsaKeys<B: Backend> {
     kraw: Option<B::Buf>,
 }
 
-pub(crate) struct Positions<'a> {
-    pub positions: &'a [u32],
+/// The step inputs of a layer call's rows (token ids, positions, the blocks they complete) and
+/// the RoPE base they rotate with (the MTP layer may have its own).
+pub(crate) struct At<'a, B: Backend> {
+    pub inputs: &'a StepInputs<B>,
     pub theta: f32,
 }
+
+impl<B: Backend> Clone for At<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for At<'_, B> {}
+
+/// Bits of [`StepKey::outputs`] for the trunk's forward.
+const OUT_LOGITS_ALL: u32 = 1;
+const OUT_HIDDEN: u32 = 2;
+const OUT_LAYERS: u32 = 4;
+const OUT_LOGGED: u32 = 8;
 
 /// A forward pass's results still on the device.
 pub(crate) struct DevOutputs<B: Backend> {
@@ -91,7 +105,7 @@ pub(crate) struct DevOutputs<B: Backend> {
     pub layer_out: Vec<Vec<f32>>,
 }
 
-impl<B: Backend> Model<B> {
+impl<B: Qwen4expOps> Model<B> {
     /// Opens a qwen4exp GGUF and binds every tensor on `backend`.
     pub fn load(path: impl AsRef<Path>, backend: B, opts: &LoadOptions) -> Result<Model<B>> {
         let file = Arc::new(GgufFile::open(path)?);
@@ -179,12 +193,7 @@ impl<B: Backend> Model<B> {
                 },
                 LayerKind::Attention { .. } => {
                     let kv = c.attn.n_head_kv * c.attn.head_dim;
-                    LayerState::Attn(AttnCache {
-                        k: b.zeros(0, kv)?,
-                        v: b.zeros(0, kv)?,
-                        kraw: b.zeros(0, c.indexer.head_dim)?,
-                        blocks: b.zeros(0, c.indexer.head_dim)?,
-                    })
+                    LayerState::Attn(AttnCache::new(b, c.n_ctx, kv, c.indexer.head_dim)?)
                 }
             });
         }
@@ -219,8 +228,38 @@ impl<B: Backend> Model<B> {
         })
     }
 
+    /// Fills a checkpoint made earlier for this state's model (its buffers are reused: a
+    /// speculative decoder keeps one for its whole run, so a verify window allocates none).
+    pub fn checkpoint_into(&self, st: &State<B>, cp: &mut Checkpoint<B>) -> Result<()> {
+        let b = &self.backend;
+        if cp.recurrent.len() != st.layers.len() {
+            return Err(EngineError::Input(
+                "checkpoint layers do not match the state".to_string(),
+            ));
+        }
+        for (layer, saved) in st.layers.iter().zip(cp.recurrent.iter_mut()) {
+            match (layer, saved) {
+                (LayerState::Gdn { conv, s }, Some((c0, s0))) => {
+                    b.copy_into(c0, conv)?;
+                    b.copy_into(s0, s)?;
+                }
+                (LayerState::Attn(_), None) => {}
+                _ => {
+                    return Err(EngineError::Input(
+                        "checkpoint layers do not match the state".to_string(),
+                    ))
+                }
+            }
+        }
+        if let (Some(p0), Some(p)) = (cp.ple_conv.as_mut(), st.ple_conv.as_ref()) {
+            b.copy_into(p0, p)?;
+        }
+        cp.pos = st.pos;
+        Ok(())
+    }
+
     /// Rolls `st` back to `cp` (taken from this state, at or before its position): caches are
-    /// truncated, recurrent states restored.
+    /// cut back by length, recurrent states restored.
     pub fn restore(&self, st: &mut State<B>, cp: &Checkpoint<B>) -> Result<()> {
         if cp.pos > st.pos || cp.recurrent.len() != st.layers.len() {
             return Err(EngineError::Input(format!(
@@ -237,21 +276,15 @@ impl<B: Backend> Model<B> {
         {
             match (layer, saved) {
                 (LayerState::Gdn { conv, s }, Some((c0, s0))) => {
-                    *conv = b.copy(c0)?;
-                    *s = b.copy(s0)?;
+                    b.copy_into(conv, c0)?;
+                    b.copy_into(s, s0)?;
                 }
                 (LayerState::Attn(cache), None) => {
-                    b.truncate_rows(&mut cache.k, cp.pos)?;
-                    b.truncate_rows(&mut cache.v, cp.pos)?;
-                    if cache.kraw.rows() > cp.pos {
-                        b.truncate_rows(&mut cache.kraw, cp.pos)?;
-                    }
-                    if let LayerKind::Attention { ratio: Some(r) } = kind {
-                        let nb = cp.pos / r;
-                        if cache.blocks.rows() > nb {
-                            b.truncate_rows(&mut cache.blocks, nb)?;
-                        }
-                    }
+                    let ratio = match kind {
+                        LayerKind::Attention { ratio } => *ratio,
+                        LayerKind::Gdn => None,
+                    };
+                    cache.set_len(cp.pos, ratio)?;
                 }
                 _ => {
                     return Err(EngineError::Input(
@@ -261,7 +294,7 @@ impl<B: Backend> Model<B> {
             }
         }
         if let (Some(p), Some(p0)) = (st.ple_conv.as_mut(), cp.ple_conv.as_ref()) {
-            *p = b.copy(p0)?;
+            b.copy_into(p, p0)?;
         }
         st.pos = cp.pos;
         st.tokens.truncate(cp.pos);
@@ -293,8 +326,13 @@ impl<B: Backend> Model<B> {
         if keep == window {
             return Ok(());
         }
+        let key = StepKey {
+            kind: StepKind::Replay,
+            rows: keep,
+            outputs: 0,
+        };
         self.backend
-            .scoped(|| self.rollback_body(st, cp, log, keep))
+            .step(key, || self.rollback_body(st, cp, log, keep))
     }
 
     /// The body of [`Model::rollback_window`] (arguments checked), inside the backend's pool.
@@ -318,8 +356,8 @@ impl<B: Backend> Model<B> {
         {
             match (layer, saved, &self.weights.layers[l].mixer) {
                 (LayerState::Gdn { conv, s }, Some((c0, s0)), MixerW::Gdn(gw)) => {
-                    *conv = b.copy(c0)?;
-                    *s = b.copy(s0)?;
+                    b.copy_into(conv, c0)?;
+                    b.copy_into(s, s0)?;
                     if keep == 0 {
                         continue;
                     }
@@ -339,7 +377,7 @@ impl<B: Backend> Model<B> {
                         LayerKind::Attention { ratio } => *ratio,
                         LayerKind::Gdn => None,
                     };
-                    truncate_cache(b, cache, new_pos, ratio)?;
+                    cache.set_len(new_pos, ratio)?;
                 }
                 _ => {
                     return Err(EngineError::Input(
@@ -349,7 +387,7 @@ impl<B: Backend> Model<B> {
             }
         }
         if let (Some(p), Some(p0)) = (st.ple_conv.as_mut(), cp.ple_conv.as_ref()) {
-            *p = b.copy(p0)?;
+            b.copy_into(p, p0)?;
             if keep > 0 {
                 let (Some(mut cn), Some(pc), Some(pw)) = (
                     log.ple,
@@ -434,45 +472,87 @@ impl<B: Backend> Model<B> {
             )));
         }
         let n = tokens.len();
-        let positions: Vec<u32> = (st.pos..st.pos + n)
-            .map(|p| {
-                u32::try_from(p)
-                    .map_err(|_| EngineError::Input(format!("position {p} is too large")))
-            })
-            .collect::<Result<_>>()?;
-
+        let end = st.pos + n;
+        self.check_room(st, end)?;
+        // The step's inputs, uploaded once: ids, positions, the blocks they complete, n-gram rows.
+        let inputs = StepInputs::new(b, tokens, st.pos, &self.qsa_ratios())?;
         let ple_rows = match &c.ple {
-            Some(p) => Some(ngram::row_ids(p, &st.tokens, tokens)?),
+            Some(p) => Some(b.upload_ids(&ngram::row_ids(p, &st.tokens, tokens)?)?),
             None => None,
         };
 
         if let Some(log) = log.as_deref_mut() {
             log.reset(c.n_layer);
         }
-        let out = b.scoped(|| {
-            self.layers_and_head(st, tokens, &positions, ple_rows.as_deref(), want, log)
+        let key = StepKey {
+            kind: StepKind::Forward,
+            rows: n,
+            outputs: (!want.last_only as u32) * OUT_LOGITS_ALL
+                | (want.hidden as u32) * OUT_HIDDEN
+                | (want.layer_out as u32) * OUT_LAYERS
+                | (log.is_some() as u32) * OUT_LOGGED,
+        };
+        let out = b.step(key, || {
+            self.layers_and_head(st, &inputs, ple_rows.as_ref(), want, log)
         })?;
-        st.pos += n;
+        for (layer, kind) in st.layers.iter_mut().zip(&c.layers) {
+            if let (LayerState::Attn(cache), LayerKind::Attention { ratio }) = (layer, kind) {
+                cache.set_len(end, *ratio)?;
+            }
+        }
+        st.pos = end;
         st.tokens.extend_from_slice(tokens);
         Ok(out)
+    }
+
+    /// The QSA block sizes of the trunk's layers (the step inputs carry their blocks).
+    fn qsa_ratios(&self) -> Vec<usize> {
+        let mut rs: Vec<usize> = self
+            .config
+            .layers
+            .iter()
+            .filter_map(|k| match k {
+                LayerKind::Attention { ratio } => *ratio,
+                LayerKind::Gdn => None,
+            })
+            .collect();
+        rs.sort_unstable();
+        rs.dedup();
+        rs
+    }
+
+    /// Refuses, before the step, one that would end past the caches' capacity.
+    fn check_room(&self, st: &State<B>, end: usize) -> Result<()> {
+        for layer in &st.layers {
+            if let LayerState::Attn(cache) = layer {
+                cache.check_room(end)?;
+            }
+        }
+        if end > self.config.n_ctx {
+            return Err(EngineError::ContextFull {
+                what: "the sequence",
+                needed: end,
+                capacity: self.config.n_ctx,
+            });
+        }
+        Ok(())
     }
 
     /// The body of [`Model::forward_dev`]: every layer, then the mixer and LM head.
     fn layers_and_head(
         &self,
         st: &mut State<B>,
-        tokens: &[u32],
-        positions: &[u32],
-        ple_rows: Option<&[u32]>,
+        inputs: &StepInputs<B>,
+        ple_rows: Option<&B::Ids>,
         want: Want,
         mut log: Option<&mut ReplayLog<B>>,
     ) -> Result<DevOutputs<B>> {
         let b = &self.backend;
         let c = &self.config;
         let w = &self.weights;
-        let n = tokens.len();
+        let n = inputs.rows();
         // X_t = [E[x_t]; …; E[x_t]]: the streams start as copies of the embedding.
-        let mut x = b.embed_rows(&w.token_embd, tokens, c.hc_streams)?;
+        let mut x = b.embed_rows(&w.token_embd, &inputs.tokens, c.hc_streams)?;
         let mut layer_out = Vec::new();
         let last_layer = w.layers.len().saturating_sub(1);
         // Only the last row's output is read after the last layer when nothing but the last
@@ -490,8 +570,8 @@ impl<B: Backend> Model<B> {
                 self.ple_block(pw, rows, &mut x, st.ple_conv.as_mut(), rec)?;
             }
             if last_row_only && l == last_layer {
-                let at = Positions {
-                    positions,
+                let at = At {
+                    inputs,
                     theta: c.rope_theta,
                 };
                 let rows = b.reshape(x, n, c.residual_dim())?;
@@ -503,8 +583,8 @@ impl<B: Backend> Model<B> {
                 &c.layers[l],
                 lw,
                 &mut x,
-                Positions {
-                    positions,
+                At {
+                    inputs,
                     theta: c.rope_theta,
                 },
                 &mut st.layers[l],
@@ -533,7 +613,7 @@ impl<B: Backend> Model<B> {
         kind: &LayerKind,
         lw: &LayerW<B::Weight>,
         x: &mut B::Buf,
-        at: Positions<'_>,
+        at: At<'_, B>,
         st: &mut LayerState<B>,
         rec: Option<&mut Option<GdnRecord<B>>>,
     ) -> Result<()> {
@@ -543,7 +623,7 @@ impl<B: Backend> Model<B> {
                 self.gated_deltanet(gw, &u, conv, s, rec)?
             }
             (MixerW::Attn(aw), LayerState::Attn(cache), LayerKind::Attention { ratio }) => {
-                self.qsa_attention(aw, &u, at.positions, cache, *ratio, at.theta)?
+                self.qsa_attention(aw, &u, at, cache, *ratio)?
             }
             _ => {
                 return Err(EngineError::Input(
@@ -576,7 +656,7 @@ impl<B: Backend> Model<B> {
     fn hc_combine(&self, x: &mut B::Buf, y: &B::Buf, inj: Option<&B::Buf>) -> Result<()> {
         let inj =
             inj.ok_or_else(|| EngineError::shape("hc_combine", "mix without inject weights"))?;
-        self.backend.hc_combine(x, y, inj)
+        self.backend.hc_combine(x, y, Some(inj))
     }
 
     // ---- §5 PLE
@@ -585,7 +665,7 @@ impl<B: Backend> Model<B> {
     fn ple_block(
         &self,
         pw: &PleW<B::Weight>,
-        rows: &[u32],
+        rows: &B::Ids,
         x: &mut B::Buf,
         hist: Option<&mut B::Buf>,
         rec: Option<&mut Option<B::Buf>>,
@@ -660,12 +740,12 @@ impl<B: Backend> Model<B> {
         &self,
         aw: &AttnW<B::Weight>,
         u: &B::Buf,
-        positions: &[u32],
+        at: At<'_, B>,
         cache: &mut AttnCache<B>,
         ratio: Option<usize>,
-        theta: f32,
     ) -> Result<B::Buf> {
         let b = &self.backend;
+        let positions = &at.inputs.positions;
         let c = &self.config;
         let (hd, eps) = (c.attn.head_dim, c.eps);
         let indexed = aw.indexer.as_ref().zip(ratio);
@@ -693,54 +773,47 @@ impl<B: Backend> Model<B> {
             return Err(EngineError::shape("qsa", "q/gate split"));
         };
         let mut q = b.rms_norm(&q, &aw.q_norm, hd, eps)?;
-        b.rope_neox(&mut q, hd, c.rot_dims, theta, positions)?;
-        self.qsa_store(aw, keys, positions, cache, ratio, theta)?;
+        b.rope_neox(&mut q, hd, c.rot_dims, at.theta, positions)?;
+        self.qsa_store(aw, keys, at, cache, ratio)?;
         let sel = match (indexed, qi) {
-            (Some((ix, ratio)), Some(qi)) => {
-                self.qsa_select(ix, qi, positions, cache, ratio, theta)?
-            }
+            (Some((ix, ratio)), Some(qi)) => self.qsa_select(ix, qi, at, cache, ratio)?,
             _ => b.select_causal(positions)?,
         };
-        let a = b.attend(&q, &cache.k, &cache.v, &sel, c.attn, c.kv_type)?;
+        let a = b.attend(&q, &cache.k.buf, &cache.v.buf, &sel, c.attn, c.kv_type)?;
         let a = b.mul_sigmoid(&a, &gate)?;
         b.matmul(&aw.o, &a)
     }
 
-    /// §7.1–7.3, the cache side: keys (normed, rotated) and values appended, raw indexer keys
-    /// appended and newly completed blocks pooled. What a row leaves in the cache depends on that
-    /// row alone.
+    /// §7.1–7.3, the cache side: keys (normed, rotated) and values written at the rows'
+    /// positions, raw indexer keys written and the blocks the rows complete pooled, normed,
+    /// rotated at their first token and written at their slots. What a row leaves in the cache
+    /// depends on that row alone (and the raw keys before it).
     fn qsa_store(
         &self,
         aw: &AttnW<B::Weight>,
         keys: QsaKeys<B>,
-        positions: &[u32],
+        at: At<'_, B>,
         cache: &mut AttnCache<B>,
         ratio: Option<usize>,
-        theta: f32,
     ) -> Result<()> {
         let b = &self.backend;
         let c = &self.config;
         let (hd, eps) = (c.attn.head_dim, c.eps);
+        let positions = &at.inputs.positions;
         let mut k = b.rms_norm(&keys.k, &aw.k_norm, hd, eps)?;
-        b.rope_neox(&mut k, hd, c.rot_dims, theta, positions)?;
-        b.append_rows(&mut cache.k, &k)?;
-        b.append_rows(&mut cache.v, &keys.v)?;
+        b.rope_neox(&mut k, hd, c.rot_dims, at.theta, positions)?;
+        b.write_rows(&mut cache.k.buf, &k, positions)?;
+        b.write_rows(&mut cache.v.buf, &keys.v, positions)?;
         let (Some(ix), Some(ratio), Some(kraw)) = (&aw.indexer, ratio, keys.kraw) else {
             return Ok(());
         };
         let di = c.indexer.head_dim;
-        b.append_rows(&mut cache.kraw, &kraw)?;
-        let complete = cache.kraw.rows() / ratio;
-        let have = cache.blocks.rows();
-        if complete > have {
-            let pooled = b.qsa_pool_blocks(&cache.kraw, have, complete - have, ratio)?;
-            let mut kb = b.rms_norm(&pooled, &ix.k_norm, di, eps)?;
-            // RoPE at the block's first token.
-            let first: Vec<u32> = (have..complete).map(|blk| (blk * ratio) as u32).collect();
-            b.rope_neox(&mut kb, di, c.rot_dims, theta, &first)?;
-            b.append_rows(&mut cache.blocks, &kb)?;
-        }
-        Ok(())
+        b.write_rows(&mut cache.kraw.buf, &kraw, positions)?;
+        let blocks = at.inputs.blocks(ratio)?;
+        let pooled = b.qsa_pool_blocks(&cache.kraw.buf, positions, ratio)?;
+        let mut kb = b.rms_norm(&pooled, &ix.k_norm, di, eps)?;
+        b.rope_neox(&mut kb, di, c.rot_dims, at.theta, &blocks.starts)?;
+        b.write_rows(&mut cache.blocks.buf, &kb, &blocks.slots)
     }
 
     /// §7.3, the query side: indexer queries (normed, rotated) against the pooled blocks.
@@ -748,22 +821,22 @@ impl<B: Backend> Model<B> {
         &self,
         ix: &IndexerW<B::Weight>,
         qi: B::Buf,
-        positions: &[u32],
+        at: At<'_, B>,
         cache: &AttnCache<B>,
         ratio: usize,
-        theta: f32,
     ) -> Result<B::Selection> {
         let b = &self.backend;
         let c = &self.config;
         let (di, eps) = (c.indexer.head_dim, c.eps);
+        let positions = &at.inputs.positions;
         let mut qi = b.rms_norm(&qi, &ix.q_norm, di, eps)?;
-        b.rope_neox(&mut qi, di, c.rot_dims, theta, positions)?;
+        b.rope_neox(&mut qi, di, c.rot_dims, at.theta, positions)?;
         let sel = QsaSelect {
             ratio,
             budget: c.indexer.budget,
             rule: c.qsa_rule,
         };
-        b.qsa_select(&qi, &cache.blocks, positions, sel)
+        b.qsa_select(&qi, &cache.blocks.buf, positions, sel)
     }
 
     /// One attention layer over `x`'s rows (n > 1) when only the last row's output is read
@@ -775,21 +848,22 @@ impl<B: Backend> Model<B> {
         kind: &LayerKind,
         lw: &LayerW<B::Weight>,
         x: B::Buf,
-        at: Positions<'_>,
+        at: At<'_, B>,
         st: &mut LayerState<B>,
     ) -> Result<B::Buf> {
         let b = &self.backend;
         let n = x.rows();
         let mut before = b.copy(&x)?;
         b.truncate_rows(&mut before, n - 1)?;
-        let head = Positions {
-            positions: &at.positions[..n - 1],
+        let (head_in, tail_in) = (at.inputs.range(b, 0, n - 1)?, at.inputs.range(b, n - 1, 1)?);
+        let head = At {
+            inputs: &head_in,
             theta: at.theta,
         };
         self.attention_cache_only(kind, lw, &before, head, st)?;
         let mut last = b.last_row(x)?;
-        let tail = Positions {
-            positions: &at.positions[n - 1..],
+        let tail = At {
+            inputs: &tail_in,
             theta: at.theta,
         };
         self.decoder_layer(kind, lw, &mut last, tail, st, None)?;
@@ -803,7 +877,7 @@ impl<B: Backend> Model<B> {
         kind: &LayerKind,
         lw: &LayerW<B::Weight>,
         x: &B::Buf,
-        at: Positions<'_>,
+        at: At<'_, B>,
         st: &mut LayerState<B>,
     ) -> Result<()> {
         let b = &self.backend;
@@ -829,7 +903,7 @@ impl<B: Backend> Model<B> {
                 QsaKeys { k, v, kraw: None }
             }
         };
-        self.qsa_store(aw, keys, at.positions, cache, *ratio, at.theta)
+        self.qsa_store(aw, keys, at, cache, *ratio)
     }
 
     // ---- §8 MoE
@@ -860,36 +934,22 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// Cuts an attention cache back to `pos` tokens (and the pooled blocks those tokens complete).
-pub(crate) fn truncate_cache<B: Backend>(
-    b: &B,
-    cache: &mut AttnCache<B>,
-    pos: usize,
-    ratio: Option<usize>,
-) -> Result<()> {
-    for buf in [&mut cache.k, &mut cache.v, &mut cache.kraw] {
-        if buf.rows() > pos {
-            b.truncate_rows(buf, pos)?;
-        }
-    }
-    if let Some(r) = ratio {
-        if cache.blocks.rows() > pos / r {
-            b.truncate_rows(&mut cache.blocks, pos / r)?;
-        }
-    }
-    Ok(())
-}
-
 pub(crate) fn cache_buffers<B: Backend>(
     b: &B,
     name: &str,
     c: &AttnCache<B>,
 ) -> Result<Vec<(String, Vec<f32>)>> {
+    // Only the valid rows: rows past a store's length (a rejected draft's) are not state.
+    let valid = |st: &crate::backend::RowStore<B>| -> Result<Vec<f32>> {
+        let mut v = b.download(&st.buf)?;
+        v.truncate(st.len() * st.buf.cols());
+        Ok(v)
+    };
     Ok(vec![
-        (format!("{name}.k"), b.download(&c.k)?),
-        (format!("{name}.v"), b.download(&c.v)?),
-        (format!("{name}.kraw"), b.download(&c.kraw)?),
-        (format!("{name}.blocks"), b.download(&c.blocks)?),
+        (format!("{name}.k"), valid(&c.k)?),
+        (format!("{name}.v"), valid(&c.v)?),
+        (format!("{name}.kraw"), valid(&c.kraw)?),
+        (format!("{name}.blocks"), valid(&c.blocks)?),
     ])
 }
 

@@ -13,13 +13,14 @@ use std::sync::Arc;
 
 use strata_gguf::GgufFile;
 
-use crate::backend::{Backend, DeviceBuf, Usage};
+use crate::backend::{Backend, DeviceBuf, StepInputs, StepKey, StepKind, Usage};
 use crate::error::{EngineError, Result};
 
 use super::config::{self, Config, LayerKind, DOCUMENTED_QSA_RATIO};
+use super::ops::Qwen4expOps;
 use super::state::{AttnCache, LayerState};
 use super::weights::{Binder, HcW, LayerW, MixerW};
-use super::{Model, Positions};
+use super::{At, Model};
 
 /// `general.architecture` of a stand-alone MTP GGUF; its keys live under this prefix.
 pub const MTP_ARCH: &str = "qwen4exp_mtp";
@@ -169,7 +170,7 @@ fn embedded_config(file: &GgufFile, trunk: &Config) -> Result<MtpConfig> {
     })
 }
 
-impl<B: Backend> Model<B> {
+impl<B: Qwen4expOps> Model<B> {
     /// Loads an MTP GGUF (`strata convert-mtp`'s output) and attaches it to this model.
     pub fn load_mtp(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let file = Arc::new(GgufFile::open(path)?);
@@ -228,12 +229,7 @@ impl<B: Backend> Model<B> {
         let kv = c.attn.n_head_kv * c.attn.head_dim;
         Ok(MtpState {
             pos: 0,
-            layer: LayerState::Attn(AttnCache {
-                k: b.zeros(0, kv)?,
-                v: b.zeros(0, kv)?,
-                kraw: b.zeros(0, c.indexer.head_dim)?,
-                blocks: b.zeros(0, c.indexer.head_dim)?,
-            }),
+            layer: LayerState::Attn(AttnCache::new(b, c.n_ctx, kv, c.indexer.head_dim)?),
         })
     }
 
@@ -247,7 +243,7 @@ impl<B: Backend> Model<B> {
             )));
         }
         if let LayerState::Attn(cache) = &mut st.layer {
-            super::truncate_cache(&self.backend, cache, pos, ratio)?;
+            cache.set_len(pos, ratio)?;
         }
         st.pos = pos;
         Ok(())
@@ -286,7 +282,8 @@ impl<B: Backend> Model<B> {
             )));
         }
         let h = b.upload(n, sh, hidden)?;
-        let (logits, hid) = self.mtp_forward_dev(st, &h, next_tokens, last_only, rows)?;
+        let rows = rows.map(|r| b.upload_ids(r)).transpose()?;
+        let (logits, hid) = self.mtp_forward_dev(st, &h, next_tokens, last_only, rows.as_ref())?;
         Ok(MtpOutputs {
             cols: logits.cols(),
             logits: b.download(&logits)?,
@@ -301,7 +298,7 @@ impl<B: Backend> Model<B> {
         hidden: &B::Buf,
         next_tokens: &[u32],
         last_only: bool,
-        rows: Option<&[u32]>,
+        rows: Option<&B::Ids>,
     ) -> Result<(B::Buf, B::Buf)> {
         let head = self.head()?;
         let c = &self.config;
@@ -323,17 +320,33 @@ impl<B: Backend> Model<B> {
                 c.n_vocab
             )));
         }
-        let positions: Vec<u32> = (st.pos..st.pos + n)
-            .map(|p| {
-                u32::try_from(p)
-                    .map_err(|_| EngineError::Input(format!("position {p} is too large")))
-            })
-            .collect::<Result<_>>()?;
-
-        let out = self
-            .backend
-            .scoped(|| self.mtp_body(head, st, hidden, next_tokens, &positions, last_only, rows))?;
-        st.pos += n;
+        let end = st.pos + n;
+        let ratio = head.config.ratio;
+        let LayerState::Attn(cache) = &st.layer else {
+            return Err(EngineError::Input(
+                "the MTP state holds no attention cache".to_string(),
+            ));
+        };
+        cache.check_room(end)?;
+        let b = &self.backend;
+        let inputs = StepInputs::new(
+            b,
+            next_tokens,
+            st.pos,
+            &ratio.into_iter().collect::<Vec<_>>(),
+        )?;
+        let key = StepKey {
+            kind: StepKind::Draft,
+            rows: n,
+            outputs: (last_only as u32) | (rows.is_some() as u32) << 1,
+        };
+        let out = b.step(key, || {
+            self.mtp_body(head, st, hidden, &inputs, last_only, rows)
+        })?;
+        if let LayerState::Attn(cache) = &mut st.layer {
+            cache.set_len(end, ratio)?;
+        }
+        st.pos = end;
         Ok(out)
     }
 
@@ -344,19 +357,18 @@ impl<B: Backend> Model<B> {
         head: &MtpHead<B::Weight>,
         st: &mut MtpState<B>,
         hidden: &B::Buf,
-        next_tokens: &[u32],
-        positions: &[u32],
+        inputs: &StepInputs<B>,
         last_only: bool,
-        rows: Option<&[u32]>,
+        rows: Option<&B::Ids>,
     ) -> Result<(B::Buf, B::Buf)> {
         let b = &self.backend;
         let c = &self.config;
         let (h, s, eps) = (c.n_embd, c.hc_streams, c.eps);
         let sh = s * h;
-        let n = next_tokens.len();
+        let n = inputs.rows();
         // e = fc_embedding · RMS1p(E[x_{p+1}])
         let table = head.token_embd.as_ref().unwrap_or(&self.weights.token_embd);
-        let emb = b.embed_rows(table, next_tokens, 1)?;
+        let emb = b.embed_rows(table, &inputs.tokens, 1)?;
         let e = b.matmul(
             &head.fc_embedding,
             &b.rms_norm(&emb, &head.norm_embedding, h, eps)?,
@@ -365,10 +377,8 @@ impl<B: Backend> Model<B> {
         let hn = b.rms_norm(hidden, &head.norm_hidden, sh, eps)?;
         let y = b.matmul(&head.fc_hidden, &b.reshape(hn, n * s, h)?)?;
         let mut x = b.reshape(y, n, sh)?;
-        // Y_s = fc_hidden·hn_s + e: a combine with unit stream weights adds e to every stream
-        // (1·e is e exactly).
-        let ones = b.upload(n, s, &vec![1.0; n * s])?;
-        b.hc_combine(&mut x, &e, &ones)?;
+        // Y_s = fc_hidden·hn_s + e: a combine with unit stream weights adds e to every stream.
+        b.hc_combine(&mut x, &e, None)?;
 
         let kind = LayerKind::Attention {
             ratio: head.config.ratio,
@@ -377,7 +387,7 @@ impl<B: Backend> Model<B> {
         // With `last_only`, the rows before the last only leave their keys in the layer's
         // caches (no one reads their outputs); the last row then runs the whole layer. Each
         // row's cache entries and the last row's outputs are the bits of the full batch.
-        let at = Positions { positions, theta };
+        let at = At { inputs, theta };
         let x = if last_only && n > 1 {
             self.attention_layer_last_row(&kind, &head.layer, x, at, &mut st.layer)?
         } else {

@@ -1,17 +1,49 @@
 //! Per-sequence state (DESIGN.md §2.2): QSA layers' K/V (post-norm, post-RoPE), raw indexer keys
 //! and pooled block keys; GDN layers' fp32 recurrent state and conv history; the PLE conv history;
-//! the token history the n-gram hash reads. Caches that only grow are rolled back by truncation,
-//! recurrent states by restoring a [`Checkpoint`].
+//! the token history the n-gram hash reads. Caches are fixed-capacity stores written at each
+//! token's position and rolled back by setting their length; recurrent states are fixed-size
+//! buffers updated in place and rolled back by restoring a [`Checkpoint`].
 
-use crate::backend::Backend;
+use crate::backend::{Backend, RowStore};
+use crate::error::Result;
 
 pub(crate) struct AttnCache<B: Backend> {
-    pub k: B::Buf,
-    pub v: B::Buf,
+    pub k: RowStore<B>,
+    pub v: RowStore<B>,
     /// Raw indexer keys, one row per token (no norm, no RoPE).
-    pub kraw: B::Buf,
+    pub kraw: RowStore<B>,
     /// Pooled, normed, rotated block keys, one row per complete block.
-    pub blocks: B::Buf,
+    pub blocks: RowStore<B>,
+}
+
+impl<B: Backend> AttnCache<B> {
+    /// Stores for `cap` positions of `kv`-wide keys/values and `di`-wide indexer keys.
+    pub fn new(b: &B, cap: usize, kv: usize, di: usize) -> Result<Self> {
+        Ok(AttnCache {
+            k: RowStore::new(b, "the attention K cache", cap, kv)?,
+            v: RowStore::new(b, "the attention V cache", cap, kv)?,
+            kraw: RowStore::new(b, "the indexer key cache", cap, di)?,
+            blocks: RowStore::new(b, "the pooled block cache", cap, di)?,
+        })
+    }
+
+    /// Refuses, before a step, a step that would end past the capacity.
+    pub fn check_room(&self, end: usize) -> Result<()> {
+        self.k.check_room(end)
+    }
+
+    /// Every store holds the first `pos` positions (and the blocks they complete).
+    pub fn set_len(&mut self, pos: usize, ratio: Option<usize>) -> Result<()> {
+        self.k.set_len(pos)?;
+        self.v.set_len(pos)?;
+        match ratio {
+            Some(r) => {
+                self.kraw.set_len(pos)?;
+                self.blocks.set_len(pos / r)
+            }
+            None => Ok(()),
+        }
+    }
 }
 
 pub(crate) enum LayerState<B: Backend> {

@@ -1,6 +1,6 @@
 //! Converting the MTP head (`mtp.*`) of a qwen4_exp Hugging Face checkpoint (one safetensors
 //! file, or shards listed in `model.safetensors.index.json`) into a stand-alone MTP GGUF that
-//! [`Model::load_mtp`](super::Model::load_mtp) attaches beside a trunk GGUF. Names and transforms
+//! `strata_engine::qwen4exp::Model::load_mtp` attaches beside a trunk GGUF. Names and transforms
 //! follow llama.cpp's trunk converter (norms stored as 1 + w, indexer projection split into q/k,
 //! experts split into gate/up/down); docs/MTP-GGUF.md has the full table.
 //!
@@ -17,9 +17,9 @@ use serde_json::Value as Json;
 use strata_gguf::{GgufWriter, Value};
 use strata_quant::GgmlType;
 
-use crate::error::{EngineError, Result};
+use strata_engine::{EngineError, Result};
 
-use super::mtp::MTP_ARCH;
+use strata_engine::qwen4exp::mtp::MTP_ARCH;
 
 /// The weight format of the converted matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -15,9 +15,9 @@
 use std::time::Instant;
 
 use super::{Catchup, DraftPen, NextDraft, SpecDecoder};
-use crate::backend::Backend;
 use crate::error::{EngineError, Result};
 use crate::generate::StopReason;
+use crate::qwen4exp::ops::Qwen4expOps;
 use crate::qwen4exp::{ReplayLog, Want};
 use crate::sampler::guard::GuardStop;
 use crate::sampler::slop::{Accepted, DeadEnd, SlopState};
@@ -155,7 +155,7 @@ impl Judge<'_> {
 /// Generates up to `max_tokens` tokens after `prompt` with `dec` (fresh) and `sampler`, with
 /// the guarded loop's semantics: `on_token` sees each token once it is final, and the output is
 /// the plain [`crate::sampler::guard::generate`]'s for the same model and sampler.
-pub fn generate<B: Backend>(
+pub fn generate<B: Qwen4expOps>(
     dec: &mut SpecDecoder<'_, B>,
     prompt: &[u32],
     sampler: &mut Sampler,
@@ -356,7 +356,7 @@ pub fn generate<B: Backend>(
 
 /// Rebuilds the trunk and MTP states from nothing so that they hold `target` but its last
 /// token (which becomes the pending one).
-fn replay<B: Backend>(dec: &mut SpecDecoder<'_, B>, target: &[u32]) -> Result<()> {
+fn replay<B: Qwen4expOps>(dec: &mut SpecDecoder<'_, B>, target: &[u32]) -> Result<()> {
     let model = dec.model;
     dec.state = model.new_state()?;
     if dec.mtp.is_some() {

@@ -24,9 +24,9 @@ pub mod guarded;
 
 use std::time::{Duration, Instant};
 
-use crate::backend::Backend;
 use crate::error::{EngineError, Result};
 use crate::qwen4exp::mtp::MtpState;
+use crate::qwen4exp::ops::Qwen4expOps;
 use crate::qwen4exp::{Model, ReplayLog, State, Want};
 use crate::sampler::slop::SlopState;
 use crate::sampler::{SampleContext, Sampler};
@@ -295,23 +295,25 @@ pub struct StepOutcome {
 
 /// The first draft of the next window: the MTP's pre-mixer output at the last consumed
 /// position (one row) and its logits over the draft rows.
-struct NextDraft<B: Backend> {
+struct NextDraft<B: Qwen4expOps> {
     hidden: B::Buf,
     logits: Vec<f32>,
 }
 
 /// A catch-up the MTP still owes: the trunk states of the kept rows and their next tokens.
-struct Catchup<B: Backend> {
+struct Catchup<B: Qwen4expOps> {
     hidden: B::Buf,
     next: Vec<u32>,
 }
 
 /// Speculative decoding of one sequence.
-pub struct SpecDecoder<'m, B: Backend> {
+pub struct SpecDecoder<'m, B: Qwen4expOps> {
     model: &'m Model<B>,
     window: usize,
     min_p: f32,
     vocab: Option<DraftVocab>,
+    /// The draft vocabulary's ids on the device (the LM-head rows a draft computes).
+    draft_rows: Option<B::Ids>,
     state: State<B>,
     mtp: Option<MtpState<B>>,
     /// The last emitted token, which the trunk has not consumed yet.
@@ -327,7 +329,7 @@ pub struct SpecDecoder<'m, B: Backend> {
     stats: SpecStats,
 }
 
-impl<'m, B: Backend> SpecDecoder<'m, B> {
+impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
     /// A decoder with greedy picking. A window above 1 needs the model's MTP head.
     pub fn new(model: &'m Model<B>, cfg: SpecConfig) -> Result<Self> {
         if !(1..=MAX_WINDOW).contains(&cfg.window) {
@@ -363,11 +365,16 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
         } else {
             Vec::new()
         };
+        let draft_rows = match &cfg.draft_vocab {
+            Some(v) if cfg.window > 1 => Some(model.backend().upload_ids(v.ids())?),
+            _ => None,
+        };
         Ok(SpecDecoder {
             model,
             window: cfg.window,
             min_p: cfg.min_p,
             vocab: cfg.draft_vocab,
+            draft_rows,
             state: model.new_state()?,
             mtp,
             pending: None,
@@ -477,7 +484,7 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
             return Ok(());
         };
         let t0 = Instant::now();
-        let rows = self.vocab.as_ref().map(|v| v.ids());
+        let rows = self.draft_rows.as_ref();
         let (logits, hidden) = self
             .model
             .mtp_forward_dev(mtp, &c.hidden, &c.next, true, rows)?;
@@ -573,7 +580,7 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
             }
             let t0 = Instant::now();
             let Some(mtp) = self.mtp.as_mut() else { break };
-            let rows = self.vocab.as_ref().map(|v| v.ids());
+            let rows = self.draft_rows.as_ref();
             let (lg, hid) = self
                 .model
                 .mtp_forward_dev(mtp, &hidden, &[tok], true, rows)?;
@@ -693,7 +700,7 @@ impl<'m, B: Backend> SpecDecoder<'m, B> {
 /// Generates up to `max_new` tokens after `prompt`, speculatively when `cfg.window > 1`;
 /// `on_token` sees each token as it is emitted and returns false to stop. Returns the tokens and
 /// the statistics.
-pub fn generate_spec<B: Backend>(
+pub fn generate_spec<B: Qwen4expOps>(
     model: &Model<B>,
     prompt: &[u32],
     max_new: usize,
@@ -706,7 +713,7 @@ pub fn generate_spec<B: Backend>(
 }
 
 /// Drives `dec` from its prefill to `max_new` tokens (or until `on_token` says stop).
-pub fn run<B: Backend>(
+pub fn run<B: Qwen4expOps>(
     dec: &mut SpecDecoder<'_, B>,
     prompt: &[u32],
     max_new: usize,
