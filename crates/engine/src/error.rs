@@ -11,6 +11,10 @@ pub enum EngineError {
     #[error(transparent)]
     Quant(#[from] strata_quant::QuantError),
 
+    /// A catalogue kernel refused its inputs, or the variant selection names no variant.
+    #[error(transparent)]
+    Kernel(#[from] crate::kernels::KernelError),
+
     #[error("{file}: architecture '{found}' is not supported; expected one of: {expected}")]
     UnsupportedArch {
         file: String,

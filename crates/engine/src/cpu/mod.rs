@@ -588,6 +588,9 @@ impl Backend for CpuBackend {
         CpuBuf::new(x.rows, x.cols, data)
     }
 
+    /// The catalogue's `route` kernel (`kernels::route`), in the variant the registry selects
+    /// (`STRATA_KERNELS=route=baseline` runs the baseline): one implementation, so `strata
+    /// parity router-ab` measures what the model runs.
     fn route(&self, logits: &CpuBuf, k: usize) -> Result<CpuRoutes> {
         if k == 0 || k > logits.cols {
             return Err(EngineError::shape(
@@ -595,9 +598,14 @@ impl Backend for CpuBackend {
                 format!("top {k} of {} experts", logits.cols),
             ));
         }
+        let f = crate::kernels::route::ROUTE.selected()?;
+        let mut ids = vec![0i32; logits.rows * k];
+        let mut weights = vec![0f32; logits.rows * k];
+        f(&logits.data, logits.cols, k, &mut ids, &mut weights)?;
         Ok(CpuRoutes(
-            (0..logits.rows)
-                .map(|r| ops::route_row(logits.row(r), k))
+            ids.chunks(k)
+                .zip(weights.chunks(k))
+                .map(|(i, w)| i.iter().zip(w).map(|(&e, &w)| (e as u32, w)).collect())
                 .collect(),
         ))
     }

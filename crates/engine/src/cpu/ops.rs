@@ -204,17 +204,6 @@ pub(crate) fn top_k_lower_index(v: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// The router body for one row: softmax in f32, top-k, weights renormalised to sum 1.
-pub(crate) fn route_row(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = logits.iter().map(|l| (l - m).exp()).collect();
-    let z: f32 = e.iter().sum();
-    let p: Vec<f32> = e.iter().map(|x| x / z).collect();
-    let top = top_k_lower_index(&p, k);
-    let sum: f32 = top.iter().map(|&i| p[i]).sum();
-    top.into_iter().map(|i| (i as u32, p[i] / sum)).collect()
-}
-
 /// libstdc++'s `std::partial_sort(idx, idx + k, idx + n, v[a] > v[b])` (heap select): which
 /// indices land in the first `k` slots, ties broken exactly as llama.cpp's CPU `ggml_top_k` does.
 pub(crate) fn partial_sort_top_k(v: &[f32], k: usize) -> Vec<usize> {

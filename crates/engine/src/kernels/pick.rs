@@ -24,8 +24,9 @@ fn done(logits: &[f32], draft_ids: &[i32], index: usize) -> Picked {
     }
 }
 
-pub fn pick_baseline(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, KernelError> {
-    check_len("pick", "draft ids", draft_ids.len(), logits.len())?;
+/// The index the pick chooses (the baseline's loop): the draft chain's choice over draft-row
+/// logits, before the map back to token ids.
+pub fn argmax(logits: &[f32]) -> usize {
     let mut best = f32::NEG_INFINITY;
     let mut bi = usize::MAX;
     for (i, &v) in logits.iter().enumerate() {
@@ -34,11 +35,16 @@ pub fn pick_baseline(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, Kernel
             bi = i;
         }
     }
-    Ok(done(
-        logits,
-        draft_ids,
-        if bi == usize::MAX { 0 } else { bi },
-    ))
+    if bi == usize::MAX {
+        0
+    } else {
+        bi
+    }
+}
+
+pub fn pick_baseline(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, KernelError> {
+    check_len("pick", "draft ids", draft_ids.len(), logits.len())?;
+    Ok(done(logits, draft_ids, argmax(logits)))
 }
 
 /// Sixteen independent lanes with branch-free updates (each lane keeps its first maximum,

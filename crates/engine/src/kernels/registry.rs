@@ -7,7 +7,7 @@
 //! kernels in `strata-cuda`), so a name valid for one backend is valid for all.
 
 use std::collections::HashMap;
-use std::sync::{OnceLock, RwLock};
+use std::sync::{Mutex, OnceLock, RwLock};
 
 use super::KernelError;
 
@@ -62,9 +62,14 @@ impl<F: Copy> Op<F> {
         self.variants[0].f
     }
 
-    /// The variant chosen by [`selected_variant`].
+    /// The variant chosen by [`selected_variant`] (counted in [`use_count`]: a live path that
+    /// asks here is one that `STRATA_KERNELS` switches).
     pub fn selected(&self) -> Result<F, KernelError> {
-        self.variant(&selected_variant(self.name)?)
+        let name = selected_variant(self.name)?;
+        let f = self.variant(&name)?;
+        let mut uses = use_counts().lock().unwrap_or_else(|p| p.into_inner());
+        *uses.entry((self.name, name)).or_insert(0) += 1;
+        Ok(f)
     }
 }
 
@@ -129,6 +134,20 @@ pub fn parse_selection(
         out.push((op.to_string(), variant.to_string()));
     }
     Ok(out)
+}
+
+fn use_counts() -> &'static Mutex<HashMap<(&'static str, String), u64>> {
+    static U: OnceLock<Mutex<HashMap<(&'static str, String), u64>>> = OnceLock::new();
+    U.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// How many times this process ran `op`'s `variant` through [`Op::selected`].
+pub fn use_count(op: &str, variant: &str) -> u64 {
+    let uses = use_counts().lock().unwrap_or_else(|p| p.into_inner());
+    uses.iter()
+        .filter(|((o, v), _)| *o == op && v == variant)
+        .map(|(_, n)| *n)
+        .sum()
 }
 
 fn overrides() -> &'static RwLock<HashMap<String, String>> {

@@ -76,13 +76,14 @@ pub trait Picker: Send {
     }
 }
 
-/// Greedy decoding: the largest logit, ties to the lower id.
+/// Greedy decoding: the largest logit, ties to the lower id — the plain loop's greedy pick
+/// ([`crate::sampler::argmax`], which refuses NaN logits), so both loops choose alike.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Greedy;
 
 impl Picker for Greedy {
     fn pick(&mut self, logits: &[f32], _position: usize, _history: &[u32]) -> Result<u32> {
-        Ok(argmax(logits) as u32)
+        crate::sampler::argmax(logits)
     }
 }
 
@@ -126,22 +127,6 @@ enum DraftPen<'a> {
     Picker,
     /// A sampler with the sequence's explicit slop state (the guarded loop).
     Sampler(&'a Sampler, Option<&'a SlopState>),
-}
-
-/// Index of the largest value, ties to the lower index; NaN is never chosen (index 0 when every
-/// value is NaN).
-pub fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    let mut bv = f32::NEG_INFINITY;
-    let mut found = false;
-    for (i, &x) in v.iter().enumerate() {
-        if x > bv || (!found && x == bv) {
-            best = i;
-            bv = x;
-            found = true;
-        }
-    }
-    best
 }
 
 /// Probability of the entry at `idx` under the softmax of `v`.
@@ -500,7 +485,8 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
 
     /// Picks a draft from draft-row logits: (token, probability when the floor is on).
     fn pick_draft(&self, logits: &[f32]) -> (u32, f32) {
-        let i = argmax(logits);
+        // The catalogue's `mtp_pick` semantics (ties to the lower index, NaN never chosen).
+        let i = crate::kernels::pick::argmax(logits);
         let tok = match &self.vocab {
             Some(v) => v.ids().get(i).copied().unwrap_or(0),
             None => i as u32,

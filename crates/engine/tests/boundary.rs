@@ -1,0 +1,454 @@
+//! The backend boundary's promises, checked on the CPU (issue "Boundary", DESIGN.md §2.1):
+//! - a step is capturable: inside `Backend::step` nothing is read back to the host or uploaded,
+//!   and the operations a step runs (and the shapes of the buffers they return) depend only on
+//!   the step's key — the same key at other positions, with other tokens, crossing a QSA block
+//!   boundary or not, gives the same trace, so a GPU backend may capture it once and replay it;
+//! - caches are fixed-capacity stores: a step past the capacity is refused before it runs;
+//! - the catalogue kernels are the live implementation: `route` runs through the registry, so a
+//!   variant selection switches what the model executes, with identical output.
+//!
+//! The recording backend below wraps the CPU backend and forwards every operation to it.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use common::tiny_dir;
+use strata_engine::backend::{AttnDims, ExpertWeights, StepKey};
+use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
+use strata_engine::kernels::registry;
+use strata_engine::qwen4exp::ops::{GdnParams, HcWeights, QsaSelect};
+use strata_engine::qwen4exp::{LoadOptions, Model, Want};
+use strata_engine::{
+    Backend, CpuBackend, CpuBuf, CpuWeight, DeviceBuf, EngineError, KvType, Qwen4expOps, Usage,
+};
+use strata_gguf::{GgufFile, TensorInfo};
+use strata_quant::GgmlType;
+
+/// One operation of a step: its name and the shape of what it produced (or was given).
+type Trace = Vec<(&'static str, usize, usize)>;
+
+#[derive(Default)]
+struct Log {
+    in_step: bool,
+    current: Trace,
+    /// Every step's trace, in order, with its key.
+    steps: Vec<(StepKey, Trace)>,
+    /// Host transfers attempted inside a step.
+    violations: Vec<&'static str>,
+}
+
+struct Recording {
+    cpu: CpuBackend,
+    log: Mutex<Log>,
+}
+
+impl Recording {
+    fn new() -> Self {
+        Recording {
+            cpu: CpuBackend::new(1).unwrap(),
+            log: Mutex::new(Log::default()),
+        }
+    }
+
+    fn op(&self, name: &'static str, rows: usize, cols: usize) {
+        let mut l = self.log.lock().unwrap();
+        if l.in_step {
+            l.current.push((name, rows, cols));
+        }
+    }
+
+    fn buf(&self, name: &'static str, b: &CpuBuf) {
+        self.op(name, b.rows(), b.cols());
+    }
+
+    fn host(&self, name: &'static str) {
+        let mut l = self.log.lock().unwrap();
+        if l.in_step {
+            l.violations.push(name);
+        }
+    }
+
+    fn take(&self) -> Log {
+        std::mem::take(&mut *self.log.lock().unwrap())
+    }
+}
+
+type R<T> = strata_engine::Result<T>;
+
+impl Backend for Recording {
+    type Buf = CpuBuf;
+    type Weight = CpuWeight;
+    type Ids = CpuIds;
+    type Routes = CpuRoutes;
+
+    fn name(&self) -> &'static str {
+        "recording-cpu"
+    }
+    fn supports(&self, ty: GgmlType, usage: Usage) -> bool {
+        self.cpu.supports(ty, usage)
+    }
+    fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> R<CpuWeight> {
+        self.cpu.load_weight(file, info)
+    }
+    fn zeros(&self, rows: usize, cols: usize) -> R<CpuBuf> {
+        self.op("zeros", rows, cols);
+        self.cpu.zeros(rows, cols)
+    }
+    fn store(&self, cap: usize, cols: usize) -> R<CpuBuf> {
+        self.host("store");
+        self.cpu.store(cap, cols)
+    }
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> R<CpuBuf> {
+        self.host("upload");
+        self.cpu.upload(rows, cols, data)
+    }
+    fn upload_ids(&self, ids: &[u32]) -> R<CpuIds> {
+        self.host("upload_ids");
+        self.cpu.upload_ids(ids)
+    }
+    fn ids_range(&self, ids: &CpuIds, start: usize, len: usize) -> R<CpuIds> {
+        self.op("ids_range", start, len);
+        self.cpu.ids_range(ids, start, len)
+    }
+    fn download(&self, x: &CpuBuf) -> R<Vec<f32>> {
+        self.host("download");
+        self.cpu.download(x)
+    }
+    fn download_ids(&self, ids: &CpuIds) -> R<Vec<u32>> {
+        self.host("download_ids");
+        self.cpu.download_ids(ids)
+    }
+    fn copy(&self, x: &CpuBuf) -> R<CpuBuf> {
+        self.buf("copy", x);
+        self.cpu.copy(x)
+    }
+    fn copy_into(&self, dst: &mut CpuBuf, src: &CpuBuf) -> R<()> {
+        self.buf("copy_into", src);
+        self.cpu.copy_into(dst, src)
+    }
+    fn reshape(&self, x: CpuBuf, rows: usize, cols: usize) -> R<CpuBuf> {
+        self.op("reshape", rows, cols);
+        self.cpu.reshape(x, rows, cols)
+    }
+    fn truncate_rows(&self, dst: &mut CpuBuf, rows: usize) -> R<()> {
+        self.op("truncate_rows", rows, dst.cols());
+        self.cpu.truncate_rows(dst, rows)
+    }
+    fn slice_cols(&self, x: &CpuBuf, start: usize, len: usize) -> R<CpuBuf> {
+        self.op("slice_cols", start, len);
+        self.cpu.slice_cols(x, start, len)
+    }
+    fn deinterleave(&self, x: &CpuBuf, chunk: usize, parts: usize) -> R<Vec<CpuBuf>> {
+        self.op("deinterleave", chunk, parts);
+        self.cpu.deinterleave(x, chunk, parts)
+    }
+    fn write_rows(&self, store: &mut CpuBuf, x: &CpuBuf, at: &CpuIds) -> R<()> {
+        self.buf("write_rows", x);
+        self.cpu.write_rows(store, x, at)
+    }
+    fn write_kv(&self, cache: &mut CpuBuf, x: &CpuBuf, at: &CpuIds, kv: KvType) -> R<()> {
+        self.buf("write_kv", x);
+        self.cpu.write_kv(cache, x, at, kv)
+    }
+    fn step<T: Send>(&self, key: StepKey, f: impl FnOnce() -> T + Send) -> T {
+        {
+            let mut l = self.log.lock().unwrap();
+            assert!(!l.in_step, "steps do not nest");
+            l.in_step = true;
+            l.current.clear();
+        }
+        let out = self.cpu.step(key, f);
+        let mut l = self.log.lock().unwrap();
+        l.in_step = false;
+        let trace = std::mem::take(&mut l.current);
+        l.steps.push((key, trace));
+        out
+    }
+    fn add_assign(&self, x: &mut CpuBuf, y: &CpuBuf) -> R<()> {
+        self.buf("add_assign", y);
+        self.cpu.add_assign(x, y)
+    }
+    fn embed_rows(&self, table: &CpuWeight, ids: &CpuIds, copies: usize) -> R<CpuBuf> {
+        let y = self.cpu.embed_rows(table, ids, copies)?;
+        self.buf("embed_rows", &y);
+        Ok(y)
+    }
+    fn matmul(&self, w: &CpuWeight, x: &CpuBuf) -> R<CpuBuf> {
+        let y = self.cpu.matmul(w, x)?;
+        self.buf("matmul", &y);
+        Ok(y)
+    }
+    fn matmuls<const N: usize>(&self, ws: [&CpuWeight; N], x: &CpuBuf) -> R<[CpuBuf; N]> {
+        let ys = self.cpu.matmuls(ws, x)?;
+        for y in &ys {
+            self.buf("matmuls", y);
+        }
+        Ok(ys)
+    }
+    fn matmul_rows(&self, w: &CpuWeight, rows: &CpuIds, x: &CpuBuf) -> R<CpuBuf> {
+        let y = self.cpu.matmul_rows(w, rows, x)?;
+        self.buf("matmul_rows", &y);
+        Ok(y)
+    }
+    fn rms_norm(&self, x: &CpuBuf, w: &CpuWeight, group: usize, eps: f32) -> R<CpuBuf> {
+        self.buf("rms_norm", x);
+        self.cpu.rms_norm(x, w, group, eps)
+    }
+    fn rope_neox(
+        &self,
+        x: &mut CpuBuf,
+        head_dim: usize,
+        rot: usize,
+        theta: f32,
+        positions: &CpuIds,
+    ) -> R<()> {
+        self.buf("rope_neox", x);
+        self.cpu.rope_neox(x, head_dim, rot, theta, positions)
+    }
+    fn mul_sigmoid(&self, x: &CpuBuf, gate: &CpuBuf) -> R<CpuBuf> {
+        self.buf("mul_sigmoid", x);
+        self.cpu.mul_sigmoid(x, gate)
+    }
+    fn route(&self, logits: &CpuBuf, k: usize) -> R<CpuRoutes> {
+        self.op("route", logits.rows(), k);
+        self.cpu.route(logits, k)
+    }
+    fn moe_experts(
+        &self,
+        experts: &ExpertWeights<'_, CpuWeight>,
+        x: &CpuBuf,
+        routes: &CpuRoutes,
+    ) -> R<CpuBuf> {
+        self.buf("moe_experts", x);
+        self.cpu.moe_experts(experts, x, routes)
+    }
+    fn swiglu(&self, g: &CpuBuf, u: &CpuBuf) -> R<CpuBuf> {
+        self.buf("swiglu", g);
+        self.cpu.swiglu(g, u)
+    }
+    fn add_sigmoid_gated(&self, y: &mut CpuBuf, x: &CpuBuf, gate: &CpuBuf) -> R<()> {
+        self.buf("add_sigmoid_gated", x);
+        self.cpu.add_sigmoid_gated(y, x, gate)
+    }
+    fn add_bias(&self, x: &mut CpuBuf, b: &CpuWeight) -> R<()> {
+        self.buf("add_bias", x);
+        self.cpu.add_bias(x, b)
+    }
+    fn attend_causal(
+        &self,
+        q: &CpuBuf,
+        k_cache: &CpuBuf,
+        v_cache: &CpuBuf,
+        positions: &CpuIds,
+        dims: AttnDims,
+        kv: KvType,
+    ) -> R<CpuBuf> {
+        self.buf("attend_causal", q);
+        self.cpu
+            .attend_causal(q, k_cache, v_cache, positions, dims, kv)
+    }
+}
+
+impl Qwen4expOps for Recording {
+    type Selection = CpuSelection;
+
+    fn hc_mix(&self, hc: &HcWeights<'_, CpuWeight>, x: &CpuBuf) -> R<(CpuBuf, Option<CpuBuf>)> {
+        self.buf("hc_mix", x);
+        self.cpu.hc_mix(hc, x)
+    }
+    fn hc_combine(&self, x: &mut CpuBuf, y: &CpuBuf, inj: Option<&CpuBuf>) -> R<()> {
+        self.buf("hc_combine", y);
+        self.cpu.hc_combine(x, y, inj)
+    }
+    fn conv1d_silu(
+        &self,
+        x: &CpuBuf,
+        w: &CpuWeight,
+        history: &mut CpuBuf,
+        dilation: usize,
+    ) -> R<CpuBuf> {
+        self.buf("conv1d_silu", x);
+        self.cpu.conv1d_silu(x, w, history, dilation)
+    }
+    fn gdn_step(
+        &self,
+        p: &GdnParams<'_, CpuWeight>,
+        qkv: &CpuBuf,
+        z: &CpuBuf,
+        a: &CpuBuf,
+        b: &CpuBuf,
+        state: &mut CpuBuf,
+    ) -> R<CpuBuf> {
+        self.buf("gdn_step", qkv);
+        self.cpu.gdn_step(p, qkv, z, a, b, state)
+    }
+    fn qsa_pool_blocks(&self, kraw: &CpuBuf, positions: &CpuIds, ratio: usize) -> R<CpuBuf> {
+        self.op("qsa_pool_blocks", positions.0.len(), ratio);
+        self.cpu.qsa_pool_blocks(kraw, positions, ratio)
+    }
+    fn qsa_select(
+        &self,
+        qi: &CpuBuf,
+        blocks: &CpuBuf,
+        positions: &CpuIds,
+        sel: QsaSelect,
+    ) -> R<CpuSelection> {
+        self.buf("qsa_select", qi);
+        self.cpu.qsa_select(qi, blocks, positions, sel)
+    }
+    fn select_causal(&self, positions: &CpuIds) -> R<CpuSelection> {
+        self.op("select_causal", positions.0.len(), 0);
+        self.cpu.select_causal(positions)
+    }
+    fn attend(
+        &self,
+        q: &CpuBuf,
+        k_cache: &CpuBuf,
+        v_cache: &CpuBuf,
+        sel: &CpuSelection,
+        dims: AttnDims,
+        kv: KvType,
+    ) -> R<CpuBuf> {
+        self.buf("attend", q);
+        self.cpu.attend(q, k_cache, v_cache, sel, dims, kv)
+    }
+    fn ple_gate(&self, k: &CpuBuf, q: &CpuBuf, v: &CpuBuf, streams: usize) -> R<CpuBuf> {
+        self.buf("ple_gate", k);
+        self.cpu.ple_gate(k, q, v, streams)
+    }
+}
+
+fn load<B: Qwen4expOps>(backend: B, opts: &LoadOptions) -> Model<B> {
+    let path = tiny_dir().join("model-f32.gguf");
+    Model::load(&path, backend, opts).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Decode steps at many positions (some complete a QSA block, most do not) and verify windows
+/// of several sizes: every step with the same key runs the same operations on the same shapes,
+/// and none reads back or uploads inside the step.
+#[test]
+fn steps_are_capturable_their_trace_depends_only_on_the_key() {
+    let model = load(Recording::new(), &LoadOptions::default());
+    let ratios: Vec<usize> = model
+        .config()
+        .layers
+        .iter()
+        .filter_map(|k| match k {
+            strata_engine::qwen4exp::LayerKind::Attention { ratio } => *ratio,
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !ratios.is_empty(),
+        "the tiny fixture has QSA layers, so block completion is exercised"
+    );
+    let mut st = model.new_state().unwrap();
+    let want = Want {
+        last_only: true,
+        ..Want::default()
+    };
+    // A prompt of 5, then single steps over positions 5..21 (crossing several block ends),
+    // then windows of 3 and 4 rows twice each at different positions.
+    model.forward_with(&mut st, &[1, 2, 3, 4, 5], want).unwrap();
+    for t in 0..16u32 {
+        model.forward_with(&mut st, &[7 + t], want).unwrap();
+    }
+    for w in [3usize, 4, 3, 4] {
+        let toks: Vec<u32> = (0..w as u32).map(|i| 11 + i).collect();
+        model.forward_with(&mut st, &toks, Want::default()).unwrap();
+    }
+    let log = model.backend().take();
+    assert!(
+        log.violations.is_empty(),
+        "host transfers inside a step: {:?}",
+        log.violations
+    );
+    let mut by_key: HashMap<StepKey, &Trace> = HashMap::new();
+    let mut replays = 0;
+    for (key, trace) in &log.steps {
+        assert!(!trace.is_empty(), "a step ran no operations");
+        match by_key.get(key) {
+            Some(first) => {
+                assert_eq!(
+                    *first, trace,
+                    "two steps with key {key:?} ran different operations"
+                );
+                replays += 1;
+            }
+            None => {
+                by_key.insert(*key, trace);
+            }
+        }
+    }
+    // 16 decode steps share one key (15 replays), the two windows of 3 and of 4 one each.
+    assert_eq!(replays, 15 + 1 + 1, "keys: {:?}", by_key.keys());
+}
+
+/// The caches are fixed-capacity stores: a step that would run past `--ctx` is refused before
+/// anything runs, with the capacity in the message, and the state is still usable.
+#[test]
+fn a_step_past_the_capacity_is_refused_before_it_runs() {
+    let model = load(
+        CpuBackend::new(1).unwrap(),
+        &LoadOptions {
+            ctx: Some(8),
+            ..LoadOptions::default()
+        },
+    );
+    let mut st = model.new_state().unwrap();
+    model.forward(&mut st, &[1, 2, 3, 4, 5, 6]).unwrap();
+    let err = model.forward(&mut st, &[7, 8, 9]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::ContextFull {
+                capacity: 8,
+                needed: 9,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("--ctx"), "{err}");
+    assert_eq!(
+        st.position(),
+        6,
+        "a refused step leaves the state as it was"
+    );
+    model.forward(&mut st, &[7, 8]).unwrap();
+    assert_eq!(st.position(), 8);
+}
+
+/// `route` on the CPU is the catalogue's kernel, chosen through the registry: selecting the
+/// baseline makes the model run it (the registry counts the calls), with bit-identical logits.
+/// (One test in this binary touches the selection, so nothing else races it.)
+#[test]
+fn kernel_selection_switches_the_live_route_with_identical_output() {
+    let model = load(CpuBackend::new(1).unwrap(), &LoadOptions::default());
+    let prompt: Vec<u32> = (1..20).collect();
+    let run = || {
+        let mut st = model.new_state().unwrap();
+        model.forward(&mut st, &prompt).unwrap().logits
+    };
+    registry::select("route", registry::OPTIMIZED).unwrap();
+    let before = registry::use_count("route", registry::OPTIMIZED);
+    let optimized = run();
+    assert!(registry::use_count("route", registry::OPTIMIZED) > before);
+
+    registry::select("route", registry::BASELINE).unwrap();
+    let before = registry::use_count("route", registry::BASELINE);
+    let baseline = run();
+    let after = registry::use_count("route", registry::BASELINE);
+    registry::clear_selection();
+    assert!(
+        after > before,
+        "the baseline route was not called by the model"
+    );
+    let same = optimized
+        .iter()
+        .zip(&baseline)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same && optimized.len() == baseline.len());
+}
