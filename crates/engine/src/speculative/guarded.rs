@@ -253,7 +253,7 @@ pub fn generate<B: Qwen4expOps>(
         let n = window.len();
         let t0 = Instant::now();
         let cp = if n > 1 || can_rewind {
-            Some(model.checkpoint(&dec.state)?)
+            Some(dec.take_checkpoint()?)
         } else {
             None
         };

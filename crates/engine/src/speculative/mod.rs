@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use crate::error::{EngineError, Result};
 use crate::qwen4exp::mtp::MtpState;
 use crate::qwen4exp::ops::Qwen4expOps;
-use crate::qwen4exp::{Model, ReplayLog, State, Want};
+use crate::qwen4exp::{Checkpoint, Model, ReplayLog, State, Want};
 use crate::sampler::slop::SlopState;
 use crate::sampler::{SampleContext, Sampler};
 
@@ -300,6 +300,9 @@ pub struct SpecDecoder<'m, B: Qwen4expOps> {
     /// The draft vocabulary's ids on the device (the LM-head rows a draft computes).
     draft_rows: Option<B::Ids>,
     state: State<B>,
+    /// The checkpoint of the last verify window, kept to be filled again (a window allocates
+    /// no state copies: [`Model::checkpoint_into`]).
+    spare_checkpoint: Option<Checkpoint<B>>,
     mtp: Option<MtpState<B>>,
     /// The last emitted token, which the trunk has not consumed yet.
     pending: Option<u32>,
@@ -361,6 +364,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
             vocab: cfg.draft_vocab,
             draft_rows,
             state: model.new_state()?,
+            spare_checkpoint: None,
             mtp,
             pending: None,
             next_draft: None,
@@ -481,6 +485,17 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         });
         self.stats.catchup_time += t0.elapsed();
         Ok(())
+    }
+
+    /// A checkpoint of the trunk state now, in the buffers of the last one when there is one.
+    pub(crate) fn take_checkpoint(&mut self) -> Result<Checkpoint<B>> {
+        match self.spare_checkpoint.take() {
+            Some(mut cp) => {
+                self.model.checkpoint_into(&self.state, &mut cp)?;
+                Ok(cp)
+            }
+            None => self.model.checkpoint(&self.state),
+        }
     }
 
     /// Picks a draft from draft-row logits: (token, probability when the floor is on).
@@ -605,7 +620,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
 
         let t0 = Instant::now();
         let cp = if n > 1 {
-            Some(self.model.checkpoint(&self.state)?)
+            Some(self.take_checkpoint()?)
         } else {
             None
         };
@@ -659,6 +674,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         if let Some(cp) = cp {
             self.model
                 .rollback_window(&mut self.state, &cp, log, keep)?;
+            self.spare_checkpoint = Some(cp);
         }
         self.stats.rollback_time += t1.elapsed();
         self.pending = Some(emitted[keep - 1]);
