@@ -31,6 +31,9 @@ use crate::qwen4exp::{Checkpoint, Model, ReplayLog, State, Want};
 use crate::sampler::slop::SlopState;
 use crate::sampler::{SampleContext, Sampler};
 
+/// The draft chain's pick (ties to the lower index, NaN never chosen): the catalogue's
+/// `mtp_pick`, re-exported under the name callers know.
+pub use crate::kernels::pick::argmax;
 pub use draft_vocab::DraftVocab;
 
 /// The largest verify window (rows of one trunk pass).
@@ -501,7 +504,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
     /// Picks a draft from draft-row logits: (token, probability when the floor is on).
     fn pick_draft(&self, logits: &[f32]) -> (u32, f32) {
         // The catalogue's `mtp_pick` semantics (ties to the lower index, NaN never chosen).
-        let i = crate::kernels::pick::argmax(logits);
+        let i = argmax(logits);
         let tok = match &self.vocab {
             Some(v) => v.ids().get(i).copied().unwrap_or(0),
             None => i as u32,
