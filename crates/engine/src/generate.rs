@@ -10,9 +10,11 @@
 use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
+use crate::decode::{self, DraftEdit, Judged, Policy, Stepper};
 use crate::error::{EngineError, Result};
 use crate::qwen4exp::ops::Qwen4expOps;
-use crate::sampler::{SampleContext, Sampler};
+use crate::sampler::guard::GuardStop;
+use crate::sampler::Sampler;
 use crate::{qwen2, qwen4exp};
 
 /// One sequence of a loaded model, as the generation loop sees it.
@@ -206,21 +208,6 @@ pub struct Generation {
     pub timings: Timings,
 }
 
-/// Refuses an empty prompt or one that leaves no room in the context.
-pub(crate) fn check_prompt(session: &dyn Session, prompt: &[u32]) -> Result<()> {
-    if prompt.is_empty() {
-        return Err(EngineError::Input("the prompt has no tokens".to_string()));
-    }
-    if prompt.len() >= session.n_ctx() {
-        return Err(EngineError::Input(format!(
-            "the prompt has {} tokens; the model's context holds {} positions",
-            prompt.len(),
-            session.n_ctx()
-        )));
-    }
-    Ok(())
-}
-
 /// Runs `prompt` through `session`, keeping the longest prefix it already holds but always
 /// running at least the last prompt token (its logits choose the first new token); returns
 /// those logits and fills the prompt part of `t`.
@@ -249,9 +236,56 @@ pub(crate) fn prefill(
     Ok(logits)
 }
 
+/// A [`Session`] as the decoding loop's [`Stepper`]: windows of one token, no drafter; a rewind
+/// truncates or replays the session.
+pub(crate) struct SessionStepper<'a>(pub &'a mut dyn Session);
+
+impl Stepper for SessionStepper<'_> {
+    fn n_ctx(&self) -> usize {
+        self.0.n_ctx()
+    }
+    fn tokens(&self) -> &[u32] {
+        self.0.tokens()
+    }
+    fn prefill(&mut self, prompt: &[u32], opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>> {
+        prefill(self.0, prompt, opts, t)
+    }
+    fn propose(&mut self, _pending: u32, _max: usize, _edit: &dyn DraftEdit) -> Result<Vec<u32>> {
+        Ok(Vec::new())
+    }
+    fn verify(&mut self, window: &[u32]) -> Result<Vec<f32>> {
+        // A session returns the logits of its last token only: windows of one.
+        if window.len() != 1 {
+            return Err(EngineError::shape(
+                "verify",
+                "a session verifies one token at a time",
+            ));
+        }
+        self.0.feed(window)
+    }
+    fn settle(&mut self, seq: &[u32], _judged: Judged) -> Result<()> {
+        let want = &seq[..seq.len().saturating_sub(1)];
+        let have = self.0.tokens();
+        if have == want {
+            return Ok(());
+        }
+        let common = have.iter().zip(want).take_while(|(a, b)| a == b).count();
+        self.0.rewind(common)?;
+        if common < want.len() {
+            self.0.feed(&want[common..])?;
+        }
+        Ok(())
+    }
+    /// The last kept token stays consumed (the next turn of a chat extends from it).
+    fn settle_at_end(&self) -> bool {
+        false
+    }
+}
+
 /// Runs `prompt` (reusing whatever prefix of it `session` already holds) and generates up to
 /// `opts.max_tokens` tokens, handing each to `on_token` as soon as it is chosen; `on_token`
-/// returns false to stop. `is_eog` says which tokens end generation.
+/// returns false to stop. `is_eog` says which tokens end generation. The decoding loop of
+/// [`crate::decode`] with the sampler's own state and nothing held back.
 pub fn generate(
     session: &mut dyn Session,
     prompt: &[u32],
@@ -260,53 +294,19 @@ pub fn generate(
     opts: &GenOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation> {
-    check_prompt(session, prompt)?;
-    let mut t = Timings::default();
-    let mut gen = Generation {
-        tokens: Vec::new(),
-        stop: StopReason::MaxTokens,
-        timings: Timings::default(),
+    let policy = Policy {
+        pick: sampler,
+        slop: None,
+        is_eog,
+        window: 1,
     };
-    if opts.max_tokens == 0 {
-        return Ok(gen);
-    }
-
-    let mut logits = prefill(session, prompt, opts, &mut t)?;
-
-    loop {
-        let pos = session.tokens().len();
-        let ts = Instant::now();
-        let tok = sampler.sample(
-            &logits,
-            &SampleContext {
-                position: pos as u64,
-                history: session.tokens(),
-            },
-        )?;
-        t.sample += ts.elapsed();
-        t.sampled_tokens += 1;
-        if is_eog(tok) {
-            gen.stop = StopReason::Eog(tok);
-            break;
-        }
-        gen.tokens.push(tok);
-        if !on_token(tok) {
-            gen.stop = StopReason::Stopped;
-            break;
-        }
-        if gen.tokens.len() >= opts.max_tokens {
-            gen.stop = StopReason::MaxTokens;
-            break;
-        }
-        if pos + 1 >= session.n_ctx() {
-            gen.stop = StopReason::ContextFull;
-            break;
-        }
-        let td = Instant::now();
-        logits = session.feed(&[tok])?;
-        t.decode += td.elapsed();
-        t.decoded_tokens += 1;
-    }
-    gen.timings = t;
-    Ok(gen)
+    let d = decode::run(&mut SessionStepper(session), prompt, policy, opts, on_token)?;
+    Ok(Generation {
+        tokens: d.tokens,
+        stop: match d.stop {
+            GuardStop::Plain(r) => r,
+            _ => StopReason::Stopped,
+        },
+        timings: d.timings,
+    })
 }

@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod cpu;
+pub mod decode;
 pub mod error;
 pub mod generate;
 pub mod kernels;

@@ -1,0 +1,427 @@
+//! The decoding loop, written once. Plain decoding, the slop-guarded loop (phrase rewinds,
+//! held-back streaming), speculative decoding and speculative decoding under the guard are this
+//! one loop with different policies:
+//! - a [`Stepper`] is the sequence: it runs the prompt, proposes drafts (none without a drafter),
+//!   verifies a window `[pending, drafts…]` (one row for plain decoding) and settles to the
+//!   judged sequence (keeps a prefix of the window, restores its start, or rebuilds);
+//! - a [`Pick`] chooses each token (the sampler chain, or a [`Picker`](crate::speculative::Picker)
+//!   such as greedy) and edits the drafts the same way;
+//! - the [`Judge`] applies the slop state (mode 2 rewinds, held-back streaming), the stop rules
+//!   (end of generation, the token budget, the context) and streams what is final.
+//!
+//! Every emitted token is the token plain decoding emits: the window's rows are the bits of
+//! single steps (DESIGN.md §3), the judge samples each row with the history before it, and the
+//! stepper settles exactly onto the judged sequence.
+
+use std::time::Instant;
+
+use crate::error::{EngineError, Result};
+use crate::generate::{GenOptions, StopReason, Timings};
+use crate::sampler::guard::GuardStop;
+use crate::sampler::slop::{Accepted, DeadEnd, SlopState};
+use crate::sampler::{SampleContext, Sampled, Sampler};
+
+/// Chooses tokens: the sampler chain with an explicit slop state, or a simpler picker.
+pub trait Pick {
+    /// The token after `ctx.history` from its logits, given the sequence's slop state.
+    fn pick(
+        &mut self,
+        logits: &[f32],
+        ctx: &SampleContext<'_>,
+        slop: Option<&SlopState>,
+    ) -> Result<Sampled>;
+    /// Edits draft-row logits (`inverse` maps full ids to draft rows) the way `pick` will edit
+    /// the trunk's at the same position, so drafts follow the same penalties.
+    fn penalize_draft(
+        &self,
+        draft_logits: &mut [f32],
+        inverse: &[i32],
+        ctx: &SampleContext<'_>,
+        slop: Option<&SlopState>,
+    );
+}
+
+impl Pick for Sampler {
+    fn pick(
+        &mut self,
+        logits: &[f32],
+        ctx: &SampleContext<'_>,
+        slop: Option<&SlopState>,
+    ) -> Result<Sampled> {
+        self.sample_with(logits, ctx, slop)
+    }
+    fn penalize_draft(
+        &self,
+        draft_logits: &mut [f32],
+        inverse: &[i32],
+        ctx: &SampleContext<'_>,
+        slop: Option<&SlopState>,
+    ) {
+        Sampler::penalize_draft(self, draft_logits, inverse, ctx, slop)
+    }
+}
+
+/// A [`Picker`](crate::speculative::Picker) as a [`Pick`] (it keeps its own state; the loop
+/// passes it no slop state).
+pub struct ByPicker<'a>(pub &'a mut dyn crate::speculative::Picker);
+
+impl Pick for ByPicker<'_> {
+    fn pick(
+        &mut self,
+        logits: &[f32],
+        ctx: &SampleContext<'_>,
+        _slop: Option<&SlopState>,
+    ) -> Result<Sampled> {
+        Ok(Sampled::Token(self.0.pick(
+            logits,
+            ctx.position as usize,
+            ctx.history,
+        )?))
+    }
+    fn penalize_draft(
+        &self,
+        draft_logits: &mut [f32],
+        inverse: &[i32],
+        ctx: &SampleContext<'_>,
+        _slop: Option<&SlopState>,
+    ) {
+        self.0
+            .penalize_draft(draft_logits, inverse, ctx.position as usize, ctx.history)
+    }
+}
+
+/// The draft editor a stepper's drafter calls for each draft (the judge: its pick and slop
+/// state).
+pub trait DraftEdit {
+    fn edit(&self, draft_logits: &mut [f32], inverse: &[i32], position: usize, history: &[u32]);
+}
+
+/// What one verify pass judged, for the stepper's statistics.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Judged {
+    /// Drafts in the window and how many of them the judge accepted.
+    pub drafts: usize,
+    pub accepted: usize,
+    /// Tokens the judge kept from this window (streamed or held back).
+    pub kept: usize,
+    /// The judge rewound the sequence (a phrase completed, or a dead end).
+    pub rewound: bool,
+}
+
+/// One sequence as the loop drives it.
+pub trait Stepper {
+    /// Most positions the sequence may hold.
+    fn n_ctx(&self) -> usize;
+    /// Tokens consumed so far.
+    fn tokens(&self) -> &[u32];
+    /// Runs `prompt` (reusing what prefix of it the sequence already holds, always running its
+    /// last token) and returns the logits after it; fills the prompt part of `t`.
+    fn prefill(&mut self, prompt: &[u32], opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>>;
+    /// Up to `max` drafts for the positions after `pending` (none without a drafter), each
+    /// edited by `edit` with the history before it.
+    fn propose(&mut self, pending: u32, max: usize, edit: &dyn DraftEdit) -> Result<Vec<u32>>;
+    /// Consumes `window` and returns one logits row per token (`window.len() · n_vocab`).
+    fn verify(&mut self, window: &[u32]) -> Result<Vec<f32>>;
+    /// Makes the sequence hold `seq` but its last token (which is pending), after the judge
+    /// ruled on the last window (or on the prefill's logits, with no window yet).
+    fn settle(&mut self, seq: &[u32], judged: Judged) -> Result<()>;
+    /// The stepper may end its generation in the state of the last verify (plain decoding keeps
+    /// the last token consumed); a speculative one settles first.
+    fn settle_at_end(&self) -> bool {
+        true
+    }
+}
+
+/// Why a generation ended, what it emitted and how long it took.
+#[derive(Clone, Debug)]
+pub struct Decoded {
+    /// The tokens handed to `on_token`, in order (the end-of-generation token excluded).
+    pub tokens: Vec<u32>,
+    pub stop: GuardStop,
+    /// Rewinds taken (phrase completions and dead ends).
+    pub rewinds: u32,
+    pub timings: Timings,
+}
+
+enum Verdict {
+    /// The token stays and generation goes on.
+    Kept(u32),
+    /// The sequence was cut back (to `start + gen.len()` tokens); sample there again.
+    Rewound,
+    /// Generation ends (a kept token may have been recorded first).
+    End(GuardStop),
+}
+
+/// The sampling side of a generation: one sampled position at a time, the slop state's
+/// rewinds, the stop rules, and streaming of what is final.
+struct Judge<'a> {
+    pick: &'a mut dyn Pick,
+    slop: Option<SlopState>,
+    is_eog: &'a dyn Fn(u32) -> bool,
+    on_token: &'a mut dyn FnMut(u32) -> bool,
+    max_tokens: usize,
+    n_ctx: usize,
+    /// Position of the first generated token.
+    start: usize,
+    /// Generated tokens, streamed or held back (the slop state's tokens).
+    gen: Vec<u32>,
+    emitted: usize,
+    closed: bool,
+    rewinds: u32,
+    timings: Timings,
+}
+
+impl DraftEdit for Judge<'_> {
+    fn edit(&self, draft_logits: &mut [f32], inverse: &[i32], position: usize, history: &[u32]) {
+        self.pick.penalize_draft(
+            draft_logits,
+            inverse,
+            &SampleContext {
+                position: position as u64,
+                history,
+            },
+            self.slop.as_ref(),
+        )
+    }
+}
+
+impl Judge<'_> {
+    /// Samples the token after `history` from `logits` and records it.
+    fn judge(&mut self, logits: &[f32], history: &[u32]) -> Result<Verdict> {
+        let pos = history.len();
+        let ts = Instant::now();
+        let sampled = self.pick.pick(
+            logits,
+            &SampleContext {
+                position: pos as u64,
+                history,
+            },
+            self.slop.as_ref(),
+        );
+        self.timings.sample += ts.elapsed();
+        self.timings.sampled_tokens += 1;
+        let tok = match (sampled?, self.slop.as_mut()) {
+            (Sampled::Token(t), _) => t,
+            (Sampled::DeadEnd, Some(s)) => match s.dead_end() {
+                DeadEnd::Rewound { position, .. } => {
+                    self.rewinds += 1;
+                    self.gen.truncate(position - self.start);
+                    return Ok(Verdict::Rewound);
+                }
+                DeadEnd::Stop => return Ok(Verdict::End(GuardStop::DeadEnd)),
+            },
+            (Sampled::DeadEnd, None) => {
+                return Err(EngineError::Input(format!(
+                    "sampler: every token was banned at position {pos}"
+                )))
+            }
+        };
+        if (self.is_eog)(tok) {
+            return Ok(Verdict::End(GuardStop::Plain(StopReason::Eog(tok))));
+        }
+        match self.slop.as_mut() {
+            Some(s) => {
+                match s.accept(tok) {
+                    Accepted::Kept => self.gen.push(tok),
+                    Accepted::Rewound { position, .. } => {
+                        self.rewinds += 1;
+                        self.gen.truncate(position - self.start);
+                        return Ok(Verdict::Rewound);
+                    }
+                    Accepted::Exhausted { position } => {
+                        self.gen.truncate(position - self.start);
+                        return Ok(Verdict::End(GuardStop::RewindBudget));
+                    }
+                }
+                for i in s.take_commits() {
+                    self.emitted = i + 1;
+                    let Some(&t) = self.gen.get(i) else { break };
+                    if !(self.on_token)(t) {
+                        self.closed = true;
+                        break;
+                    }
+                }
+            }
+            None => {
+                self.gen.push(tok);
+                self.emitted = self.gen.len();
+                self.closed = !(self.on_token)(tok);
+            }
+        }
+        if self.closed {
+            return Ok(Verdict::End(GuardStop::Plain(StopReason::Stopped)));
+        }
+        if self.gen.len() >= self.max_tokens {
+            return Ok(Verdict::End(GuardStop::Plain(StopReason::MaxTokens)));
+        }
+        if pos + 1 >= self.n_ctx {
+            return Ok(Verdict::End(GuardStop::Plain(StopReason::ContextFull)));
+        }
+        Ok(Verdict::Kept(tok))
+    }
+
+    /// Streams what is still held back (a partial match that never completed is plain text).
+    fn finish(mut self, stop: GuardStop) -> Decoded {
+        if !self.closed {
+            let rest = match self.slop.as_mut() {
+                Some(s) => s.flush(),
+                None => self.emitted..self.gen.len(),
+            };
+            for i in rest {
+                let Some(&t) = self.gen.get(i) else { break };
+                self.emitted = i + 1;
+                if !(self.on_token)(t) {
+                    break;
+                }
+            }
+        }
+        self.gen.truncate(self.emitted);
+        Decoded {
+            tokens: self.gen,
+            stop,
+            rewinds: self.rewinds,
+            timings: self.timings,
+        }
+    }
+}
+
+/// Refuses an empty prompt or one that leaves no room in the context.
+pub(crate) fn check_prompt(n_ctx: usize, prompt: &[u32]) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(EngineError::Input("the prompt has no tokens".to_string()));
+    }
+    if prompt.len() >= n_ctx {
+        return Err(EngineError::Input(format!(
+            "the prompt has {} tokens; the model's context holds {n_ctx} positions",
+            prompt.len()
+        )));
+    }
+    Ok(())
+}
+
+/// How a generation is driven.
+pub struct Policy<'a> {
+    pub pick: &'a mut dyn Pick,
+    /// The sequence's slop state (from [`Sampler::new_slop_state`]); None: the pick keeps any
+    /// state itself and nothing is held back.
+    pub slop: Option<SlopState>,
+    pub is_eog: &'a dyn Fn(u32) -> bool,
+    /// Largest verify window (1: plain decoding).
+    pub window: usize,
+}
+
+/// Runs `prompt` through `stepper` and generates up to `opts.max_tokens` tokens, handing each
+/// to `on_token` once it is final (it returns false to stop).
+pub fn run(
+    stepper: &mut dyn Stepper,
+    prompt: &[u32],
+    policy: Policy<'_>,
+    opts: &GenOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Decoded> {
+    check_prompt(stepper.n_ctx(), prompt)?;
+    let mut j = Judge {
+        pick: policy.pick,
+        slop: policy.slop,
+        is_eog: policy.is_eog,
+        on_token,
+        max_tokens: opts.max_tokens,
+        n_ctx: stepper.n_ctx(),
+        start: prompt.len(),
+        gen: Vec::new(),
+        emitted: 0,
+        closed: false,
+        rewinds: 0,
+        timings: Timings::default(),
+    };
+    if opts.max_tokens == 0 {
+        return Ok(j.finish(GuardStop::Plain(StopReason::MaxTokens)));
+    }
+    let mut t = Timings::default();
+    let logits = stepper.prefill(prompt, opts, &mut t)?;
+    j.timings.prompt = t.prompt;
+    j.timings.prompt_tokens = t.prompt_tokens;
+    j.timings.reused_tokens = t.reused_tokens;
+
+    // The first token. A rewind here can only return to this same position (nothing was
+    // generated before it), whose logits these are: sample it again.
+    let first = loop {
+        match j.judge(&logits, prompt)? {
+            Verdict::Kept(_) => break None,
+            Verdict::Rewound => continue,
+            Verdict::End(stop) => break Some(stop),
+        }
+    };
+    let mut seq: Vec<u32> = prompt.to_vec();
+    seq.extend_from_slice(&j.gen);
+    let judged = Judged {
+        kept: j.gen.len(),
+        ..Judged::default()
+    };
+    if let Some(stop) = first {
+        if stepper.settle_at_end() {
+            stepper.settle(&seq, judged)?;
+        }
+        return Ok(j.finish(stop));
+    }
+    stepper.settle(&seq, judged)?;
+
+    loop {
+        let pending = *seq
+            .last()
+            .ok_or_else(|| EngineError::Input("decode: no pending token".to_string()))?;
+        let pos0 = seq.len() - 1;
+        let max_emit = j.max_tokens.saturating_sub(j.gen.len()).max(1);
+        // The window's tokens take positions pos0..pos0 + n, all inside the context.
+        let room = j.n_ctx.saturating_sub(pos0 + 1);
+        let max_drafts = (policy.window.max(1) - 1).min(max_emit - 1).min(room);
+        let td = Instant::now();
+        let drafts = stepper.propose(pending, max_drafts, &j)?;
+        let mut window = Vec::with_capacity(1 + drafts.len());
+        window.push(pending);
+        window.extend_from_slice(&drafts);
+        let n = window.len();
+        let logits = stepper.verify(&window)?;
+        j.timings.decode += td.elapsed();
+        j.timings.decoded_tokens += n;
+        let v = logits.len() / n;
+        let mut end = None;
+        let mut judged = Judged {
+            drafts: drafts.len(),
+            ..Judged::default()
+        };
+        let rewinds0 = j.rewinds;
+        let mut history = seq.clone();
+        for i in 0..n {
+            let row = logits
+                .get(i * v..(i + 1) * v)
+                .ok_or_else(|| EngineError::shape("verify", format!("no logits row {i} of {n}")))?;
+            match j.judge(row, &history)? {
+                Verdict::Kept(t) => {
+                    judged.kept += 1;
+                    if drafts.get(i) != Some(&t) {
+                        break;
+                    }
+                    judged.accepted += 1;
+                    history.push(t);
+                }
+                Verdict::Rewound => break,
+                Verdict::End(stop) => {
+                    end = Some(stop);
+                    break;
+                }
+            }
+        }
+        judged.rewound = j.rewinds > rewinds0;
+        seq.truncate(prompt.len());
+        seq.extend_from_slice(&j.gen);
+        if end.is_none() || stepper.settle_at_end() {
+            let ts = Instant::now();
+            stepper.settle(&seq, judged)?;
+            j.timings.decode += ts.elapsed();
+        }
+        if let Some(stop) = end {
+            return Ok(j.finish(stop));
+        }
+    }
+}
