@@ -106,6 +106,9 @@ pub struct Judged {
     pub kept: usize,
     /// The judge rewound the sequence (a phrase completed, or a dead end).
     pub rewound: bool,
+    /// Generation ends here; `stopped`: because the caller asked (`on_token` returned false).
+    pub end: bool,
+    pub stopped: bool,
 }
 
 /// One sequence as the loop drives it.
@@ -130,6 +133,9 @@ pub trait Stepper {
     fn settle_at_end(&self) -> bool {
         true
     }
+    /// Told once before a generation whether the judge may rewind (slop mode 2), so a
+    /// speculative stepper keeps what a rewind to a window's start needs.
+    fn may_rewind(&mut self, _yes: bool) {}
 }
 
 /// Why a generation ended, what it emitted and how long it took.
@@ -310,78 +316,107 @@ pub struct Policy<'a> {
     pub window: usize,
 }
 
-/// Runs `prompt` through `stepper` and generates up to `opts.max_tokens` tokens, handing each
-/// to `on_token` once it is final (it returns false to stop).
-pub fn run(
-    stepper: &mut dyn Stepper,
-    prompt: &[u32],
-    policy: Policy<'_>,
-    opts: &GenOptions,
-    on_token: &mut dyn FnMut(u32) -> bool,
-) -> Result<Decoded> {
-    check_prompt(stepper.n_ctx(), prompt)?;
-    let mut j = Judge {
-        pick: policy.pick,
-        slop: policy.slop,
-        is_eog: policy.is_eog,
-        on_token,
-        max_tokens: opts.max_tokens,
-        n_ctx: stepper.n_ctx(),
-        start: prompt.len(),
-        gen: Vec::new(),
-        emitted: 0,
-        closed: false,
-        rewinds: 0,
-        timings: Timings::default(),
-    };
-    if opts.max_tokens == 0 {
-        return Ok(j.finish(GuardStop::Plain(StopReason::MaxTokens)));
-    }
-    let mut t = Timings::default();
-    let logits = stepper.prefill(prompt, opts, &mut t)?;
-    j.timings.prompt = t.prompt;
-    j.timings.prompt_tokens = t.prompt_tokens;
-    j.timings.reused_tokens = t.reused_tokens;
+/// A generation in progress: the stepper, the judge and the sequence so far (`seq` = prompt
+/// and generated tokens; the stepper holds all of it but the last, which is pending).
+pub struct Decoding<'a> {
+    stepper: &'a mut dyn Stepper,
+    j: Judge<'a>,
+    seq: Vec<u32>,
+    window: usize,
+}
 
-    // The first token. A rewind here can only return to this same position (nothing was
-    // generated before it), whose logits these are: sample it again.
-    let first = loop {
-        match j.judge(&logits, prompt)? {
-            Verdict::Kept(_) => break None,
-            Verdict::Rewound => continue,
-            Verdict::End(stop) => break Some(stop),
+impl<'a> Decoding<'a> {
+    /// A generation of up to `max_tokens` tokens whose first generated token will sit at
+    /// position `start`.
+    pub fn new(
+        stepper: &'a mut dyn Stepper,
+        policy: Policy<'a>,
+        max_tokens: usize,
+        start: usize,
+        on_token: &'a mut dyn FnMut(u32) -> bool,
+    ) -> Self {
+        let may_rewind = policy
+            .slop
+            .as_ref()
+            .is_some_and(|s| s.compiled().mode() >= 2);
+        stepper.may_rewind(may_rewind);
+        let n_ctx = stepper.n_ctx();
+        Decoding {
+            stepper,
+            j: Judge {
+                pick: policy.pick,
+                slop: policy.slop,
+                is_eog: policy.is_eog,
+                on_token,
+                max_tokens,
+                n_ctx,
+                start,
+                gen: Vec::new(),
+                emitted: 0,
+                closed: false,
+                rewinds: 0,
+                timings: Timings::default(),
+            },
+            seq: Vec::new(),
+            window: policy.window.max(1),
         }
-    };
-    let mut seq: Vec<u32> = prompt.to_vec();
-    seq.extend_from_slice(&j.gen);
-    let judged = Judged {
-        kept: j.gen.len(),
-        ..Judged::default()
-    };
-    if let Some(stop) = first {
-        if stepper.settle_at_end() {
-            stepper.settle(&seq, judged)?;
-        }
-        return Ok(j.finish(stop));
     }
-    stepper.settle(&seq, judged)?;
 
-    loop {
-        let pending = *seq
+    /// Runs the prompt and judges the first token; Some when generation ended there.
+    pub fn prefill(&mut self, prompt: &[u32], opts: &GenOptions) -> Result<Option<GuardStop>> {
+        let mut t = Timings::default();
+        let logits = self.stepper.prefill(prompt, opts, &mut t)?;
+        self.j.timings.prompt = t.prompt;
+        self.j.timings.prompt_tokens = t.prompt_tokens;
+        self.j.timings.reused_tokens = t.reused_tokens;
+        // A rewind here can only return to this same position (nothing was generated before
+        // it), whose logits these are: sample it again.
+        let end = loop {
+            match self.j.judge(&logits, prompt)? {
+                Verdict::Kept(_) => break None,
+                Verdict::Rewound => continue,
+                Verdict::End(stop) => break Some(stop),
+            }
+        };
+        self.seq = prompt.to_vec();
+        self.seq.extend_from_slice(&self.j.gen);
+        let judged = Judged {
+            kept: self.j.gen.len(),
+            end: end.is_some(),
+            stopped: self.j.closed,
+            ..Judged::default()
+        };
+        if end.is_none() || self.stepper.settle_at_end() {
+            self.stepper.settle(&self.seq, judged)?;
+        }
+        Ok(end)
+    }
+
+    /// Continues a sequence the stepper already holds: `seq` but its last token (pending).
+    pub fn resume(&mut self, seq: Vec<u32>) {
+        self.seq = seq;
+    }
+
+    /// One verify window: drafts, the trunk's pass, the judge over its rows, the settle.
+    /// Returns what was judged and, when generation ended, why.
+    pub fn window(&mut self) -> Result<(Judged, Option<GuardStop>)> {
+        let j = &mut self.j;
+        let pending = *self
+            .seq
             .last()
             .ok_or_else(|| EngineError::Input("decode: no pending token".to_string()))?;
-        let pos0 = seq.len() - 1;
+        let pos0 = self.seq.len() - 1;
         let max_emit = j.max_tokens.saturating_sub(j.gen.len()).max(1);
         // The window's tokens take positions pos0..pos0 + n, all inside the context.
         let room = j.n_ctx.saturating_sub(pos0 + 1);
-        let max_drafts = (policy.window.max(1) - 1).min(max_emit - 1).min(room);
+        let max_drafts = (self.window - 1).min(max_emit - 1).min(room);
         let td = Instant::now();
-        let drafts = stepper.propose(pending, max_drafts, &j)?;
+        let drafts = self.stepper.propose(pending, max_drafts, &*j)?;
         let mut window = Vec::with_capacity(1 + drafts.len());
         window.push(pending);
         window.extend_from_slice(&drafts);
         let n = window.len();
-        let logits = stepper.verify(&window)?;
+        let logits = self.stepper.verify(&window)?;
         j.timings.decode += td.elapsed();
         j.timings.decoded_tokens += n;
         let v = logits.len() / n;
@@ -391,7 +426,8 @@ pub fn run(
             ..Judged::default()
         };
         let rewinds0 = j.rewinds;
-        let mut history = seq.clone();
+        let mut history = self.seq.clone();
+        let gen0 = j.gen.len();
         for i in 0..n {
             let row = logits
                 .get(i * v..(i + 1) * v)
@@ -407,21 +443,55 @@ pub fn run(
                 }
                 Verdict::Rewound => break,
                 Verdict::End(stop) => {
+                    // A token the budget or the caller ended on still counts as kept.
+                    if j.gen.len() > gen0 + judged.kept {
+                        judged.kept += 1;
+                    }
                     end = Some(stop);
                     break;
                 }
             }
         }
         judged.rewound = j.rewinds > rewinds0;
-        seq.truncate(prompt.len());
-        seq.extend_from_slice(&j.gen);
-        if end.is_none() || stepper.settle_at_end() {
+        judged.end = end.is_some();
+        judged.stopped = j.closed;
+        let start = j.start;
+        self.seq.truncate(start);
+        self.seq.extend_from_slice(&j.gen);
+        if end.is_none() || self.stepper.settle_at_end() {
             let ts = Instant::now();
-            stepper.settle(&seq, judged)?;
-            j.timings.decode += ts.elapsed();
+            self.stepper.settle(&self.seq, judged)?;
+            self.j.timings.decode += ts.elapsed();
         }
-        if let Some(stop) = end {
-            return Ok(j.finish(stop));
+        Ok((judged, end))
+    }
+
+    /// Streams what is still held back and returns the generation.
+    pub fn finish(self, stop: GuardStop) -> Decoded {
+        self.j.finish(stop)
+    }
+}
+
+/// Runs `prompt` through `stepper` and generates up to `opts.max_tokens` tokens, handing each
+/// to `on_token` once it is final (it returns false to stop).
+pub fn run<'a>(
+    stepper: &'a mut dyn Stepper,
+    prompt: &[u32],
+    policy: Policy<'a>,
+    opts: &GenOptions,
+    on_token: &'a mut dyn FnMut(u32) -> bool,
+) -> Result<Decoded> {
+    check_prompt(stepper.n_ctx(), prompt)?;
+    let mut d = Decoding::new(stepper, policy, opts.max_tokens, prompt.len(), on_token);
+    if opts.max_tokens == 0 {
+        return Ok(d.finish(GuardStop::Plain(StopReason::MaxTokens)));
+    }
+    if let Some(stop) = d.prefill(prompt, opts)? {
+        return Ok(d.finish(stop));
+    }
+    loop {
+        if let (_, Some(stop)) = d.window()? {
+            return Ok(d.finish(stop));
         }
     }
 }

@@ -24,11 +24,12 @@ pub mod guarded;
 
 use std::time::{Duration, Instant};
 
+use crate::decode::{self, ByPicker, Decoding, DraftEdit, Judged, Pick, Policy, Stepper};
 use crate::error::{EngineError, Result};
+use crate::generate::{GenOptions, Timings};
 use crate::qwen4exp::mtp::MtpState;
 use crate::qwen4exp::ops::Qwen4expOps;
 use crate::qwen4exp::{Checkpoint, Model, ReplayLog, State, Want};
-use crate::sampler::slop::SlopState;
 use crate::sampler::{SampleContext, Sampler};
 
 /// The draft chain's pick (ties to the lower index, NaN never chosen): the catalogue's
@@ -121,15 +122,6 @@ impl Picker for Sampler {
             None,
         );
     }
-}
-
-/// Who edits the draft logits in a draft chain.
-#[derive(Clone, Copy)]
-enum DraftPen<'a> {
-    /// The decoder's picker (its own state follows the history).
-    Picker,
-    /// A sampler with the sequence's explicit slop state (the guarded loop).
-    Sampler(&'a Sampler, Option<&'a SlopState>),
 }
 
 /// Probability of the entry at `idx` under the softmax of `v`.
@@ -288,6 +280,15 @@ struct NextDraft<B: Qwen4expOps> {
     logits: Vec<f32>,
 }
 
+/// A verify pass waiting for the judge's ruling.
+struct Verified<B: Qwen4expOps> {
+    pos0: usize,
+    rows: usize,
+    checkpoint: Option<Checkpoint<B>>,
+    log: ReplayLog<B>,
+    hidden: Option<B::Buf>,
+}
+
 /// A catch-up the MTP still owes: the trunk states of the kept rows and their next tokens.
 struct Catchup<B: Qwen4expOps> {
     hidden: B::Buf,
@@ -306,6 +307,16 @@ pub struct SpecDecoder<'m, B: Qwen4expOps> {
     /// The checkpoint of the last verify window, kept to be filled again (a window allocates
     /// no state copies: [`Model::checkpoint_into`]).
     spare_checkpoint: Option<Checkpoint<B>>,
+    /// The trunk's pre-mixer rows of the prefill, until the first token is known (its MTP
+    /// catch-up pairs them with the tokens after them).
+    prefill_hidden: Option<B::Buf>,
+    /// What the last verify pass left to settle: its start, rows, checkpoint, replay log and
+    /// pre-mixer rows.
+    verified: Option<Verified<B>>,
+    /// The judge may rewind (slop mode 2): keep the first draft of each window, so that a
+    /// rewind to the window's start needs no replay.
+    may_rewind: bool,
+    saved_first: Option<NextDraft<B>>,
     mtp: Option<MtpState<B>>,
     /// The last emitted token, which the trunk has not consumed yet.
     pending: Option<u32>,
@@ -368,6 +379,10 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
             draft_rows,
             state: model.new_state()?,
             spare_checkpoint: None,
+            prefill_hidden: None,
+            verified: None,
+            may_rewind: false,
+            saved_first: None,
             mtp,
             pending: None,
             next_draft: None,
@@ -520,7 +535,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
     /// Up to `max` drafts for the positions after the pending token; each draft's logits get
     /// the sampler's edits for the history before it (the consumed tokens, the pending token and
     /// the earlier drafts), so a draft never proposes what the sampler has removed.
-    fn draft_chain(&mut self, max: usize, pen: DraftPen<'_>) -> Result<Vec<u32>> {
+    fn draft_chain(&mut self, max: usize, edit: &dyn DraftEdit) -> Result<Vec<u32>> {
         let Some(first) = self.next_draft.take() else {
             return Ok(Vec::new());
         };
@@ -544,21 +559,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
                     Some(v) => v.inverse_map(),
                     None => &self.full_inverse,
                 };
-                match pen {
-                    DraftPen::Picker => {
-                        self.picker
-                            .penalize_draft(&mut logits, inverse, base + j, &history)
-                    }
-                    DraftPen::Sampler(s, slop) => s.penalize_draft(
-                        &mut logits,
-                        inverse,
-                        &SampleContext {
-                            position: (base + j) as u64,
-                            history: &history,
-                        },
-                        slop,
-                    ),
-                }
+                edit.edit(&mut logits, inverse, base + j, &history);
                 // Everything removed: no draft can be right.
                 if !logits.iter().any(|&x| x > f32::NEG_INFINITY) {
                     break;
@@ -597,7 +598,8 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
     }
 
     /// One verify pass: emits 1..=`max_emit` tokens through `on_token` (which returns false to
-    /// stop; the token it was given still counts as emitted).
+    /// stop; the token it was given still counts as emitted). One window of the decoding loop
+    /// ([`crate::decode`]) with the decoder's picker.
     pub fn step(
         &mut self,
         max_emit: usize,
@@ -611,18 +613,189 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
                 "step: max_emit must be at least 1".to_string(),
             ));
         }
-        self.run_catchup()?;
-        let start = self.state.position();
-        let drafts = self.draft_chain((self.window - 1).min(max_emit - 1), DraftPen::Picker)?;
+        let mut seq = self.state.tokens().to_vec();
+        seq.push(pending);
+        let start = seq.len();
+        let window = self.window;
+        self.with_picker_taken(|dec, pick| {
+            let policy = Policy {
+                pick,
+                slop: None,
+                is_eog: &|_| false,
+                window,
+            };
+            let mut d = Decoding::new(dec, policy, max_emit, start, on_token);
+            d.resume(seq);
+            let (judged, _) = d.window()?;
+            Ok(StepOutcome {
+                emitted: judged.kept,
+                offered: judged.drafts,
+                accepted: judged.accepted,
+                stopped: judged.stopped,
+            })
+        })
+    }
 
-        let mut window = Vec::with_capacity(1 + drafts.len());
-        window.push(pending);
-        window.extend_from_slice(&drafts);
-        let n = window.len();
-        let b = self.model.backend();
+    /// Runs `f` with the decoder and its picker apart (the loop borrows both).
+    pub(crate) fn with_picker_taken<R>(
+        &mut self,
+        f: impl FnOnce(&mut Self, &mut dyn Pick) -> Result<R>,
+    ) -> Result<R> {
+        let mut picker = std::mem::replace(&mut self.picker, Box::new(Greedy));
+        let out = f(self, &mut ByPicker(&mut *picker));
+        self.picker = picker;
+        out
+    }
 
+    /// Keeps what the judge ruled on the last pass: the trunk and the head end holding `seq`
+    /// but its last token (pending). Inside the window by the window roll-back, to the
+    /// window's start from the checkpoint (and the saved first draft), else by a replay of the
+    /// kept sequence into fresh states (batched rows give the bits of single steps, so a
+    /// replay is exact).
+    fn settle_verified(&mut self, v: Verified<B>, seq: &[u32], judged: Judged) -> Result<()> {
+        let model = self.model;
+        let b = model.backend();
+        for k in 0..judged.drafts {
+            self.stats.offered[k] += 1;
+            if k <= judged.accepted {
+                self.stats.reached[k] += 1;
+            }
+            if k < judged.accepted {
+                self.stats.accepted[k] += 1;
+            }
+        }
+        self.stats.emitted += judged.kept as u64;
+        let t1 = Instant::now();
+        let (pos0, n) = (v.pos0, v.rows);
+        let len = seq.len();
+        let in_window = len > pos0
+            && len - 1 <= pos0 + n
+            && self.state.tokens().get(..len - 1) == seq.get(..len - 1);
+        let keep = (len - 1).saturating_sub(pos0);
+        let saved = self.saved_first.take();
+        let rewound = u64::from(judged.rewound);
+        match (in_window, keep, v.checkpoint) {
+            (true, 1.., cp) => {
+                self.stats.rewinds_in_window += rewound;
+                if let Some(cp) = cp {
+                    if n > 1 {
+                        model.rollback_window(&mut self.state, &cp, v.log, keep)?;
+                    }
+                    self.spare_checkpoint = Some(cp);
+                }
+                if let (Some(mtp), Some(mut hidden)) = (self.mtp.as_mut(), v.hidden) {
+                    model.mtp_truncate(mtp, pos0)?;
+                    b.truncate_rows(&mut hidden, keep)?;
+                    self.catchup = Some(Catchup {
+                        hidden,
+                        next: seq[pos0 + 1..].to_vec(),
+                    });
+                }
+            }
+            (true, 0, Some(cp)) if self.mtp.is_none() || saved.is_some() => {
+                self.stats.rewinds_at_start += rewound;
+                model.restore(&mut self.state, &cp)?;
+                self.spare_checkpoint = Some(cp);
+                if let Some(mtp) = self.mtp.as_mut() {
+                    model.mtp_truncate(mtp, pos0)?;
+                }
+                self.catchup = None;
+                self.next_draft = saved;
+            }
+            _ => {
+                self.stats.rewinds_rebuilt += rewound;
+                self.replay(seq)?;
+            }
+        }
+        self.pending = seq.last().copied();
+        self.stats.rollback_time += t1.elapsed();
+        Ok(())
+    }
+
+    /// Rebuilds the trunk and MTP states from nothing so that they hold `seq` but its last
+    /// token (which becomes the pending one).
+    fn replay(&mut self, seq: &[u32]) -> Result<()> {
+        let model = self.model;
+        self.state = model.new_state()?;
+        if self.mtp.is_some() {
+            self.mtp = Some(model.new_mtp_state()?);
+        }
+        self.next_draft = None;
+        self.catchup = None;
+        if seq.len() >= 2 {
+            let want = Want {
+                hidden: self.mtp.is_some(),
+                last_only: true,
+                ..Want::default()
+            };
+            let out = model.forward_dev(&mut self.state, &seq[..seq.len() - 1], want, None)?;
+            if let Some(hidden) = out.hidden {
+                self.catchup = Some(Catchup {
+                    hidden,
+                    next: seq[1..].to_vec(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The speculative decoder as the decoding loop's stepper: drafts from the MTP head, a verify
+/// window on the trunk, and exact settling onto the judged sequence.
+impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
+    fn n_ctx(&self) -> usize {
+        self.model.config().n_ctx
+    }
+
+    fn tokens(&self) -> &[u32] {
+        self.state.tokens()
+    }
+
+    fn prefill(&mut self, prompt: &[u32], _opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>> {
+        if self.pending.is_some() || self.state.position() > 0 {
+            return Err(EngineError::Input(
+                "speculative generation: the sequence has already started".to_string(),
+            ));
+        }
         let t0 = Instant::now();
-        let cp = if n > 1 {
+        let want = Want {
+            hidden: self.mtp.is_some(),
+            last_only: true,
+            ..Want::default()
+        };
+        let out = self
+            .model
+            .forward_dev(&mut self.state, prompt, want, None)?;
+        let logits = self.model.backend().download(&out.logits)?;
+        self.prefill_hidden = out.hidden;
+        self.stats.prefill_time += t0.elapsed();
+        t.prompt = t0.elapsed();
+        t.prompt_tokens = prompt.len();
+        Ok(logits)
+    }
+
+    fn propose(&mut self, pending: u32, max: usize, edit: &dyn DraftEdit) -> Result<Vec<u32>> {
+        if self.pending != Some(pending) {
+            return Err(EngineError::Input(
+                "speculative step: the pending token does not match the sequence".to_string(),
+            ));
+        }
+        self.run_catchup()?;
+        self.saved_first = match (&self.next_draft, self.may_rewind) {
+            (Some(d), true) => Some(NextDraft {
+                hidden: self.model.backend().copy(&d.hidden)?,
+                logits: d.logits.clone(),
+            }),
+            _ => None,
+        };
+        self.draft_chain(max, edit)
+    }
+
+    fn verify(&mut self, window: &[u32]) -> Result<Vec<f32>> {
+        let n = window.len();
+        let t0 = Instant::now();
+        let pos0 = self.state.position();
+        let checkpoint = if n > 1 || self.may_rewind {
             Some(self.take_checkpoint()?)
         } else {
             None
@@ -634,71 +807,48 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         };
         let out =
             self.model
-                .forward_dev(&mut self.state, &window, want, (n > 1).then_some(&mut log))?;
-        let logits = b.download(&out.logits)?;
-        let v = self.model.config().n_vocab;
-        let mut emitted = Vec::with_capacity(n);
-        for i in 0..n {
-            let row = logits
-                .get(i * v..(i + 1) * v)
-                .ok_or_else(|| EngineError::shape("verify", format!("no logits row {i} of {n}")))?;
-            let history = self.state.tokens().get(..start + i + 1).unwrap_or_default();
-            let t = self.picker.pick(row, start + i + 1, history)?;
-            emitted.push(t);
-            if drafts.get(i) != Some(&t) {
-                break;
-            }
-        }
+                .forward_dev(&mut self.state, window, want, (n > 1).then_some(&mut log))?;
+        let logits = self.model.backend().download(&out.logits)?;
+        self.verified = Some(Verified {
+            pos0,
+            rows: n,
+            checkpoint,
+            log,
+            hidden: out.hidden,
+        });
         self.stats.verify_time += t0.elapsed();
         self.stats.passes += 1;
-        let accepted = emitted.len() - 1;
-        for j in 0..drafts.len() {
-            self.stats.offered[j] += 1;
-            if j <= accepted {
-                self.stats.reached[j] += 1;
-            }
-            if j < accepted {
-                self.stats.accepted[j] += 1;
-            }
-        }
+        Ok(logits)
+    }
 
-        let mut keep = 0;
-        let mut stopped = false;
-        for &t in &emitted {
-            keep += 1;
-            if !on_token(t) {
-                stopped = true;
-                break;
+    fn settle(&mut self, seq: &[u32], judged: Judged) -> Result<()> {
+        match self.verified.take() {
+            Some(v) => self.settle_verified(v, seq, judged)?,
+            // The prefill's ruling: the first token is pending, the head catches up over the
+            // prompt's rows with the tokens after them.
+            None => {
+                self.stats.emitted += judged.kept as u64;
+                let hidden = self.prefill_hidden.take();
+                if seq.len() > self.state.position() {
+                    self.pending = seq.last().copied();
+                    if let Some(hidden) = hidden {
+                        self.catchup = Some(Catchup {
+                            hidden,
+                            next: seq[1..].to_vec(),
+                        });
+                    }
+                }
             }
         }
-        self.stats.emitted += keep as u64;
-
-        let t1 = Instant::now();
-        if let Some(cp) = cp {
-            self.model
-                .rollback_window(&mut self.state, &cp, log, keep)?;
-            self.spare_checkpoint = Some(cp);
+        // The head follows at once unless the caller stopped (then `sync_mtp` brings it up).
+        if !judged.stopped {
+            self.run_catchup()?;
         }
-        self.stats.rollback_time += t1.elapsed();
-        self.pending = Some(emitted[keep - 1]);
+        Ok(())
+    }
 
-        if let (Some(mtp), Some(mut hidden)) = (self.mtp.as_mut(), out.hidden) {
-            self.model.mtp_truncate(mtp, start)?;
-            b.truncate_rows(&mut hidden, keep)?;
-            self.catchup = Some(Catchup {
-                hidden,
-                next: emitted[..keep].to_vec(),
-            });
-            if !stopped {
-                self.run_catchup()?;
-            }
-        }
-        Ok(StepOutcome {
-            emitted: keep,
-            offered: drafts.len(),
-            accepted,
-            stopped,
-        })
+    fn may_rewind(&mut self, yes: bool) {
+        self.may_rewind = yes;
     }
 }
 
@@ -717,33 +867,30 @@ pub fn generate_spec<B: Qwen4expOps>(
     Ok((out, dec.stats().clone()))
 }
 
-/// Drives `dec` from its prefill to `max_new` tokens (or until `on_token` says stop).
+/// Drives `dec` from its prefill to `max_new` tokens (or until `on_token` says stop): the
+/// decoding loop with the decoder's picker and no end-of-generation token.
 pub fn run<B: Qwen4expOps>(
     dec: &mut SpecDecoder<'_, B>,
     prompt: &[u32],
     max_new: usize,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Vec<u32>> {
-    let mut out = Vec::with_capacity(max_new);
     if max_new == 0 {
-        return Ok(out);
+        return Ok(Vec::new());
     }
-    let t = dec.prefill(prompt)?;
-    out.push(t);
-    if !on_token(t) {
-        return Ok(out);
-    }
-    while out.len() < max_new {
-        let mut stop = false;
-        let res = dec.step(max_new - out.len(), &mut |t| {
-            out.push(t);
-            let go = on_token(t);
-            stop |= !go;
-            go
-        })?;
-        if res.stopped || stop {
-            break;
-        }
-    }
-    Ok(out)
+    let window = dec.window;
+    let opts = GenOptions {
+        max_tokens: max_new,
+        ..GenOptions::default()
+    };
+    let d = dec.with_picker_taken(|dec, pick| {
+        let policy = Policy {
+            pick,
+            slop: None,
+            is_eog: &|_| false,
+            window,
+        };
+        decode::run(dec, prompt, policy, &opts, on_token)
+    })?;
+    Ok(d.tokens)
 }
