@@ -68,19 +68,35 @@ fn check_norms(file: &GgufFile, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The tokenizer of `file`, with its special ids checked against the model's vocabulary.
+/// The tokenizer of `file`, with the special ids the file states checked against the
+/// vocabulary: an end-of-generation id outside it is refused (generation could never stop),
+/// any other (BOS, padding) is warned about.
 pub fn tokenizer(file: &GgufFile, path: &Path, n_vocab: usize) -> Result<Tokenizer> {
     let tok = Tokenizer::from_gguf(file)
         .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
     let n = n_vocab.min(tok.n_vocab());
-    for id in tok.eog_ids().into_iter().chain(tok.eos()) {
-        if id as usize >= n {
+    for (key, v) in file.metadata() {
+        let Some(what) = key
+            .strip_prefix("tokenizer.ggml.")
+            .and_then(|k| k.strip_suffix("_token_id"))
+        else {
+            continue;
+        };
+        let Some(id) = v.as_i128() else { continue };
+        if (0..n as i128).contains(&id) {
+            continue;
+        }
+        if matches!(what, "eos" | "eot" | "eom") {
             bail!(
-                "{}: end-of-generation token {id} is outside the vocabulary of {n} tokens \
-                 (generation could never stop): the file is damaged",
+                "{}: {key} = {id} is outside the vocabulary of {n} tokens (generation could \
+                 never stop at it): the file is damaged",
                 path.display()
             );
         }
+        eprintln!(
+            "warning: {}: {key} = {id} is outside the vocabulary of {n} tokens; it is ignored",
+            path.display()
+        );
     }
     Ok(tok)
 }

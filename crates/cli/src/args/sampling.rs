@@ -307,7 +307,7 @@ mod tests {
     fn negative_values_are_values() {
         let c = resolve(&["--presence-penalty", "-0.5", "--temp", "0"]).unwrap();
         assert_eq!(c.pick, Pick::Greedy);
-        assert!(matches!(c.stages[..], [Stage::Penalties(p)] if p.presence == -0.5));
+        assert!(matches!(&c.stages[..], [Stage::Penalties(p)] if p.presence == -0.5));
     }
 
     #[test]
