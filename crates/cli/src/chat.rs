@@ -246,7 +246,10 @@ impl Chat<'_> {
     }
 
     /// One turn; the history changes only when it succeeds.
-    fn turn(&mut self, msg: &str) -> Result<Option<strata_engine::sampler::guard::GuardedGeneration>> {
+    fn turn(
+        &mut self,
+        msg: &str,
+    ) -> Result<Option<strata_engine::sampler::guard::GuardedGeneration>> {
         let Some((mut history, prompt)) = self.fit(msg)? else {
             return Ok(None);
         };

@@ -35,7 +35,9 @@ pub struct Args {
 fn inputs(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut v = Vec::new();
     for e in std::fs::read_dir(dir).with_context(|| format!("HF_DIR {}", dir.display()))? {
-        let p = e.with_context(|| format!("listing {}", dir.display()))?.path();
+        let p = e
+            .with_context(|| format!("listing {}", dir.display()))?
+            .path();
         if p.is_file() {
             v.push(p);
         }

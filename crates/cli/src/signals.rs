@@ -74,9 +74,15 @@ pub fn forget_path(path: &Path) {
     lock().paths.retain(|p| p != path);
 }
 
-/// Ends the process group `pid` leads if the process is interrupted before [`forget_child`].
-pub fn kill_on_interrupt(pid: u32) {
-    lock().children.push(pid);
+/// Spawns `cmd` in a process group of its own, which an interrupt ends until
+/// [`forget_child`]. The registry stays locked from the spawn to the registration, so an
+/// interrupt in between waits for it instead of missing the child.
+pub fn spawn_child(cmd: &mut std::process::Command) -> std::io::Result<std::process::Child> {
+    std::os::unix::process::CommandExt::process_group(cmd, 0);
+    let mut c = lock();
+    let child = cmd.spawn()?;
+    c.children.push(child.id());
+    Ok(child)
 }
 
 pub fn forget_child(pid: u32) {

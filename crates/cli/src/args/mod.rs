@@ -49,7 +49,11 @@ mod tests {
         assert_eq!(e.to_string(), "--top-p NaN: out of range; expected (0, 1]");
         assert!(check_f32("--top-p", 1.0, |p| p > 0.0 && p <= 1.0, "(0, 1]").is_ok());
         let e = check_i64("--repeat-last-n", -2, -1, "-1 (all), 0 (off) or a count").unwrap_err();
-        assert!(e.to_string().starts_with("--repeat-last-n -2: out of range"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("--repeat-last-n -2: out of range"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -107,16 +107,36 @@ impl SampleArgs {
     /// Every flag against its range, whether or not its stage will run (a value out of range
     /// is a mistake even where it would be a no-op).
     fn check_ranges(&self) -> Result<()> {
-        check_f32("--temp", self.temp, |t| t >= 0.0 && t.is_finite(), "a number ≥ 0 (0: greedy)")?;
-        check_f32("--top-p", self.top_p, |p| p > 0.0 && p <= 1.0, "a number in (0, 1] (1: off)")?;
-        check_f32("--min-p", self.min_p, |p| (0.0..=1.0).contains(&p), "a number in [0, 1] (0: off)")?;
+        check_f32(
+            "--temp",
+            self.temp,
+            |t| t >= 0.0 && t.is_finite(),
+            "a number ≥ 0 (0: greedy)",
+        )?;
+        check_f32(
+            "--top-p",
+            self.top_p,
+            |p| p > 0.0 && p <= 1.0,
+            "a number in (0, 1] (1: off)",
+        )?;
+        check_f32(
+            "--min-p",
+            self.min_p,
+            |p| (0.0..=1.0).contains(&p),
+            "a number in [0, 1] (0: off)",
+        )?;
         check_f32(
             "--repeat-penalty",
             self.repeat_penalty,
             |r| r > 0.0 && r.is_finite(),
             "a number > 0 (1: off)",
         )?;
-        check_i64("--repeat-last-n", self.repeat_last_n, -1, "-1 (all), 0 (off) or a count")?;
+        check_i64(
+            "--repeat-last-n",
+            self.repeat_last_n,
+            -1,
+            "-1 (all), 0 (off) or a count",
+        )?;
         for (flag, v) in [
             ("--frequency-penalty", self.frequency_penalty),
             ("--presence-penalty", self.presence_penalty),
@@ -129,7 +149,12 @@ impl SampleArgs {
             |m| m >= 0.0 && m.is_finite(),
             "a number ≥ 0 (0: off)",
         )?;
-        check_f32("--dry-base", self.dry_base, |b| b >= 1.0 && b.is_finite(), "a number ≥ 1")?;
+        check_f32(
+            "--dry-base",
+            self.dry_base,
+            |b| b >= 1.0 && b.is_finite(),
+            "a number ≥ 1",
+        )?;
         check_i64(
             "--dry-penalty-last-n",
             self.dry_penalty_last_n,
@@ -147,7 +172,10 @@ impl SampleArgs {
             ("--slop-blank-run", self.slop_blank_run),
         ] {
             if v > i32::MAX as u32 {
-                bail!("{flag} {v}: out of range; expected 0 (no cap) to {}", i32::MAX);
+                bail!(
+                    "{flag} {v}: out of range; expected 0 (no cap) to {}",
+                    i32::MAX
+                );
             }
         }
         Ok(())
@@ -280,17 +308,26 @@ mod tests {
     fn resolve(args: &[&str]) -> Result<SamplerConfig> {
         let mut v = vec!["t"];
         v.extend_from_slice(args);
-        T::try_parse_from(v).map_err(anyhow::Error::from)?.s.resolve()
+        T::try_parse_from(v)
+            .map_err(anyhow::Error::from)?
+            .s
+            .resolve()
     }
 
     #[test]
     fn out_of_range_values_name_flag_value_and_range() {
         for (args, want) in [
-            (&["--top-p", "2"][..], "--top-p 2: out of range; expected a number in (0, 1]"),
+            (
+                &["--top-p", "2"][..],
+                "--top-p 2: out of range; expected a number in (0, 1]",
+            ),
             (&["--top-p", "nan"], "--top-p NaN"),
             (&["--min-p", "nan"], "--min-p NaN"),
             (&["--min-p", "5"], "--min-p 5"),
-            (&["--temp", "-1"], "--temp -1: out of range; expected a number ≥ 0"),
+            (
+                &["--temp", "-1"],
+                "--temp -1: out of range; expected a number ≥ 0",
+            ),
             (&["--temp=-1"], "--temp -1"),
             (&["--repeat-penalty", "0"], "--repeat-penalty 0"),
             (&["--presence-penalty", "inf"], "--presence-penalty inf"),
@@ -313,12 +350,24 @@ mod tests {
     #[test]
     fn the_json_chain_is_range_checked_too() {
         for (json, want) in [
-            (r#"{"stages":[{"type":"top_p","p":2}],"pick":{"type":"greedy"}}"#, "top_p 2"),
-            (r#"{"stages":[{"type":"min_p","p":-0.5}],"pick":{"type":"greedy"}}"#, "min_p -0.5"),
-            (r#"{"stages":[{"type":"temperature","t":-1}],"pick":{"type":"greedy"}}"#, "temperature -1"),
+            (
+                r#"{"stages":[{"type":"top_p","p":2}],"pick":{"type":"greedy"}}"#,
+                "top_p 2",
+            ),
+            (
+                r#"{"stages":[{"type":"min_p","p":-0.5}],"pick":{"type":"greedy"}}"#,
+                "min_p -0.5",
+            ),
+            (
+                r#"{"stages":[{"type":"temperature","t":-1}],"pick":{"type":"greedy"}}"#,
+                "temperature -1",
+            ),
         ] {
             let e = format!("{:#}", resolve(&["--sampler", json]).unwrap_err());
-            assert!(e.starts_with("--sampler: ") && e.contains(want), "{json}: {e}");
+            assert!(
+                e.starts_with("--sampler: ") && e.contains(want),
+                "{json}: {e}"
+            );
         }
     }
 }

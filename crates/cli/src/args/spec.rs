@@ -50,7 +50,9 @@ impl SpecArgs {
     pub fn resolve(&self) -> Result<Option<SpecChoice>> {
         if let Some(n) = self.spec {
             if !(1..=MAX_WINDOW).contains(&n) {
-                bail!("--spec {n}: out of range; expected a verify window of 1 to {MAX_WINDOW} rows");
+                bail!(
+                    "--spec {n}: out of range; expected a verify window of 1 to {MAX_WINDOW} rows"
+                );
             }
         }
         check_f32(

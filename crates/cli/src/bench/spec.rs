@@ -18,7 +18,11 @@ use crate::outln;
 mod synth;
 
 /// A qwen4exp trunk, its tokenizer and (from `--mtp`, or the trunk file) the MTP head.
-fn load_trunk(path: &Path, mtp: Option<&Path>, threads: usize) -> Result<(Model<CpuBackend>, Tokenizer)> {
+fn load_trunk(
+    path: &Path,
+    mtp: Option<&Path>,
+    threads: usize,
+) -> Result<(Model<CpuBackend>, Tokenizer)> {
     let opened = load::open(path)?;
     if opened.arch != strata_engine::qwen4exp::config::ARCH {
         bail!(
@@ -289,9 +293,19 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         bail!("--windows {w}: out of range; expected verify windows of 1 to {MAX_WINDOW} rows");
     }
     for &r in &a.force_accept {
-        crate::args::check_f32("--force-accept", r as f32, |r| (0.0..=1.0).contains(&r), "probabilities in [0, 1]")?;
+        crate::args::check_f32(
+            "--force-accept",
+            r as f32,
+            |r| (0.0..=1.0).contains(&r),
+            "probabilities in [0, 1]",
+        )?;
     }
-    crate::args::check_f32("--spec-min-p", a.spec_min_p, |p| (0.0..=1.0).contains(&p), "a probability in [0, 1] (0: off)")?;
+    crate::args::check_f32(
+        "--spec-min-p",
+        a.spec_min_p,
+        |p| (0.0..=1.0).contains(&p),
+        "a probability in [0, 1] (0: off)",
+    )?;
     if let Some(p) = &a.draft_vocab {
         crate::output::check_input("--draft-vocab", p)?;
     }
