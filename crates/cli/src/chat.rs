@@ -55,11 +55,11 @@ pub struct Args {
     /// When a turn does not fit in the context: refuse it, or drop the oldest turns
     #[arg(long, value_enum, default_value_t = CtxPolicy::Stop)]
     pub ctx_policy: CtxPolicy,
-    #[command(flatten)]
-    pub sample: SampleArgs,
     /// Speed report on stderr after each reply
     #[arg(short = 'v', long)]
     pub verbose: bool,
+    #[command(flatten)]
+    pub sample: SampleArgs,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {

@@ -273,6 +273,19 @@ mod tests {
     }
 
     #[test]
+    fn a_closed_pipe_is_a_quiet_end_and_other_write_errors_are_errors() {
+        let gone = stdout_error(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        assert!(is_reader_gone(&gone));
+        assert!(is_reader_gone(&gone.context("printing the table")));
+        let full = stdout_error(std::io::Error::from_raw_os_error(libc::ENOSPC));
+        assert!(!is_reader_gone(&full));
+        assert!(
+            format!("{full:#}").starts_with("writing to stdout: "),
+            "{full:#}"
+        );
+    }
+
+    #[test]
     fn an_output_that_is_or_links_to_an_input_is_refused() {
         let d = scratch("links");
         let input = d.join("in.gguf");

@@ -45,14 +45,14 @@ pub struct Args {
     /// Most tokens to generate
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
-    #[command(flatten)]
-    pub sample: SampleArgs,
     /// Do not print the prompt before the completion
     #[arg(long)]
     pub no_echo: bool,
     /// Load, speed (and speculation) report on stderr
     #[arg(short = 'v', long)]
     pub verbose: bool,
+    #[command(flatten)]
+    pub sample: SampleArgs,
     #[command(flatten)]
     pub spec: SpecArgs,
 }
