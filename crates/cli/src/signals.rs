@@ -51,14 +51,29 @@ pub fn install() {
             // SAFETY: `set` and `sig` are valid for the call.
             if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
                 clean_up();
-                // 128 + n, as a shell reports a process ended by signal n.
-                std::process::exit(128 + sig);
+                die_by(sig);
             }
         });
     if spawned.is_err() {
         // SAFETY: as above; without the handling thread the default actions must come back.
         unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) };
     }
+}
+
+/// Ends the process by `sig` itself, so a parent sees what ended it (a shell loop stops on
+/// Ctrl-C only when the child died by SIGINT), not an ordinary exit status.
+fn die_by(sig: libc::c_int) -> ! {
+    // SAFETY: resetting the action to the default, unblocking and raising in this thread.
+    unsafe {
+        libc::signal(sig, libc::SIG_DFL);
+        let mut one: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut one);
+        libc::sigaddset(&mut one, sig);
+        libc::pthread_sigmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
+        libc::raise(sig);
+    }
+    // Not reached when the default action ends the process; 128 + n as a shell reports it.
+    std::process::exit(128 + sig)
 }
 
 fn lock() -> std::sync::MutexGuard<'static, Cleanup> {
@@ -77,8 +92,20 @@ pub fn forget_path(path: &Path) {
 /// Spawns `cmd` in a process group of its own, which an interrupt ends until
 /// [`forget_child`]. The registry stays locked from the spawn to the registration, so an
 /// interrupt in between waits for it instead of missing the child.
+///
+/// A SIGKILL cannot be handled: for that case the kernel sends the child SIGTERM when this
+/// thread dies (`PR_SET_PDEATHSIG`; call from the main thread, which lives as long as the
+/// process).
 pub fn spawn_child(cmd: &mut std::process::Command) -> std::io::Result<std::process::Child> {
-    std::os::unix::process::CommandExt::process_group(cmd, 0);
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0);
+    // SAFETY: prctl is async-signal-safe and touches only the child's own settings.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
     let mut c = lock();
     let child = cmd.spawn()?;
     c.children.push(child.id());

@@ -89,13 +89,18 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// A metadata edit: the new value of a key, or None to keep it.
+pub type KvEdit<'a> = &'a dyn Fn(&str) -> Option<strata_gguf::Value>;
+/// A tensor edit: the new bytes of a tensor, or None to keep them.
+pub type DataEdit<'a> = &'a dyn Fn(&str, &[u8]) -> Option<Vec<u8>>;
+
 /// A copy of the GGUF `src` at `dst` with metadata values and tensor bytes changed by `kv` and
 /// `data` (each returns None to keep the original).
 pub fn rewrite_gguf(
     src: &std::path::Path,
     dst: &std::path::Path,
-    kv: &dyn Fn(&str) -> Option<strata_gguf::Value>,
-    data: &dyn Fn(&str, &[u8]) -> Option<Vec<u8>>,
+    kv: KvEdit<'_>,
+    data: DataEdit<'_>,
 ) {
     let f = strata_gguf::GgufFile::open(src).unwrap();
     let mut w = strata_gguf::GgufWriter::new();
