@@ -42,6 +42,15 @@ fn failed_turns_are_reported_and_the_conversation_goes_on() {
     }
     // The refusal says how many tokens were left.
     assert!(err.contains("are left"), "{err}");
+    // `//` sends a line that begins with `/`: the same reply as the message itself.
+    let (ok, slash, err) = chat(&["-c", "64"], b"//nope\n");
+    assert!(ok && !err.contains("unknown command"), "{err}");
+    let (_, direct, _) = chat(&["-c", "64"], b"/nope\n");
+    assert!(
+        direct.is_empty(),
+        "an unknown command went to the model: {direct:?}"
+    );
+    assert!(!slash.is_empty());
 }
 
 #[test]
