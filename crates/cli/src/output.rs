@@ -186,9 +186,12 @@ impl OutputFile {
                 dir.display()
             );
         }
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(name);
-        tmp_name.push(format!(".strata-tmp-{}", std::process::id()));
+        let mut prefix = std::ffi::OsString::from(".");
+        prefix.push(name);
+        prefix.push(".strata-tmp-");
+        remove_stale(&dir, &prefix.to_string_lossy());
+        let mut tmp_name = prefix;
+        tmp_name.push(std::process::id().to_string());
         let tmp = dir.join(tmp_name);
         crate::signals::remove_on_interrupt(&tmp);
         Ok(OutputFile {
@@ -224,6 +227,30 @@ impl OutputFile {
         crate::signals::forget_path(&self.tmp);
         self.tmp = PathBuf::new();
         Ok(())
+    }
+}
+
+/// Temporaries for the same destination left by a process that no longer exists (one killed
+/// with SIGKILL, which nothing can clean up after).
+fn remove_stale(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|p| p.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: signal 0 only asks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
@@ -270,6 +297,24 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    #[test]
+    fn a_dead_process_temporary_is_removed_and_a_live_one_kept() {
+        let d = scratch("stale");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = d.join(format!(".out.bin.strata-tmp-{dead}"));
+        let live = d.join(".out.bin.strata-tmp-1"); // init never goes away
+        let other = d.join(format!(".other.bin.strata-tmp-{dead}"));
+        for p in [&stale, &live, &other] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        let f = OutputFile::create(&d.join("out.bin")).unwrap();
+        assert!(!stale.exists() && live.exists() && other.exists());
+        drop(f);
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
