@@ -40,10 +40,8 @@ pub struct Args {
     /// Precision attention reads K/V at: `f32`, or `f16` (llama.cpp's default cache type)
     #[arg(long, default_value = "f32")]
     pub kv_type: KvType,
-    /// Worker threads (0: one per core; more than the cores is capped at the cores, with a
-    /// warning)
-    #[arg(short = 't', long, default_value_t = 0)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub threads: crate::args::ThreadsArgs,
     /// Keep activations in f32 for F16/BF16 weights instead of rounding them to the weight's
     /// format (an exact mode for comparisons; block-quantized weights are unaffected)
     #[arg(long)]
@@ -69,7 +67,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         inputs.push(("--mtp", p));
     }
     check_outputs(&outputs, &inputs)?;
-    let threads = crate::args::threads("--threads", args.threads);
+    let threads = args.threads.resolve();
     let opened = load::open(&args.model)?;
     let is_qwen2 = opened.arch == qwen2::ARCH;
     if is_qwen2 && (args.mtp.is_some() || args.mtp_out.is_some()) {

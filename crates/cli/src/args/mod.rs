@@ -1,6 +1,7 @@
 //! The arguments the commands share, parsed by clap and validated once: each group has a
 //! `resolve()` that checks every value (naming the flag, the value and its range) and returns a
-//! plain config. Commands depend on this module and on the support modules (`load`, `output`,
+//! plain config (`ThreadsArgs` is the thread count alone, for commands without `ModelArgs`).
+//! Commands depend on this module and on the support modules (`load`, `output`,
 //! `model_cache`), never on each other. The ranges are documented in docs/SAMPLING.md.
 
 pub mod model;
@@ -23,6 +24,21 @@ pub fn check_i64(flag: &str, v: i64, lo: i64, range: &str) -> Result<()> {
         return Ok(());
     }
     bail!("{flag} {v}: out of range; expected {range}")
+}
+
+/// The worker-thread count, as `model`, `logits` and `bench spec` take it.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ThreadsArgs {
+    /// Worker threads (0: one per core; more than the cores is capped at the cores, with a
+    /// warning)
+    #[arg(short = 't', long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+impl ThreadsArgs {
+    pub fn resolve(&self) -> usize {
+        threads("--threads", self.threads)
+    }
 }
 
 /// Worker threads: 0 is one per core; more than the cores this process may run on are capped

@@ -12,10 +12,8 @@ pub struct ModelArgs {
     /// The model GGUF (qwen2 or qwen4exp); without it, the default model (fetched if absent)
     #[arg(short = 'm', long, value_name = "MODEL.gguf")]
     pub model: Option<PathBuf>,
-    /// Worker threads (0: one per core; more than the cores is capped at the cores, with a
-    /// warning)
-    #[arg(short = 't', long, default_value_t = 0)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub threads: super::ThreadsArgs,
     /// Precision attention reads K/V at: `f16` (llama.cpp's default cache type) or `f32`
     #[arg(long, default_value = "f16")]
     pub kv_type: KvType,
@@ -44,7 +42,7 @@ impl ModelArgs {
         }
         Ok(ModelChoice {
             model: self.model.clone(),
-            threads: super::threads("--threads", self.threads),
+            threads: self.threads.resolve(),
             kv_type: self.kv_type,
             ctx_size: self.ctx_size,
         })

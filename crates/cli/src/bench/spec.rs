@@ -83,10 +83,8 @@ pub struct BenchArgs {
     /// Seed of the forced-acceptance draws
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Worker threads (0: one per core; more than the cores is capped at the cores, with a
-    /// warning)
-    #[arg(short = 't', long, default_value_t = 0)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub threads: crate::args::ThreadsArgs,
     /// Print JSON instead of tables
     #[arg(long)]
     pub json: bool,
@@ -312,7 +310,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     if let Some(p) = &a.mtp {
         crate::output::check_input("--mtp", p)?;
     }
-    let threads = crate::args::threads("--threads", a.threads);
+    let threads = a.threads.resolve();
     let (model, prompt, name) = match (&a.synthetic, &a.model) {
         (Some(preset), _) => {
             let g = synth::Geometry::preset(preset)?;
