@@ -1,6 +1,7 @@
 //! `strata bench`: throughput programs. `strata bench formats` measures dequantize and dot
 //! throughput per block format, on one thread and on all threads, beside the machine's measured
-//! memory bandwidth — the numbers to hold against ggml's `test-quantize-perf` on the same machine.
+//! memory bandwidth — the numbers to hold against ggml's `test-quantize-perf` on the same machine;
+//! `strata bench spec` (bench/spec.rs) the speculative speed-up curve.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -9,6 +10,10 @@ use anyhow::{bail, Context};
 use rayon::prelude::*;
 use serde_json::json;
 use strata_quant::{simd, synth, GgmlType, Isa};
+
+use crate::outln;
+
+mod spec;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -21,7 +26,7 @@ pub enum What {
     /// Dequantize and dot-product throughput of every block format
     Formats(FormatsArgs),
     /// MTP speculative decoding: tokens/s with and without drafts, window cost, forced acceptance
-    Spec(crate::spec_run::BenchArgs),
+    Spec(spec::BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -47,7 +52,7 @@ pub struct FormatsArgs {
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.what {
         What::Formats(a) => formats(a),
-        What::Spec(a) => crate::spec_run::bench(a),
+        What::Spec(a) => spec::bench(a),
     }
 }
 
@@ -207,22 +212,22 @@ fn formats(a: FormatsArgs) -> anyhow::Result<ExitCode> {
             .collect();
         let doc = json!({"isa": isa.name(), "threads": threads, "memory_read_gibps_1t": bw1,
             "memory_read_gibps_all": bw_all, "unit": "GiB/s of quantized weight bytes", "formats": rows});
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?)?;
     } else {
-        println!(
+        outln!(
             "# strata bench formats — ISA {}, {} threads",
             isa.name(),
             threads
-        );
-        println!(
+        )?;
+        outln!(
             "memory read bandwidth: {bw1:.1} GiB/s (1 thread), {bw_all:.1} GiB/s (all threads)"
-        );
-        println!("throughput in GiB/s of quantized weight bytes (as ggml's test-quantize-perf)\n");
-        println!("| type | elements | dequant 1t | dequant all | dot 1t | dot all | dot kernel |");
-        println!("|---|---|---|---|---|---|---|");
+        )?;
+        outln!("throughput in GiB/s of quantized weight bytes (as ggml's test-quantize-perf)\n")?;
+        outln!("| type | elements | dequant 1t | dequant all | dot 1t | dot all | dot kernel |")?;
+        outln!("|---|---|---|---|---|---|---|")?;
         let f = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.2}"));
         for c in &cells {
-            println!(
+            outln!(
                 "| {} | {} | {:.2} | {:.2} | {} | {} | {} |",
                 c.ty,
                 c.size,
@@ -235,7 +240,7 @@ fn formats(a: FormatsArgs) -> anyhow::Result<ExitCode> {
                 } else {
                     "scalar"
                 }
-            );
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)

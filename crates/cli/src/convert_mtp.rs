@@ -3,7 +3,7 @@
 //! The conversion itself lives in the `strata-convert` crate; docs/MTP-GGUF.md has
 //! the layout.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -30,16 +30,42 @@ pub struct Args {
     pub verbose: bool,
 }
 
+/// The checkpoint's files: everything in the folder, since a shard list or a config may name
+/// any of them.
+fn inputs(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir).with_context(|| format!("HF_DIR {}", dir.display()))? {
+        let p = e
+            .with_context(|| format!("listing {}", dir.display()))?
+            .path();
+        if p.is_file() {
+            v.push(p);
+        }
+    }
+    Ok(v)
+}
+
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if !args.dir.is_dir() {
+        anyhow::bail!(
+            "HF_DIR {}: not a folder (give the checkpoint's folder: config.json and *.safetensors)",
+            args.dir.display()
+        );
+    }
+    let files = inputs(&args.dir)?;
+    let named: Vec<(&str, &Path)> = files.iter().map(|p| ("in HF_DIR", p.as_path())).collect();
+    crate::output::check_outputs(&[("-o", &args.out)], &named)?;
     let opts = ConvertOptions {
         out_type: args.out_type,
         include_shared: args.include_shared,
     };
     let (writer, report) = convert_mtp(&args.dir, &opts)
         .with_context(|| format!("converting the MTP head of {}", args.dir.display()))?;
+    let mut out = crate::output::OutputFile::create(&args.out)?;
     writer
-        .write_file(&args.out)
+        .write_to(out.writer())
         .with_context(|| format!("writing {}", args.out.display()))?;
+    out.commit()?;
     for n in &report.notes {
         eprintln!("note: {n}");
     }

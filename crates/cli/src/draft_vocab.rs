@@ -46,10 +46,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 fn build(a: BuildArgs) -> anyhow::Result<ExitCode> {
     if a.size == 0 {
-        bail!("--size must be at least 1");
+        bail!("--size 0: out of range; expected at least 1 token id");
     }
-    let file =
-        GgufFile::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
+    crate::output::check_input("-m", &a.model)?;
+    let mut inputs = vec![("-m", a.model.as_path())];
+    for c in &a.corpus {
+        crate::output::check_input("--corpus", c)?;
+        inputs.push(("--corpus", c.as_path()));
+    }
+    crate::output::check_outputs(&[("-o", &a.out)], &inputs)?;
+    let file = GgufFile::open(&a.model)?;
     let tok = Tokenizer::from_gguf(&file)
         .with_context(|| format!("reading the tokenizer of {}", a.model.display()))?;
     // The draft's LM head has the model's rows, which may be more than the tokenizer's tokens.
@@ -80,7 +86,10 @@ fn build(a: BuildArgs) -> anyhow::Result<ExitCode> {
     let eog = tok.eog_ids();
     let v = DraftVocab::by_frequency(&counts, a.size.min(n_vocab), &eog)?;
     let covered: u64 = v.ids().iter().map(|&i| counts[i as usize]).sum();
-    std::fs::write(&a.out, v.to_bytes()).with_context(|| format!("writing {}", a.out.display()))?;
+    let mut out = crate::output::OutputFile::create(&a.out)?;
+    std::io::Write::write_all(out.writer(), &v.to_bytes())
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    out.commit()?;
     eprintln!(
         "wrote {}: {} token ids of {n_vocab} ({} end-of-generation), covering {:.2}% of the corpus's {total} tokens",
         a.out.display(),

@@ -30,6 +30,11 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    crate::output::check_input("FILE", &args.file)?;
+    if let Some(out) = &args.out {
+        // Before the input is mapped: truncating a mapped file kills the process (SIGBUS).
+        crate::output::check_outputs(&[("--out", out)], &[("FILE", &args.file)])?;
+    }
     let f = GgufFile::open(&args.file)?;
     if let (Some(name), Some(out)) = (&args.dump, &args.out) {
         let t = f.require_tensor(name)?;
@@ -44,24 +49,21 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let report = Report::new(&f);
-    let mut stdout = std::io::stdout().lock();
-    let printed = if args.json {
-        serde_json::to_string_pretty(&report.to_json(&f, args.array_items))
-            .map_err(anyhow::Error::from)
-            .and_then(|s| Ok(writeln!(stdout, "{s}")?))
+    if args.json {
+        let s = serde_json::to_string_pretty(&report.to_json(&f, args.array_items))?;
+        crate::outln!("{s}")?;
     } else {
-        report.print(&f, args.array_items, &mut stdout)
-    };
-    match printed {
-        // `strata inspect f.gguf | head` is normal use, not a failure.
-        Err(e)
-            if e.downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
-        {
-            Ok(ExitCode::SUCCESS)
-        }
-        r => r.map(|()| ExitCode::SUCCESS),
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        // `strata inspect f.gguf | head` is normal use: a closed pipe ends it quietly (main).
+        report
+            .print(&f, args.array_items, &mut out)
+            .and_then(|()| Ok(out.flush()?))
+            .map_err(|e| match e.downcast::<std::io::Error>() {
+                Ok(io) => crate::output::stdout_error(io),
+                Err(e) => e,
+            })?;
     }
+    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Default)]
@@ -319,8 +321,8 @@ fn dump_npy(f: &GgufFile, t: &TensorInfo, out: &Path) -> anyhow::Result<()> {
             data.len()
         );
     }
-    let file = std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut w = std::io::BufWriter::new(file);
+    let mut file = crate::output::OutputFile::create(out)?;
+    let w = file.writer();
     w.write_all(&npy_header(&t.shape_rev()))?;
     let rows_per_chunk = (1usize << 20).checked_div(ne0).unwrap_or(1).max(1);
     let mut buf = vec![0f32; ne0 * rows_per_chunk.min(n_rows.max(1))];
@@ -334,12 +336,11 @@ fn dump_npy(f: &GgufFile, t: &TensorInfo, out: &Path) -> anyhow::Result<()> {
             .with_context(|| format!("{}: tensor '{}': dequantizing {ty}", f.name(), t.name))?;
         bytes.clear();
         bytes.extend(dst.iter().flat_map(|x| x.to_le_bytes()));
-        w.write_all(&bytes)?;
+        w.write_all(&bytes)
+            .with_context(|| format!("writing {}", out.display()))?;
         row += rows;
     }
-    w.flush()
-        .with_context(|| format!("writing {}", out.display()))?;
-    Ok(())
+    file.commit()
 }
 
 /// A .npy version 1.0 header for little-endian f32 in C order, padded so the data starts at a

@@ -1,18 +1,21 @@
 //! `strata logits`: every position's logits for a prompt (token ids or text), written as a
 //! safetensors file with `logits` (f32, `[positions, vocab]`) and `input_ids` (i64, `[positions]`).
 //! The whole prompt runs as one prefill, which gives the same bits as token-by-token decode.
+//! The outputs never replace an input and appear only complete (`output`); the prompt obeys
+//! the same context rule as `run` (`load::check_context`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::{bail, Context, Result};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use strata_engine::qwen4exp::{LoadOptions, Model};
 use strata_engine::{qwen2, CpuBackend, FloatActivations, KvType, QsaRule};
-use strata_gguf::GgufFile;
+
+use crate::load;
+use crate::output::{check_outputs, OutputFile};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -37,9 +40,8 @@ pub struct Args {
     /// Precision attention reads K/V at: `f32`, or `f16` (llama.cpp's default cache type)
     #[arg(long, default_value = "f32")]
     pub kv_type: KvType,
-    /// Worker threads (0: one per core)
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub threads: crate::args::ThreadsArgs,
     /// Keep activations in f32 for F16/BF16 weights instead of rounding them to the weight's
     /// format (an exact mode for comparisons; block-quantized weights are unaffected)
     #[arg(long)]
@@ -53,37 +55,51 @@ pub struct Args {
     pub mtp_out: Option<PathBuf>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let file = Arc::new(GgufFile::open(&args.model)?);
+pub fn run(args: Args) -> Result<ExitCode> {
+    // Every check before the model is bound.
+    let mut outputs: Vec<(&str, &Path)> = vec![("--out", &args.out)];
+    if let Some(p) = &args.mtp_out {
+        outputs.push(("--mtp-out", p));
+    }
+    let mut inputs: Vec<(&str, &Path)> = vec![("-m", &args.model)];
+    if let Some(p) = &args.mtp {
+        crate::output::check_input("--mtp", p)?;
+        inputs.push(("--mtp", p));
+    }
+    check_outputs(&outputs, &inputs)?;
+    let threads = args.threads.resolve();
+    let opened = load::open(&args.model)?;
+    let is_qwen2 = opened.arch == qwen2::ARCH;
+    if is_qwen2 && (args.mtp.is_some() || args.mtp_out.is_some()) {
+        bail!(
+            "--mtp and --mtp-out need a qwen4exp model; {} is qwen2",
+            args.model.display()
+        );
+    }
     let tokens = match (&args.tokens, &args.text) {
         (Some(t), _) => t.clone(),
         (None, Some(text)) => {
-            let tok = strata_tokenizer::Tokenizer::from_gguf(&file)
+            let tok = strata_tokenizer::Tokenizer::from_gguf(&opened.file)
                 .with_context(|| format!("reading the tokenizer of {}", args.model.display()))?;
             tok.encode(text, true, true).context("tokenizing --text")?
         }
         (None, None) => bail!("give --tokens or --text"),
     };
-    if tokens.is_empty() {
-        bail!("the prompt has no tokens");
-    }
     let mode = if args.f32_activations {
         FloatActivations::F32
     } else {
         FloatActivations::Paired
     };
-    let backend = CpuBackend::new(args.threads)?.with_float_activations(mode);
+    let backend = CpuBackend::new(threads)?.with_float_activations(mode);
     let t0 = Instant::now();
     // (logits, n_vocab, threads, time of the forward pass)
-    let (out_logits, n_vocab, threads, loaded, ran) = if file.architecture()? == qwen2::ARCH {
-        if args.mtp.is_some() || args.mtp_out.is_some() {
-            bail!("--mtp and --mtp-out need a qwen4exp model");
-        }
+    let (out_logits, n_vocab, threads, loaded, ran) = if is_qwen2 {
         let opts = qwen2::LoadOptions {
             kv_type: args.kv_type,
         };
-        let model = qwen2::Model::from_file(file, backend, &opts)
+        let model = qwen2::Model::from_file(opened.file, backend, &opts)
             .with_context(|| format!("loading {}", args.model.display()))?;
+        check_tokens(&tokens, model.config().n_vocab, model.config().n_ctx_train)?;
         let loaded = t0.elapsed();
         let mut state = model.new_state()?;
         let t1 = Instant::now();
@@ -97,7 +113,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             kv_type: args.kv_type,
             ..LoadOptions::default()
         };
-        let mut model = Model::from_file(file, backend, &opts)
+        let mut model = Model::from_file(opened.file, backend, &opts)
             .with_context(|| format!("loading {}", args.model.display()))?;
         for w in model.warnings() {
             eprintln!("warning: {w}");
@@ -106,6 +122,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             model
                 .load_mtp(p)
                 .with_context(|| format!("loading the MTP head {}", p.display()))?;
+        }
+        check_tokens(&tokens, model.config().n_vocab, u32::MAX as usize)?;
+        if args.mtp_out.is_some() && tokens.len() < 2 {
+            bail!("--mtp-out needs at least two tokens (row p pairs position p with token p + 1)");
+        }
+        if args.mtp_out.is_some() && !model.has_mtp() {
+            bail!(
+                "--mtp-out needs an MTP head: {} carries no mtp.* tensors; give one with --mtp",
+                args.model.display()
+            );
         }
         let loaded = t0.elapsed();
         let mut state = model.new_state()?;
@@ -116,7 +142,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         };
         let out = model.forward_with(&mut state, &tokens, want)?;
         if let (Some(path), Some(hidden)) = (&args.mtp_out, &out.hidden) {
-            crate::spec_run::write_mtp_logits(&model, &tokens, hidden, path)?;
+            write_mtp_logits(&model, &tokens, hidden, path)?;
         }
         let threads = model.backend().threads();
         (out.logits, out.n_vocab, threads, loaded, t1.elapsed())
@@ -138,8 +164,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             TensorView::new(Dtype::I64, vec![tokens.len()], &ids)?,
         ),
     ];
-    safetensors::tensor::serialize_to_file(views, None, &args.out)
-        .with_context(|| format!("writing {}", args.out.display()))?;
+    write_safetensors(views, &args.out)?;
     eprintln!(
         "wrote {}: logits [{}, {}] (load {:.2?}, forward {:.2?} on {} threads, {:.1} tokens/s)",
         args.out.display(),
@@ -151,4 +176,64 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         tokens.len() as f64 / ran.as_secs_f64().max(1e-9)
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Token ids inside the vocabulary, and as many as `run` would take (`load::check_context`).
+fn check_tokens(tokens: &[u32], n_vocab: usize, n_ctx: usize) -> Result<()> {
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+        bail!("--tokens: token {bad} is outside the vocabulary of {n_vocab}");
+    }
+    load::check_context("the prompt", tokens.len(), n_ctx)
+}
+
+/// A safetensors file through a temporary beside `dest`, renamed when complete.
+fn write_safetensors<'a>(
+    views: impl IntoIterator<Item = (&'a str, TensorView<'a>)>,
+    dest: &Path,
+) -> Result<()> {
+    let f = OutputFile::reserve(dest)?;
+    safetensors::tensor::serialize_to_file(views, None, f.tmp_path())
+        .with_context(|| format!("writing {}", dest.display()))?;
+    f.commit()
+}
+
+/// `--mtp-out`: the MTP head's logits for every position but the last, in the goldens'
+/// convention: row `p` from the trunk's pre-mixer state at `p` and token `p + 1`.
+fn write_mtp_logits(
+    model: &Model<CpuBackend>,
+    tokens: &[u32],
+    hidden: &[f32],
+    out: &Path,
+) -> Result<()> {
+    let t = tokens.len();
+    let sh = model.config().residual_dim();
+    let mut st = model.new_mtp_state()?;
+    let m = model.mtp_forward(
+        &mut st,
+        hidden.get(..(t - 1) * sh).context("trunk states")?,
+        &tokens[1..],
+        false,
+        None,
+    )?;
+    let logits: Vec<u8> = m.logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let hid: Vec<u8> = m.hidden.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let views = [
+        (
+            "mtp_logits",
+            TensorView::new(Dtype::F32, vec![t - 1, m.cols], &logits)?,
+        ),
+        (
+            "mtp_hidden",
+            TensorView::new(Dtype::F32, vec![t - 1, sh], &hid)?,
+        ),
+    ];
+    write_safetensors(views, out)?;
+    eprintln!(
+        "wrote {}: mtp_logits [{}, {}], mtp_hidden [{}, {sh}]",
+        out.display(),
+        t - 1,
+        m.cols,
+        t - 1
+    );
+    Ok(())
 }

@@ -1,19 +1,26 @@
-//! `strata`: the command-line tool. Each subcommand lives in its own module; this file only
-//! parses arguments and reports errors (with their context chain) on stderr.
+//! `strata`: the command-line tool. Each subcommand lives in its own module and depends only on
+//! the shared modules (`args` for the flags, `load`, `output`, `model_cache`, `report`,
+//! `signals`), never on another command; this file parses arguments and reports errors (with
+//! their context chain, each OS error once) on stderr. A closed stdout ends any command with
+//! status 0.
 
 use clap::{Parser, Subcommand};
 
+mod args;
 mod bench;
 mod chat;
 mod convert_mtp;
 mod draft_vocab;
 mod fetch;
 mod inspect;
+mod load;
 mod logits;
+mod model_cache;
+mod output;
 mod parity;
+mod report;
 mod run;
-mod sampling_args;
-mod spec_run;
+mod signals;
 mod tokenize;
 
 #[derive(Parser)]
@@ -29,15 +36,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Stream a completion of a prompt (default model when no -m)
+    /// Stream a completion of a prompt (default model when no -m); --mtp/--spec N for MTP
+    /// speculative decoding
     Run(run::Args),
     /// Chat with a model using its chat template (default model when no -m)
     Chat(chat::Args),
     /// Show a GGUF file's metadata and tensors, or dump one tensor dequantized to .npy
     Inspect(inspect::Args),
-    /// Throughput programs: `bench formats` (block formats)
+    /// Throughput programs: `bench formats` (block formats), `bench spec` (MTP speculation)
     Bench(bench::Args),
-    /// Download the default model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M) into the cache
+    /// Download the default model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M) into the cache, or check
+    /// the cached copy (--check)
     Fetch(fetch::Args),
     /// Every position's logits for a prompt, as safetensors (`logits` [positions, vocab])
     Logits(logits::Args),
@@ -49,8 +58,6 @@ enum Command {
     ConvertMtp(convert_mtp::Args),
     /// Draft vocabularies for --draft-vocab: `draft-vocab build`
     DraftVocab(draft_vocab::Args),
-    /// A completion with MTP speculative decoding (--mtp, --spec N)
-    SpecRun(spec_run::RunArgs),
 }
 
 /// glibc's allocator serves blocks above a *dynamic* threshold with fresh `mmap`s and returns
@@ -72,8 +79,26 @@ fn tune_allocator() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn tune_allocator() {}
 
+/// The error and its causes, each once: a cause whose text the message already shows (an OS
+/// error that a file error quotes) is not repeated.
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if text.contains(&c) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&c);
+    }
+    text
+}
+
 fn main() -> std::process::ExitCode {
     tune_allocator();
+    signals::install();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => run::run(a),
@@ -86,12 +111,13 @@ fn main() -> std::process::ExitCode {
         Command::Parity(a) => parity::run(a),
         Command::ConvertMtp(a) => convert_mtp::run(a),
         Command::DraftVocab(a) => draft_vocab::run(a),
-        Command::SpecRun(a) => spec_run::run(a),
     };
     match result {
         Ok(code) => code,
+        // `strata … | head`: the reader has what it wanted.
+        Err(e) if output::is_reader_gone(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             std::process::ExitCode::FAILURE
         }
     }

@@ -7,6 +7,8 @@ use std::process::ExitCode;
 use anyhow::{bail, Context};
 use strata_parity::{BackendKind, Options, Suite};
 
+use crate::outln;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// mtp-ab | router-ab | sample | gemv | all
@@ -69,7 +71,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         if a.json {
             json.push(rep.json());
         } else {
-            println!("{}", rep.markdown());
+            outln!("{}", rep.markdown())?;
         }
     }
     if a.json {
@@ -78,7 +80,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         } else {
             serde_json::Value::Array(json)
         };
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        outln!("{}", serde_json::to_string_pretty(&v)?)?;
     }
     if failed {
         eprintln!("strata parity: at least one parity check FAILED");

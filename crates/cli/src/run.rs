@@ -1,327 +1,291 @@
-//! `strata run`: stream a completion of a prompt. Owns what `run` and `chat` share: choosing the
-//! model file (the default model, fetched on first use, when no `-m` is given), loading it by
-//! architecture, the sampling options, and the `--verbose` timing report.
+//! `strata run`: stream a completion of a prompt, plainly or with MTP speculative decoding
+//! (`--mtp`, `--spec N`; qwen4exp).
 //!
-//! stdout carries the text and nothing else, as llama.cpp's `simple` example prints it: the
-//! prompt, then each token as it is chosen, then a newline. Everything else goes to stderr.
+//! Everything is checked before the first byte of output: the flags (`args`), the model (loaded,
+//! with its load-time checks), the prompt (tokenized, against the context) and the speculative
+//! settings (against the model). stdout carries the text and nothing else, as llama.cpp's
+//! `simple` example prints it: the prompt, then each token as it is chosen, then a newline.
+//! Everything else goes to stderr.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use strata_engine::generate::{
-    GenOptions, Generation, Qwen2Session, Qwen4expSession, Session, StopReason,
-};
+use strata_engine::generate::{GenOptions, StopReason};
+use strata_engine::qwen4exp;
+use strata_engine::sampler::guard::GuardStop;
 use strata_engine::sampler::Sampler;
-use strata_engine::{qwen2, qwen4exp, CpuBackend, KvType};
-use strata_gguf::GgufFile;
+use strata_engine::speculative::{self, DraftVocab, SpecConfig, SpecDecoder};
+use strata_engine::CpuBackend;
 use strata_tokenizer::{StreamDecoder, Tokenizer};
 
-use crate::fetch;
-
-/// Which model to load and how.
-#[derive(clap::Args, Clone, Debug)]
-pub struct ModelArgs {
-    /// The model GGUF (qwen2 or qwen4exp); without it, the default model (fetched if absent)
-    #[arg(short = 'm', long, value_name = "MODEL.gguf")]
-    pub model: Option<PathBuf>,
-    /// Worker threads (0: one per core)
-    #[arg(short = 't', long, default_value_t = 0)]
-    pub threads: usize,
-    /// Precision attention reads K/V at: `f16` (llama.cpp's default cache type) or `f32`
-    #[arg(long, default_value = "f16")]
-    pub kv_type: KvType,
-}
-
-/// The sampling chain's knobs (llama.cpp's names and defaults).
-#[derive(clap::Args, Clone, Debug)]
-pub struct SampleArgs {
-    /// Temperature; 0 is greedy (ties to the lower token id)
-    #[arg(long, default_value_t = 0.8)]
-    pub temp: f32,
-    /// Keep the k most likely tokens (0: off)
-    #[arg(long, default_value_t = 40)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches p (1: off)
-    #[arg(long, default_value_t = 0.95)]
-    pub top_p: f32,
-    /// Keep tokens at least this fraction as likely as the best one (0: off)
-    #[arg(long, default_value_t = 0.05)]
-    pub min_p: f32,
-    /// Seed of the draws (default: from the clock; printed with --verbose)
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// A whole sampler chain as JSON (replaces the options above), e.g.
-    /// '{"stages":[{"type":"top_k","k":20},{"type":"temperature","t":0.7}],"pick":{"type":"draw","seed":1}}'
-    #[arg(long, value_name = "JSON")]
-    pub sampler: Option<String>,
-    /// Penalties, DRY, slop and the chain's order (sampling_args.rs).
-    #[command(flatten)]
-    pub extra: crate::sampling_args::PenaltyArgs,
-}
-
-pub(crate) fn clock_seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
-}
+use crate::args::model::ModelArgs;
+use crate::args::sampling::{self, SampleArgs};
+use crate::args::spec::{SpecArgs, SpecChoice};
+use crate::load::{self, Loaded};
+use crate::output::Stream;
+use crate::report;
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt (special tokens such as <|im_start|> are parsed)
-    #[arg(short = 'p', long)]
-    pub prompt: String,
+    #[arg(
+        short = 'p',
+        long,
+        required_unless_present = "file",
+        conflicts_with = "file"
+    )]
+    pub prompt: Option<String>,
+    /// Read the prompt from a file (UTF-8, as it is)
+    #[arg(short = 'f', long, value_name = "PATH")]
+    pub file: Option<PathBuf>,
     /// Most tokens to generate
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
-    #[command(flatten)]
-    pub sample: SampleArgs,
     /// Do not print the prompt before the completion
     #[arg(long)]
     pub no_echo: bool,
-    /// Load and speed report on stderr
+    /// Load, speed (and speculation) report on stderr
     #[arg(short = 'v', long)]
     pub verbose: bool,
-    /// MTP speculative decoding (qwen4exp): --mtp, --spec N, --spec-min-p, --draft-vocab
     #[command(flatten)]
-    pub spec: crate::spec_run::SpecArgs,
+    pub sample: SampleArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
 }
 
-/// A loaded model of any supported architecture, on the CPU backend.
-pub enum Loaded {
-    Qwen2(Box<qwen2::Model<CpuBackend>>),
-    Qwen4exp(Box<qwen4exp::Model<CpuBackend>>),
-}
-
-impl Loaded {
-    pub fn session(&self) -> Result<Box<dyn Session + '_>> {
-        Ok(match self {
-            Loaded::Qwen2(m) => Box::new(Qwen2Session::new(m)?),
-            Loaded::Qwen4exp(m) => Box::new(Qwen4expSession::new(m)?),
-        })
-    }
-
-    pub fn describe(&self) -> String {
-        match self {
-            Loaded::Qwen2(m) => {
-                let c = m.config();
-                format!(
-                    "qwen2, {} layers, {} embd, {} heads / {} kv heads, vocab {}{}",
-                    c.n_layer,
-                    c.n_embd,
-                    c.attn.n_head,
-                    c.attn.n_head_kv,
-                    c.n_vocab,
-                    if m.tied_output() { ", tied head" } else { "" }
-                )
-            }
-            Loaded::Qwen4exp(m) => {
-                let c = m.config();
-                format!(
-                    "qwen4exp, {} layers, {} embd, vocab {}",
-                    c.n_layer, c.n_embd, c.n_vocab
-                )
-            }
-        }
-    }
-
-    pub fn threads(&self) -> usize {
-        match self {
-            Loaded::Qwen2(m) => m.backend().threads(),
-            Loaded::Qwen4exp(m) => m.backend().threads(),
-        }
-    }
-}
-
-/// The model file: `-m`, or the default model (downloaded with a progress bar when missing).
-pub fn model_path(m: &ModelArgs) -> Result<PathBuf> {
-    match &m.model {
-        Some(p) => Ok(p.clone()),
-        None => fetch::default_model_path(true),
-    }
-}
-
-/// Opens `path`, reads its tokenizer and binds the model for its architecture.
-pub fn load(path: &Path, m: &ModelArgs) -> Result<(Loaded, Tokenizer)> {
-    let file =
-        Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
-    let tok = Tokenizer::from_gguf(&file)
-        .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
-    let backend = CpuBackend::new(m.threads)?;
-    let arch = file.architecture()?.to_string();
-    let loaded = match arch.as_str() {
-        qwen2::ARCH => Loaded::Qwen2(Box::new(
-            qwen2::Model::from_file(file, backend, &qwen2::LoadOptions { kv_type: m.kv_type })
-                .with_context(|| format!("loading {}", path.display()))?,
-        )),
-        qwen4exp::config::ARCH => {
-            let opts = qwen4exp::LoadOptions {
-                kv_type: m.kv_type,
-                ..Default::default()
-            };
-            let model = qwen4exp::Model::from_file(file, backend, &opts)
-                .with_context(|| format!("loading {}", path.display()))?;
-            for w in model.warnings() {
-                eprintln!("warning: {w}");
-            }
-            Loaded::Qwen4exp(Box::new(model))
-        }
-        other => bail!(
-            "{}: architecture '{other}' is not supported; expected qwen2 or qwen4exp",
+/// The speculative settings bound to the model.
+fn spec_config(
+    s: &SpecChoice,
+    model: &qwen4exp::Model<CpuBackend>,
+    path: &std::path::Path,
+) -> Result<SpecConfig> {
+    let window = s.window();
+    if window > 1 && !model.has_mtp() {
+        bail!(
+            "--spec {window} needs an MTP head: {} carries no mtp.* tensors; give one with \
+             --mtp MTP.gguf (strata convert-mtp makes it)",
             path.display()
+        );
+    }
+    let draft_vocab = match &s.draft_vocab {
+        Some(p) => Some(
+            DraftVocab::load(p, model.config().n_vocab)
+                .with_context(|| format!("--draft-vocab {}", p.display()))?,
         ),
+        None => None,
     };
-    Ok((loaded, tok))
-}
-
-/// Writes text to stdout as it comes; remembers a write failure (a closed pipe) so the
-/// generation loop can stop instead of computing tokens nobody reads.
-pub struct Out {
-    out: std::io::Stdout,
-    pub failed: Option<std::io::Error>,
-}
-
-impl Out {
-    pub fn new() -> Out {
-        Out {
-            out: std::io::stdout(),
-            failed: None,
-        }
-    }
-
-    /// False once stdout is gone.
-    pub fn write(&mut self, s: &str) -> bool {
-        if self.failed.is_some() {
-            return false;
-        }
-        let mut lock = self.out.lock();
-        if let Err(e) = lock.write_all(s.as_bytes()).and_then(|_| lock.flush()) {
-            self.failed = Some(e);
-            return false;
-        }
-        true
-    }
-
-    pub fn finish(self) -> Result<()> {
-        match self.failed {
-            // A reader that went away early (`| head`) is not an error of ours.
-            Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-            Some(e) => Err(e).context("writing to stdout"),
-            None => Ok(()),
-        }
-    }
-}
-
-/// The `--verbose` report.
-pub fn report(load: Duration, g: &Generation, threads: usize, sampler: &Sampler) {
-    let t = &g.timings;
-    eprintln!(
-        "prompt: {} tokens in {:.3} s ({:.2} tokens/s){}",
-        t.prompt_tokens,
-        t.prompt.as_secs_f64(),
-        t.prompt_tps(),
-        if t.reused_tokens > 0 {
-            format!(", {} reused from the cache", t.reused_tokens)
-        } else {
-            String::new()
-        }
-    );
-    eprintln!(
-        "decode: {} tokens in {:.3} s ({:.2} tokens/s, {:.2} ms/token); sampling {:.3} s for {} tokens",
-        t.decoded_tokens,
-        t.decode.as_secs_f64(),
-        t.decode_tps(),
-        1e3 * t.decode.as_secs_f64() / t.decoded_tokens.max(1) as f64,
-        t.sample.as_secs_f64(),
-        t.sampled_tokens
-    );
-    let stop = match g.stop {
-        StopReason::Eog(id) => format!("end of generation (token {id})"),
-        StopReason::MaxTokens => "token budget".to_string(),
-        StopReason::ContextFull => "context full".to_string(),
-        StopReason::Stopped => "output closed".to_string(),
-    };
-    eprintln!(
-        "load {:.2} s, {threads} threads; stop: {stop}; sampler {}",
-        load.as_secs_f64(),
-        sampler.config().to_json()
-    );
+    Ok(SpecConfig {
+        window,
+        min_p: s.min_p,
+        draft_vocab,
+    })
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    if args.spec.wanted() {
-        return crate::spec_run::run(crate::spec_run::RunArgs {
-            model: args.model,
-            spec: args.spec,
-            prompt: args.prompt,
-            n_predict: args.n_predict,
-            sample: args.sample,
-            no_echo: args.no_echo,
-            verbose: args.verbose,
-        });
-    }
-    let path = model_path(&args.model)?;
+    // Flags first: nothing is loaded for a command line that is wrong.
+    let sampler_cfg = args.sample.resolve()?;
+    let spec = args.spec.resolve()?;
+    let choice = args.model.resolve()?;
+    let text = match (&args.prompt, &args.file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => {
+            crate::output::check_input("--file", f)?;
+            let bytes = std::fs::read(f).with_context(|| format!("--file {}", f.display()))?;
+            String::from_utf8(bytes)
+                .map_err(|e| anyhow::anyhow!("--file {}: not UTF-8 text ({e})", f.display()))?
+        }
+        (None, None) => bail!("give the prompt with -p TEXT or --file PATH"),
+    };
+
+    // The model, its tokenizer and sampler, the prompt against the context.
+    let path = choice.path()?;
     let t0 = Instant::now();
-    let (model, tok) = load(&path, &args.model)?;
+    let opened = load::open(&path)?;
+    if spec.is_some() && opened.arch != qwen4exp::config::ARCH {
+        bail!(
+            "MTP speculation needs a qwen4exp model; {} is {}",
+            path.display(),
+            opened.arch
+        );
+    }
+    let mtp = spec.as_ref().and_then(|s| s.mtp.as_deref());
+    let model = Loaded::bind(
+        &opened,
+        &path,
+        choice.threads,
+        choice.kv_type,
+        mtp,
+        choice.ctx_size,
+    )?;
+    let tok = load::tokenizer(&opened.file, &path, model.n_vocab())?;
     let load_time = t0.elapsed();
     if args.verbose {
         eprintln!("model: {} ({})", path.display(), model.describe());
     }
-    let mut sampler = args.sample.build_for(&tok)?;
+    let mut sampler = sampling::build(&sampler_cfg, &tok)?;
     let prompt = tok
-        .encode(&args.prompt, true, true)
+        .encode(&text, true, true)
         .context("tokenizing the prompt")?;
-    if prompt.is_empty() {
-        bail!("the prompt has no tokens");
-    }
-    let mut session = model.session()?;
-    let mut out = Out::new();
-    // llama.cpp prints special tokens' text too, in the prompt and in the completion.
-    let mut dec = StreamDecoder::new(true);
-    if !args.no_echo {
-        let mut text = String::new();
-        for &id in &prompt {
-            text.push_str(&dec.push(&tok, id)?);
-        }
-        text.push_str(&dec.flush());
-        out.write(&text);
-    }
-    let mut tok_err = None;
-    let opts = GenOptions {
-        max_tokens: args.n_predict,
-        ..Default::default()
+    let n_ctx = load::n_ctx(choice.ctx_size, model.n_ctx_model())?;
+    load::check_context("the prompt", prompt.len(), n_ctx)?;
+
+    let run = Plan {
+        tok: &tok,
+        prompt: &prompt,
+        n_predict: args.n_predict,
+        n_ctx,
+        echo: !args.no_echo,
+        verbose: args.verbose,
+        load_time,
     };
-    // The guarded loop: slop's phrase level may rewind; text is streamed once final.
-    let gg = strata_engine::sampler::guard::generate(
-        session.as_mut(),
-        &prompt,
-        &mut sampler,
-        &|id| tok.is_eog(id),
-        &opts,
-        &mut |id| match dec.push(&tok, id) {
-            Ok(s) => out.write(&s),
-            Err(e) => {
-                tok_err = Some(e);
-                false
+    match (&model, &spec) {
+        (Loaded::Qwen4exp(m), Some(s)) => {
+            let cfg = spec_config(s, m, &path)?;
+            let dec = SpecDecoder::new(m, cfg)?;
+            run.speculative(m, dec, &mut sampler)
+        }
+        _ => run.plain(&model, &mut sampler),
+    }
+}
+
+/// A checked run, ready to write.
+struct Plan<'a> {
+    tok: &'a Tokenizer,
+    prompt: &'a [u32],
+    n_predict: usize,
+    n_ctx: usize,
+    echo: bool,
+    verbose: bool,
+    load_time: Duration,
+}
+
+impl Plan<'_> {
+    /// The prompt's text, as llama.cpp prints it (special tokens' text too).
+    fn echo(&self, out: &mut Stream, dec: &mut StreamDecoder) -> Result<()> {
+        if self.echo {
+            let mut text = String::new();
+            for &id in self.prompt {
+                text.push_str(&dec.push(self.tok, id)?);
             }
-        },
-    )?;
-    let g = &gg.generation;
-    if let Some(e) = tok_err {
-        return Err(e).context("detokenizing");
+            text.push_str(&dec.flush());
+            out.write(&text);
+        }
+        Ok(())
     }
-    let rest = dec.flush();
-    out.write(&format!("{rest}\n"));
-    out.finish()?;
-    if args.verbose {
-        report(load_time, g, model.threads(), &sampler);
-        crate::sampling_args::report_slop(&gg);
+
+    fn plain(&self, model: &Loaded, sampler: &mut Sampler) -> Result<ExitCode> {
+        let mut session = model.session(self.n_ctx)?;
+        let mut out = Stream::new();
+        let mut dec = StreamDecoder::new(true);
+        self.echo(&mut out, &mut dec)?;
+        let mut tok_err = None;
+        let opts = GenOptions {
+            max_tokens: self.n_predict,
+            ..Default::default()
+        };
+        // The guarded loop: slop's phrase level may rewind; text is streamed once final.
+        let gg = strata_engine::sampler::guard::generate(
+            session.as_mut(),
+            self.prompt,
+            sampler,
+            &|id| self.tok.is_eog(id),
+            &opts,
+            &mut |id| match dec.push(self.tok, id) {
+                Ok(s) => out.write(&s),
+                Err(e) => {
+                    tok_err = Some(e);
+                    false
+                }
+            },
+        )?;
+        if let Some(e) = tok_err {
+            return Err(e).context("detokenizing");
+        }
+        let rest = dec.flush();
+        out.write(&format!("{rest}\n"));
+        out.finish()?;
+        if gg.generation.stop == StopReason::ContextFull {
+            report::context_full(self.n_ctx);
+        }
+        if self.verbose {
+            report::verbose(self.load_time, &gg.generation, model.threads(), sampler);
+            report::slop(&gg);
+        }
+        Ok(ExitCode::SUCCESS)
     }
-    Ok(ExitCode::SUCCESS)
+
+    /// Through the speculative controller, with the guarded loop's semantics: penalties and
+    /// slop (modes 1 and 2, with phrase rewinds and held-back streaming) on the verify rows and
+    /// on the drafts.
+    fn speculative(
+        &self,
+        model: &qwen4exp::Model<CpuBackend>,
+        mut dec: SpecDecoder<'_, CpuBackend>,
+        sampler: &mut Sampler,
+    ) -> Result<ExitCode> {
+        // The controller knows no context limit of its own: the budget stops at it.
+        let room = self.n_ctx - self.prompt.len();
+        let budget = self.n_predict.min(room);
+        let mut out = Stream::new();
+        let mut text = StreamDecoder::new(true);
+        self.echo(&mut out, &mut text)?;
+        let mut tok_err = None;
+        let t1 = Instant::now();
+        let generated = speculative::guarded::generate(
+            &mut dec,
+            self.prompt,
+            sampler,
+            &|id| self.tok.is_eog(id),
+            budget,
+            &mut |id| match text.push(self.tok, id) {
+                Ok(s) => out.write(&s),
+                Err(e) => {
+                    tok_err = Some(e);
+                    false
+                }
+            },
+        )?;
+        let total = t1.elapsed();
+        if let Some(e) = tok_err {
+            return Err(e).context("detokenizing");
+        }
+        out.write(&format!("{}\n", text.flush()));
+        out.finish()?;
+        let hit_context = budget < self.n_predict
+            && generated.tokens.len() >= budget
+            && matches!(generated.stop, GuardStop::Plain(StopReason::MaxTokens));
+        if hit_context {
+            report::context_full(self.n_ctx);
+        }
+        if self.verbose {
+            let s = dec.stats();
+            let n = generated.tokens.len().saturating_sub(1);
+            let decode = total.saturating_sub(s.prefill_time);
+            eprintln!(
+                "prompt: {} tokens in {:.3} s; decode: {n} tokens in {:.3} s ({:.2} tokens/s); load {:.2} s, {} threads",
+                self.prompt.len(),
+                s.prefill_time.as_secs_f64(),
+                decode.as_secs_f64(),
+                n as f64 / decode.as_secs_f64().max(1e-9),
+                self.load_time.as_secs_f64(),
+                model.backend().threads()
+            );
+            eprintln!("{}", s.report());
+            eprintln!(
+                "stop: {}; {} slop rewinds; sampler {}",
+                if hit_context {
+                    "context full".to_string()
+                } else {
+                    report::stop_text(generated.stop)
+                },
+                generated.rewinds,
+                sampler.config().to_json()
+            );
+        }
+        Ok(ExitCode::SUCCESS)
+    }
 }

@@ -3,7 +3,8 @@
 //! written in the text are parsed, BOS is added when the model asks for it, and the output has
 //! the same shape, so the two can be diffed.
 
-use std::io::{Read, Write};
+use std::fmt::Write;
+use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -57,8 +58,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
         (None, None, false) => bail!("give the text with --text, --file or --stdin"),
     };
     let model = match &args.model {
-        Some(m) => m.clone(),
-        None => crate::fetch::default_model_path(false)?,
+        Some(m) => {
+            crate::output::check_input("-m", m)?;
+            m.clone()
+        }
+        None => crate::model_cache::default_model_path(false)?,
     };
     let file = GgufFile::open(&model)?;
     let tok = Tokenizer::from_gguf(&file)
@@ -67,18 +71,19 @@ pub fn run(args: Args) -> Result<ExitCode> {
         .encode(&text, !args.no_bos, !args.no_parse_special)
         .context("tokenizing")?;
 
-    let mut out = std::io::stdout().lock();
+    let mut text = String::new();
     if args.pieces {
         for &id in &ids {
             let piece = String::from_utf8_lossy(tok.token_to_piece(id, true)?).into_owned();
-            writeln!(out, "{id:6} -> '{piece}'")?;
+            writeln!(text, "{id:6} -> '{piece}'")?;
         }
     } else {
         let list: Vec<String> = ids.iter().map(u32::to_string).collect();
-        writeln!(out, "[{}]", list.join(", "))?;
+        writeln!(text, "[{}]", list.join(", "))?;
     }
     if args.show_count {
-        writeln!(out, "Total number of tokens: {}", ids.len())?;
+        writeln!(text, "Total number of tokens: {}", ids.len())?;
     }
+    crate::output::print(&text)?;
     Ok(ExitCode::SUCCESS)
 }

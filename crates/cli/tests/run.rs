@@ -334,3 +334,45 @@ fn run_without_a_model_uses_the_cached_default() {
         "{got:?} is not a prefix of llama.cpp's text"
     );
 }
+
+#[test]
+fn run_mtp_greedy_prints_what_plain_run_prints() {
+    // `spec-run` is folded into `run --mtp`: the head converted from the fixture's checkpoint,
+    // windows 2 and 4, greedy, give plain decoding's text (the controller's contract).
+    let dir = common::scratch("run-mtp");
+    let head = dir.join("mtp.gguf");
+    let hf = fixtures().join("qwen4exp/tiny/hf");
+    strata(
+        &[
+            "convert-mtp",
+            hf.to_str().unwrap(),
+            "-o",
+            head.to_str().unwrap(),
+        ],
+        None,
+    );
+    let model = tiny().join("model-f32.gguf");
+    let base = [
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "The river keeps",
+        "-n",
+        "16",
+        "--temp",
+        "0",
+        "--kv-type",
+        "f32",
+    ];
+    let plain = strata(&base, None).stdout;
+    for window in ["2", "4"] {
+        let mut args = base.to_vec();
+        args.extend(["--mtp", head.to_str().unwrap(), "--spec", window, "-v"]);
+        let out = strata(&args, None);
+        assert_eq!(out.stdout, plain, "window {window}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("spec: window {window}")), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -117,15 +117,15 @@ fn the_chain_follows_samplers_order_and_bad_flags_are_named() {
     assert!(!line.contains(r#""type":"dry""#), "{line}");
     for (bad, what) in [
         (vec!["--samplers", "top_k;nope"], "--samplers"),
-        (vec!["--slop-mode", "3"], "slop mode 3"),
+        (vec!["--slop-mode", "3"], "--slop-mode 3"),
         (
             vec!["--slop-list", "/nonexistent/slop.txt"],
             "/nonexistent/slop.txt",
         ),
-        (vec!["--repeat-penalty", "0"], "repeat penalty"),
+        (vec!["--repeat-penalty", "0"], "--repeat-penalty 0"),
         (
             vec!["--dry-multiplier", "1", "--dry-base", "0.5"],
-            "dry base",
+            "--dry-base 0.5",
         ),
     ] {
         let mut args = base.to_vec();

@@ -92,8 +92,8 @@ impl<B: Qwen4expOps> Session for Qwen4expSession<'_, B> {
         self.model.config().n_vocab
     }
     fn n_ctx(&self) -> usize {
-        // The file states no trained context; positions are bounded by u32 only.
-        u32::MAX as usize
+        // The capacity the caches were made with (`LoadOptions::ctx`).
+        self.model.config().n_ctx
     }
     fn tokens(&self) -> &[u32] {
         self.state.tokens()

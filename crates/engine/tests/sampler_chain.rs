@@ -270,6 +270,11 @@ fn json_form_of_the_whole_configuration() {
         r#"{"stages":[{"type":"penalties","repeat":0}],"pick":{"type":"greedy"}}"#,
         r#"{"stages":[{"type":"dry","multiplier":1,"base":0.5}],"pick":{"type":"greedy"}}"#,
         r#"{"stages":[{"type":"dry","multiplier":1,"last_n":-2}],"pick":{"type":"greedy"}}"#,
+        // The base stages' ranges (docs/SAMPLING.md): top_p (0, 1], min_p [0, 1], t ≥ 0.
+        r#"{"stages":[{"type":"top_p","p":2}],"pick":{"type":"greedy"}}"#,
+        r#"{"stages":[{"type":"top_p","p":0}],"pick":{"type":"greedy"}}"#,
+        r#"{"stages":[{"type":"min_p","p":-0.5}],"pick":{"type":"greedy"}}"#,
+        r#"{"stages":[{"type":"temperature","t":-1}],"pick":{"type":"greedy"}}"#,
     ];
     for b in bad {
         assert!(SamplerConfig::from_json(b).is_err(), "accepted {b}");

@@ -218,20 +218,21 @@ impl SamplerConfig {
         serde_json::to_string(self).unwrap_or_default()
     }
 
-    /// Rejects settings that have no meaning (NaN, negative p, p over 1 for min_p).
+    /// Rejects settings outside their documented ranges (docs/SAMPLING.md): NaN, top_p
+    /// outside (0, 1], min_p outside [0, 1], a negative or infinite temperature.
     pub fn validate(&self) -> Result<()> {
         for (i, s) in self.stages.iter().enumerate() {
             let bad = |what: String| Err(EngineError::Input(format!("sampler stage {i}: {what}")));
             match *s {
                 Stage::TopK { .. } => {}
-                Stage::TopP { p, .. } if !(p.is_finite() && p > 0.0) => {
+                Stage::TopP { p, .. } if !(p > 0.0 && p <= 1.0) => {
                     return bad(format!("top_p {p}; expected a number in (0, 1]"));
                 }
-                Stage::MinP { p, .. } if !(p.is_finite() && p <= 1.0) => {
+                Stage::MinP { p, .. } if !(0.0..=1.0).contains(&p) => {
                     return bad(format!("min_p {p}; expected a number in [0, 1]"));
                 }
-                Stage::Temperature { t } if !t.is_finite() => {
-                    return bad(format!("temperature {t}; expected a finite number"));
+                Stage::Temperature { t } if !(t.is_finite() && t >= 0.0) => {
+                    return bad(format!("temperature {t}; expected a finite number ≥ 0"));
                 }
                 ref e if e.is_edit() => bound::validate_stage(e)
                     .map_err(|w| EngineError::Input(format!("sampler stage {i}: {w}")))?,

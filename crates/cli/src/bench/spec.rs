@@ -1,245 +1,51 @@
-//! MTP speculative decoding on the command line: `strata spec-run` (a completion with `--mtp`
-//! and `--spec N`), `strata bench spec` (tokens/s with and without MTP, the cost of a verify
-//! window, and the speed-up when drafts are forced right at chosen rates), and the MTP part of
-//! `strata logits --mtp ... --mtp-out`.
+//! `strata bench spec`: MTP speculative decoding's tokens/s with and without drafts, the cost of
+//! a verify window, and the speed-up when drafts are forced right at chosen rates.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use safetensors::tensor::TensorView;
-use safetensors::Dtype;
 use serde_json::json;
-use strata_engine::generate::StopReason;
 use strata_engine::qwen4exp::{LoadOptions, Model, Want};
-use strata_engine::sampler::guard::GuardStop;
-use strata_engine::speculative::{self, DraftHook, DraftVocab, SpecConfig, SpecDecoder, SpecStats};
+use strata_engine::speculative::{
+    DraftHook, DraftVocab, SpecConfig, SpecDecoder, SpecStats, MAX_WINDOW,
+};
 use strata_engine::CpuBackend;
-use strata_gguf::GgufFile;
-use strata_tokenizer::{StreamDecoder, Tokenizer};
+use strata_tokenizer::Tokenizer;
 
-use crate::run::{ModelArgs, Out, SampleArgs};
+use crate::load::{self, Loaded};
+use crate::outln;
 
 mod synth;
 
-/// The speculative-decoding options (shared by `spec-run` and `run`).
-#[derive(clap::Args, Clone, Debug)]
-pub struct SpecArgs {
-    /// The MTP head GGUF (`strata convert-mtp`); a model file that carries `mtp.*` needs none
-    #[arg(long, value_name = "MTP.gguf")]
-    pub mtp: Option<PathBuf>,
-    /// Verify window N = 1..8 (up to N − 1 drafts per trunk pass); default 4 with a head
-    #[arg(long = "spec", value_name = "N")]
-    pub spec: Option<usize>,
-    /// Draft floor: end the draft chain at the first draft less likely than this (0: off)
-    #[arg(long, default_value_t = 0.0)]
-    pub spec_min_p: f32,
-    /// Draft vocabulary: raw little-endian i32 token ids (`strata draft-vocab build`); the draft
-    /// computes only those rows of the LM head (default: the full vocabulary)
-    #[arg(long, value_name = "FILE")]
-    pub draft_vocab: Option<PathBuf>,
-}
-
-impl SpecArgs {
-    /// True when these options ask for speculative decoding.
-    pub fn wanted(&self) -> bool {
-        self.mtp.is_some() || self.spec.is_some_and(|n| n > 1)
-    }
-
-    fn config(&self, model: &Model<CpuBackend>) -> Result<SpecConfig> {
-        let window = self.spec.unwrap_or(if model.has_mtp() { 4 } else { 1 });
-        let draft_vocab = match &self.draft_vocab {
-            Some(p) => Some(
-                DraftVocab::load(p, model.config().n_vocab)
-                    .with_context(|| format!("loading the draft vocabulary {}", p.display()))?,
-            ),
-            None => None,
-        };
-        Ok(SpecConfig {
-            window,
-            min_p: self.spec_min_p,
-            draft_vocab,
-        })
-    }
-}
-
-/// Loads a qwen4exp trunk, its tokenizer and (from `--mtp`, or the trunk file) the MTP head.
-pub fn load(
+/// A qwen4exp trunk, its tokenizer and (from `--mtp`, or the trunk file) the MTP head.
+fn load_trunk(
     path: &Path,
     mtp: Option<&Path>,
     threads: usize,
-    opts: &LoadOptions,
 ) -> Result<(Model<CpuBackend>, Tokenizer)> {
-    let file =
-        Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
-    let tok = Tokenizer::from_gguf(&file)
-        .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
-    let mut model = Model::from_file(file, CpuBackend::new(threads)?, opts)
-        .with_context(|| format!("loading {}", path.display()))?;
-    for w in model.warnings() {
-        eprintln!("warning: {w}");
-    }
-    if let Some(p) = mtp {
-        model
-            .load_mtp(p)
-            .with_context(|| format!("loading the MTP head {}", p.display()))?;
-    }
-    Ok((model, tok))
-}
-
-#[derive(clap::Args)]
-pub struct RunArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub spec: SpecArgs,
-    /// The prompt (special tokens such as <|im_start|> are parsed)
-    #[arg(short = 'p', long)]
-    pub prompt: String,
-    /// Most tokens to generate
-    #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
-    pub n_predict: usize,
-    #[command(flatten)]
-    pub sample: SampleArgs,
-    /// Do not print the prompt before the completion
-    #[arg(long)]
-    pub no_echo: bool,
-    /// Speculation statistics and timings on stderr
-    #[arg(short = 'v', long)]
-    pub verbose: bool,
-}
-
-/// `strata spec-run`: like `strata run`, through the speculative controller.
-pub fn run(args: RunArgs) -> Result<ExitCode> {
-    let Some(path) = args.model.model.clone() else {
-        bail!("give the qwen4exp model with -m (speculative decoding needs an MTP head)");
-    };
-    let opts = LoadOptions {
-        kv_type: args.model.kv_type,
-        ..LoadOptions::default()
-    };
-    let t0 = Instant::now();
-    let (model, tok) = load(&path, args.spec.mtp.as_deref(), args.model.threads, &opts)?;
-    let load_time = t0.elapsed();
-    let cfg = args.spec.config(&model)?;
-    // The guarded loop on the controller: penalties and slop (modes 1 and 2, with phrase
-    // rewinds and held-back streaming) on the verify rows and on the drafts.
-    let mut sampler = args.sample.build_for(&tok)?;
-    let sampler_json = sampler.config().to_json();
-    let prompt = tok
-        .encode(&args.prompt, true, true)
-        .context("tokenizing the prompt")?;
-    if prompt.is_empty() {
-        bail!("the prompt has no tokens");
-    }
-    let mut out = Out::new();
-    let mut dec_text = StreamDecoder::new(true);
-    if !args.no_echo {
-        let mut text = String::new();
-        for &id in &prompt {
-            text.push_str(&dec_text.push(&tok, id)?);
-        }
-        text.push_str(&dec_text.flush());
-        out.write(&text);
-    }
-    let mut dec = SpecDecoder::new(&model, cfg)?;
-    let mut tok_err = None;
-    let t1 = Instant::now();
-    let generated = speculative::guarded::generate(
-        &mut dec,
-        &prompt,
-        &mut sampler,
-        &|id| tok.is_eog(id),
-        args.n_predict,
-        &mut |id| match dec_text.push(&tok, id) {
-            Ok(s) => out.write(&s),
-            Err(e) => {
-                tok_err = Some(e);
-                false
-            }
-        },
-    )?;
-    let total = t1.elapsed();
-    if let Some(e) = tok_err {
-        return Err(e).context("detokenizing");
-    }
-    out.write(&format!("{}\n", dec_text.flush()));
-    out.finish()?;
-    if args.verbose {
-        let s = dec.stats();
-        let decode = total.saturating_sub(s.prefill_time);
-        eprintln!(
-            "prompt: {} tokens in {:.3} s; decode: {} tokens in {:.3} s ({:.2} tokens/s); load {:.2} s, {} threads",
-            prompt.len(),
-            s.prefill_time.as_secs_f64(),
-            generated.tokens.len().saturating_sub(1),
-            decode.as_secs_f64(),
-            generated.tokens.len().saturating_sub(1) as f64 / decode.as_secs_f64().max(1e-9),
-            load_time.as_secs_f64(),
-            model.backend().threads()
-        );
-        eprintln!("{}", s.report());
-        eprintln!(
-            "stop: {}; {} slop rewinds; sampler {sampler_json}",
-            match generated.stop {
-                GuardStop::Plain(StopReason::Eog(id)) => format!("end of generation (token {id})"),
-                GuardStop::Plain(StopReason::MaxTokens) => "token budget".to_string(),
-                GuardStop::Plain(r) => format!("{r:?}"),
-                GuardStop::RewindBudget =>
-                    "slop rewind budget spent (the reply ends before a listed phrase)".to_string(),
-                GuardStop::DeadEnd => "slop: every continuation was banned".to_string(),
-            },
-            generated.rewinds
+    let opened = load::open(path)?;
+    if opened.arch != strata_engine::qwen4exp::config::ARCH {
+        bail!(
+            "MTP speculation needs a qwen4exp model; {} is {}",
+            path.display(),
+            opened.arch
         );
     }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `strata logits --mtp-out`: the MTP head's logits for every position but the last, in the
-/// goldens' convention: row `p` from the trunk's pre-mixer state at `p` and token `p + 1`.
-pub fn write_mtp_logits(
-    model: &Model<CpuBackend>,
-    tokens: &[u32],
-    hidden: &[f32],
-    out: &Path,
-) -> Result<()> {
-    let t = tokens.len();
-    if t < 2 {
-        bail!("--mtp-out needs at least two tokens (row p pairs position p with token p + 1)");
-    }
-    let sh = model.config().residual_dim();
-    let mut st = model.new_mtp_state()?;
-    let m = model.mtp_forward(
-        &mut st,
-        hidden.get(..(t - 1) * sh).context("trunk states")?,
-        &tokens[1..],
-        false,
+    let model = Loaded::bind(
+        &opened,
+        path,
+        threads,
+        LoadOptions::default().kv_type,
+        mtp,
         None,
     )?;
-    let logits: Vec<u8> = m.logits.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let hid: Vec<u8> = m.hidden.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let views = [
-        (
-            "mtp_logits",
-            TensorView::new(Dtype::F32, vec![t - 1, m.cols], &logits)?,
-        ),
-        (
-            "mtp_hidden",
-            TensorView::new(Dtype::F32, vec![t - 1, sh], &hid)?,
-        ),
-    ];
-    safetensors::tensor::serialize_to_file(views, None, out)
-        .with_context(|| format!("writing {}", out.display()))?;
-    eprintln!(
-        "wrote {}: mtp_logits [{}, {}], mtp_hidden [{}, {sh}]",
-        out.display(),
-        t - 1,
-        m.cols,
-        t - 1
-    );
-    Ok(())
+    let tok = load::tokenizer(&opened.file, path, model.n_vocab())?;
+    match model {
+        Loaded::Qwen4exp(m) => Ok((*m, tok)),
+        Loaded::Qwen2(_) => bail!("{}: not a qwen4exp model", path.display()),
+    }
 }
 
 #[derive(clap::Args)]
@@ -266,19 +72,19 @@ pub struct BenchArgs {
     /// Tokens to generate per run
     #[arg(short = 'n', long, default_value_t = 64)]
     pub n: usize,
-    /// Verify windows to measure
-    #[arg(long, value_delimiter = ',', default_values_t = vec![2usize, 3, 4, 6, 8])]
+    /// Verify windows to measure, comma-separated, each 1..8
+    #[arg(long, value_delimiter = ',', default_value = "2,3,4,6,8")]
     pub windows: Vec<usize>,
-    /// Force each draft right with these probabilities (per position, seeded), on top of the
-    /// runs with the head's own drafts
+    /// Force each draft right with these probabilities in [0, 1] (per position, seeded), on
+    /// top of the runs with the head's own drafts
     #[arg(long, value_delimiter = ',')]
     pub force_accept: Vec<f64>,
     /// Repetitions of every run (the best is reported: on a shared machine the fastest run is
     /// the one least disturbed)
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
-    /// Draft floor
-    #[arg(long, default_value_t = 0.0)]
+    /// Draft floor, in [0, 1] (0: off)
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub spec_min_p: f32,
     /// Draft vocabulary file
     #[arg(long)]
@@ -286,9 +92,8 @@ pub struct BenchArgs {
     /// Seed of the forced-acceptance draws
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Worker threads (0: one per core)
-    #[arg(short = 't', long, default_value_t = 0)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub threads: crate::args::ThreadsArgs,
     /// Print JSON instead of tables
     #[arg(long)]
     pub json: bool,
@@ -486,15 +291,42 @@ fn window_cost(
 /// `strata bench spec`.
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     if a.n < 2 {
-        bail!("-n must be at least 2");
+        bail!("-n {}: out of range; expected at least 2 tokens", a.n);
     }
+    if a.windows.is_empty() {
+        bail!("--windows: give at least one window");
+    }
+    if let Some(&w) = a.windows.iter().find(|&&w| !(1..=MAX_WINDOW).contains(&w)) {
+        bail!("--windows {w}: out of range; expected verify windows of 1 to {MAX_WINDOW} rows");
+    }
+    for &r in &a.force_accept {
+        crate::args::check_f32(
+            "--force-accept",
+            r as f32,
+            |r| (0.0..=1.0).contains(&r),
+            "probabilities in [0, 1]",
+        )?;
+    }
+    crate::args::check_f32(
+        "--spec-min-p",
+        a.spec_min_p,
+        |p| (0.0..=1.0).contains(&p),
+        "a probability in [0, 1] (0: off)",
+    )?;
+    if let Some(p) = &a.draft_vocab {
+        crate::output::check_input("--draft-vocab", p)?;
+    }
+    if let Some(p) = &a.mtp {
+        crate::output::check_input("--mtp", p)?;
+    }
+    let threads = a.threads.resolve();
     let (model, prompt, name) = match (&a.synthetic, &a.model) {
         (Some(preset), _) => {
             let g = synth::Geometry::preset(preset)?;
             let t0 = Instant::now();
             let (trunk, head) = synth::build(&g, a.seed)?;
             let mut model =
-                Model::from_file(trunk, CpuBackend::new(a.threads)?, &LoadOptions::default())?;
+                Model::from_file(trunk, CpuBackend::new(threads)?, &LoadOptions::default())?;
             model.attach_mtp(head)?;
             let bytes = model.file().total_tensor_bytes();
             eprintln!(
@@ -509,7 +341,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             (model, prompt, format!("synthetic {preset} {g:?}"))
         }
         (None, Some(path)) => {
-            let (model, tok) = load(path, a.mtp.as_deref(), a.threads, &LoadOptions::default())?;
+            let (model, tok) = load_trunk(path, a.mtp.as_deref(), threads)?;
             if !model.has_mtp() {
                 bail!(
                     "{} has no MTP head; give one with --mtp (strata convert-mtp makes it)",
@@ -602,10 +434,10 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 "ms_per_draft": s.time_per_draft().as_secs_f64() * 1e3,
             })).collect::<Vec<_>>(),
         });
-        println!("{j:#}");
+        outln!("{j:#}")?;
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "model {} ({} threads), prompt {} tokens, {} generated, best of {} runs, {:?} clock; every run checked to emit the plain run's tokens\n",
         name,
         threads,
@@ -613,20 +445,20 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         a.n,
         a.reps.max(1),
         a.clock
-    );
-    println!("plain decoding: {plain_tps:.2} tokens/s\n");
-    println!("| rows N | trunk pass | × one decode step |\n|---:|---:|---:|");
-    println!("| 1 | {:.3} ms | 1.00 |", one.as_secs_f64() * 1e3);
+    )?;
+    outln!("plain decoding: {plain_tps:.2} tokens/s\n")?;
+    outln!("| rows N | trunk pass | × one decode step |\n|---:|---:|---:|")?;
+    outln!("| 1 | {:.3} ms | 1.00 |", one.as_secs_f64() * 1e3)?;
     for (w, t, r) in &cost {
-        println!("| {w} | {:.3} ms | {r:.2} |", t.as_secs_f64() * 1e3);
+        outln!("| {w} | {:.3} ms | {r:.2} |", t.as_secs_f64() * 1e3)?;
     }
-    println!("\n| drafts | N | tokens/s | speed-up | tokens/pass | accepted/offered | accepted/reached per step | ms verify/pass | ms per chained draft | ms catch-up/pass |\n|---|---:|---:|---:|---:|---:|---|---:|---:|---:|");
+    outln!("\n| drafts | N | tokens/s | speed-up | tokens/pass | accepted/offered | accepted/reached per step | ms verify/pass | ms per chained draft | ms catch-up/pass |\n|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")?;
     let f2 = |r: Option<f64>| r.map(|r| format!("{r:.2}")).unwrap_or_else(|| "-".into());
     for (label, w, tps, s) in &rows {
         let per: Vec<String> = (0..s.offered.len())
             .map(|j| f2(s.conditional_acceptance(j)))
             .collect();
-        println!(
+        outln!(
             "| {label} | {w} | {tps:.1} | {:.2} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} |",
             tps / plain_tps,
             s.tokens_per_pass(),
@@ -635,7 +467,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             s.time_per_pass().as_secs_f64() * 1e3,
             s.time_per_draft().as_secs_f64() * 1e3,
             s.catchup_time.as_secs_f64() * 1e3 / s.passes.max(1) as f64
-        );
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }

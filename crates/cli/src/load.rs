@@ -1,0 +1,260 @@
+//! Loading a model for `run`, `chat` and `logits`: opening the GGUF, the checks a damaged file
+//! must fail at load rather than mid-generation (an end-of-generation id outside the
+//! vocabulary, a NaN in a norm weight), binding it by architecture on the CPU backend, and the
+//! context limit every command applies the same way.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use strata_engine::generate::{Qwen2Session, Qwen4expSession, Session};
+use strata_engine::{qwen2, qwen4exp, CpuBackend, KvType};
+use strata_gguf::GgufFile;
+use strata_tokenizer::Tokenizer;
+
+/// The architectures strata runs, for error messages.
+pub const SUPPORTED: &str = "qwen2 or qwen4exp";
+
+/// A loaded model of any supported architecture, on the CPU backend.
+pub enum Loaded {
+    Qwen2(Box<qwen2::Model<CpuBackend>>),
+    Qwen4exp(Box<qwen4exp::Model<CpuBackend>>),
+}
+
+/// An opened model file that passed the load-time checks.
+pub struct Opened {
+    pub file: Arc<GgufFile>,
+    pub arch: String,
+}
+
+/// Opens `path` and checks what can be checked without binding the model: a supported
+/// architecture and finite norm weights.
+pub fn open(path: &Path) -> Result<Opened> {
+    crate::output::check_input("-m", path)?;
+    let file = Arc::new(GgufFile::open(path)?);
+    let arch = file.architecture()?.to_string();
+    if arch != qwen2::ARCH && arch != qwen4exp::config::ARCH {
+        bail!(
+            "{}: architecture '{arch}' is not supported; expected {SUPPORTED}",
+            path.display()
+        );
+    }
+    check_norms(&file, path)?;
+    Ok(Opened { file, arch })
+}
+
+/// A NaN or infinity in a norm weight turns every activation after it into NaN: the file is
+/// damaged, and saying so at load beats a sampler error at the first token.
+fn check_norms(file: &GgufFile, path: &Path) -> Result<()> {
+    for t in file.tensors() {
+        if !t.name.contains("norm") || t.dims.len() != 1 {
+            continue;
+        }
+        let ty = file.tensor_type(t)?;
+        let data = file.tensor_data(t)?;
+        let mut v = vec![0f32; t.n_elements as usize];
+        if strata_quant::dequantize(ty, data, &mut v).is_err() {
+            continue; // a format problem: the model's own loader names it
+        }
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            bail!(
+                "{}: tensor '{}' holds {} at element {i}: the file is damaged",
+                path.display(),
+                t.name,
+                v[i]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The tokenizer of `file`, with the special ids the file states checked against the
+/// vocabulary: an end-of-generation id outside it is refused (generation could never stop),
+/// any other (BOS, padding) is warned about.
+pub fn tokenizer(file: &GgufFile, path: &Path, n_vocab: usize) -> Result<Tokenizer> {
+    let tok = Tokenizer::from_gguf(file)
+        .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
+    let n = n_vocab.min(tok.n_vocab());
+    for (key, v) in file.metadata() {
+        let Some(what) = key
+            .strip_prefix("tokenizer.ggml.")
+            .and_then(|k| k.strip_suffix("_token_id"))
+        else {
+            continue;
+        };
+        let Some(id) = v.as_i128() else { continue };
+        if (0..n as i128).contains(&id) {
+            continue;
+        }
+        if matches!(what, "eos" | "eot" | "eom") {
+            bail!(
+                "{}: {key} = {id} is outside the vocabulary of {n} tokens (generation could \
+                 never stop at it): the file is damaged",
+                path.display()
+            );
+        }
+        eprintln!(
+            "warning: {}: {key} = {id} is outside the vocabulary of {n} tokens; it is ignored",
+            path.display()
+        );
+    }
+    Ok(tok)
+}
+
+impl Loaded {
+    /// Binds an opened file; `mtp` loads an MTP head beside a qwen4exp trunk.
+    pub fn bind(
+        o: &Opened,
+        path: &Path,
+        threads: usize,
+        kv_type: KvType,
+        mtp: Option<&Path>,
+        ctx_size: Option<usize>,
+    ) -> Result<Loaded> {
+        let backend = CpuBackend::new(threads)?;
+        Ok(match o.arch.as_str() {
+            qwen2::ARCH => {
+                if mtp.is_some() {
+                    bail!(
+                        "MTP speculation needs a qwen4exp model; {} is qwen2",
+                        path.display()
+                    );
+                }
+                Loaded::Qwen2(Box::new(
+                    qwen2::Model::from_file(
+                        o.file.clone(),
+                        backend,
+                        &qwen2::LoadOptions { kv_type },
+                    )
+                    .with_context(|| format!("loading {}", path.display()))?,
+                ))
+            }
+            _ => {
+                // qwen4exp caches are sized at load: `--ctx-size` sets their capacity.
+                let opts = qwen4exp::LoadOptions {
+                    kv_type,
+                    ctx: ctx_size,
+                    ..Default::default()
+                };
+                let mut model = qwen4exp::Model::from_file(o.file.clone(), backend, &opts)
+                    .with_context(|| format!("loading {}", path.display()))?;
+                for w in model.warnings() {
+                    eprintln!("warning: {w}");
+                }
+                if let Some(p) = mtp {
+                    model
+                        .load_mtp(p)
+                        .with_context(|| format!("loading the MTP head {}", p.display()))?;
+                }
+                Loaded::Qwen4exp(Box::new(model))
+            }
+        })
+    }
+
+    pub fn n_vocab(&self) -> usize {
+        match self {
+            Loaded::Qwen2(m) => m.config().n_vocab,
+            Loaded::Qwen4exp(m) => m.config().n_vocab,
+        }
+    }
+
+    /// The model's context: qwen2's trained length; for qwen4exp the capacity its caches were
+    /// made with (`--ctx-size`, else the file's `context_length`, else 262,144).
+    pub fn n_ctx_model(&self) -> usize {
+        match self {
+            Loaded::Qwen2(m) => m.config().n_ctx_train,
+            Loaded::Qwen4exp(m) => m.config().n_ctx,
+        }
+    }
+
+    pub fn session(&self, n_ctx: usize) -> Result<Box<dyn Session + '_>> {
+        let inner: Box<dyn Session + '_> = match self {
+            Loaded::Qwen2(m) => Box::new(Qwen2Session::new(m)?),
+            Loaded::Qwen4exp(m) => Box::new(Qwen4expSession::new(m)?),
+        };
+        Ok(Box::new(Limited { inner, n_ctx }))
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Loaded::Qwen2(m) => {
+                let c = m.config();
+                format!(
+                    "qwen2, {} layers, {} embd, {} heads / {} kv heads, vocab {}{}",
+                    c.n_layer,
+                    c.n_embd,
+                    c.attn.n_head,
+                    c.attn.n_head_kv,
+                    c.n_vocab,
+                    if m.tied_output() { ", tied head" } else { "" }
+                )
+            }
+            Loaded::Qwen4exp(m) => {
+                let c = m.config();
+                format!(
+                    "qwen4exp, {} layers, {} embd, vocab {}",
+                    c.n_layer, c.n_embd, c.n_vocab
+                )
+            }
+        }
+    }
+
+    pub fn threads(&self) -> usize {
+        match self {
+            Loaded::Qwen2(m) => m.backend().threads(),
+            Loaded::Qwen4exp(m) => m.backend().threads(),
+        }
+    }
+}
+
+/// A session whose context is `--ctx-size` (at most the model's): the generation loop stops
+/// at it as at the model's own.
+struct Limited<'m> {
+    inner: Box<dyn Session + 'm>,
+    n_ctx: usize,
+}
+
+impl Session for Limited<'_> {
+    fn n_vocab(&self) -> usize {
+        self.inner.n_vocab()
+    }
+    fn n_ctx(&self) -> usize {
+        self.n_ctx.min(self.inner.n_ctx())
+    }
+    fn tokens(&self) -> &[u32] {
+        self.inner.tokens()
+    }
+    fn feed(&mut self, tokens: &[u32]) -> strata_engine::Result<Vec<f32>> {
+        self.inner.feed(tokens)
+    }
+    fn rewind(&mut self, pos: usize) -> strata_engine::Result<()> {
+        self.inner.rewind(pos)
+    }
+}
+
+/// The context a command runs in: `--ctx-size`, at most the model's.
+pub fn n_ctx(requested: Option<usize>, model: usize) -> Result<usize> {
+    match requested {
+        Some(n) if n > model => {
+            bail!("--ctx-size {n}: out of range; the model's context holds {model} positions")
+        }
+        Some(n) => Ok(n),
+        None => Ok(model),
+    }
+}
+
+/// One rule for every command (`run`, `chat`, `logits`): a prompt must leave at least one
+/// position of the context free, for the token that follows it.
+pub fn check_context(what: &str, n_tokens: usize, n_ctx: usize) -> Result<()> {
+    if n_tokens == 0 {
+        bail!("{what} has no tokens");
+    }
+    if n_tokens >= n_ctx {
+        bail!(
+            "{what} has {n_tokens} tokens; the context holds {n_ctx} positions, so a prompt may \
+             have at most {} (one is left for the next token)",
+            n_ctx - 1
+        );
+    }
+    Ok(())
+}
