@@ -60,9 +60,14 @@ rope_neox_f32(float* x, const u32* pos, const double* freqs, int rows, int cols,
 
 // ---- element-wise ----------------------------------------------------------------------------
 
-// out = x + y (out may be x: add_assign).
+// out = x + y.
 extern "C" __global__ void add_f32(const float* x, const float* y, float* out, u64 n) {
     GRID_STRIDE(i, n) out[i] = x[i] + y[i];
+}
+
+// x += y.
+extern "C" __global__ void add_assign_f32(float* x, const float* y, u64 n) {
+    GRID_STRIDE(i, n) x[i] = x[i] + y[i];
 }
 
 // x[r][c] += b[c].

@@ -29,6 +29,7 @@ pub enum CudaError {
 }
 
 pub mod device;
+pub mod model;
 pub mod ops;
 
 pub use device::{ensure_driver, Gpu, Graph, ModuleLoad};
