@@ -309,6 +309,12 @@ GEMV_ALL(T_IQ3_S, iq3_s)
 #if defined(GEMV_IQ3_XXS)
 GEMV_ALL(T_IQ3_XXS, iq3_xxs)
 #endif
+#if defined(GEMV_Q3_K)
+// Q3_K (the GDN attn_qkv of 18 layers): products only, no optimized GEMV yet (the model's
+// launcher runs the tiled kernel for every batch, gemv_base's order).
+GEMV_BASE(T_Q3_K, q3_k)
+PRODUCTS(T_Q3_K, q3_k)
+#endif
 #if defined(GEMV_BF16)
 GEMV_ALL(T_BF16, bf16)
 #endif

@@ -430,8 +430,14 @@ impl DevWeight {
     }
 }
 
+/// Weight formats with product kernels: the catalogue's GEMV formats and Q3_K (tiled kernel
+/// only).
+pub fn has_products(ty: GgmlType) -> bool {
+    strata_engine::kernels::gemv::GEMV_FORMATS.contains(&ty) || ty == GgmlType::Q3_K
+}
+
 fn product_module(ty: GgmlType) -> Result<String, CudaError> {
-    if !strata_engine::kernels::gemv::GEMV_FORMATS.contains(&ty) {
+    if !has_products(ty) {
         return Err(bad("matmul", format!("{ty} has no CUDA product kernels")));
     }
     Ok(ty.name().to_lowercase())
@@ -466,8 +472,8 @@ pub fn matmul(
     )
 }
 
-/// The product the model runs: the optimized GEMV for 1..=8 rows, the tiled kernel beyond
-/// (both bitwise the same per row).
+/// The product the model runs: the optimized GEMV for 1..=8 rows, the tiled kernel beyond and
+/// for Q3_K (all bitwise the same per row).
 pub fn product(
     gpu: &Gpu,
     w: &DevWeight,
@@ -475,7 +481,7 @@ pub fn product(
     nt: usize,
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    if (1..=8).contains(&nt) {
+    if (1..=8).contains(&nt) && strata_engine::kernels::gemv::GEMV_FORMATS.contains(&w.ty) {
         ops::gemv(gpu, "optimized", w.ty, &w.bytes, w.rows, w.k, x, nt, y)
     } else {
         matmul(gpu, w, x, nt, y)

@@ -107,6 +107,7 @@ pub const MODULES: &[Module] = &[
     m("gemv_iq3_s", "gemv.cu", GEMV, true, Some("GEMV_IQ3_S")),
     m("gemv_iq3_xxs", "gemv.cu", GEMV, true, Some("GEMV_IQ3_XXS")),
     m("gemv_bf16", "gemv.cu", GEMV, true, Some("GEMV_BF16")),
+    m("gemv_q3_k", "gemv.cu", GEMV, true, Some("GEMV_Q3_K")),
 ];
 
 /// The lookup tables as CUDA `__device__` arrays.

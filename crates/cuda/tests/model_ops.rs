@@ -87,8 +87,18 @@ fn buf(rows: usize, cols: usize, v: &[f32]) -> CpuBuf {
 
 // ---- comparisons ------------------------------------------------------------------------------
 
+/// A comparison that could not fail is no test: the reference must hold values other than
+/// zeros (all-zero rows on both sides would agree whatever the kernel did).
+fn nontrivial(what: &str, want: &[f32]) {
+    assert!(
+        want.iter().any(|v| *v != 0.0 && v.is_finite()),
+        "{what}: the reference is all zeros or non-finite; the comparison would prove nothing"
+    );
+}
+
 fn bitwise(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
+    nontrivial(what, want);
     if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
         panic!(
             "{what}: element {i} of {}: {:e} ({:#010x}) vs CPU {:e} ({:#010x})",
@@ -106,6 +116,7 @@ fn bitwise(what: &str, got: &[f32], want: &[f32]) {
 /// many values are bitwise equal.
 fn within(what: &str, got: &[f32], want: &[f32], tol: impl Fn(usize) -> f64) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
+    nontrivial(what, want);
     let (mut worst, mut same) = (0f64, 0usize);
     for i in 0..got.len() {
         let (g, w) = (got[i], want[i]);
@@ -124,8 +135,12 @@ fn within(what: &str, got: &[f32], want: &[f32], tol: impl Fn(usize) -> f64) {
             worst = worst.max(e / t);
         }
     }
+    let amax = want
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f32, |a, &x| a.max(x.abs()));
     eprintln!(
-        "{what}: within bound (worst {:.1}% of it), {same}/{} bitwise",
+        "{what}: within bound (worst {:.1}% of it), {same}/{} bitwise, max |ref| {amax:e}",
         worst * 100.0,
         got.len()
     );
@@ -427,6 +442,16 @@ fn hc_mix_matches_cpu() {
 
 // ---- products ----------------------------------------------------------------------------------
 
+/// Specials for the products (±0, denormals) with the large ones brought down to ±100: a Q8_0
+/// activation block stores its scale max/127 as F16, which overflows past 65504·127, and what a
+/// dot of an infinite scale gives (inf, or NaN where it meets a zero) depends on the order of
+/// the sum on either side. The model's products read normed rows, far from that.
+fn tame(v: Vec<f32>) -> Vec<f32> {
+    v.into_iter()
+        .map(|x| if x.abs() > 1e4 { 100f32.copysign(x) } else { x })
+        .collect()
+}
+
 /// `|y − ref| ≤ 1e-4 · Σ|w_i · x_i|` with the weight dequantized (the two dot orders and the
 /// activation quantization, which both sides do bitwise alike).
 fn dot_tol(ty: GgmlType, wb: &[u8], m: usize, k: usize, x: &[f32], nt: usize) -> Vec<f64> {
@@ -465,7 +490,7 @@ fn matmul_equals_gemv_and_matches_cpu() {
     let (mm, k, nt) = (72usize, 2560usize, 19usize);
     for ty in strata_engine::kernels::gemv::GEMV_FORMATS.iter().copied() {
         let wb = weight_blocks(ty, mm * k / ty.block_size(), rng.u64());
-        let x = rng.f32_vec_special(nt * k, 1.0);
+        let x = tame(rng.f32_vec_special(nt * k, 1.0));
         let w = weights(vec![("w", vec![k as u64, mm as u64], ty, wb.clone())]);
         let want = be.matmul(&w["w"], &buf(nt, k, &x)).unwrap();
         let dw = DevWeight::upload(g, ty, &wb, mm, k, 1).unwrap();
@@ -499,6 +524,28 @@ fn matmul_equals_gemv_and_matches_cpu() {
             tol[i]
         });
     }
+    // Q3_K: no GEMV; every row of a batch of 19 equals the same row alone, and the CPU's within
+    // the dot bound.
+    let ty = GgmlType::Q3_K;
+    let wb = weight_blocks(ty, mm * k / 256, rng.u64());
+    let x = tame(rng.f32_vec_special(nt * k, 1.0));
+    let w = weights(vec![("w", vec![k as u64, mm as u64], ty, wb.clone())]);
+    let want = be.matmul(&w["w"], &buf(nt, k, &x)).unwrap();
+    let dw = DevWeight::upload(g, ty, &wb, mm, k, 1).unwrap();
+    let xq = act_bytes(ty, &x, nt, k);
+    let mut y = g.zeros::<f32>(nt * mm).unwrap();
+    m::product(g, &dw, &up(g, &xq), nt, &mut y).unwrap();
+    let got = down(g, &y);
+    let xr = xq.len() / nt;
+    let mut single = Vec::new();
+    for t in 0..nt {
+        let mut yy = g.zeros::<f32>(mm).unwrap();
+        m::product(g, &dw, &up(g, &xq[t * xr..(t + 1) * xr]), 1, &mut yy).unwrap();
+        single.extend(down(g, &yy));
+    }
+    bitwise("matmul Q3_K batch vs single rows", &got, &single);
+    let tol = dot_tol(ty, &wb, mm, k, &x, nt);
+    within("matmul Q3_K vs CPU", &got, want.as_slice(), |i| tol[i]);
 }
 
 #[test]
@@ -535,7 +582,7 @@ fn moe_experts_match_gemv_and_cpu() {
             down: DevWeight::upload(g, dty, &db, h, ff, ne).unwrap(),
         };
         for nt in [1usize, 3, 11] {
-            let x = rng.f32_vec_special(nt * h, 1.0);
+            let x = tame(rng.f32_vec_special(nt * h, 1.0));
             // Routes: distinct experts per row (some shared between rows), weights summing to 1.
             let mut ids = Vec::new();
             let mut wts = Vec::new();
@@ -1205,10 +1252,309 @@ fn launchers_refuse_bad_shapes() {
     assert!(e.to_string().contains("holds 100"), "{e}");
     let e = m::deinterleave(g, &x, &mut o, 1, 100, 30, 2).unwrap_err();
     assert!(e.to_string().contains("2 parts of 30"), "{e}");
-    let dw = DevWeight::upload(g, GgmlType::Q3_K, &vec![0u8; 110], 1, 256, 1).unwrap();
+    // A format without product kernels is refused by name.
+    let dw = DevWeight::upload(g, GgmlType::Q4_0, &[0u8; 18 * 8], 1, 256, 1).unwrap();
     let e = m::matmul(g, &dw, &g.zeros::<u8>(292).unwrap(), 1, &mut o).unwrap_err();
-    assert!(
-        e.to_string().contains("Q3_K") || e.to_string().contains("q3_k"),
-        "{e}"
+    assert!(e.to_string().contains("Q4_0"), "{e}");
+    // A position buffer shorter than the rows.
+    let freqs = up(g, &m::rope_freqs(64, 1e4));
+    let e = m::rope_neox(g, &mut o, &up(g, &[0u32]), &freqs, 2, 50, 50, 0).unwrap_err();
+    assert!(e.to_string().contains("positions holds 1"), "{e}");
+}
+
+// ---- graph replay -------------------------------------------------------------------------------
+
+/// A decode step's attention (two KV appends and causal attention, qwen2 geometry) captured
+/// once as a graph and replayed for six steps with only its inputs rewritten in place (the
+/// new key/value/query rows and the position): each replay matches the CPU at that step.
+#[test]
+fn a_captured_step_replays_with_new_inputs() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(21);
+    let dims = AttnDims {
+        n_head: 14,
+        n_head_kv: 2,
+        head_dim: 64,
+    };
+    let (kvc, qc, cap) = (2 * 64, 14 * 64, 32usize);
+    let mut xk = g.zeros::<f32>(kvc).unwrap();
+    let mut xv = g.zeros::<f32>(kvc).unwrap();
+    let mut q = g.zeros::<f32>(qc).unwrap();
+    let mut pos = g.zeros::<u32>(1).unwrap();
+    let mut ks = g.zeros::<f32>(cap * kvc).unwrap();
+    let mut vs = g.zeros::<f32>(cap * kvc).unwrap();
+    let mut out = g.zeros::<f32>(qc).unwrap();
+    let mut scratch = g.zeros::<f32>(14 * cap).unwrap();
+    let mut err = g.zeros::<u32>(1).unwrap();
+    let graph = g
+        .capture(&mut || {
+            m::kv_append(g, &mut ks, cap, &xk, &pos, 1, kvc, false, &mut err)?;
+            m::kv_append(g, &mut vs, cap, &xv, &pos, 1, kvc, false, &mut err)?;
+            m::attend(
+                g,
+                &q,
+                &ks,
+                &vs,
+                cap,
+                None,
+                &pos,
+                1,
+                dims,
+                false,
+                &mut out,
+                &mut scratch,
+                &mut err,
+            )
+        })
+        .unwrap();
+    let (mut kc, mut vc) = (buf(0, kvc, &[]), buf(0, kvc, &[]));
+    for p in 0..6u32 {
+        let (k1, v1, q1) = (
+            rng.f32_vec_special(kvc, 1.0),
+            rng.f32_vec_special(kvc, 1.0),
+            rng.f32_vec_special(qc, 1.0),
+        );
+        g.write(&mut xk, &k1).unwrap();
+        g.write(&mut xv, &v1).unwrap();
+        g.write(&mut q, &q1).unwrap();
+        g.write(&mut pos, &[p]).unwrap();
+        graph.launch().unwrap();
+        be.append_kv(&mut kc, &buf(1, kvc, &k1), KvType::F32)
+            .unwrap();
+        be.append_kv(&mut vc, &buf(1, kvc, &v1), KvType::F32)
+            .unwrap();
+        let want = be
+            .attend_causal(&buf(1, qc, &q1), &kc, &vc, &[p], dims, KvType::F32)
+            .unwrap();
+        let vals = vc.as_slice().to_vec();
+        let bound = |i: usize| {
+            let (h, j) = (i / 64, i % 64);
+            let off = (h / 7) * 64;
+            let vm = (0..=p as usize)
+                .map(|t| (vals[t * kvc + off + j] as f64).abs())
+                .fold(0f64, f64::max);
+            1e-5 * vm + 1e-30
+        };
+        within(
+            &format!("replayed step at position {p}"),
+            &down(g, &out),
+            want.as_slice(),
+            bound,
+        );
+    }
+    assert_eq!(g.download(&err).unwrap(), vec![0]);
+}
+
+// ---- timings (printed, never asserted; docs/PERF.md records them) --------------------------------
+
+/// Device time of full-size decode shapes, each op captured 20 times in a graph and timed with
+/// events (median of 9). `--ignored`: a measurement, not a test.
+#[test]
+#[ignore]
+fn model_op_timings() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(22);
+    let time = |name: &str, f: &mut dyn FnMut() -> Result<(), strata_cuda::CudaError>| {
+        let graph = g.capture(&mut || (0..20).try_for_each(|_| f())).unwrap();
+        graph.launch().unwrap();
+        g.check(name).unwrap();
+        let mut t: Vec<f64> = (0..9)
+            .map(|_| g.time_us(&mut || graph.launch()).unwrap() / 20.0)
+            .collect();
+        t.sort_by(f64::total_cmp);
+        eprintln!("TIMING {name}: {:.1} us", t[4]);
+    };
+    let mut err = g.zeros::<u32>(1).unwrap();
+    // GDN step, 16 key / 48 value heads of 128.
+    let dims = GdnDims {
+        n_k_heads: 16,
+        n_v_heads: 48,
+        head_k: 128,
+        head_v: 128,
+        conv_kernel: 4,
+    };
+    let dev = m::GdnDev {
+        ssm_a: up(g, &vec![-1f32; 48]),
+        dt_bias: up(g, &vec![0f32; 48]),
+        norm: up(g, &vec![1f32; 128]),
+        dims,
+        eps: 1e-6,
+    };
+    let (qkv, z) = (
+        up(g, &rng.f32_vec(dims.conv_dim(), 1.0)),
+        up(g, &rng.f32_vec(dims.value_dim(), 1.0)),
     );
+    let (al, bt) = (up(g, &rng.f32_vec(48, 1.0)), up(g, &rng.f32_vec(48, 1.0)));
+    let mut st = g.zeros::<f32>(48 * 128 * 128).unwrap();
+    let mut o = g.zeros::<f32>(8 * dims.value_dim()).unwrap();
+    time("gdn_step 1 row (48 heads of 128)", &mut || {
+        m::gdn_step(g, &dev, &qkv, &z, &al, &bt, &mut st, &mut o, 1)
+    });
+    let mut hist = g.zeros::<f32>(3 * 10240).unwrap();
+    let cw = up(g, &rng.f32_vec(4 * 10240, 0.5));
+    let cx = up(g, &rng.f32_vec(10240, 1.0));
+    let mut co = g.zeros::<f32>(10240).unwrap();
+    time("conv1d_silu 1 row of 10240", &mut || {
+        m::conv1d_silu(g, &cx, &cw, &mut hist, &mut co, 1, 10240, 4, 1)
+    });
+    // QSA at 32K: selection over 8192 blocks, attention over 2051 tokens (24 heads, 2 KV heads).
+    let cap = 32768usize;
+    let s = QsaSelect {
+        ratio: 4,
+        budget: 2048,
+        rule: QsaRule::Reference,
+    };
+    let mut sel = m::Selection::new(g, 1, cap, s).unwrap();
+    let blocks = up(g, &rng.f32_vec(cap / 4 * 128, 1.0));
+    let qi = up(g, &rng.f32_vec(4 * 128, 1.0));
+    let pos = up(g, &[cap as u32 - 1]);
+    time("qsa_select reference, 8192 blocks", &mut || {
+        m::qsa_select(g, &qi, &blocks, &pos, 1, 4, 128, s, &mut sel, &mut err)
+    });
+    let adims = AttnDims {
+        n_head: 24,
+        n_head_kv: 2,
+        head_dim: 256,
+    };
+    let kc = up(g, &rng.f32_vec(cap * 512, 1.0));
+    let vc = up(g, &rng.f32_vec(cap * 512, 1.0));
+    let q = up(g, &rng.f32_vec(24 * 256, 1.0));
+    let mut ao = g.zeros::<f32>(24 * 256).unwrap();
+    let mut scratch = g.zeros::<f32>(24 * cap).unwrap();
+    time("attend sparse, 2051 selected tokens", &mut || {
+        m::attend(
+            g,
+            &q,
+            &kc,
+            &vc,
+            cap,
+            Some(&sel),
+            &pos,
+            1,
+            adims,
+            false,
+            &mut ao,
+            &mut scratch,
+            &mut err,
+        )
+    });
+    time("attend causal, 32768 tokens", &mut || {
+        m::attend(
+            g,
+            &q,
+            &kc,
+            &vc,
+            cap,
+            None,
+            &pos,
+            1,
+            adims,
+            false,
+            &mut ao,
+            &mut scratch,
+            &mut err,
+        )
+    });
+    // Routed experts, Q2_0, top-10 of 64 (each expert 1.4 MB: beyond L2 over the graph's 20).
+    let (h, ff, ne, ks) = (2560usize, 640usize, 64usize, 10usize);
+    let ex = m::ExpertsDev {
+        gate: DevWeight::upload(
+            g,
+            GgmlType::Q2_0,
+            &weight_blocks(GgmlType::Q2_0, ne * ff * h / 64, 1),
+            ff,
+            h,
+            ne,
+        )
+        .unwrap(),
+        up: DevWeight::upload(
+            g,
+            GgmlType::Q2_0,
+            &weight_blocks(GgmlType::Q2_0, ne * ff * h / 64, 2),
+            ff,
+            h,
+            ne,
+        )
+        .unwrap(),
+        down: DevWeight::upload(
+            g,
+            GgmlType::Q2_0,
+            &weight_blocks(GgmlType::Q2_0, ne * ff * h / 64, 3),
+            h,
+            ff,
+            ne,
+        )
+        .unwrap(),
+    };
+    let x = up(g, &rng.f32_vec(h, 1.0));
+    let ids = up(g, &rng.distinct(ks, ne));
+    let wts = up(g, &vec![0.1f32; ks]);
+    let mut ms = m::MoeScratch::new(g, &ex, 1, ks).unwrap();
+    let mut mo = g.zeros::<f32>(h).unwrap();
+    time("moe_experts decode, 1 row, top-10 Q2_0", &mut || {
+        m::moe_experts(g, &ex, &x, &ids, &wts, &mut ms, false, &mut mo, &mut err)
+    });
+    // Hyper-connection mix, full size.
+    let hc = m::HcDev {
+        norm: up(g, &vec![1f32; 10240]),
+        down: DevWeight::upload(
+            g,
+            GgmlType::BF16,
+            &bf16_bytes(&rng.f32_vec(320 * 10240, 0.02)),
+            320,
+            10240,
+            1,
+        )
+        .unwrap(),
+        up: DevWeight::upload(
+            g,
+            GgmlType::BF16,
+            &bf16_bytes(&rng.f32_vec(320 * 10240, 0.02)),
+            10240,
+            320,
+            1,
+        )
+        .unwrap(),
+        inject: Some(
+            DevWeight::upload(
+                g,
+                GgmlType::BF16,
+                &bf16_bytes(&rng.f32_vec(4 * 10240, 0.02)),
+                4,
+                10240,
+                1,
+            )
+            .unwrap(),
+        ),
+        streams: 4,
+        h: 2560,
+        eps: 1e-6,
+    };
+    let mut hs = m::HcScratch::new(g, &hc, 1).unwrap();
+    let hx = up(g, &rng.f32_vec(10240, 1.0));
+    let mut hu = g.zeros::<f32>(2560).unwrap();
+    let mut hi = g.zeros::<f32>(4).unwrap();
+    time("hc_mix 1 row (4 x 2560, rank 320)", &mut || {
+        m::hc_mix(g, &hc, &hx, 1, &mut hs, &mut hu, Some(&mut hi))
+    });
+    // A prefill chunk's product: Q4_K 10240 x 2560 against 512 rows (tiled kernel).
+    let w = DevWeight::upload(
+        g,
+        GgmlType::Q4_K,
+        &weight_blocks(GgmlType::Q4_K, 10240 * 2560 / 256, 4),
+        10240,
+        2560,
+        1,
+    )
+    .unwrap();
+    let xq = up(
+        g,
+        &act_bytes(GgmlType::Q4_K, &rng.f32_vec(512 * 2560, 1.0), 512, 2560),
+    );
+    let mut y = g.zeros::<f32>(512 * 10240).unwrap();
+    time("matmul Q4_K 10240x2560, 512 rows", &mut || {
+        m::matmul(g, &w, &xq, 512, &mut y)
+    });
+    assert_eq!(g.download(&err).unwrap(), vec![0]);
 }
