@@ -374,15 +374,137 @@ attend_f32(const float* q, const float* kc, const float* vc, const u32* sel, con
     z = block_sum256(z, sh);
     __syncthreads();
     const float inv = 1.0f / z;
+    // Eight tokens' weights and values loaded before they are added (in token order): the loads
+    // of a group are in flight together instead of one dependent pair at a time.
     for (int j = threadIdx.x; j < d; j += 256) {
         float acc = 0.f;
-        for (u32 t = 0; t < T; ++t) {
-            const u32 tok = causal ? t : list[t];
-            if (tok >= cap) continue;
-            const float vv = vc[(size_t)tok * kvc + off + j];
-            if (causal) acc += r16(sc[t] * inv, f16) * vv;
-            else acc += r16(sc[t] / z, f16) * r16(vv, f16);
+        for (u32 t0 = 0; t0 < T; t0 += 8) {
+            float wv[8], vv[8];
+            bool ok[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const u32 t = t0 + u;
+                const u32 tok = t < T ? (causal ? t : list[t]) : cap;
+                ok[u] = tok < cap;
+                vv[u] = ok[u] ? vc[(size_t)tok * kvc + off + j] : 0.f;
+                wv[u] = ok[u] ? (causal ? r16(sc[t] * inv, f16) : r16(sc[t] / z, f16)) : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (ok[u]) acc += wv[u] * (causal ? vv[u] : r16(vv[u], f16));
         }
         o[j] = acc;
+    }
+}
+
+// ---- attention split over chunks of 256 tokens (decode at long context) -----------------------------
+// The same scores and the same per-token weights as attend_f32, but (row, head, chunk) blocks
+// instead of (row, head): scores and per-chunk (max, Σexp) stats; then each chunk's weighted sum
+// of values, every block deriving the same global max m and z = Σ_c z_c·exp(m_c − m) from the
+// stats in chunk order; then the chunk partials summed in chunk order. z and the output's sum
+// are taken in another order than the CPU's sequential one (a bound, not bits).
+__device__ __forceinline__ float attn_score(const float* qs, const float* kr, int d, int causal, int f16, float scale) {
+    if (causal) {
+        float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        const int d8 = d & ~7;
+        for (int i = 0; i < d8; i += 8)
+#pragma unroll
+            for (int l = 0; l < 8; ++l) a[l] += qs[i + l] * kr[i + l];
+        for (int i = d8; i < d; ++i) a[i - d8] += qs[i] * kr[i];
+        const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+        return ((s0 + s2) + (s1 + s3)) * scale;
+    }
+    float acc = -0.0f;
+    for (int i = 0; i < d; ++i) acc += qs[i] * r16(kr[i], f16);
+    return acc * scale;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
+                    float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
+                    int max_chunks, u32* err) {
+    __shared__ float qs[512];
+    __shared__ float sh[8];
+    const int rh = blockIdx.x, r = rh / n_head, h = rh % n_head, c = blockIdx.y;
+    const int kvc = n_head_kv * d, off = (h / (n_head / n_head_kv)) * d;
+    const u32 T = causal ? pos[r] + 1 : cnt[r];
+    if (T > cap || (u32)c * 256 >= T) return;
+    const float* qh = q + (size_t)rh * d;
+    for (int i = threadIdx.x; i < d; i += 256) qs[i] = r16(qh[i], f16);
+    __syncthreads();
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    float s = NEG_INF;
+    if (t < T) {
+        const u32 tok = causal ? t : sel[(size_t)r * stride + t];
+        if (tok >= cap) atomicOr(err, ERR_CAPACITY);
+        else s = attn_score(qs, kc + (size_t)tok * kvc + off, d, causal, f16, 1.0f / sqrtf((float)d));
+        scores[(size_t)rh * cap + t] = s;
+    }
+    const float m = block_max256(s, sh);
+    const float e = t < T ? expf(s - m) : 0.f;
+    const float z = block_sum256(e, sh);
+    if (threadIdx.x == 0) {
+        stats[((size_t)rh * max_chunks + c) * 2] = m;
+        stats[((size_t)rh * max_chunks + c) * 2 + 1] = z;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
+                 const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
+                 int f16, int max_chunks) {
+    __shared__ float w[256];
+    __shared__ u32 tk[256];
+    const int rh = blockIdx.x, r = rh / n_head, h = rh % n_head, c = blockIdx.y;
+    const int kvc = n_head_kv * d, off = (h / (n_head / n_head_kv)) * d;
+    const u32 T = causal ? pos[r] + 1 : cnt[r];
+    const int nc = (int)((T + 255) / 256);
+    if (T > cap || c >= nc) return;
+    const float* st = stats + (size_t)rh * max_chunks * 2;
+    float m = NEG_INF;
+    for (int i = 0; i < nc; ++i) m = fmaxf(m, st[2 * i]);
+    float z = 0.f;
+    for (int i = 0; i < nc; ++i) z += st[2 * i + 1] * expf(st[2 * i] - m);
+    const float inv = 1.0f / z;
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    float wt = 0.f;
+    u32 tok = cap;
+    if (t < T) {
+        tok = causal ? t : sel[(size_t)r * stride + t];
+        const float p = expf(scores[(size_t)rh * cap + t] - m);
+        wt = causal ? r16(p * inv, f16) : r16(p / z, f16);
+    }
+    w[threadIdx.x] = wt;
+    tk[threadIdx.x] = tok;
+    __syncthreads();
+    const int len = (int)min(256u, T - (u32)c * 256);
+    for (int j = threadIdx.x; j < d; j += 256) {
+        float acc = 0.f;
+        for (int u0 = 0; u0 < len; u0 += 8) {
+            float vv[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const bool ok = u0 + u < len && tk[u0 + u] < cap;
+                vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (u0 + u < len && tk[u0 + u] < cap) acc += w[u0 + u] * (causal ? vv[u] : r16(vv[u], f16));
+        }
+        part[((size_t)rh * max_chunks + c) * d + j] = acc;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_split_sum(const float* part, const u32* cnt, const u32* pos, float* out, u32 cap, int n_head, int d,
+                 int causal, int max_chunks) {
+    const int rh = blockIdx.x, r = rh / n_head;
+    const u32 T = causal ? pos[r] + 1 : cnt[r];
+    if (T > cap) return;
+    const int nc = (int)((T + 255) / 256);
+    for (int j = threadIdx.x; j < d; j += 256) {
+        float acc = 0.f;
+        for (int c = 0; c < nc; ++c) acc += part[((size_t)rh * max_chunks + c) * d + j];
+        out[(size_t)rh * d + j] = acc;
     }
 }

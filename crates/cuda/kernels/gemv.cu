@@ -317,4 +317,17 @@ PRODUCTS(T_Q3_K, q3_k)
 #endif
 #if defined(GEMV_BF16)
 GEMV_ALL(T_BF16, bf16)
+// The hyper-connection down / inject products (rows of 4·2560 = 10240), for the model's launcher
+// (strata_cuda::model::product); same order as gemv_base. (At K = 320, the up product, the
+// template keeps an 8-byte stack frame at nt = 6; that product runs the tiled kernel.)
+#define GEMV_OPT_K(T, NAME, K, NT)                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+    gemv_opt_##NAME##_k##K##_nt##NT(const u8* w, const u8* x, float* y, int rows) {            \
+        gemv_opt<T, K, NT>(w, x, y, rows);                                                     \
+    }
+#define GEMV_OPT_K_ALL(T, NAME, K)                                                             \
+    GEMV_OPT_K(T, NAME, K, 1) GEMV_OPT_K(T, NAME, K, 2) GEMV_OPT_K(T, NAME, K, 3)              \
+    GEMV_OPT_K(T, NAME, K, 4) GEMV_OPT_K(T, NAME, K, 5) GEMV_OPT_K(T, NAME, K, 6)              \
+    GEMV_OPT_K(T, NAME, K, 7) GEMV_OPT_K(T, NAME, K, 8)
+GEMV_OPT_K_ALL(T_BF16, bf16, 10240)
 #endif

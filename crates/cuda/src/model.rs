@@ -481,7 +481,21 @@ pub fn product(
     nt: usize,
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    if (1..=8).contains(&nt) && strata_engine::kernels::gemv::GEMV_FORMATS.contains(&w.ty) {
+    if (1..=8).contains(&nt) && w.ty == GgmlType::BF16 && w.k == 10240 {
+        // The hyper-connection down / inject shape: the optimized BF16 GEMV at K = 10240.
+        let k = "product";
+        need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
+        need(k, "x", x.len(), nt * w.act_row_bytes()?)?;
+        need(k, "y", y.len(), nt * w.rows)?;
+        let ri = i32_of(k, w.rows)?;
+        launch!(
+            gpu,
+            "gemv_bf16",
+            format!("gemv_opt_bf16_k{}_nt{nt}", w.k),
+            cfg(w.rows.div_ceil(8) as u32, 256),
+            [&w.bytes, x, y, &ri]
+        )
+    } else if (1..=8).contains(&nt) && strata_engine::kernels::gemv::GEMV_FORMATS.contains(&w.ty) {
         ops::gemv(gpu, "optimized", w.ty, &w.bytes, w.rows, w.k, x, nt, y)
     } else {
         matmul(gpu, w, x, nt, y)
@@ -1011,6 +1025,164 @@ pub fn attend(
             )
         }
     }
+}
+
+/// Scratch of [`attend_split`] for up to `rows` query rows of `n_head` heads over stores of
+/// `cap` rows: scores, per-chunk (max, Σexp) stats, per-chunk partial outputs.
+pub struct AttnSplitScratch {
+    pub rows: usize,
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub cap: usize,
+    pub max_chunks: usize,
+    scores: CudaSlice<f32>,
+    stats: CudaSlice<f32>,
+    part: CudaSlice<f32>,
+}
+
+impl AttnSplitScratch {
+    pub fn new(
+        gpu: &Gpu,
+        rows: usize,
+        dims: AttnDims,
+        cap: usize,
+    ) -> Result<AttnSplitScratch, CudaError> {
+        let rh = rows * dims.n_head;
+        let max_chunks = cap.div_ceil(256).max(1);
+        Ok(AttnSplitScratch {
+            rows,
+            n_head: dims.n_head,
+            head_dim: dims.head_dim,
+            cap,
+            max_chunks,
+            scores: gpu.zeros(rh * cap)?,
+            stats: gpu.zeros(rh * max_chunks * 2)?,
+            part: gpu.zeros(rh * max_chunks * dims.head_dim)?,
+        })
+    }
+}
+
+/// [`attend`] with the tokens split into chunks of 256, one block per (row, head, chunk): the
+/// same scores and per-token weights, `z` and the output summed over chunks (another order
+/// than the CPU's, within the same bound). Three launches; grids sized by the capacity.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_split(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    k_cache: &CudaSlice<f32>,
+    v_cache: &CudaSlice<f32>,
+    cap: usize,
+    sel: Option<&Selection>,
+    pos: &CudaSlice<u32>,
+    n: usize,
+    dims: AttnDims,
+    f16: bool,
+    out: &mut CudaSlice<f32>,
+    s: &mut AttnSplitScratch,
+    err: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let k = "attend_split";
+    let AttnDims {
+        n_head,
+        n_head_kv,
+        head_dim,
+    } = dims;
+    if n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) || head_dim == 0 || head_dim > 512 {
+        return Err(bad(k, format!("{dims:?} (head_dim ≤ 512)")));
+    }
+    if n > s.rows || s.n_head != n_head || s.head_dim != head_dim || s.cap != cap {
+        return Err(bad(k, "scratch made for another shape".into()));
+    }
+    let kvc = n_head_kv * head_dim;
+    need(k, "q", q.len(), n * n_head * head_dim)?;
+    need(k, "k cache", k_cache.len(), cap * kvc)?;
+    need(k, "v cache", v_cache.len(), cap * kvc)?;
+    need(k, "positions", pos.len(), n)?;
+    need(k, "out", out.len(), n * n_head * head_dim)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (capu, nh, nkv, hd, fi, mc) = (
+        cap as u32,
+        i32_of(k, n_head)?,
+        i32_of(k, n_head_kv)?,
+        i32_of(k, head_dim)?,
+        f16 as i32,
+        i32_of(k, s.max_chunks)?,
+    );
+    // Causal: every chunk up to the capacity may be live; a list: only those its stride holds.
+    let (chunks, st, causal) = match sel {
+        Some(se) => {
+            if n > se.rows || se.cap > cap {
+                return Err(bad(k, "selection made for other stores".into()));
+            }
+            (
+                se.stride.div_ceil(256).min(s.max_chunks),
+                i32_of(k, se.stride)?,
+                0i32,
+            )
+        }
+        None => (s.max_chunks, 0, 1),
+    };
+    let (lst, cnt) = match sel {
+        Some(se) => (&se.sel, &se.cnt),
+        None => (pos, pos),
+    };
+    let c2 = cfg2((n * n_head) as u32, chunks as u32, 256);
+    launch!(
+        gpu,
+        "attn",
+        "attend_split_scores",
+        c2,
+        [
+            q,
+            k_cache,
+            lst,
+            cnt,
+            pos,
+            &mut s.scores,
+            &mut s.stats,
+            &capu,
+            &nh,
+            &nkv,
+            &hd,
+            &st,
+            &causal,
+            &fi,
+            &mc,
+            err
+        ]
+    )?;
+    launch!(
+        gpu,
+        "attn",
+        "attend_split_out",
+        c2,
+        [
+            v_cache,
+            lst,
+            cnt,
+            pos,
+            &s.scores,
+            &s.stats,
+            &mut s.part,
+            &capu,
+            &nh,
+            &nkv,
+            &hd,
+            &st,
+            &causal,
+            &fi,
+            &mc
+        ]
+    )?;
+    launch!(
+        gpu,
+        "attn",
+        "attend_split_sum",
+        cfg((n * n_head) as u32, 256),
+        [&s.part, cnt, pos, out, &capu, &nh, &hd, &causal, &mc]
+    )
 }
 
 // ---- routed experts -------------------------------------------------------------------------

@@ -437,6 +437,27 @@ fn hc_mix_matches_cpu() {
             inj.as_slice(),
             |_| 2e-3,
         );
+        // A batch (the tiled products past 8 rows, the optimized GEMVs up to 8) equals its
+        // rows mixed one at a time, bit for bit.
+        let (mut su, mut si) = (Vec::new(), Vec::new());
+        for r in 0..rows {
+            let mut u1 = g.zeros::<f32>(h).unwrap();
+            let mut i1 = g.zeros::<f32>(s).unwrap();
+            let x1 = up(g, &x[r * sh..(r + 1) * sh]);
+            m::hc_mix(g, &hc, &x1, 1, &mut scratch, &mut u1, Some(&mut i1)).unwrap();
+            su.extend(down(g, &u1));
+            si.extend(down(g, &i1));
+        }
+        bitwise(
+            &format!("hc_mix u, {rows} rows vs one at a time"),
+            &down(g, &du),
+            &su,
+        );
+        bitwise(
+            &format!("hc_mix inj, {rows} rows vs one at a time"),
+            &down(g, &dinj),
+            &si,
+        );
     }
 }
 
@@ -554,9 +575,12 @@ fn moe_experts_match_gemv_and_cpu() {
     let be = cpu();
     let mut rng = Rng::new(15);
     let (h, ff, ne, ks) = (2560usize, 640usize, 16usize, 4usize);
-    for (gty, dty) in [
-        (GgmlType::Q2_0, GgmlType::Q2_0),
-        (GgmlType::Q4_K, GgmlType::Q8_0),
+    // The synthetic Q4_K blocks have large scales: at unit inputs silu(g)·u reaches 1e8 and the
+    // down product's Q8_0 activation scale (F16) overflows on both sides, so that case runs at
+    // inputs of 0.01.
+    for (gty, dty, xs) in [
+        (GgmlType::Q2_0, GgmlType::Q2_0, 1.0f32),
+        (GgmlType::Q4_K, GgmlType::Q8_0, 0.01),
     ] {
         let gb = weight_blocks(gty, ne * ff * h / gty.block_size(), rng.u64());
         let ub = weight_blocks(gty, ne * ff * h / gty.block_size(), rng.u64());
@@ -582,7 +606,10 @@ fn moe_experts_match_gemv_and_cpu() {
             down: DevWeight::upload(g, dty, &db, h, ff, ne).unwrap(),
         };
         for nt in [1usize, 3, 11] {
-            let x = tame(rng.f32_vec_special(nt * h, 1.0));
+            let x: Vec<f32> = tame(rng.f32_vec_special(nt * h, 1.0))
+                .iter()
+                .map(|v| v * xs)
+                .collect();
             // Routes: distinct experts per row (some shared between rows), weights summing to 1.
             let mut ids = Vec::new();
             let mut wts = Vec::new();
@@ -1232,7 +1259,36 @@ fn attention_matches_cpu() {
                 ),
                 &down(g, &out),
                 want.as_slice(),
-                bound,
+                &bound,
+            );
+            // The split form (chunks of 256 tokens): the same bound.
+            let mut ss = m::AttnSplitScratch::new(g, n, dims, cap).unwrap();
+            let mut out2 = g.zeros::<f32>(n * qc).unwrap();
+            m::attend_split(
+                g,
+                &up(g, &q),
+                &up(g, &kc),
+                &up(g, &vc),
+                cap,
+                if causal { None } else { Some(&sel) },
+                &up(g, &pos),
+                n,
+                dims,
+                kv == KvType::F16,
+                &mut out2,
+                &mut ss,
+                &mut err,
+            )
+            .unwrap();
+            assert_eq!(g.download(&err).unwrap(), vec![0]);
+            within(
+                &format!(
+                    "attend_split {} {kv:?} {dims:?}",
+                    if causal { "causal" } else { "sparse" }
+                ),
+                &down(g, &out2),
+                want.as_slice(),
+                &bound,
             );
         }
     }
@@ -1437,6 +1493,29 @@ fn model_op_timings() {
             &mut ao,
             &mut scratch,
             &mut err,
+        )
+    });
+    let mut ss = m::AttnSplitScratch::new(g, 1, adims, cap).unwrap();
+    time("attend_split sparse, 2051 selected tokens", &mut || {
+        m::attend_split(
+            g,
+            &q,
+            &kc,
+            &vc,
+            cap,
+            Some(&sel),
+            &pos,
+            1,
+            adims,
+            false,
+            &mut ao,
+            &mut ss,
+            &mut err,
+        )
+    });
+    time("attend_split causal, 32768 tokens", &mut || {
+        m::attend_split(
+            g, &q, &kc, &vc, cap, None, &pos, 1, adims, false, &mut ao, &mut ss, &mut err,
         )
     });
     time("attend causal, 32768 tokens", &mut || {
