@@ -81,25 +81,46 @@ qsa_pool(const float* kraw, float* blocks, u32 cap_blocks, const u32* pos, int d
 
 // scores[r][b] for b < nb = (pos[r]+1)/ratio, one thread a block: each head's dot in order from
 // -0.0 (Iterator::sum), relu (+0 for NaN and -0), heads summed in order from -0.0, times
-// 1/sqrt(d). Grid: (cap_blocks / 256 rounded up, rows); threads past nb exit.
+// 1/sqrt(d). The block keys are staged through shared memory 32 dims at a time (coalesced
+// loads; each thread's sums still run over the dims in order). Grid: (cap_blocks / 256 rounded
+// up, rows); heads ≤ 8, heads·d ≤ 1024.
 extern "C" __global__ void __launch_bounds__(256)
 qsa_scores(const float* qi, const float* blocks, const u32* pos, float* scores, u32 cap_blocks, int heads, int d,
            int ratio) {
     __shared__ float qs[1024];
+    __shared__ float kt[256][33];
     const int r = blockIdx.y;
     const u32 nb = min((pos[r] + 1) / (u32)ratio, cap_blocks);
+    const u32 b0 = blockIdx.x * 256;
+    if (b0 >= nb) return;
     const float* q = qi + (size_t)r * heads * d;
-    for (int i = threadIdx.x; i < heads * d; i += blockDim.x) qs[i] = q[i];
-    __syncthreads();
-    const u32 b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= nb) return;
-    const float* kb = blocks + (size_t)b * d;
-    float tot = -0.0f;
-    for (int h = 0; h < heads; ++h) {
-        float s = -0.0f;
-        for (int i = 0; i < d; ++i) s += qs[h * d + i] * kb[i];
-        tot += s > 0.f ? s : 0.f;
+    for (int i = threadIdx.x; i < heads * d; i += 256) qs[i] = q[i];
+    const u32 b = b0 + threadIdx.x;
+    float s[8];
+#pragma unroll
+    for (int h = 0; h < 8; ++h) s[h] = -0.0f;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        const int w = min(32, d - c0);
+        __syncthreads();
+        // Warp `warp` stages rows warp, warp + 8, …: 32 consecutive floats of a row per load.
+        for (int rr = warp; rr < 256; rr += 8) {
+            const u32 bb = b0 + rr;
+            if (lane < w) kt[rr][lane] = bb < nb ? blocks[(size_t)bb * d + c0 + lane] : 0.f;
+        }
+        __syncthreads();
+        for (int i = 0; i < w; ++i) {
+            const float kv = kt[threadIdx.x][i];
+#pragma unroll
+            for (int h = 0; h < 8; ++h)
+                if (h < heads) s[h] += qs[h * d + c0 + i] * kv;
+        }
     }
+    if (b >= nb) return;
+    float tot = -0.0f;
+#pragma unroll
+    for (int h = 0; h < 8; ++h)
+        if (h < heads) tot += s[h] > 0.f ? s[h] : 0.f;
     scores[(size_t)r * cap_blocks + b] = tot * (1.0f / sqrtf((float)d));
 }
 
@@ -425,21 +446,54 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
                     int max_chunks, u32* err) {
     __shared__ float qs[512];
     __shared__ float sh[8];
+    __shared__ float kt[256][33];
+    __shared__ u32 tk[256];
     const int rh = blockIdx.x, r = rh / n_head, h = rh % n_head, c = blockIdx.y;
     const int kvc = n_head_kv * d, off = (h / (n_head / n_head_kv)) * d;
     const u32 T = causal ? pos[r] + 1 : cnt[r];
     if (T > cap || (u32)c * 256 >= T) return;
     const float* qh = q + (size_t)rh * d;
     for (int i = threadIdx.x; i < d; i += 256) qs[i] = r16(qh[i], f16);
-    __syncthreads();
     const u32 t = (u32)c * 256 + threadIdx.x;
-    float s = NEG_INF;
+    u32 tok = cap;
     if (t < T) {
-        const u32 tok = causal ? t : sel[(size_t)r * stride + t];
-        if (tok >= cap) atomicOr(err, ERR_CAPACITY);
-        else s = attn_score(qs, kc + (size_t)tok * kvc + off, d, causal, f16, 1.0f / sqrtf((float)d));
-        scores[(size_t)rh * cap + t] = s;
+        tok = causal ? t : sel[(size_t)r * stride + t];
+        if (tok >= cap) {
+            atomicOr(err, ERR_CAPACITY);
+            tok = cap;
+        }
     }
+    tk[threadIdx.x] = tok;
+    // The keys staged 32 dims at a time (coalesced); each thread's dot keeps attn_score's order
+    // (eight interleaved partials for causal, sequential from -0.0 otherwise).
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float acc = -0.0f;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        const int w = min(32, d - c0);
+        __syncthreads();
+        for (int rr = warp; rr < 256; rr += 8) {
+            const u32 tt = tk[rr];
+            if (lane < w) kt[rr][lane] = tt < cap ? kc[(size_t)tt * kvc + off + c0 + lane] : 0.f;
+        }
+        __syncthreads();
+        if (causal) {
+            for (int i = 0; i < w; ++i) a[(c0 + i) & 7] += qs[c0 + i] * kt[threadIdx.x][i];
+        } else {
+            for (int i = 0; i < w; ++i) acc += qs[c0 + i] * r16(kt[threadIdx.x][i], f16);
+        }
+    }
+    float s = NEG_INF;
+    if (t < T && tok < cap) {
+        if (causal) {
+            // attn::causal_head's dot: the tail past the last whole 8 goes to partials 0.. again.
+            const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+            s = ((s0 + s2) + (s1 + s3)) * (1.0f / sqrtf((float)d));
+        } else {
+            s = acc * (1.0f / sqrtf((float)d));
+        }
+    }
+    if (t < T) scores[(size_t)rh * cap + t] = s;
     const float m = block_max256(s, sh);
     const float e = t < T ? expf(s - m) : 0.f;
     const float z = block_sum256(e, sh);
@@ -480,15 +534,15 @@ attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
     const int len = (int)min(256u, T - (u32)c * 256);
     for (int j = threadIdx.x; j < d; j += 256) {
         float acc = 0.f;
-        for (int u0 = 0; u0 < len; u0 += 8) {
-            float vv[8];
+        for (int u0 = 0; u0 < len; u0 += 16) {
+            float vv[16];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) {
+            for (int u = 0; u < 16; ++u) {
                 const bool ok = u0 + u < len && tk[u0 + u] < cap;
                 vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
             }
 #pragma unroll
-            for (int u = 0; u < 8; ++u)
+            for (int u = 0; u < 16; ++u)
                 if (u0 + u < len && tk[u0 + u] < cap) acc += w[u0 + u] * (causal ? vv[u] : r16(vv[u], f16));
         }
         part[((size_t)rh * max_chunks + c) * d + j] = acc;

@@ -864,11 +864,11 @@ pub fn qsa_select(
     err: &mut CudaSlice<u32>,
 ) -> Result<(), CudaError> {
     let k = "qsa_select";
-    if heads * d > 1024 || d == 0 || s.ratio == 0 || n > sel.rows {
+    if heads == 0 || heads > 8 || heads * d > 1024 || d == 0 || s.ratio == 0 || n > sel.rows {
         return Err(bad(
             k,
             format!(
-                "{heads} heads of {d} (≤ 1024 in all), ratio {}, {n} rows of {}",
+                "{heads} heads (1..=8) of {d} (≤ 1024 in all), ratio {}, {n} rows of {}",
                 s.ratio, sel.rows
             ),
         ));

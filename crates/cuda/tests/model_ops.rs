@@ -1447,6 +1447,18 @@ fn model_op_timings() {
     time("gdn_step 1 row (48 heads of 128)", &mut || {
         m::gdn_step(g, &dev, &qkv, &z, &al, &bt, &mut st, &mut o, 1)
     });
+    let (qkv5, z5) = (
+        up(g, &rng.f32_vec(512 * dims.conv_dim(), 1.0)),
+        up(g, &rng.f32_vec(512 * dims.value_dim(), 1.0)),
+    );
+    let (al5, bt5) = (
+        up(g, &rng.f32_vec(512 * 48, 1.0)),
+        up(g, &rng.f32_vec(512 * 48, 1.0)),
+    );
+    let mut o5 = g.zeros::<f32>(512 * dims.value_dim()).unwrap();
+    time("gdn_step 512 rows (sequential exact mode)", &mut || {
+        m::gdn_step(g, &dev, &qkv5, &z5, &al5, &bt5, &mut st, &mut o5, 512)
+    });
     let mut hist = g.zeros::<f32>(3 * 10240).unwrap();
     let cw = up(g, &rng.f32_vec(4 * 10240, 0.5));
     let cx = up(g, &rng.f32_vec(10240, 1.0));
@@ -1574,6 +1586,21 @@ fn model_op_timings() {
     time("moe_experts decode, 1 row, top-10 Q2_0", &mut || {
         m::moe_experts(g, &ex, &x, &ids, &wts, &mut ms, false, &mut mo, &mut err)
     });
+    // A prefill chunk's routed experts: 512 rows × top-10, grouped by expert.
+    let x5 = up(g, &rng.f32_vec(512 * h, 1.0));
+    let ids5: Vec<i32> = (0..512).flat_map(|_| rng.distinct(ks, ne)).collect();
+    let ids5 = up(g, &ids5);
+    let wts5 = up(g, &vec![0.1f32; 512 * ks]);
+    let mut ms5 = m::MoeScratch::new(g, &ex, 512, ks).unwrap();
+    let mut mo5 = g.zeros::<f32>(512 * h).unwrap();
+    time(
+        "moe_experts prefill, 512 rows, top-10 of 64, grouped",
+        &mut || {
+            m::moe_experts(
+                g, &ex, &x5, &ids5, &wts5, &mut ms5, true, &mut mo5, &mut err,
+            )
+        },
+    );
     // Hyper-connection mix, full size.
     let hc = m::HcDev {
         norm: up(g, &vec![1f32; 10240]),
