@@ -1259,7 +1259,7 @@ fn attention_matches_cpu() {
                 ),
                 &down(g, &out),
                 want.as_slice(),
-                &bound,
+                bound,
             );
             // The split form (chunks of 256 tokens): the same bound.
             let mut ss = m::AttnSplitScratch::new(g, n, dims, cap).unwrap();
@@ -1288,7 +1288,7 @@ fn attention_matches_cpu() {
                 ),
                 &down(g, &out2),
                 want.as_slice(),
-                &bound,
+                bound,
             );
         }
     }
@@ -1431,8 +1431,8 @@ fn model_op_timings() {
         conv_kernel: 4,
     };
     let dev = m::GdnDev {
-        ssm_a: up(g, &vec![-1f32; 48]),
-        dt_bias: up(g, &vec![0f32; 48]),
+        ssm_a: up(g, &[-1f32; 48]),
+        dt_bias: up(g, &[0f32; 48]),
         norm: up(g, &vec![1f32; 128]),
         dims,
         eps: 1e-6,
