@@ -1480,3 +1480,120 @@ pub fn moe_experts(
     }
     moe_combine(gpu, &s.y, wts, out, nt, ks, h)
 }
+
+// ---- the MoE block (qwen4exp::moe) ------------------------------------------------------------
+
+/// The weights of one MoE block on the device: router `[n_expert, h]` (BF16 in the release),
+/// the routed experts, the shared expert's gate/up `[ff_sh, h]` and down `[h, ff_sh]`, and the
+/// shared expert's gate `[1, h]`.
+pub struct MoeLayerDev {
+    pub router: DevWeight,
+    pub experts: ExpertsDev,
+    pub n_used: usize,
+    pub gate_sh: DevWeight,
+    pub up_sh: DevWeight,
+    pub down_sh: DevWeight,
+    pub gate_inp_sh: DevWeight,
+}
+
+/// Scratch of [`moe_layer`] for `nt` rows (fixed addresses: the step replays as a graph).
+pub struct MoeLayerScratch {
+    pub nt: usize,
+    xr: CudaSlice<u8>,
+    xs: CudaSlice<u8>,
+    logits: CudaSlice<f32>,
+    pub ids: CudaSlice<i32>,
+    pub wts: CudaSlice<f32>,
+    g: CudaSlice<f32>,
+    u: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    aq: CudaSlice<u8>,
+    shared: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    pub experts: MoeScratch,
+}
+
+impl MoeLayerScratch {
+    pub fn new(gpu: &Gpu, l: &MoeLayerDev, nt: usize) -> Result<MoeLayerScratch, CudaError> {
+        let (h, ff) = (l.router.k, l.gate_sh.rows);
+        Ok(MoeLayerScratch {
+            nt,
+            xr: gpu.zeros(nt * l.router.act_row_bytes()?)?,
+            xs: gpu.zeros(nt * l.gate_sh.act_row_bytes()?)?,
+            logits: gpu.zeros(nt * l.router.rows)?,
+            ids: gpu.zeros(nt * l.n_used)?,
+            wts: gpu.zeros(nt * l.n_used)?,
+            g: gpu.zeros(nt * ff)?,
+            u: gpu.zeros(nt * ff)?,
+            act: gpu.zeros(nt * ff)?,
+            aq: gpu.zeros(nt * l.down_sh.act_row_bytes()?)?,
+            shared: gpu.zeros(nt * h)?,
+            gate: gpu.zeros(nt)?,
+            experts: MoeScratch::new(gpu, &l.experts, nt, l.n_used)?,
+        })
+    }
+}
+
+/// The MoE block of `nt` rows `x` (`[nt, h]`): router → route (the catalogue kernel: softmax,
+/// top-k ties to the lower id, renormalised) → routed experts (decode: one pair a block; with
+/// `grouped`, by expert) → shared expert `down(silu(gate·x) ⊙ up·x)` → `out = y + σ(g·x)·shared`.
+/// The router's ids and weights stay on the device (`s.ids`, `s.wts`).
+pub fn moe_layer(
+    gpu: &Gpu,
+    l: &MoeLayerDev,
+    x: &CudaSlice<f32>,
+    s: &mut MoeLayerScratch,
+    grouped: bool,
+    out: &mut CudaSlice<f32>,
+    err: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let k = "moe_layer";
+    let (nt, h, ff) = (s.nt, l.router.k, l.gate_sh.rows);
+    if l.gate_sh.k != h
+        || l.up_sh.k != h
+        || l.up_sh.rows != ff
+        || l.down_sh.k != ff
+        || l.down_sh.rows != h
+        || l.gate_inp_sh.k != h
+        || l.gate_inp_sh.rows != 1
+        || l.experts.gate.k != h
+        || l.router.rows != l.experts.gate.n_expert
+        || l.gate_sh.act()? != l.up_sh.act()?
+        || l.gate_inp_sh.act()? != l.router.act()?
+    {
+        return Err(bad(k, "weights of mismatched shapes or formats".into()));
+    }
+    need(k, "x", x.len(), nt * h)?;
+    need(k, "out", out.len(), nt * h)?;
+    prepare(gpu, &l.router, x, nt, &mut s.xr)?;
+    product(gpu, &l.router, &s.xr, nt, &mut s.logits)?;
+    ops::route(
+        gpu,
+        "optimized",
+        &s.logits,
+        &mut s.ids,
+        &mut s.wts,
+        nt,
+        l.router.rows,
+        l.n_used,
+    )?;
+    product(gpu, &l.gate_inp_sh, &s.xr, nt, &mut s.gate)?;
+    prepare(gpu, &l.gate_sh, x, nt, &mut s.xs)?;
+    product(gpu, &l.gate_sh, &s.xs, nt, &mut s.g)?;
+    product(gpu, &l.up_sh, &s.xs, nt, &mut s.u)?;
+    swiglu(gpu, &s.g, &s.u, &mut s.act, nt * ff)?;
+    prepare(gpu, &l.down_sh, &s.act, nt, &mut s.aq)?;
+    product(gpu, &l.down_sh, &s.aq, nt, &mut s.shared)?;
+    moe_experts(
+        gpu,
+        &l.experts,
+        x,
+        &s.ids,
+        &s.wts,
+        &mut s.experts,
+        grouped,
+        out,
+        err,
+    )?;
+    add_sigmoid_gated(gpu, out, &s.shared, &s.gate, nt, h)
+}

@@ -1664,3 +1664,104 @@ fn model_op_timings() {
     });
     assert_eq!(g.download(&err).unwrap(), vec![0]);
 }
+
+// ---- the MoE block ------------------------------------------------------------------------------
+
+/// The whole MoE block (router, route, routed experts, shared expert, gated add) against the
+/// CPU's composition of the same Backend operations (qwen4exp::moe): the routes exactly, the
+/// output within the products' bound.
+#[test]
+fn moe_block_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(23);
+    let (h, ff, ne, ku, ffs) = (2560usize, 640usize, 64usize, 8usize, 640usize);
+    let q2 = GgmlType::Q2_0;
+    let blocks =
+        |ty: GgmlType, n: usize, rng: &mut Rng| weight_blocks(ty, n / ty.block_size(), rng.u64());
+    let router = rng.f32_vec(ne * h, 0.02);
+    let gi = rng.f32_vec(h, 0.02);
+    let (eg, eu, ed) = (
+        blocks(q2, ne * ff * h, &mut rng),
+        blocks(q2, ne * ff * h, &mut rng),
+        blocks(q2, ne * h * ff, &mut rng),
+    );
+    let (sg, su, sd) = (
+        blocks(q2, ffs * h, &mut rng),
+        blocks(q2, ffs * h, &mut rng),
+        blocks(GgmlType::Q8_0, h * ffs, &mut rng),
+    );
+    let (h6, f6, e6, fs6) = (h as u64, ff as u64, ne as u64, ffs as u64);
+    let w = weights(vec![
+        ("router", vec![h6, e6], GgmlType::BF16, bf16_bytes(&router)),
+        ("gi", vec![h6, 1], GgmlType::BF16, bf16_bytes(&gi)),
+        ("eg", vec![h6, f6, e6], q2, eg.clone()),
+        ("eu", vec![h6, f6, e6], q2, eu.clone()),
+        ("ed", vec![f6, h6, e6], q2, ed.clone()),
+        ("sg", vec![h6, fs6], q2, sg.clone()),
+        ("su", vec![h6, fs6], q2, su.clone()),
+        ("sd", vec![fs6, h6], GgmlType::Q8_0, sd.clone()),
+    ]);
+    let dw = |ty, b: &[u8], rows, k, n| DevWeight::upload(g, ty, b, rows, k, n).unwrap();
+    let l = m::MoeLayerDev {
+        router: dw(GgmlType::BF16, &bf16_bytes(&router), ne, h, 1),
+        experts: m::ExpertsDev {
+            gate: dw(q2, &eg, ff, h, ne),
+            up: dw(q2, &eu, ff, h, ne),
+            down: dw(q2, &ed, h, ff, ne),
+        },
+        n_used: ku,
+        gate_sh: dw(q2, &sg, ffs, h, 1),
+        up_sh: dw(q2, &su, ffs, h, 1),
+        down_sh: dw(GgmlType::Q8_0, &sd, h, ffs, 1),
+        gate_inp_sh: dw(GgmlType::BF16, &bf16_bytes(&gi), 1, h, 1),
+    };
+    for nt in [1usize, 5, 11] {
+        let x = tame(rng.f32_vec_special(nt * h, 1.0));
+        let xb = buf(nt, h, &x);
+        let [logits, gs, us, gate] = be
+            .matmuls([&w["router"], &w["sg"], &w["su"], &w["gi"]], &xb)
+            .unwrap();
+        let routes = be.route(&logits, ku).unwrap();
+        let mut y = be
+            .moe_experts(
+                &ExpertWeights {
+                    gate: &w["eg"],
+                    up: &w["eu"],
+                    down: &w["ed"],
+                },
+                &xb,
+                &routes,
+            )
+            .unwrap();
+        let shared = be.matmul(&w["sd"], &be.swiglu(&gs, &us).unwrap()).unwrap();
+        be.add_sigmoid_gated(&mut y, &shared, &gate).unwrap();
+        let mut s = m::MoeLayerScratch::new(g, &l, nt).unwrap();
+        let mut err = g.zeros::<u32>(1).unwrap();
+        let dx = up(g, &x);
+        let mut out = g.zeros::<f32>(nt * h).unwrap();
+        let mut out2 = g.zeros::<f32>(nt * h).unwrap();
+        m::moe_layer(g, &l, &dx, &mut s, false, &mut out, &mut err).unwrap();
+        let ids = g.download(&s.ids).unwrap();
+        m::moe_layer(g, &l, &dx, &mut s, true, &mut out2, &mut err).unwrap();
+        assert_eq!(g.download(&err).unwrap(), vec![0]);
+        let want_ids: Vec<i32> = routes
+            .0
+            .iter()
+            .flat_map(|r| r.iter().map(|&(e, _)| e as i32))
+            .collect();
+        assert_eq!(ids, want_ids, "routes of {nt} rows");
+        let got = down(g, &out);
+        bitwise(
+            &format!("moe block {nt} rows: grouped vs decode"),
+            &down(g, &out2),
+            &got,
+        );
+        within(
+            &format!("moe block {nt} rows vs CPU"),
+            &got,
+            y.as_slice(),
+            row_rel(y.as_slice(), h, 2e-3),
+        );
+    }
+}
