@@ -119,3 +119,119 @@ __device__ __forceinline__ void gdn_step_t(const float* qkv, const float* z, con
 GDN_STEP(128, 128)
 GDN_STEP(64, 64)
 GDN_STEP(32, 32)
+
+// ---- chunked form (prefill) ---------------------------------------------------------------------
+// The same recurrence over chunks of C = 16 rows in the WY form: with G_t the cumulative log
+// decay in the chunk (γ_t = exp(G_t)), S0 the state at the chunk's start and
+//   u_t = β_t (v_t − γ_t k_t·S0 − Σ_{s<t} e^{G_t−G_s} (k_t·k_s) u_s)      (a triangular solve),
+//   o_t = γ_t q_t·S0 + Σ_{s≤t} e^{G_t−G_s} (q_t·k_s) u_s,
+//   S_C = γ_C S0 + Σ_s e^{G_C−G_s} k_s u_s^T,
+// the syncs and serial sums come once a chunk instead of once a row. The q/k normalisation and
+// the output norm and gate are the sequential kernel's, in its order; the decays are products
+// of exponentials there and exponentials of sums here, and the sums are reassociated: within a
+// stated bound of the sequential (exact) mode, not its bits. DK = DV = 128, 128 threads.
+#define GC 16
+extern "C" __global__ void __launch_bounds__(128)
+gdn_chunk_128(const float* qkv, const float* z, const float* alpha, const float* beta, const float* ssm_a,
+              const float* dt_bias, const float* norm, float* state, float* out, int n, int nk, int nv, float eps) {
+    constexpr int DK = 128, DV = 128;
+    __shared__ float qs[GC][DK], ks[GC][DK], os[GC][DV];
+    __shared__ float kk[GC][GC + 1], qk[GC][GC + 1];
+    __shared__ float G[GC], bt[GC], scq[GC], sck[GC], sco[GC];
+    const int h = blockIdx.x, j = threadIdx.x, g = h % nk;
+    const int conv_dim = 2 * nk * DK + nv * DV;
+    float* sp = state + (size_t)h * DK * DV + j;
+    float s[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) s[i] = sp[(size_t)i * DV];
+    const float qscale = 1.0f / sqrtf((float)DK);
+    for (int t0 = 0; t0 < n; t0 += GC) {
+        const int cn = min(GC, n - t0);
+        for (int t = 0; t < GC; ++t) {
+            const float* row = qkv + (size_t)(t0 + t) * conv_dim;
+            qs[t][j] = t < cn ? row[g * DK + j] : 0.f;
+            ks[t][j] = t < cn ? row[nk * DK + g * DK + j] : 0.f;
+        }
+        __syncthreads();
+        if (j < GC) {
+            float a = -0.0f, b = -0.0f;
+            for (int i = 0; i < DK; ++i) a += qs[j][i] * qs[j][i];
+            for (int i = 0; i < DK; ++i) b += ks[j][i] * ks[j][i];
+            scq[j] = 1.0f / sqrtf(a + 1e-6f);
+            sck[j] = 1.0f / sqrtf(b + 1e-6f);
+            if (j < cn) {
+                bt[j] = g_sigmoid(beta[(size_t)(t0 + j) * nv + h]);
+                G[j] = ssm_a[h] * g_softplus(alpha[(size_t)(t0 + j) * nv + h] + dt_bias[h]);
+            } else {
+                bt[j] = 0.f;
+                G[j] = 0.f;
+            }
+        }
+        __syncthreads();
+        if (j == 0)
+            for (int t = 1; t < GC; ++t) G[t] += G[t - 1];
+        for (int t = 0; t < GC; ++t) {
+            qs[t][j] = (qs[t][j] * scq[t]) * qscale;
+            ks[t][j] = ks[t][j] * sck[t];
+        }
+        __syncthreads();
+        // Decayed Gram matrices (each thread two of the 2·GC·GC entries).
+        for (int e = j; e < 2 * GC * GC; e += 128) {
+            const int which = e / (GC * GC), t = (e / GC) % GC, u = e % GC;
+            const float* a = which ? qs[t] : ks[t];
+            float acc = 0.f;
+            for (int i = 0; i < DK; ++i) acc += a[i] * ks[u][i];
+            const bool live = which ? (u <= t) : (u < t);
+            const float d = live ? expf(G[t] - G[u]) : 0.f;
+            if (which) qk[t][u] = d * acc;
+            else kk[t][u] = d * acc;
+        }
+        __syncthreads();
+        float uu[GC];
+#pragma unroll
+        for (int t = 0; t < GC; ++t) {
+            float w = 0.f, qw = 0.f;
+#pragma unroll
+            for (int i = 0; i < DK; ++i) {
+                w += ks[t][i] * s[i];
+                qw += qs[t][i] * s[i];
+            }
+            const float gt = expf(G[t]);
+            float acc = gt * w;
+#pragma unroll
+            for (int u = 0; u < t; ++u) acc += kk[t][u] * uu[u];
+            const float vj = t < cn ? qkv[(size_t)(t0 + t) * conv_dim + 2 * nk * DK + h * DV + j] : 0.f;
+            uu[t] = t < cn ? bt[t] * (vj - acc) : 0.f;
+            float o = gt * qw;
+#pragma unroll
+            for (int u = 0; u <= t; ++u) o += qk[t][u] * uu[u];
+            os[t][j] = o;
+        }
+        __syncthreads();
+        if (j < cn) {
+            float ss = -0.0f;
+            for (int i = 0; i < DV; ++i) ss += os[j][i] * os[j][i];
+            sco[j] = 1.0f / sqrtf(ss / (float)DV + eps);
+        }
+        __syncthreads();
+        for (int t = 0; t < cn; ++t) {
+            const size_t at = (size_t)(t0 + t) * nv * DV + h * DV + j;
+            out[at] = ((os[t][j] * sco[t]) * norm[j]) * g_sigmoid(z[at]);
+        }
+        const float gl = G[cn - 1];
+        const float gC = expf(gl);
+        float ds[GC];
+#pragma unroll
+        for (int u = 0; u < GC; ++u) ds[u] = u < cn ? expf(gl - G[u]) * uu[u] : 0.f;
+#pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            float acc = gC * s[i];
+#pragma unroll
+            for (int u = 0; u < GC; ++u) acc += ks[u][i] * ds[u];
+            s[i] = acc;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < DK; ++i) sp[(size_t)i * DV] = s[i];
+}

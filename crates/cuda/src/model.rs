@@ -729,6 +729,51 @@ pub fn gdn_step(
     )
 }
 
+/// [`gdn_step`] in the chunked (WY) form over chunks of 16 rows, for prefill: within a stated
+/// bound of the sequential form (which stays the exact mode). `head_k = head_v = 128` only.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_step_chunked(
+    gpu: &Gpu,
+    p: &GdnDev,
+    qkv: &CudaSlice<f32>,
+    z: &CudaSlice<f32>,
+    alpha: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let k = "gdn_step_chunked";
+    let d = p.dims;
+    let (nk, nv) = (d.n_k_heads, d.n_v_heads);
+    if nk == 0 || !nv.is_multiple_of(nk) || d.head_k != 128 || d.head_v != 128 {
+        return Err(bad(
+            k,
+            format!("{d:?}: the chunked kernel takes heads of 128"),
+        ));
+    }
+    need(k, "qkv", qkv.len(), n * d.conv_dim())?;
+    need(k, "z", z.len(), n * d.value_dim())?;
+    need(k, "alpha", alpha.len(), n * nv)?;
+    need(k, "beta", beta.len(), n * nv)?;
+    need(k, "ssm_a", p.ssm_a.len(), nv)?;
+    need(k, "dt_bias", p.dt_bias.len(), nv)?;
+    need(k, "norm", p.norm.len(), 128)?;
+    need(k, "state", state.len(), nv * 128 * 128)?;
+    need(k, "out", out.len(), n * d.value_dim())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (ni, nki, nvi) = (i32_of(k, n)?, i32_of(k, nk)?, i32_of(k, nv)?);
+    launch!(
+        gpu,
+        "gdn",
+        "gdn_chunk_128",
+        cfg(nv as u32, 128),
+        [qkv, z, alpha, beta, &p.ssm_a, &p.dt_bias, &p.norm, state, out, &ni, &nki, &nvi, &p.eps]
+    )
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 /// `store[pos[r]] = x[r]` for `n` rows of `cols` into a store of `cap` rows, rounded through F16
