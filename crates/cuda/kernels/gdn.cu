@@ -135,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(128)
 gdn_chunk_128(const float* qkv, const float* z, const float* alpha, const float* beta, const float* ssm_a,
               const float* dt_bias, const float* norm, float* state, float* out, int n, int nk, int nv, float eps) {
     constexpr int DK = 128, DV = 128;
-    __shared__ float qs[GC][DK], ks[GC][DK], os[GC][DV];
+    __shared__ float qs[GC][DK + 1], ks[GC][DK + 1], os[GC][DV];  // +1: the Gram loop reads rows
     __shared__ float kk[GC][GC + 1], qk[GC][GC + 1];
     __shared__ float G[GC], bt[GC], scq[GC], sck[GC], sco[GC];
     const int h = blockIdx.x, j = threadIdx.x, g = h % nk;
@@ -234,4 +234,104 @@ gdn_chunk_128(const float* qkv, const float* z, const float* alpha, const float*
     }
 #pragma unroll
     for (int i = 0; i < DK; ++i) sp[(size_t)i * DV] = s[i];
+}
+
+// ---- the recurrent step spread over columns (prefill; bitwise gdn_step_*) ---------------------------
+// The state's columns evolve independently given q̂, k̂, β and the decay; only the output norm
+// couples them. So: gdn_prep normalises q/k and computes β and the decay per (row, head) with
+// gdn_step's expressions in its order; gdn_scan runs one warp per 32 columns of a head (no
+// block syncs), each lane the fused kernel's column loop; gdn_out applies the output RMS norm
+// (sequential sum) and the gate. Every value is bitwise the fused kernel's.
+
+// Grid (n, nk), DK threads: qn/kn [n][nk][DK]; bd [n][nv][2] = (β, decay) from the g = 0 blocks.
+extern "C" __global__ void __launch_bounds__(128)
+gdn_prep(const float* qkv, const float* alpha, const float* beta, const float* ssm_a, const float* dt_bias, float* qn,
+         float* kn, float* bd, int nk, int nv, int dk, int dv) {
+    __shared__ float qs[256], ks[256], sc[2];
+    const int t = blockIdx.x, g = blockIdx.y, i = threadIdx.x;
+    const int conv_dim = 2 * nk * dk + nv * dv;
+    const float* row = qkv + (size_t)t * conv_dim;
+    for (int e = i; e < dk; e += blockDim.x) {
+        qs[e] = row[g * dk + e];
+        ks[e] = row[nk * dk + g * dk + e];
+    }
+    __syncthreads();
+    if (i < 2) {
+        const float* v = i == 0 ? qs : ks;
+        float ss = -0.0f;
+        for (int e = 0; e < dk; ++e) ss += v[e] * v[e];
+        sc[i] = 1.0f / sqrtf(ss + 1e-6f);
+    }
+    __syncthreads();
+    const float qscale = 1.0f / sqrtf((float)dk);
+    for (int e = i; e < dk; e += blockDim.x) {
+        qn[((size_t)t * nk + g) * dk + e] = (qs[e] * sc[0]) * qscale;
+        kn[((size_t)t * nk + g) * dk + e] = ks[e] * sc[1];
+    }
+    if (g == 0)
+        for (int h = i; h < nv; h += blockDim.x) {
+            bd[((size_t)t * nv + h) * 2] = g_sigmoid(beta[(size_t)t * nv + h]);
+            bd[((size_t)t * nv + h) * 2 + 1] = expf(ssm_a[h] * g_softplus(alpha[(size_t)t * nv + h] + dt_bias[h]));
+        }
+}
+
+// Grid (nv, dv/32), 32 threads: lane = column j of head h; oraw [n][nv·dv] before the norm.
+template <int DK>
+__device__ __forceinline__ void gdn_scan_t(const float* qn, const float* kn, const float* bd, const float* qkv,
+                                           float* state, float* oraw, int n, int nk, int nv, int dv) {
+    const int h = blockIdx.x, j = blockIdx.y * 32 + threadIdx.x, g = h % nk;
+    const int conv_dim = 2 * nk * DK + nv * dv;
+    float* sp = state + (size_t)h * DK * dv + j;
+    float s[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) s[i] = sp[(size_t)i * dv];
+    for (int t = 0; t < n; ++t) {
+        const float* kq = kn + ((size_t)t * nk + g) * DK;
+        const float* qq = qn + ((size_t)t * nk + g) * DK;
+        const float bt = bd[((size_t)t * nv + h) * 2], decay = bd[((size_t)t * nv + h) * 2 + 1];
+        const float vj = qkv[(size_t)t * conv_dim + 2 * nk * DK + h * dv + j];
+        float kS = 0.f;
+#pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            s[i] *= decay;
+            kS += kq[i] * s[i];
+        }
+        const float delta = bt * (vj - kS);
+        float o = 0.f;
+#pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            s[i] += kq[i] * delta;
+            o += qq[i] * s[i];
+        }
+        oraw[(size_t)t * nv * dv + h * dv + j] = o;
+    }
+#pragma unroll
+    for (int i = 0; i < DK; ++i) sp[(size_t)i * dv] = s[i];
+}
+
+#define GDN_SCAN(DK)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(32)                                                   \
+    gdn_scan_##DK(const float* qn, const float* kn, const float* bd, const float* qkv, float* state,   \
+                  float* oraw, int n, int nk, int nv, int dv) {                                        \
+        gdn_scan_t<DK>(qn, kn, bd, qkv, state, oraw, n, nk, nv, dv);                                   \
+    }
+GDN_SCAN(128)
+GDN_SCAN(64)
+GDN_SCAN(32)
+
+// Grid (n·nv), dv threads: out = ((o · rms(o)) · w) · σ(z), the sum of squares in order.
+extern "C" __global__ void __launch_bounds__(256)
+gdn_out(const float* oraw, const float* z, const float* norm, float* out, int dv, float eps) {
+    __shared__ float os[256];
+    __shared__ float sc;
+    const size_t base = (size_t)blockIdx.x * dv;
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) os[j] = oraw[base + j];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float ss = -0.0f;
+        for (int i = 0; i < dv; ++i) ss += os[i] * os[i];
+        sc = 1.0f / sqrtf(ss / (float)dv + eps);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) out[base + j] = ((os[j] * sc) * norm[j]) * g_sigmoid(z[base + j]);
 }

@@ -729,6 +729,119 @@ pub fn gdn_step(
     )
 }
 
+/// Scratch of [`gdn_step_scan`] for up to `rows` rows: normalised q/k, (β, decay), the output
+/// before its norm.
+pub struct GdnScratch {
+    pub rows: usize,
+    qn: CudaSlice<f32>,
+    kn: CudaSlice<f32>,
+    bd: CudaSlice<f32>,
+    oraw: CudaSlice<f32>,
+}
+
+impl GdnScratch {
+    pub fn new(gpu: &Gpu, dims: GdnDims, rows: usize) -> Result<GdnScratch, CudaError> {
+        Ok(GdnScratch {
+            rows,
+            qn: gpu.zeros(rows * dims.key_dim())?,
+            kn: gpu.zeros(rows * dims.key_dim())?,
+            bd: gpu.zeros(rows * dims.n_v_heads * 2)?,
+            oraw: gpu.zeros(rows * dims.value_dim())?,
+        })
+    }
+}
+
+/// [`gdn_step`] spread over the state's columns (one warp per 32 columns of a head, no block
+/// syncs in the row loop), for prefill: three launches (prep, scan, output norm), every value
+/// bitwise [`gdn_step`]'s.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_step_scan(
+    gpu: &Gpu,
+    p: &GdnDev,
+    qkv: &CudaSlice<f32>,
+    z: &CudaSlice<f32>,
+    alpha: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    n: usize,
+    s: &mut GdnScratch,
+) -> Result<(), CudaError> {
+    let k = "gdn_step_scan";
+    let d = p.dims;
+    let (nk, nv, dk, dv) = (d.n_k_heads, d.n_v_heads, d.head_k, d.head_v);
+    if nk == 0
+        || !nv.is_multiple_of(nk)
+        || !matches!(dk, 32 | 64 | 128)
+        || dv == 0
+        || dv > 256
+        || !dv.is_multiple_of(32)
+        || n > s.rows
+    {
+        return Err(bad(
+            k,
+            format!(
+                "{d:?}, {n} rows of {}: head_k in 32, 64, 128; head_v a multiple of 32 up to 256",
+                s.rows
+            ),
+        ));
+    }
+    need(k, "qkv", qkv.len(), n * d.conv_dim())?;
+    need(k, "z", z.len(), n * d.value_dim())?;
+    need(k, "alpha", alpha.len(), n * nv)?;
+    need(k, "beta", beta.len(), n * nv)?;
+    need(k, "ssm_a", p.ssm_a.len(), nv)?;
+    need(k, "dt_bias", p.dt_bias.len(), nv)?;
+    need(k, "norm", p.norm.len(), dv)?;
+    need(k, "state", state.len(), nv * dk * dv)?;
+    need(k, "out", out.len(), n * d.value_dim())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (ni, nki, nvi, dki, dvi) = (
+        i32_of(k, n)?,
+        i32_of(k, nk)?,
+        i32_of(k, nv)?,
+        i32_of(k, dk)?,
+        i32_of(k, dv)?,
+    );
+    launch!(
+        gpu,
+        "gdn",
+        "gdn_prep",
+        cfg2(n as u32, nk as u32, 128),
+        [
+            qkv, alpha, beta, &p.ssm_a, &p.dt_bias, &mut s.qn, &mut s.kn, &mut s.bd, &nki, &nvi,
+            &dki, &dvi
+        ]
+    )?;
+    launch!(
+        gpu,
+        "gdn",
+        format!("gdn_scan_{dk}"),
+        cfg2(nv as u32, (dv / 32) as u32, 32),
+        [
+            &s.qn,
+            &s.kn,
+            &s.bd,
+            qkv,
+            state,
+            &mut s.oraw,
+            &ni,
+            &nki,
+            &nvi,
+            &dvi
+        ]
+    )?;
+    launch!(
+        gpu,
+        "gdn",
+        "gdn_out",
+        cfg((n * nv) as u32, dv as u32),
+        [&s.oraw, z, &p.norm, out, &dvi, &p.eps]
+    )
+}
+
 /// [`gdn_step`] in the chunked (WY) form over chunks of 16 rows, for prefill: within a stated
 /// bound of the sequential form (which stays the exact mode). `head_k = head_v = 128` only.
 #[allow(clippy::too_many_arguments)]

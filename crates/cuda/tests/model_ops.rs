@@ -879,6 +879,8 @@ fn conv_and_gdn_match_cpu() {
     let ss = nv * dims.head_k * dims.head_v;
     let mut state = buf(nv, dims.head_k * dims.head_v, &vec![0f32; ss]);
     let mut ds = g.zeros::<f32>(ss).unwrap();
+    let mut dscan = g.zeros::<f32>(ss).unwrap();
+    let mut gsc = m::GdnScratch::new(g, dims, 11).unwrap();
     for n in [1usize, 3, 8, 11] {
         let qkv = rng.f32_vec_special(n * dims.conv_dim(), 1.0);
         let z = rng.f32_vec_special(n * dims.value_dim(), 1.0);
@@ -925,6 +927,18 @@ fn conv_and_gdn_match_cpu() {
             &format!("gdn state after {n} rows vs single steps"),
             &down(g, &ds),
             &down(g, &ds1),
+        );
+        // The column-spread form (prep, scan, norm) on the same rows: bitwise too.
+        let mut o3 = g.zeros::<f32>(n * vd).unwrap();
+        m::gdn_step_scan(
+            g, &dev, &dq, &dz, &da, &db, &mut dscan, &mut o3, n, &mut gsc,
+        )
+        .unwrap();
+        bitwise(&format!("gdn scan {n} rows vs fused"), &down(g, &o3), &got);
+        bitwise(
+            &format!("gdn scan state after {n} rows vs fused"),
+            &down(g, &dscan),
+            &down(g, &ds),
         );
         // Against the CPU: the device's expf in β, the decay and σ(z), compounding through the
         // state: 2e-4 of the row's (the state's) largest magnitude.
@@ -1459,6 +1473,15 @@ fn model_op_timings() {
     time("gdn_step 512 rows (sequential exact mode)", &mut || {
         m::gdn_step(g, &dev, &qkv5, &z5, &al5, &bt5, &mut st, &mut o5, 512)
     });
+    let mut gs = m::GdnScratch::new(g, dims, 512).unwrap();
+    time("gdn_step_scan 512 rows (3 launches)", &mut || {
+        m::gdn_step_scan(
+            g, &dev, &qkv5, &z5, &al5, &bt5, &mut st, &mut o5, 512, &mut gs,
+        )
+    });
+    time("gdn_step_scan 1 row (3 launches)", &mut || {
+        m::gdn_step_scan(g, &dev, &qkv, &z, &al, &bt, &mut st, &mut o, 1, &mut gs)
+    });
     time("gdn_step_chunked 512 rows (chunks of 16)", &mut || {
         m::gdn_step_chunked(g, &dev, &qkv5, &z5, &al5, &bt5, &mut st, &mut o5, 512)
     });
@@ -1810,6 +1833,7 @@ fn gdn_chunked_matches_sequential() {
     let mut state = buf(nv, 128 * 128, &vec![0f32; ss]);
     let mut sseq = g.zeros::<f32>(ss).unwrap();
     let mut schk = g.zeros::<f32>(ss).unwrap();
+    let mut sscan = g.zeros::<f32>(ss).unwrap();
     let vd = dims.value_dim();
     for n in [1usize, 17, 40, 64] {
         let qkv = rng.f32_vec(n * dims.conv_dim(), 1.0);
@@ -1832,6 +1856,20 @@ fn gdn_chunked_matches_sequential() {
             )
             .unwrap();
         let (r1, r2) = (down(g, &o1), down(g, &o2));
+        // The column-spread form: bitwise the fused kernel, outputs and state.
+        let mut o3 = g.zeros::<f32>(n * vd).unwrap();
+        let mut gs = m::GdnScratch::new(g, dims, n).unwrap();
+        m::gdn_step_scan(g, &dev, &dq, &dz, &da, &db, &mut sscan, &mut o3, n, &mut gs).unwrap();
+        bitwise(
+            &format!("gdn scan out, {n} rows vs fused"),
+            &down(g, &o3),
+            &r1,
+        );
+        bitwise(
+            &format!("gdn scan state after {n} rows vs fused"),
+            &down(g, &sscan),
+            &down(g, &sseq),
+        );
         // Reassociated sums and exp-of-sums for products of exps: 1e-4 of the row's (state's)
         // largest magnitude against the sequential form, 2e-4 against the CPU.
         within(
