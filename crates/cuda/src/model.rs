@@ -80,6 +80,10 @@ pub fn rms_norm(
     }
     need(k, "x", x.len(), rows * cols)?;
     need(k, "out", out.len(), rows * cols)?;
+    if rows == 0 {
+        // A grid of no blocks is no launch (cfg would round it up to one).
+        return Ok(());
+    }
     let (c, g, wl) = (i32_of(k, cols)?, i32_of(k, group)?, i32_of(k, w.len())?);
     launch!(
         gpu,
@@ -352,6 +356,9 @@ pub fn ple_gate(
     need(kn, "q", q.len(), rows * streams * h)?;
     need(kn, "v", v.len(), rows * h)?;
     need(kn, "out", out.len(), rows * streams * h)?;
+    if rows * streams == 0 {
+        return Ok(());
+    }
     let (hh, s) = (i32_of(kn, h)?, i32_of(kn, streams)?);
     launch!(
         gpu,
@@ -582,6 +589,9 @@ pub fn hc_mix(
         ));
     }
     need(k, "u", u.len(), rows * h)?;
+    if rows == 0 {
+        return Ok(());
+    }
     let inv_s = 1.0 / st as f32;
     rms_norm(gpu, x, &hc.norm, &mut s.xn, rows, sh, h, hc.eps)?;
     prepare(gpu, &hc.down, &s.xn, rows, &mut s.xq)?;
@@ -1723,6 +1733,9 @@ pub fn moe_layer(
     }
     need(k, "x", x.len(), nt * h)?;
     need(k, "out", out.len(), nt * h)?;
+    if nt == 0 {
+        return Ok(());
+    }
     prepare(gpu, &l.router, x, nt, &mut s.xr)?;
     product(gpu, &l.router, &s.xr, nt, &mut s.logits)?;
     ops::route(
