@@ -132,6 +132,140 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
     }
 }
 
+// ---- products beyond the GEMV window (each (weight row, activation row) dot has gemv_base's
+// order: lane l takes units l, l+32, …, then warp_sum — so every output equals the GEMV's bit
+// for bit, whatever the batch, the tile or the expert grouping) ------------------------------
+
+// matmul: y[t][r] = W[r]·x_t for any number of activation rows. Grid (rows/4, nt/8): four warps a
+// block, one weight row a warp, eight activation rows a tile, each weight unit decoded once per
+// tile. A correct tiled kernel for prefill-sized batches (tensor cores are a later variant).
+template <int T>
+__device__ __forceinline__ void matmul_t(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
+                                         u64 xrb) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * 8;
+    if (r >= rows || t0 >= nt) return;
+    const int tn = min(8, nt - t0);
+    const u8* wr = w + (size_t)r * wrb;
+    const u8* xt = x + (size_t)t0 * xrb;
+    float acc[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) acc[t] = 0.f;
+    const int units = k / 32;
+    for (int u = lane; u < units; u += 32) {
+        if constexpr (T == T_BF16) {
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+                if (t < tn) acc[t] += unit_dot<T>(wr, xt + (size_t)t * xrb, u, global_tables());
+        } else {
+            const DecUnit du = decode_for_dot<T>(wr, u, global_tables());
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+                if (t < tn) acc[t] += dot_decoded<T>(du, xt + (size_t)t * xrb, u);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && t < tn) y[(size_t)(t0 + t) * rows + r] = dot_post<T>(s);
+    }
+}
+
+// One (activation row, slot) pair q against expert ids[q]'s slab (w + e·slab_bytes): the row's
+// k experts of a decode step in one launch. The activation row is x[q] (x_per_slot: the down
+// product's per-slot inputs) or x[q / kslots] (gate/up: one input per token). An expert id
+// outside 0..n_expert sets *err and gives NaN outputs.
+template <int T>
+__device__ __forceinline__ float pair_dot(const u8* wr, const u8* xr, int k) {
+    const int lane = threadIdx.x & 31;
+    float acc = 0.f;
+    for (int u = lane; u < k / 32; u += 32) acc += unit_dot<T>(wr, xr, u, global_tables());
+    return dot_post<T>(warp_sum(acc));
+}
+
+template <int T>
+__device__ __forceinline__ void moe_gemv_t(const u8* w, u64 slab_bytes, const int* ids, int n_expert, const u8* x,
+                                           int x_per_slot, int kslots, float* y, int rows, int k, u64 wrb, u64 xrb,
+                                           u32* err) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int q = blockIdx.y;
+    if (r >= rows) return;
+    const int e = ids[q];
+    if (e < 0 || e >= n_expert) {
+        if (lane == 0) {
+            atomicOr(err, 2u);
+            y[(size_t)q * rows + r] = __int_as_float(0x7fc00000);
+        }
+        return;
+    }
+    const u8* wr = w + (size_t)e * slab_bytes + (size_t)r * wrb;
+    const u8* xr = x + (size_t)(x_per_slot ? q : q / kslots) * xrb;
+    const float s = pair_dot<T>(wr, xr, k);
+    if (lane == 0) y[(size_t)q * rows + r] = s;
+}
+
+// Prefill grouped by expert: tile i = (expert, start, count ≤ 8) of the expert-sorted pair list
+// `perm` (moe.cu moe_group); each weight unit decoded once per tile. Grid (rows/4, max_tiles);
+// tiles past *n_tiles exit (the bound is the step's shape, the count the device's).
+template <int T>
+__device__ __forceinline__ void moe_matmul_t(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,
+                                             const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,
+                                             int rows, int k, u64 wrb, u64 xrb) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const u32 tile = blockIdx.y;
+    if (r >= rows || tile >= *n_tiles) return;
+    const int e = tiles[3 * tile], start = tiles[3 * tile + 1], tn = tiles[3 * tile + 2];
+    const u8* wr = w + (size_t)e * slab_bytes + (size_t)r * wrb;
+    u32 qs[8];
+    const u8* xs[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+        qs[t] = t < tn ? perm[start + t] : 0u;
+        xs[t] = x + (size_t)(x_per_slot ? qs[t] : qs[t] / kslots) * xrb;
+    }
+    float acc[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) acc[t] = 0.f;
+    for (int u = lane; u < k / 32; u += 32) {
+        if constexpr (T == T_BF16) {
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+                if (t < tn) acc[t] += unit_dot<T>(wr, xs[t], u, global_tables());
+        } else {
+            const DecUnit du = decode_for_dot<T>(wr, u, global_tables());
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+                if (t < tn) acc[t] += dot_decoded<T>(du, xs[t], u);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && t < tn) y[(size_t)qs[t] * rows + r] = dot_post<T>(s);
+    }
+}
+
+#define PRODUCTS(T, NAME)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+    matmul_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) { \
+        matmul_t<T>(w, x, y, rows, k, nt, wrb, xrb);                                           \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+    moe_gemv_##NAME(const u8* w, u64 slab_bytes, const int* ids, int n_expert, const u8* x,    \
+                    int x_per_slot, int kslots, float* y, int rows, int k, u64 wrb, u64 xrb,   \
+                    u32* err) {                                                                \
+        moe_gemv_t<T>(w, slab_bytes, ids, n_expert, x, x_per_slot, kslots, y, rows, k, wrb, xrb, err); \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+    moe_matmul_##NAME(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,       \
+                      const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,      \
+                      int rows, int k, u64 wrb, u64 xrb) {                                     \
+        moe_matmul_t<T>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb); \
+    }
+
 #define GEMV_BASE(T, NAME)                                                                     \
     extern "C" __global__ void __launch_bounds__(128)                                          \
     gemv_base_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,     \
@@ -147,6 +281,7 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
 // the nine compile in parallel at start.
 #define GEMV_ALL(T, NAME)                                                                      \
     GEMV_BASE(T, NAME)                                                                         \
+    PRODUCTS(T, NAME)                                                                          \
     GEMV_OPT1(T, NAME, 1) GEMV_OPT1(T, NAME, 2) GEMV_OPT1(T, NAME, 3) GEMV_OPT1(T, NAME, 4)    \
     GEMV_OPT1(T, NAME, 5) GEMV_OPT1(T, NAME, 6) GEMV_OPT1(T, NAME, 7) GEMV_OPT1(T, NAME, 8)
 
@@ -174,6 +309,25 @@ GEMV_ALL(T_IQ3_S, iq3_s)
 #if defined(GEMV_IQ3_XXS)
 GEMV_ALL(T_IQ3_XXS, iq3_xxs)
 #endif
+#if defined(GEMV_Q3_K)
+// Q3_K (the GDN attn_qkv of 18 layers): products only, no optimized GEMV yet (the model's
+// launcher runs the tiled kernel for every batch, gemv_base's order).
+GEMV_BASE(T_Q3_K, q3_k)
+PRODUCTS(T_Q3_K, q3_k)
+#endif
 #if defined(GEMV_BF16)
 GEMV_ALL(T_BF16, bf16)
+// The hyper-connection down / inject products (rows of 4·2560 = 10240), for the model's launcher
+// (strata_cuda::model::product); same order as gemv_base. (At K = 320, the up product, the
+// template keeps an 8-byte stack frame at nt = 6; that product runs the tiled kernel.)
+#define GEMV_OPT_K(T, NAME, K, NT)                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+    gemv_opt_##NAME##_k##K##_nt##NT(const u8* w, const u8* x, float* y, int rows) {            \
+        gemv_opt<T, K, NT>(w, x, y, rows);                                                     \
+    }
+#define GEMV_OPT_K_ALL(T, NAME, K)                                                             \
+    GEMV_OPT_K(T, NAME, K, 1) GEMV_OPT_K(T, NAME, K, 2) GEMV_OPT_K(T, NAME, K, 3)              \
+    GEMV_OPT_K(T, NAME, K, 4) GEMV_OPT_K(T, NAME, K, 5) GEMV_OPT_K(T, NAME, K, 6)              \
+    GEMV_OPT_K(T, NAME, K, 7) GEMV_OPT_K(T, NAME, K, 8)
+GEMV_OPT_K_ALL(T_BF16, bf16, 10240)
 #endif

@@ -235,6 +235,21 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
             if (T == T_Q5_K) v |= ((ld32a2(b + 16 + 4 * k) >> s) & 0x01010101u) << 4;
             d.w[k] = (int)v;
         }
+    } else if (T == T_Q3_K) {
+        // Unit s = groups 2s, 2s+1 of 16; element l of group g: 2 bits at 2(s&3) of
+        // qs[32(s>>2) + 16g + l], minus 4 unless bit s of hmask[16g + l]: -4..3 as bytes.
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int g = k >> 2, l0 = 4 * (k & 3);
+            const u32 qw = ld32a2(b + 32 + 32 * (s >> 2) + 16 * g + l0);
+            const u32 hw = ld32a2(b + 16 * g + l0);
+            const u32 lo = (qw >> (2 * (s & 3))) & 0x03030303u;
+            const u32 hb = ((hw >> s) & 0x01010101u) << 2;
+            d.w[k] = (int)__vsub4(lo | hb, 0x04040404u);
+        }
+        d.s0 = scale_q3_k(2 * s, b + 96);
+        d.s1 = scale_q3_k(2 * s + 1, b + 96);
+        d.f0 = ldf16(b + 108);
     } else if (T == T_Q6_K) {
         const int half = s >> 2, g = s & 3;
         const u8* ql = b + 64 * half + 32 * (g & 1);
@@ -308,6 +323,14 @@ __device__ __forceinline__ float dot_decoded(const DecUnit& d, const u8* x, int 
         const float dx = *(const float*)xb;
         const u32* xq = (const u32*)(xb + 4 + 32 * s);
         const i16* bs = (const i16*)(xb + 260 + 4 * s);
+        if (T == T_Q3_K) {
+            int ia = 0, ib = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) ia = dp4a(d.w[k], (int)xq[k], ia);
+#pragma unroll
+            for (int k = 4; k < 8; ++k) ib = dp4a(d.w[k], (int)xq[k], ib);
+            return (d.f0 * dx) * (float)(d.s0 * ia + d.s1 * ib);
+        }
         if (T == T_Q6_K) {
             int ia = 0, ib = 0;
 #pragma unroll

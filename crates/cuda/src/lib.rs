@@ -2,7 +2,9 @@
 //! device context and stream, the kernel modules (`kernels/*.cu`, compiled by NVRTC for the
 //! device's architecture at start and cached on disk), device buffers, event timing, and one
 //! launch function per catalogue op and variant. Kernel semantics are those of
-//! `strata_engine::kernels`; variant names come from its registry.
+//! `strata_engine::kernels`; variant names come from its registry. [`model`] holds the
+//! launchers of the model operations of both families (semantics: the CPU backend), the
+//! pieces a CUDA backend is assembled from.
 //!
 //! The crate builds and its tests pass on machines without CUDA: libraries are loaded at run
 //! time (cudarc's dynamic loading), their absence is looked for before cudarc is asked, and
@@ -29,6 +31,7 @@ pub enum CudaError {
 }
 
 pub mod device;
+pub mod model;
 pub mod ops;
 
 pub use device::{ensure_driver, Gpu, Graph, ModuleLoad};

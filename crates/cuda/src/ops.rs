@@ -25,7 +25,7 @@ fn optimized(op: &str, variant: &str) -> Result<bool, CudaError> {
     }
 }
 
-fn need(kernel: &str, what: &str, got: usize, want: usize) -> Result<(), CudaError> {
+pub(crate) fn need(kernel: &str, what: &str, got: usize, want: usize) -> Result<(), CudaError> {
     if got < want {
         return Err(CudaError::Launch {
             kernel: kernel.into(),
@@ -35,14 +35,14 @@ fn need(kernel: &str, what: &str, got: usize, want: usize) -> Result<(), CudaErr
     Ok(())
 }
 
-fn bad(kernel: &str, what: String) -> CudaError {
+pub(crate) fn bad(kernel: &str, what: String) -> CudaError {
     CudaError::Launch {
         kernel: kernel.into(),
         what,
     }
 }
 
-fn fmt_name(fmt: ActFmt) -> &'static str {
+pub(crate) fn fmt_name(fmt: ActFmt) -> &'static str {
     match fmt {
         ActFmt::F32 => "f32",
         ActFmt::Bf16 => "bf16",
@@ -51,7 +51,7 @@ fn fmt_name(fmt: ActFmt) -> &'static str {
     }
 }
 
-fn i32_of(kernel: &str, v: usize) -> Result<i32, CudaError> {
+pub(crate) fn i32_of(kernel: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| {
         bad(
             kernel,
@@ -69,9 +69,10 @@ macro_rules! launch {
         // SAFETY: the argument list matches the kernel's parameter list in kernels/*.cu, and
         // the caller checked that every buffer covers what the launch reads and writes.
         unsafe { b.launch($cfg) }.map_err(|e| CudaError::Launch { kernel: name.to_string(), what: e.to_string() })?;
-        Ok(())
+        Ok::<(), CudaError>(())
     }};
 }
+pub(crate) use launch;
 
 /// `rms_xprep`: `nt` rows of `n` in `x`, weight `w` (`n`), image in `fmt` to `out`.
 #[allow(clippy::too_many_arguments)]

@@ -39,7 +39,8 @@ const fn m(
     }
 }
 
-/// Every module, in load order. `gemv_<type>` holds the GEMV kernels of one weight type.
+/// Every module, in load order. `gemv_<type>` holds the GEMV kernels of one weight type and its
+/// products beyond the GEMV window (matmul, the MoE expert products).
 pub const MODULES: &[Module] = &[
     m(
         "norm",
@@ -69,6 +70,34 @@ pub const MODULES: &[Module] = &[
         false,
         None,
     ),
+    m(
+        "elem",
+        "elem.cu",
+        include_str!("../kernels/elem.cu"),
+        false,
+        None,
+    ),
+    m(
+        "gdn",
+        "gdn.cu",
+        include_str!("../kernels/gdn.cu"),
+        false,
+        None,
+    ),
+    m(
+        "attn",
+        "attn.cu",
+        include_str!("../kernels/attn.cu"),
+        false,
+        None,
+    ),
+    m(
+        "moe",
+        "moe.cu",
+        include_str!("../kernels/moe.cu"),
+        false,
+        None,
+    ),
     m("gemv_q2_0", "gemv.cu", GEMV, true, Some("GEMV_Q2_0")),
     m("gemv_q8_0", "gemv.cu", GEMV, true, Some("GEMV_Q8_0")),
     m("gemv_q4_k", "gemv.cu", GEMV, true, Some("GEMV_Q4_K")),
@@ -78,6 +107,7 @@ pub const MODULES: &[Module] = &[
     m("gemv_iq3_s", "gemv.cu", GEMV, true, Some("GEMV_IQ3_S")),
     m("gemv_iq3_xxs", "gemv.cu", GEMV, true, Some("GEMV_IQ3_XXS")),
     m("gemv_bf16", "gemv.cu", GEMV, true, Some("GEMV_BF16")),
+    m("gemv_q3_k", "gemv.cu", GEMV, true, Some("GEMV_Q3_K")),
 ];
 
 /// The lookup tables as CUDA `__device__` arrays.

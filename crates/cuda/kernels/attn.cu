@@ -1,0 +1,564 @@
+// attn: the attention side of both families (cpu::{append_kv, qsa_pool_blocks, qsa_select,
+// attend, attend_causal}, ops::{attend_head, partial_sort_top_k}, attn::causal_head):
+//   kv_append       rows written into a fixed-capacity store at the rows' positions (F32, or F32
+//                   values rounded through F16 as an F16 cache holds them);
+//   qsa_pool        blocks completed by this step's rows: mean of `ratio` raw indexer keys, RMS
+//                   norm, rope at the block's first token, written to the block store;
+//   qsa_scores      Σ_h relu(<q_h, kb_b>)/sqrt(d) for every complete block (the CPU's sequential
+//                   sums: the scores, and hence the selections, are bitwise the CPU's);
+//   qsa_select_ref  top budget/ratio blocks (ties to the lower index) + the incomplete tail;
+//   qsa_select_llamacpp  llama.cpp's rule, libstdc++'s heap select ported as is (one thread a
+//                   row: exact, slow; the reference rule is the default);
+//   attend          softmax attention of each (row, head) over a token list or causally 0..=pos.
+//
+// Graph replay: positions come from a device buffer, and every length that follows from them
+// (tokens visible, blocks complete, tokens selected) is derived on the device; grids are sized
+// by the stores' capacities. A position outside a store sets bit 0 of `*err` (checked by the
+// host after the step) instead of writing out of bounds.
+
+#define ERR_CAPACITY 1u
+
+// ---- KV store ----------------------------------------------------------------------------------
+// store[pos[r]] = x[r] (rows of `cols`), rounded through F16 when `f16`.
+extern "C" __global__ void __launch_bounds__(256)
+kv_append_f32(float* store, u32 cap, const float* x, const u32* pos, int cols, int f16, u32* err) {
+    const int r = blockIdx.x;
+    const u32 p = pos[r];
+    if (p >= cap) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_CAPACITY);
+        return;
+    }
+    float* o = store + (size_t)p * cols;
+    const float* xr = x + (size_t)r * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = xr[i];
+        o[i] = f16 ? f16_to_f32(f32_to_f16(v)) : v;
+    }
+}
+
+// ---- QSA indexer blocks ------------------------------------------------------------------------
+// One 256-thread block per step row r: if row r completes block b ((pos+1) % ratio == 0), the
+// block's key is mean(kraw[b·ratio .. (b+1)·ratio]) (summed in order from +0, then / ratio), RMS
+// normed over d with `w` (the canonical block sum of elem.cu's rms_norm_f32), rotated at
+// position b·ratio (NeoX, `rot` dims, f64 `freqs`), written to blocks[b]. d ≤ 1024.
+extern "C" __global__ void __launch_bounds__(256)
+qsa_pool(const float* kraw, float* blocks, u32 cap_blocks, const u32* pos, int d, int ratio, const float* w,
+         float eps, const double* freqs, int rot, u32* err) {
+    __shared__ float sh[8];
+    __shared__ float pooled[1024];
+    const u32 p = pos[blockIdx.x];
+    if ((p + 1) % (u32)ratio != 0) return;
+    const u32 b = (p + 1) / ratio - 1;
+    if (b >= cap_blocks) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_CAPACITY);
+        return;
+    }
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < d; i += 256) {
+        float s = 0.f;
+        for (int rr = 0; rr < ratio; ++rr) s += kraw[((size_t)b * ratio + rr) * d + i];
+        s = s / (float)ratio;
+        pooled[i] = s;
+        acc += s * s;
+    }
+    const float sc = rms_scale(block_sum256(acc, sh), d, eps);
+    for (int i = threadIdx.x; i < d; i += 256) pooled[i] = (pooled[i] * sc) * w[i];
+    __syncthreads();
+    float* o = blocks + (size_t)b * d;
+    const int half = rot / 2;
+    for (int i = threadIdx.x; i < d; i += 256) {
+        if (i < half || (i >= half && i < rot)) {
+            const int k = i < half ? i : i - half;
+            const double a = (double)(b * (u32)ratio) * freqs[k];
+            const float c = (float)cos(a), s = (float)sin(a);
+            const float x0 = pooled[k], x1 = pooled[k + half];
+            o[i] = i < half ? x0 * c - x1 * s : x1 * c + x0 * s;
+        } else {
+            o[i] = pooled[i];
+        }
+    }
+}
+
+// scores[r][b] for b < nb = (pos[r]+1)/ratio, one thread a block: each head's dot in order from
+// -0.0 (Iterator::sum), relu (+0 for NaN and -0), heads summed in order from -0.0, times
+// 1/sqrt(d). The block keys are staged through shared memory 32 dims at a time (coalesced
+// loads; each thread's sums still run over the dims in order). Grid: (cap_blocks / 256 rounded
+// up, rows); heads ≤ 8, heads·d ≤ 1024.
+extern "C" __global__ void __launch_bounds__(256)
+qsa_scores(const float* qi, const float* blocks, const u32* pos, float* scores, u32 cap_blocks, int heads, int d,
+           int ratio) {
+    __shared__ float qs[1024];
+    __shared__ float kt[256][33];
+    const int r = blockIdx.y;
+    const u32 nb = min((pos[r] + 1) / (u32)ratio, cap_blocks);
+    const u32 b0 = blockIdx.x * 256;
+    if (b0 >= nb) return;
+    const float* q = qi + (size_t)r * heads * d;
+    for (int i = threadIdx.x; i < heads * d; i += 256) qs[i] = q[i];
+    const u32 b = b0 + threadIdx.x;
+    float s[8];
+#pragma unroll
+    for (int h = 0; h < 8; ++h) s[h] = -0.0f;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        const int w = min(32, d - c0);
+        __syncthreads();
+        // Warp `warp` stages rows warp, warp + 8, …: 32 consecutive floats of a row per load.
+        for (int rr = warp; rr < 256; rr += 8) {
+            const u32 bb = b0 + rr;
+            if (lane < w) kt[rr][lane] = bb < nb ? blocks[(size_t)bb * d + c0 + lane] : 0.f;
+        }
+        __syncthreads();
+        for (int i = 0; i < w; ++i) {
+            const float kv = kt[threadIdx.x][i];
+#pragma unroll
+            for (int h = 0; h < 8; ++h)
+                if (h < heads) s[h] += qs[h * d + c0 + i] * kv;
+        }
+    }
+    if (b >= nb) return;
+    float tot = -0.0f;
+#pragma unroll
+    for (int h = 0; h < 8; ++h)
+        if (h < heads) tot += s[h] > 0.f ? s[h] : 0.f;
+    scores[(size_t)r * cap_blocks + b] = tot * (1.0f / sqrtf((float)d));
+}
+
+// Order-preserving map of float bits to unsigned (larger float, larger key).
+__device__ __forceinline__ u32 ord_key(float f) {
+    const u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum over a 1024-thread block; returns this thread's prefix, `total` the sum.
+__device__ __forceinline__ int block_scan1024(int v, int* sh, int& total) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(FULL_MASK, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) sh[w] = x;
+    __syncthreads();
+    if (w == 0) {
+        int s = sh[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(FULL_MASK, s, o);
+            if (lane >= o) s += y;
+        }
+        sh[lane] = s;  // inclusive over warps
+    }
+    __syncthreads();
+    total = sh[31];
+    return x - v + (w > 0 ? sh[w - 1] : 0);
+}
+
+// The reference rule for row r (one 1024-thread block a row): K = min(budget/ratio, nb) blocks
+// with the largest scores, ties to the lower index (a 4-pass radix select of the K-th largest
+// key, then the keys equal to it taken in index order), listed ascending as tokens, then the
+// tail nb·ratio ..= pos. sel[r] has room for `stride` tokens (≥ budget + ratio − 1); cnt[r] is
+// the number written.
+extern "C" __global__ void __launch_bounds__(1024)
+qsa_select_ref(const float* scores, const u32* pos, u32* sel, u32* cnt, u32 cap_blocks, int ratio, int budget,
+               int stride, u32* err) {
+    __shared__ u32 hist[256];
+    __shared__ int scan[32];
+    __shared__ u32 s_prefix, s_need;
+    const int r = blockIdx.x;
+    const u32 p = pos[r];
+    const u32 nb = (p + 1) / (u32)ratio;
+    const float* sc = scores + (size_t)r * cap_blocks;
+    u32* out = sel + (size_t)r * stride;
+    const u32 want = min((u32)(budget / ratio), nb);
+    const u32 total_tokens = want * ratio + (p + 1 - nb * ratio);
+    if (nb > cap_blocks || total_tokens > (u32)stride) {
+        if (threadIdx.x == 0) {
+            atomicOr(err, ERR_CAPACITY);
+            cnt[r] = 0;
+        }
+        return;
+    }
+    // Radix select: after the passes, prefix = the want-th largest key, need = how many of the
+    // keys equal to it are taken.
+    if (threadIdx.x == 0) {
+        s_prefix = 0;
+        s_need = want;
+    }
+    u32 mask = 0;
+    for (int shift = 24; shift >= 0 && want > 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const u32 prefix = s_prefix;
+        for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
+            const u32 k = ord_key(sc[b]);
+            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 need = s_need, d = 255;
+            for (;; --d) {
+                if (hist[d] >= need || d == 0) break;
+                need -= hist[d];
+            }
+            s_need = need;
+            s_prefix = prefix | (d << shift);
+        }
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    const u32 thr = s_prefix, need = s_need;
+    // Selected blocks in ascending order: key > thr, or key == thr among the first `need` such.
+    int base = 0, eq_base = 0;
+    for (u32 b0 = 0; b0 < nb; b0 += blockDim.x) {
+        const u32 b = b0 + threadIdx.x;
+        const u32 k = b < nb ? ord_key(sc[b]) : 0u;
+        const int eq = (want > 0 && b < nb && k == thr) ? 1 : 0;
+        int eq_tot;
+        const int eq_before = eq_base + block_scan1024(eq, scan, eq_tot);
+        const int take = (want > 0 && b < nb && (k > thr || (eq && (u32)eq_before < need))) ? 1 : 0;
+        int tot;
+        const int at = base + block_scan1024(take, scan, tot);
+        if (take)
+            for (int t = 0; t < ratio; ++t) out[(size_t)at * ratio + t] = b * ratio + t;
+        base += tot;
+        eq_base += eq_tot;
+    }
+    for (u32 t = nb * ratio + threadIdx.x; t <= p; t += blockDim.x) out[(size_t)base * ratio + (t - nb * ratio)] = t;
+    if (threadIdx.x == 0) cnt[r] = total_tokens;
+}
+
+// libstdc++'s std::__adjust_heap / __push_heap with comp(a, b) = v(a) > v(b), on indices.
+struct TokScore {
+    const float* sc;
+    int ratio;
+    u32 nbr;
+    __device__ __forceinline__ float operator()(u32 t) const { return t < nbr ? sc[t / ratio] : 1e9f; }
+};
+
+__device__ void push_heap_(u32* a, u32 hole, u32 top, u32 value, const TokScore& v) {
+    while (hole > top) {
+        const u32 parent = (hole - 1) / 2;
+        if (!(v(a[parent]) > v(value))) break;
+        a[hole] = a[parent];
+        hole = parent;
+    }
+    a[hole] = value;
+}
+
+__device__ void adjust_heap_(u32* a, u32 hole, u32 len, u32 value, const TokScore& v) {
+    const u32 top = hole;
+    u32 second = hole;
+    const u32 lim = len >= 1 ? (len - 1) / 2 : 0;
+    while (second < lim) {
+        second = 2 * (second + 1);
+        if (v(a[second]) > v(a[second - 1])) second -= 1;
+        a[hole] = a[second];
+        hole = second;
+    }
+    if ((len & 1) == 0 && len >= 2 && second == (len - 2) / 2) {
+        second = 2 * (second + 1);
+        a[hole] = a[second - 1];
+        hole = second - 1;
+    }
+    push_heap_(a, hole, top, value, v);
+}
+
+// The llama.cpp rule for row r (thread 0 of a block a row; `scratch` holds `scratch_stride`
+// u32 per row, ≥ pos + 1): every visible token takes its block's score, tail tokens 1e9, the
+// first width = min(pos+1, budget+ratio-1) slots of std::partial_sort, listed ascending.
+extern "C" __global__ void __launch_bounds__(32)
+qsa_select_llamacpp(const float* scores, const u32* pos, u32* sel, u32* cnt, u32* scratch, u32 scratch_stride,
+                    u32 cap_blocks, int ratio, int budget, int stride, u32* err) {
+    if (threadIdx.x != 0) return;
+    const int r = blockIdx.x;
+    const u32 p = pos[r];
+    const u32 n = p + 1, nb = n / (u32)ratio;
+    const u32 width = min(n, (u32)(budget + ratio - 1));
+    if (nb > cap_blocks || n > scratch_stride || width > (u32)stride) {
+        atomicOr(err, ERR_CAPACITY);
+        cnt[r] = 0;
+        return;
+    }
+    const TokScore v{scores + (size_t)r * cap_blocks, ratio, nb * ratio};
+    u32* a = scratch + (size_t)r * scratch_stride;
+    for (u32 i = 0; i < n; ++i) a[i] = i;
+    const u32 k = width;
+    if (k >= 2) {
+        u32 parent = (k - 2) / 2;
+        for (;;) {
+            adjust_heap_(a, parent, k, a[parent], v);
+            if (parent == 0) break;
+            --parent;
+        }
+    }
+    if (k > 0)
+        for (u32 i = k; i < n; ++i)
+            if (v(a[i]) > v(a[0])) {
+                const u32 val = a[i];
+                a[i] = a[0];
+                adjust_heap_(a, 0, k, val, v);
+            }
+    // Ascending: mark the chosen tokens in the tail of the scratch row's own space (a[k..n] is
+    // no longer needed), then list them.
+    u32* out = sel + (size_t)r * stride;
+    // Insertion sort of the k chosen (k ≤ budget + ratio − 1).
+    for (u32 i = 1; i < k; ++i) {
+        const u32 x = a[i];
+        u32 j = i;
+        while (j > 0 && a[j - 1] > x) {
+            a[j] = a[j - 1];
+            --j;
+        }
+        a[j] = x;
+    }
+    for (u32 i = 0; i < k; ++i) out[i] = a[i];
+    cnt[r] = k;
+}
+
+// ---- attention -----------------------------------------------------------------------------------
+// Block (row, head) of 256 threads. Tokens: causal → 0..=pos[r] (scores as attn::causal_head:
+// eight interleaved partial dot sums); else sel[r][0..cnt[r]] (ops::attend_head: sequential dot
+// from -0.0). Scores are kept in `scratch` (rows·n_head·cap floats). f16: the query, the keys and
+// values as read, and each probability are rounded through F16 (a causal store holds its values
+// already rounded by kv_append). Output dim j: Σ_t w_t·v_tj in token order from +0.
+__device__ __forceinline__ float r16(float x, int f16) { return f16 ? f16_to_f32(f32_to_f16(x)) : x; }
+
+__device__ __forceinline__ float block_max256(float v, float* sh) {
+    v = warp_max(v);
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    float r = l < 8 ? sh[l] : NEG_INF;
+    r = fmaxf(r, __shfl_xor_sync(FULL_MASK, r, 4));
+    r = fmaxf(r, __shfl_xor_sync(FULL_MASK, r, 2));
+    r = fmaxf(r, __shfl_xor_sync(FULL_MASK, r, 1));
+    return __shfl_sync(FULL_MASK, r, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_f32(const float* q, const float* kc, const float* vc, const u32* sel, const u32* cnt, const u32* pos,
+           float* out, float* scratch, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
+           u32* err) {
+    __shared__ float qs[512];
+    __shared__ float sh[8];
+    const int r = blockIdx.x / n_head, h = blockIdx.x % n_head;
+    const int kvc = n_head_kv * d, off = (h / (n_head / n_head_kv)) * d;
+    const u32 T = causal ? pos[r] + 1 : cnt[r];
+    float* o = out + ((size_t)r * n_head + h) * d;
+    if (T > cap || (causal && T == 0)) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_CAPACITY);
+        return;
+    }
+    const float* qh = q + ((size_t)r * n_head + h) * d;
+    for (int i = threadIdx.x; i < d; i += 256) qs[i] = r16(qh[i], f16);
+    __syncthreads();
+    const u32* list = sel + (size_t)r * stride;
+    float* sc = scratch + ((size_t)r * n_head + h) * cap;
+    const float scale = 1.0f / sqrtf((float)d);
+    float m = NEG_INF;
+    for (u32 t = threadIdx.x; t < T; t += 256) {
+        const u32 tok = causal ? t : list[t];
+        float s;
+        if (tok >= cap) {
+            atomicOr(err, ERR_CAPACITY);
+            s = NEG_INF;
+        } else if (causal) {
+            const float* kr = kc + (size_t)tok * kvc + off;
+            float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            const int d8 = d & ~7;
+            for (int i = 0; i < d8; i += 8)
+#pragma unroll
+                for (int l = 0; l < 8; ++l) a[l] += qs[i + l] * kr[i + l];
+            for (int i = d8; i < d; ++i) a[i - d8] += qs[i] * kr[i];
+            const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+            s = ((s0 + s2) + (s1 + s3)) * scale;
+        } else {
+            const float* kr = kc + (size_t)tok * kvc + off;
+            float acc = -0.0f;
+            for (int i = 0; i < d; ++i) acc += qs[i] * r16(kr[i], f16);
+            s = acc * scale;
+        }
+        sc[t] = s;
+        m = fmaxf(m, s);
+    }
+    m = block_max256(m, sh);
+    float z = 0.f;
+    for (u32 t = threadIdx.x; t < T; t += 256) {
+        const float e = expf(sc[t] - m);
+        sc[t] = e;
+        z += e;
+    }
+    z = block_sum256(z, sh);
+    __syncthreads();
+    const float inv = 1.0f / z;
+    // Eight tokens' weights and values loaded before they are added (in token order): the loads
+    // of a group are in flight together instead of one dependent pair at a time.
+    for (int j = threadIdx.x; j < d; j += 256) {
+        float acc = 0.f;
+        for (u32 t0 = 0; t0 < T; t0 += 8) {
+            float wv[8], vv[8];
+            bool ok[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const u32 t = t0 + u;
+                const u32 tok = t < T ? (causal ? t : list[t]) : cap;
+                ok[u] = tok < cap;
+                vv[u] = ok[u] ? vc[(size_t)tok * kvc + off + j] : 0.f;
+                wv[u] = ok[u] ? (causal ? r16(sc[t] * inv, f16) : r16(sc[t] / z, f16)) : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (ok[u]) acc += wv[u] * (causal ? vv[u] : r16(vv[u], f16));
+        }
+        o[j] = acc;
+    }
+}
+
+// ---- attention split over chunks of 256 tokens (decode at long context) -----------------------------
+// The same scores and the same per-token weights as attend_f32, but (row, head, chunk) blocks
+// instead of (row, head): scores and per-chunk (max, Σexp) stats; then each chunk's weighted sum
+// of values, every block deriving the same global max m and z = Σ_c z_c·exp(m_c − m) from the
+// stats in chunk order; then the chunk partials summed in chunk order. z and the output's sum
+// are taken in another order than the CPU's sequential one (a bound, not bits).
+__device__ __forceinline__ float attn_score(const float* qs, const float* kr, int d, int causal, int f16, float scale) {
+    if (causal) {
+        float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        const int d8 = d & ~7;
+        for (int i = 0; i < d8; i += 8)
+#pragma unroll
+            for (int l = 0; l < 8; ++l) a[l] += qs[i + l] * kr[i + l];
+        for (int i = d8; i < d; ++i) a[i - d8] += qs[i] * kr[i];
+        const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+        return ((s0 + s2) + (s1 + s3)) * scale;
+    }
+    float acc = -0.0f;
+    for (int i = 0; i < d; ++i) acc += qs[i] * r16(kr[i], f16);
+    return acc * scale;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
+                    float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
+                    int max_chunks, u32* err) {
+    __shared__ float qs[512];
+    __shared__ float sh[8];
+    __shared__ float kt[256][33];
+    __shared__ u32 tk[256];
+    const int rh = blockIdx.x, r = rh / n_head, h = rh % n_head, c = blockIdx.y;
+    const int kvc = n_head_kv * d, off = (h / (n_head / n_head_kv)) * d;
+    const u32 T = causal ? pos[r] + 1 : cnt[r];
+    if (T > cap || (u32)c * 256 >= T) return;
+    const float* qh = q + (size_t)rh * d;
+    for (int i = threadIdx.x; i < d; i += 256) qs[i] = r16(qh[i], f16);
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    u32 tok = cap;
+    if (t < T) {
+        tok = causal ? t : sel[(size_t)r * stride + t];
+        if (tok >= cap) {
+            atomicOr(err, ERR_CAPACITY);
+            tok = cap;
+        }
+    }
+    tk[threadIdx.x] = tok;
+    // The keys staged 32 dims at a time (coalesced); each thread's dot keeps attn_score's order
+    // (eight interleaved partials for causal, sequential from -0.0 otherwise).
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float acc = -0.0f;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        const int w = min(32, d - c0);
+        __syncthreads();
+        for (int rr = warp; rr < 256; rr += 8) {
+            const u32 tt = tk[rr];
+            if (lane < w) kt[rr][lane] = tt < cap ? kc[(size_t)tt * kvc + off + c0 + lane] : 0.f;
+        }
+        __syncthreads();
+        if (causal) {
+            for (int i = 0; i < w; ++i) a[(c0 + i) & 7] += qs[c0 + i] * kt[threadIdx.x][i];
+        } else {
+            for (int i = 0; i < w; ++i) acc += qs[c0 + i] * r16(kt[threadIdx.x][i], f16);
+        }
+    }
+    float s = NEG_INF;
+    if (t < T && tok < cap) {
+        if (causal) {
+            // attn::causal_head's dot: the tail past the last whole 8 goes to partials 0.. again.
+            const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+            s = ((s0 + s2) + (s1 + s3)) * (1.0f / sqrtf((float)d));
+        } else {
+            s = acc * (1.0f / sqrtf((float)d));
+        }
+    }
+    if (t < T) scores[(size_t)rh * cap + t] = s;
+    const float m = block_max256(s, sh);
+    const float e = t < T ? expf(s - m) : 0.f;
+    const float z = block_sum256(e, sh);
+    if (threadIdx.x == 0) {
+        stats[((size_t)rh * max_chunks + c) * 2] = m;
+        stats[((size_t)rh * max_chunks + c) * 2 + 1] = z;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
+                 const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
+                 int f16, int max_chunks) {
+    __shared__ float w[256];
+    __shared__ u32 tk[256];
+    const int rh = blockIdx.x, r = rh / n_head, h = rh % n_head, c = blockIdx.y;
+    const int kvc = n_head_kv * d, off = (h / (n_head / n_head_kv)) * d;
+    const u32 T = causal ? pos[r] + 1 : cnt[r];
+    const int nc = (int)((T + 255) / 256);
+    if (T > cap || c >= nc) return;
+    const float* st = stats + (size_t)rh * max_chunks * 2;
+    float m = NEG_INF;
+    for (int i = 0; i < nc; ++i) m = fmaxf(m, st[2 * i]);
+    float z = 0.f;
+    for (int i = 0; i < nc; ++i) z += st[2 * i + 1] * expf(st[2 * i] - m);
+    const float inv = 1.0f / z;
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    float wt = 0.f;
+    u32 tok = cap;
+    if (t < T) {
+        tok = causal ? t : sel[(size_t)r * stride + t];
+        const float p = expf(scores[(size_t)rh * cap + t] - m);
+        wt = causal ? r16(p * inv, f16) : r16(p / z, f16);
+    }
+    w[threadIdx.x] = wt;
+    tk[threadIdx.x] = tok;
+    __syncthreads();
+    const int len = (int)min(256u, T - (u32)c * 256);
+    for (int j = threadIdx.x; j < d; j += 256) {
+        float acc = 0.f;
+        for (int u0 = 0; u0 < len; u0 += 16) {
+            float vv[16];
+#pragma unroll
+            for (int u = 0; u < 16; ++u) {
+                const bool ok = u0 + u < len && tk[u0 + u] < cap;
+                vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < 16; ++u)
+                if (u0 + u < len && tk[u0 + u] < cap) acc += w[u0 + u] * (causal ? vv[u] : r16(vv[u], f16));
+        }
+        part[((size_t)rh * max_chunks + c) * d + j] = acc;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_split_sum(const float* part, const u32* cnt, const u32* pos, float* out, u32 cap, int n_head, int d,
+                 int causal, int max_chunks) {
+    const int rh = blockIdx.x, r = rh / n_head;
+    const u32 T = causal ? pos[r] + 1 : cnt[r];
+    if (T > cap) return;
+    const int nc = (int)((T + 255) / 256);
+    for (int j = threadIdx.x; j < d; j += 256) {
+        float acc = 0.f;
+        for (int c = 0; c < nc; ++c) acc += part[((size_t)rh * max_chunks + c) * d + j];
+        out[(size_t)rh * d + j] = acc;
+    }
+}

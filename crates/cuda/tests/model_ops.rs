@@ -1,0 +1,1895 @@
+//! The model operations on the GPU (`strata_cuda::model`) against the CPU backend
+//! (`strata_engine::CpuBackend`, the reference implementation of every operation), on random
+//! inputs with −0.0, denormals and large magnitudes (`testdata::Rng::f32_special`).
+//!
+//! Bitwise where the device does the CPU's arithmetic in the CPU's order (data movement, adds,
+//! the F16 rounding, conv sums, QSA scores and selections, the combine of expert outputs, and
+//! every product against the GEMV: tiled matmul, MoE decode and grouped prefill, prefill rows of
+//! the recurrent GDN step against single steps). Within a stated bound where the device calls
+//! expf/log1pf (the host libm differs in the last bits), or sums in a different order (the
+//! canonical block sums of the norms, the products' lane order against the CPU's dot).
+//!
+//! Needs a GPU: each test prints SKIPPED and passes without one (CI has none). Run on the GPU
+//! machine with `--test-threads 1`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::CudaSlice;
+use strata_cuda::model::{self as m, DevWeight};
+use strata_cuda::{ops, Gpu};
+use strata_engine::backend::{
+    AttnDims, ExpertWeights, GdnDims, GdnParams, HcWeights, KvType, QsaRule, QsaSelect,
+};
+use strata_engine::cpu::{CpuRoutes, CpuSelection};
+use strata_engine::kernels::actq::{quantize_row, ActFmt};
+use strata_engine::kernels::testdata::{weight_blocks, Rng};
+use strata_engine::{Backend, CpuBackend, CpuBuf, CpuWeight};
+use strata_gguf::{GgmlType, GgufFile, GgufWriter};
+
+// ---- set-up -------------------------------------------------------------------------------
+
+fn gpu() -> Option<&'static Gpu> {
+    static G: OnceLock<Result<Gpu, String>> = OnceLock::new();
+    match G.get_or_init(|| Gpu::new(0).map_err(|e| e.to_string())) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("SKIPPED (no usable GPU): {e}");
+            None
+        }
+    }
+}
+
+fn cpu() -> CpuBackend {
+    CpuBackend::new(2).expect("cpu backend")
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+        .collect()
+}
+
+/// CPU weights from (name, ggml dims, type, bytes), through an in-memory GGUF file.
+fn weights(specs: Vec<(&str, Vec<u64>, GgmlType, Vec<u8>)>) -> HashMap<String, CpuWeight> {
+    let mut w = GgufWriter::new();
+    for (name, dims, ty, data) in &specs {
+        w.add_tensor(name, dims, *ty, data).expect("tensor");
+    }
+    let file = Arc::new(GgufFile::from_bytes(w.to_bytes().expect("gguf"), "test").expect("read"));
+    let be = cpu();
+    file.tensors()
+        .iter()
+        .map(|info| {
+            (
+                info.name.clone(),
+                be.load_weight(&file, info).expect("load"),
+            )
+        })
+        .collect()
+}
+
+fn up<T: cudarc::driver::DeviceRepr>(g: &Gpu, v: &[T]) -> CudaSlice<T> {
+    g.upload(v).expect("upload")
+}
+
+fn down(g: &Gpu, v: &CudaSlice<f32>) -> Vec<f32> {
+    g.download(v).expect("download")
+}
+
+fn buf(rows: usize, cols: usize, v: &[f32]) -> CpuBuf {
+    CpuBuf::new(rows, cols, v.to_vec()).expect("buf")
+}
+
+// ---- comparisons ------------------------------------------------------------------------------
+
+/// A comparison that could not fail is no test: the reference must hold values other than
+/// zeros (all-zero rows on both sides would agree whatever the kernel did).
+fn nontrivial(what: &str, want: &[f32]) {
+    assert!(
+        want.iter().any(|v| *v != 0.0 && v.is_finite()),
+        "{what}: the reference is all zeros or non-finite; the comparison would prove nothing"
+    );
+}
+
+fn bitwise(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    nontrivial(what, want);
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!(
+            "{what}: element {i} of {}: {:e} ({:#010x}) vs CPU {:e} ({:#010x})",
+            got.len(),
+            got[i],
+            got[i].to_bits(),
+            want[i],
+            want[i].to_bits()
+        );
+    }
+    eprintln!("{what}: bitwise ({} values)", got.len());
+}
+
+/// `|got − want| ≤ tol(i)` everywhere (NaN only against NaN); prints the worst ratio and how
+/// many values are bitwise equal.
+fn within(what: &str, got: &[f32], want: &[f32], tol: impl Fn(usize) -> f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    nontrivial(what, want);
+    let (mut worst, mut same) = (0f64, 0usize);
+    for i in 0..got.len() {
+        let (g, w) = (got[i], want[i]);
+        if g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()) {
+            same += 1;
+            continue;
+        }
+        let e = (g as f64 - w as f64).abs();
+        let t = tol(i);
+        assert!(
+            e <= t,
+            "{what}: element {i} of {}: {g:e} vs CPU {w:e}: error {e:e} over the bound {t:e}",
+            got.len()
+        );
+        if t > 0.0 {
+            worst = worst.max(e / t);
+        }
+    }
+    let amax = want
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f32, |a, &x| a.max(x.abs()));
+    eprintln!(
+        "{what}: within bound (worst {:.1}% of it), {same}/{} bitwise, max |ref| {amax:e}",
+        worst * 100.0,
+        got.len()
+    );
+}
+
+/// Relative bound `rel · |want| + abs`.
+fn rel(want: &[f32], rel: f64, abs: f64) -> impl Fn(usize) -> f64 + '_ {
+    move |i| rel * (want[i] as f64).abs() + abs
+}
+
+/// Bound relative to the largest magnitude of the element's row (`cols` wide).
+fn row_rel(want: &[f32], cols: usize, rel: f64) -> impl Fn(usize) -> f64 + '_ {
+    let maxes: Vec<f64> = want
+        .chunks(cols)
+        .map(|r| {
+            r.iter()
+                .filter(|x| x.is_finite())
+                .fold(0f64, |a, &x| a.max((x as f64).abs()))
+        })
+        .collect();
+    move |i| rel * maxes[i / cols] + 1e-30
+}
+
+// ---- element-wise and row-wise ---------------------------------------------------------------
+
+#[test]
+fn elementwise_ops_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(11);
+    let (rows, cols) = (5usize, 2560usize);
+    let n = rows * cols;
+    let a = rng.f32_vec_special(n, 2.0);
+    let b = rng.f32_vec_special(n, 2.0);
+    let bias = rng.f32_vec_special(cols, 1.0);
+    let gate = rng.f32_vec_special(rows, 3.0);
+    let w = weights(vec![(
+        "bias",
+        vec![cols as u64],
+        GgmlType::F32,
+        f32_bytes(&bias),
+    )]);
+    let (da, db) = (up(g, &a), up(g, &b));
+    let mut out = g.zeros::<f32>(n).unwrap();
+
+    // add_assign, add, add_bias: bitwise.
+    let mut x = buf(rows, cols, &a);
+    be.add_assign(&mut x, &buf(rows, cols, &b)).unwrap();
+    let mut dx = up(g, &a);
+    m::add_assign(g, &mut dx, &db, n).unwrap();
+    bitwise("add_assign", &down(g, &dx), x.as_slice());
+    m::add(g, &da, &db, &mut out, n).unwrap();
+    bitwise("add", &down(g, &out), x.as_slice());
+    let mut x = buf(rows, cols, &a);
+    be.add_bias(&mut x, &w["bias"]).unwrap();
+    let mut dx = up(g, &a);
+    m::add_bias(g, &mut dx, &up(g, &bias), rows, cols).unwrap();
+    bitwise("add_bias", &down(g, &dx), x.as_slice());
+
+    // swiglu, mul_sigmoid, add_sigmoid_gated: the device's expf; 4e-6 relative.
+    let want = be
+        .swiglu(&buf(rows, cols, &a), &buf(rows, cols, &b))
+        .unwrap();
+    m::swiglu(g, &da, &db, &mut out, n).unwrap();
+    within(
+        "swiglu",
+        &down(g, &out),
+        want.as_slice(),
+        rel(want.as_slice(), 4e-6, 1e-37),
+    );
+    let want = be
+        .mul_sigmoid(&buf(rows, cols, &a), &buf(rows, cols, &b))
+        .unwrap();
+    m::mul_sigmoid(g, &da, &db, &mut out, n).unwrap();
+    within(
+        "mul_sigmoid",
+        &down(g, &out),
+        want.as_slice(),
+        rel(want.as_slice(), 4e-6, 1e-37),
+    );
+    let mut y = buf(rows, cols, &a);
+    be.add_sigmoid_gated(&mut y, &buf(rows, cols, &b), &buf(rows, 1, &gate))
+        .unwrap();
+    let mut dy = up(g, &a);
+    m::add_sigmoid_gated(g, &mut dy, &db, &up(g, &gate), rows, cols).unwrap();
+    let scale: Vec<f64> = (0..n).map(|i| (a[i].abs() + b[i].abs()) as f64).collect();
+    within("add_sigmoid_gated", &down(g, &dy), y.as_slice(), |i| {
+        4e-6 * scale[i] + 1e-37
+    });
+
+    // deinterleave (the per-head [q | gate] split) and the stream combine: bitwise.
+    let parts = be.deinterleave(&buf(rows, cols, &a), 256, 2).unwrap();
+    let want: Vec<f32> = parts.iter().flat_map(|p| p.as_slice().to_vec()).collect();
+    m::deinterleave(g, &da, &mut out, rows, cols, 256, 2).unwrap();
+    bitwise("deinterleave", &down(g, &out), &want);
+    let (s, h) = (4usize, 640usize);
+    let inj = rng.f32_vec_special(rows * s, 1.0);
+    let yv = rng.f32_vec_special(rows * h, 1.0);
+    let mut x = buf(rows, s * h, &a);
+    be.hc_combine(&mut x, &buf(rows, h, &yv), &buf(rows, s, &inj))
+        .unwrap();
+    let mut dx = up(g, &a);
+    m::hc_combine(g, &mut dx, &up(g, &yv), &up(g, &inj), rows, h, s).unwrap();
+    bitwise("hc_combine", &down(g, &dx), x.as_slice());
+
+    // ple_gate: z by the canonical block sum, then sqrt and σ; 2e-5 relative.
+    let (ph, ps) = (640usize, 4usize);
+    let k = rng.f32_vec_special(rows * ps * ph, 1.0);
+    let q = rng.f32_vec_special(rows * ps * ph, 1.0);
+    let v = rng.f32_vec_special(rows * ph, 1.0);
+    let want = be
+        .ple_gate(
+            &buf(rows, ps * ph, &k),
+            &buf(rows, ps * ph, &q),
+            &buf(rows, ph, &v),
+            ps,
+        )
+        .unwrap();
+    m::ple_gate(
+        g,
+        &up(g, &k),
+        &up(g, &q),
+        &up(g, &v),
+        &mut out,
+        rows,
+        ph,
+        ps,
+    )
+    .unwrap();
+    let got = down(g, &out);
+    within(
+        "ple_gate",
+        &got[..rows * ps * ph],
+        want.as_slice(),
+        rel(want.as_slice(), 2e-5, 1e-37),
+    );
+}
+
+#[test]
+fn rms_norm_and_rope_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(12);
+    let rows = 7usize;
+    // The hyper-connection norm (4 streams of 2560, a weight per column) and a per-head norm
+    // (heads of 256, one weight broadcast).
+    for (cols, group, wlen) in [
+        (10240usize, 2560usize, 10240usize),
+        (6144, 256, 256),
+        (512, 128, 128),
+    ] {
+        let x = rng.f32_vec_special(rows * cols, 1.5);
+        let wv: Vec<f32> = (0..wlen).map(|_| 1.0 + 0.02 * rng.normal()).collect();
+        let w = weights(vec![(
+            "w",
+            vec![wlen as u64],
+            GgmlType::F32,
+            f32_bytes(&wv),
+        )]);
+        let want = be
+            .rms_norm(&buf(rows, cols, &x), &w["w"], group, 1e-6)
+            .unwrap();
+        let mut out = g.zeros::<f32>(rows * cols).unwrap();
+        m::rms_norm(
+            g,
+            &up(g, &x),
+            &up(g, &wv),
+            &mut out,
+            rows,
+            cols,
+            group,
+            1e-6,
+        )
+        .unwrap();
+        within(
+            &format!("rms_norm {cols}/{group}"),
+            &down(g, &out),
+            want.as_slice(),
+            rel(want.as_slice(), 1e-5, 1e-37),
+        );
+    }
+    // rope: positions from a device buffer; cos/sin of the same f64 angle, rounded to f32.
+    for (cols, hd, rot, theta) in [(6144usize, 256usize, 64usize, 1e7f32), (896, 64, 64, 1e6)] {
+        let x = rng.f32_vec_special(rows * cols, 1.0);
+        let pos: Vec<u32> = (0..rows).map(|_| rng.below(40000) as u32).collect();
+        let mut want = buf(rows, cols, &x);
+        be.rope_neox(&mut want, hd, rot, theta, &pos).unwrap();
+        let mut dx = up(g, &x);
+        let freqs = up(g, &m::rope_freqs(rot, theta));
+        m::rope_neox(g, &mut dx, &up(g, &pos), &freqs, rows, cols, hd, rot).unwrap();
+        let half = rot / 2;
+        // One f32 ulp of cos or sin on either product: 3e-7 of |x0| + |x1|.
+        let tol = |i: usize| {
+            let (head, j) = (i / hd * hd, i % hd);
+            if j >= rot {
+                return 0.0;
+            }
+            let k = j % half;
+            3e-7 * (x[head + k].abs() as f64 + x[head + k + half].abs() as f64) + 1e-38
+        };
+        within(
+            &format!("rope {hd}/{rot}"),
+            &down(g, &dx),
+            want.as_slice(),
+            tol,
+        );
+    }
+}
+
+// ---- hyper-connection mix ----------------------------------------------------------------------
+
+#[test]
+fn hc_mix_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(13);
+    let (s, h, rank) = (4usize, 2560usize, 320usize);
+    let sh = s * h;
+    let norm: Vec<f32> = (0..sh).map(|_| 1.0 + 0.02 * rng.normal()).collect();
+    let down_w = rng.f32_vec(rank * sh, 0.02);
+    let up_w = rng.f32_vec(sh * rank, 0.02);
+    let inj_w = rng.f32_vec(s * sh, 0.02);
+    let w = weights(vec![
+        ("norm", vec![sh as u64], GgmlType::F32, f32_bytes(&norm)),
+        (
+            "down",
+            vec![sh as u64, rank as u64],
+            GgmlType::BF16,
+            bf16_bytes(&down_w),
+        ),
+        (
+            "up",
+            vec![rank as u64, sh as u64],
+            GgmlType::BF16,
+            bf16_bytes(&up_w),
+        ),
+        (
+            "inj",
+            vec![sh as u64, s as u64],
+            GgmlType::BF16,
+            bf16_bytes(&inj_w),
+        ),
+    ]);
+    let hc = m::HcDev {
+        norm: up(g, &norm),
+        down: DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(&down_w), rank, sh, 1).unwrap(),
+        up: DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(&up_w), sh, rank, 1).unwrap(),
+        inject: Some(DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(&inj_w), s, sh, 1).unwrap()),
+        streams: s,
+        h,
+        eps: 1e-6,
+    };
+    let mut scratch = m::HcScratch::new(g, &hc, 11).unwrap();
+    for rows in [1usize, 3, 11] {
+        let x = rng.f32_vec_special(rows * sh, 1.0);
+        let (u, inj) = be
+            .hc_mix(
+                &HcWeights {
+                    norm: &w["norm"],
+                    down: &w["down"],
+                    up: &w["up"],
+                    inject: Some(&w["inj"]),
+                    streams: s,
+                    eps: 1e-6,
+                },
+                &buf(rows, sh, &x),
+            )
+            .unwrap();
+        let inj = inj.unwrap();
+        let mut du = g.zeros::<f32>(rows * h).unwrap();
+        let mut dinj = g.zeros::<f32>(rows * s).unwrap();
+        m::hc_mix(
+            g,
+            &hc,
+            &up(g, &x),
+            rows,
+            &mut scratch,
+            &mut du,
+            Some(&mut dinj),
+        )
+        .unwrap();
+        // Norm sums in another order, then BF16 products in another lane order (and a BF16
+        // rounding of an activation that sits on a rounding edge may go the other way):
+        // within 1e-3 of the row's largest |u| and 1e-3 of inj's range (0..2).
+        within(
+            &format!("hc_mix u, {rows} rows"),
+            &down(g, &du),
+            u.as_slice(),
+            row_rel(u.as_slice(), h, 1e-3),
+        );
+        within(
+            &format!("hc_mix inj, {rows} rows"),
+            &down(g, &dinj),
+            inj.as_slice(),
+            |_| 2e-3,
+        );
+        // A batch (the tiled products past 8 rows, the optimized GEMVs up to 8) equals its
+        // rows mixed one at a time, bit for bit.
+        let (mut su, mut si) = (Vec::new(), Vec::new());
+        for r in 0..rows {
+            let mut u1 = g.zeros::<f32>(h).unwrap();
+            let mut i1 = g.zeros::<f32>(s).unwrap();
+            let x1 = up(g, &x[r * sh..(r + 1) * sh]);
+            m::hc_mix(g, &hc, &x1, 1, &mut scratch, &mut u1, Some(&mut i1)).unwrap();
+            su.extend(down(g, &u1));
+            si.extend(down(g, &i1));
+        }
+        bitwise(
+            &format!("hc_mix u, {rows} rows vs one at a time"),
+            &down(g, &du),
+            &su,
+        );
+        bitwise(
+            &format!("hc_mix inj, {rows} rows vs one at a time"),
+            &down(g, &dinj),
+            &si,
+        );
+    }
+}
+
+// ---- products ----------------------------------------------------------------------------------
+
+/// Specials for the products (±0, denormals) with the large ones brought down to ±100: a Q8_0
+/// activation block stores its scale max/127 as F16, which overflows past 65504·127, and what a
+/// dot of an infinite scale gives (inf, or NaN where it meets a zero) depends on the order of
+/// the sum on either side. The model's products read normed rows, far from that.
+fn tame(v: Vec<f32>) -> Vec<f32> {
+    v.into_iter()
+        .map(|x| if x.abs() > 1e4 { 100f32.copysign(x) } else { x })
+        .collect()
+}
+
+/// `|y − ref| ≤ 1e-4 · Σ|w_i · x_i|` with the weight dequantized (the two dot orders and the
+/// activation quantization, which both sides do bitwise alike).
+fn dot_tol(ty: GgmlType, wb: &[u8], m: usize, k: usize, x: &[f32], nt: usize) -> Vec<f64> {
+    let rb = ty.row_bytes(k).unwrap();
+    let mut wd = vec![0f32; k];
+    let mut tol = vec![0f64; nt * m];
+    for r in 0..m {
+        strata_quant::dequantize(ty, &wb[r * rb..(r + 1) * rb], &mut wd).unwrap();
+        for t in 0..nt {
+            let a: f64 = wd
+                .iter()
+                .zip(&x[t * k..(t + 1) * k])
+                .map(|(&p, &q)| (p as f64 * q as f64).abs())
+                .sum();
+            tol[t * m + r] = 1e-4 * a + 1e-30;
+        }
+    }
+    tol
+}
+
+fn act_bytes(ty: GgmlType, x: &[f32], nt: usize, k: usize) -> Vec<u8> {
+    let fmt = ActFmt::for_weight(ty).unwrap();
+    let rb = fmt.row_bytes(k).unwrap();
+    let mut out = vec![0u8; nt * rb];
+    for t in 0..nt {
+        quantize_row(fmt, &x[t * k..(t + 1) * k], &mut out[t * rb..(t + 1) * rb]);
+    }
+    out
+}
+
+#[test]
+fn matmul_equals_gemv_and_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(14);
+    let (mm, k, nt) = (72usize, 2560usize, 19usize);
+    for ty in strata_engine::kernels::gemv::GEMV_FORMATS.iter().copied() {
+        let wb = weight_blocks(ty, mm * k / ty.block_size(), rng.u64());
+        let x = tame(rng.f32_vec_special(nt * k, 1.0));
+        let w = weights(vec![("w", vec![k as u64, mm as u64], ty, wb.clone())]);
+        let want = be.matmul(&w["w"], &buf(nt, k, &x)).unwrap();
+        let dw = DevWeight::upload(g, ty, &wb, mm, k, 1).unwrap();
+        let xq = act_bytes(ty, &x, nt, k);
+        let mut y = g.zeros::<f32>(nt * mm).unwrap();
+        m::matmul(g, &dw, &up(g, &xq), nt, &mut y).unwrap();
+        let got = down(g, &y);
+        // Against the GEMV (1..8 rows a call): the same order, bitwise.
+        let xr = xq.len() / nt;
+        let mut gv = Vec::new();
+        for t0 in (0..nt).step_by(8) {
+            let tn = 8.min(nt - t0);
+            let mut yy = g.zeros::<f32>(tn * mm).unwrap();
+            ops::gemv(
+                g,
+                "optimized",
+                ty,
+                &dw.bytes,
+                mm,
+                k,
+                &up(g, &xq[t0 * xr..(t0 + tn) * xr]),
+                tn,
+                &mut yy,
+            )
+            .unwrap();
+            gv.extend(down(g, &yy));
+        }
+        bitwise(&format!("matmul {ty} vs gemv"), &got, &gv);
+        let tol = dot_tol(ty, &wb, mm, k, &x, nt);
+        within(&format!("matmul {ty} vs CPU"), &got, want.as_slice(), |i| {
+            tol[i]
+        });
+    }
+    // Q3_K: no GEMV; every row of a batch of 19 equals the same row alone, and the CPU's within
+    // the dot bound.
+    let ty = GgmlType::Q3_K;
+    let wb = weight_blocks(ty, mm * k / 256, rng.u64());
+    let x = tame(rng.f32_vec_special(nt * k, 1.0));
+    let w = weights(vec![("w", vec![k as u64, mm as u64], ty, wb.clone())]);
+    let want = be.matmul(&w["w"], &buf(nt, k, &x)).unwrap();
+    let dw = DevWeight::upload(g, ty, &wb, mm, k, 1).unwrap();
+    let xq = act_bytes(ty, &x, nt, k);
+    let mut y = g.zeros::<f32>(nt * mm).unwrap();
+    m::product(g, &dw, &up(g, &xq), nt, &mut y).unwrap();
+    let got = down(g, &y);
+    let xr = xq.len() / nt;
+    let mut single = Vec::new();
+    for t in 0..nt {
+        let mut yy = g.zeros::<f32>(mm).unwrap();
+        m::product(g, &dw, &up(g, &xq[t * xr..(t + 1) * xr]), 1, &mut yy).unwrap();
+        single.extend(down(g, &yy));
+    }
+    bitwise("matmul Q3_K batch vs single rows", &got, &single);
+    let tol = dot_tol(ty, &wb, mm, k, &x, nt);
+    within("matmul Q3_K vs CPU", &got, want.as_slice(), |i| tol[i]);
+}
+
+#[test]
+fn moe_experts_match_gemv_and_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(15);
+    let (h, ff, ne, ks) = (2560usize, 640usize, 16usize, 4usize);
+    // The synthetic Q4_K blocks have large scales: at unit inputs silu(g)·u reaches 1e8 and the
+    // down product's Q8_0 activation scale (F16) overflows on both sides, so that case runs at
+    // inputs of 0.01.
+    for (gty, dty, xs) in [
+        (GgmlType::Q2_0, GgmlType::Q2_0, 1.0f32),
+        (GgmlType::Q4_K, GgmlType::Q8_0, 0.01),
+    ] {
+        let gb = weight_blocks(gty, ne * ff * h / gty.block_size(), rng.u64());
+        let ub = weight_blocks(gty, ne * ff * h / gty.block_size(), rng.u64());
+        let db = weight_blocks(dty, ne * h * ff / dty.block_size(), rng.u64());
+        let w = weights(vec![
+            (
+                "gate",
+                vec![h as u64, ff as u64, ne as u64],
+                gty,
+                gb.clone(),
+            ),
+            ("up", vec![h as u64, ff as u64, ne as u64], gty, ub.clone()),
+            (
+                "down",
+                vec![ff as u64, h as u64, ne as u64],
+                dty,
+                db.clone(),
+            ),
+        ]);
+        let ex = m::ExpertsDev {
+            gate: DevWeight::upload(g, gty, &gb, ff, h, ne).unwrap(),
+            up: DevWeight::upload(g, gty, &ub, ff, h, ne).unwrap(),
+            down: DevWeight::upload(g, dty, &db, h, ff, ne).unwrap(),
+        };
+        for nt in [1usize, 3, 11] {
+            let x: Vec<f32> = tame(rng.f32_vec_special(nt * h, 1.0))
+                .iter()
+                .map(|v| v * xs)
+                .collect();
+            // Routes: distinct experts per row (some shared between rows), weights summing to 1.
+            let mut ids = Vec::new();
+            let mut wts = Vec::new();
+            for _ in 0..nt {
+                let e = rng.distinct(ks, ne);
+                let raw: Vec<f32> = (0..ks).map(|_| 0.1 + rng.unit()).collect();
+                let z: f32 = raw.iter().sum();
+                ids.extend(e.iter().copied());
+                wts.extend(raw.iter().map(|r| r / z));
+            }
+            let routes = CpuRoutes(
+                (0..nt)
+                    .map(|t| {
+                        (0..ks)
+                            .map(|s| (ids[t * ks + s] as u32, wts[t * ks + s]))
+                            .collect()
+                    })
+                    .collect(),
+            );
+            let want = be
+                .moe_experts(
+                    &ExpertWeights {
+                        gate: &w["gate"],
+                        up: &w["up"],
+                        down: &w["down"],
+                    },
+                    &buf(nt, h, &x),
+                    &routes,
+                )
+                .unwrap();
+            let (dx, di, dwt) = (up(g, &x), up(g, &ids), up(g, &wts));
+            let mut err = g.zeros::<u32>(1).unwrap();
+            let mut scratch = m::MoeScratch::new(g, &ex, nt, ks).unwrap();
+            let mut o1 = g.zeros::<f32>(nt * h).unwrap();
+            let mut o2 = g.zeros::<f32>(nt * h).unwrap();
+            m::moe_experts(
+                g,
+                &ex,
+                &dx,
+                &di,
+                &dwt,
+                &mut scratch,
+                false,
+                &mut o1,
+                &mut err,
+            )
+            .unwrap();
+            m::moe_experts(
+                g,
+                &ex,
+                &dx,
+                &di,
+                &dwt,
+                &mut scratch,
+                true,
+                &mut o2,
+                &mut err,
+            )
+            .unwrap();
+            let (r1, r2) = (down(g, &o1), down(g, &o2));
+            assert_eq!(g.download(&err).unwrap(), vec![0], "error word");
+            bitwise(
+                &format!("moe {gty}/{dty} nt={nt}: grouped vs decode"),
+                &r2,
+                &r1,
+            );
+            // The routed gate product against the GEMV on each expert's slab: bitwise.
+            let xq = act_bytes(gty, &x, nt, h);
+            let mut yg = g.zeros::<f32>(nt * ks * ff).unwrap();
+            m::moe_gemv(
+                g,
+                &ex.gate,
+                &di,
+                &up(g, &xq),
+                false,
+                ks,
+                nt * ks,
+                &mut yg,
+                &mut err,
+            )
+            .unwrap();
+            let yg = down(g, &yg);
+            let slab = ex.gate.slab_bytes().unwrap();
+            let xr = xq.len() / nt;
+            for t in 0..nt {
+                for s in 0..ks {
+                    let e = ids[t * ks + s] as usize;
+                    let mut yy = g.zeros::<f32>(ff).unwrap();
+                    let dws = up(g, &gb[e * slab..(e + 1) * slab]);
+                    ops::gemv(
+                        g,
+                        "optimized",
+                        gty,
+                        &dws,
+                        ff,
+                        h,
+                        &up(g, &xq[t * xr..(t + 1) * xr]),
+                        1,
+                        &mut yy,
+                    )
+                    .unwrap();
+                    let q = t * ks + s;
+                    bitwise(
+                        &format!("moe_gemv {gty} pair {q} vs gemv"),
+                        &yg[q * ff..(q + 1) * ff],
+                        &down(g, &yy),
+                    );
+                }
+            }
+            // Against the CPU: other dot orders, and a Q8_0/Q8_K rounding of an activation on a
+            // rounding edge may go the other way: 2e-3 of the row's largest |y|.
+            within(
+                &format!("moe {gty}/{dty} nt={nt} vs CPU"),
+                &r1,
+                want.as_slice(),
+                row_rel(want.as_slice(), h, 2e-3),
+            );
+        }
+    }
+    // A bad expert id: the error word, NaN outputs, no fault.
+    let ex_ty = GgmlType::Q8_0;
+    let wb = weight_blocks(ex_ty, 2 * 64 * 256 / 32, 5);
+    let dw = DevWeight::upload(g, ex_ty, &wb, 64, 256, 2).unwrap();
+    let xq = act_bytes(ex_ty, &rng.f32_vec(256, 1.0), 1, 256);
+    let mut err = g.zeros::<u32>(1).unwrap();
+    let mut y = g.zeros::<f32>(2 * 64).unwrap();
+    m::moe_gemv(
+        g,
+        &dw,
+        &up(g, &[1i32, 7]),
+        &up(g, &xq),
+        false,
+        2,
+        2,
+        &mut y,
+        &mut err,
+    )
+    .unwrap();
+    assert_eq!(g.download(&err).unwrap(), vec![m::ERR_EXPERT]);
+    let y = down(g, &y);
+    assert!(y[..64].iter().all(|v| v.is_finite()) && y[64..].iter().all(|v| v.is_nan()));
+}
+
+// ---- embedding rows, PLE gather ---------------------------------------------------------------
+
+#[test]
+fn embed_and_ple_gather_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(16);
+    // PLE: IQ4_NL rows of 160, ids from a device buffer; the token embedding with 4 copies.
+    for (ty, row_len, n_rows, copies) in [
+        (GgmlType::IQ4_NL, 160usize, 1000usize, 1usize),
+        (GgmlType::Q4_K, 2560, 100, 4),
+    ] {
+        let tb = weight_blocks(ty, n_rows * row_len / ty.block_size(), rng.u64());
+        let w = weights(vec![(
+            "t",
+            vec![row_len as u64, n_rows as u64],
+            ty,
+            tb.clone(),
+        )]);
+        let ids: Vec<u32> = (0..24).map(|_| rng.below(n_rows) as u32).collect();
+        let want = be.embed_rows(&w["t"], &ids, copies).unwrap();
+        let mut e = g.zeros::<f32>(ids.len() * row_len).unwrap();
+        ops::embed(
+            g,
+            "optimized",
+            ty,
+            &up(g, &tb),
+            n_rows,
+            &up(g, &ids),
+            ids.len(),
+            &mut e,
+            row_len,
+        )
+        .unwrap();
+        let got = if copies > 1 {
+            let mut r = g.zeros::<f32>(ids.len() * row_len * copies).unwrap();
+            m::repeat_rows(g, &e, &mut r, ids.len(), row_len, copies).unwrap();
+            down(g, &r)
+        } else {
+            down(g, &e)
+        };
+        bitwise(&format!("embed {ty} ×{copies}"), &got, want.as_slice());
+    }
+}
+
+// ---- Gated DeltaNet ------------------------------------------------------------------------------
+
+#[test]
+fn conv_and_gdn_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(17);
+    // conv: the GDN conv (K 4, dilation 1) and the PLE conv (K 4, dilation 3).
+    for (c, kk, dil) in [(1280usize, 4usize, 1usize), (640, 4, 3)] {
+        let wv = rng.f32_vec(c * kk, 0.5);
+        let w = weights(vec![(
+            "w",
+            vec![kk as u64, c as u64],
+            GgmlType::F32,
+            f32_bytes(&wv),
+        )]);
+        let hr = (kk - 1) * dil;
+        let mut hist = buf(hr, c, &vec![0f32; hr * c]);
+        let mut dh = g.zeros::<f32>(hr * c).unwrap();
+        let dw = up(g, &wv);
+        for n in [1usize, 2, 8, 11] {
+            let x = rng.f32_vec_special(n * c, 1.0);
+            let want = be
+                .conv1d_silu(&buf(n, c, &x), &w["w"], &mut hist, dil)
+                .unwrap();
+            let mut out = g.zeros::<f32>(n * c).unwrap();
+            m::conv1d_silu(g, &up(g, &x), &dw, &mut dh, &mut out, n, c, kk, dil).unwrap();
+            within(
+                &format!("conv c={c} dil={dil} n={n}"),
+                &down(g, &out),
+                want.as_slice(),
+                rel(want.as_slice(), 4e-6, 1e-37),
+            );
+            bitwise(
+                &format!("conv history c={c} dil={dil} after n={n}"),
+                &down(g, &dh),
+                hist.as_slice(),
+            );
+        }
+    }
+    // GDN: 2 key heads, 4 value heads of 128; rows 1, 3, 8, 11 in sequence, state carried.
+    let dims = GdnDims {
+        n_k_heads: 2,
+        n_v_heads: 4,
+        head_k: 128,
+        head_v: 128,
+        conv_kernel: 4,
+    };
+    let nv = dims.n_v_heads;
+    let ssm_a: Vec<f32> = (0..nv).map(|_| -(0.5 + rng.unit())).collect();
+    let dt: Vec<f32> = rng.f32_vec(nv, 1.0);
+    let norm: Vec<f32> = (0..dims.head_v)
+        .map(|_| 1.0 + 0.02 * rng.normal())
+        .collect();
+    let w = weights(vec![
+        ("a", vec![nv as u64], GgmlType::F32, f32_bytes(&ssm_a)),
+        ("dt", vec![nv as u64], GgmlType::F32, f32_bytes(&dt)),
+        (
+            "norm",
+            vec![dims.head_v as u64],
+            GgmlType::F32,
+            f32_bytes(&norm),
+        ),
+    ]);
+    let params = GdnParams {
+        a: &w["a"],
+        dt_bias: &w["dt"],
+        norm: &w["norm"],
+        dims,
+        eps: 1e-6,
+    };
+    let dev = m::GdnDev {
+        ssm_a: up(g, &ssm_a),
+        dt_bias: up(g, &dt),
+        norm: up(g, &norm),
+        dims,
+        eps: 1e-6,
+    };
+    let ss = nv * dims.head_k * dims.head_v;
+    let mut state = buf(nv, dims.head_k * dims.head_v, &vec![0f32; ss]);
+    let mut ds = g.zeros::<f32>(ss).unwrap();
+    let mut dscan = g.zeros::<f32>(ss).unwrap();
+    let mut gsc = m::GdnScratch::new(g, dims, 11).unwrap();
+    for n in [1usize, 3, 8, 11] {
+        let qkv = rng.f32_vec_special(n * dims.conv_dim(), 1.0);
+        let z = rng.f32_vec_special(n * dims.value_dim(), 1.0);
+        let al = rng.f32_vec(n * nv, 1.0);
+        let bt = rng.f32_vec(n * nv, 1.0);
+        let (dq, dz, da, db) = (up(g, &qkv), up(g, &z), up(g, &al), up(g, &bt));
+        // The exact mode: n rows in one launch equal n single-row launches, bitwise.
+        let mut ds1 = g.zeros::<f32>(ss).unwrap();
+        g.copy(&ds, &mut ds1).unwrap();
+        let mut singles = Vec::new();
+        let vd = dims.value_dim();
+        for t in 0..n {
+            let mut o = g.zeros::<f32>(vd).unwrap();
+            let sl = |v: &[f32], c: usize| up(g, &v[t * c..(t + 1) * c]);
+            m::gdn_step(
+                g,
+                &dev,
+                &sl(&qkv, dims.conv_dim()),
+                &sl(&z, vd),
+                &sl(&al, nv),
+                &sl(&bt, nv),
+                &mut ds1,
+                &mut o,
+                1,
+            )
+            .unwrap();
+            singles.extend(down(g, &o));
+        }
+        let want = be
+            .gdn_step(
+                &params,
+                &buf(n, dims.conv_dim(), &qkv),
+                &buf(n, vd, &z),
+                &buf(n, nv, &al),
+                &buf(n, nv, &bt),
+                &mut state,
+            )
+            .unwrap();
+        let mut out = g.zeros::<f32>(n * vd).unwrap();
+        m::gdn_step(g, &dev, &dq, &dz, &da, &db, &mut ds, &mut out, n).unwrap();
+        let got = down(g, &out);
+        bitwise(&format!("gdn {n} rows vs {n} single steps"), &got, &singles);
+        bitwise(
+            &format!("gdn state after {n} rows vs single steps"),
+            &down(g, &ds),
+            &down(g, &ds1),
+        );
+        // The column-spread form (prep, scan, norm) on the same rows: bitwise too.
+        let mut o3 = g.zeros::<f32>(n * vd).unwrap();
+        m::gdn_step_scan(
+            g, &dev, &dq, &dz, &da, &db, &mut dscan, &mut o3, n, &mut gsc,
+        )
+        .unwrap();
+        bitwise(&format!("gdn scan {n} rows vs fused"), &down(g, &o3), &got);
+        bitwise(
+            &format!("gdn scan state after {n} rows vs fused"),
+            &down(g, &dscan),
+            &down(g, &ds),
+        );
+        // Against the CPU: the device's expf in β, the decay and σ(z), compounding through the
+        // state: 2e-4 of the row's (the state's) largest magnitude.
+        within(
+            &format!("gdn out, {n} rows"),
+            &got,
+            want.as_slice(),
+            row_rel(want.as_slice(), dims.head_v, 2e-4),
+        );
+        within(
+            &format!("gdn state after {n} rows"),
+            &down(g, &ds),
+            state.as_slice(),
+            row_rel(state.as_slice(), ss, 2e-4),
+        );
+    }
+}
+
+// ---- attention --------------------------------------------------------------------------------------
+
+#[test]
+fn kv_append_and_qsa_pool_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(18);
+    let (cap, cols) = (64usize, 512usize);
+    for kv in [KvType::F32, KvType::F16] {
+        let mut cache = buf(0, cols, &[]);
+        let mut store = g.zeros::<f32>(cap * cols).unwrap();
+        let mut err = g.zeros::<u32>(1).unwrap();
+        let mut at = 0usize;
+        for n in [5usize, 1, 8] {
+            let x = rng.f32_vec_special(n * cols, 100.0);
+            be.append_kv(&mut cache, &buf(n, cols, &x), kv).unwrap();
+            let pos: Vec<u32> = (at..at + n).map(|p| p as u32).collect();
+            m::kv_append(
+                g,
+                &mut store,
+                cap,
+                &up(g, &x),
+                &up(g, &pos),
+                n,
+                cols,
+                kv == KvType::F16,
+                &mut err,
+            )
+            .unwrap();
+            at += n;
+        }
+        bitwise(
+            &format!("kv_append {kv:?}"),
+            &down(g, &store)[..at * cols],
+            cache.as_slice(),
+        );
+        assert_eq!(g.download(&err).unwrap(), vec![0]);
+        // A position past the capacity: flagged, nothing written.
+        let before = down(g, &store);
+        m::kv_append(
+            g,
+            &mut store,
+            cap,
+            &up(g, &vec![1f32; cols]),
+            &up(g, &[cap as u32]),
+            1,
+            cols,
+            false,
+            &mut err,
+        )
+        .unwrap();
+        assert_eq!(g.download(&err).unwrap(), vec![m::ERR_CAPACITY]);
+        bitwise(
+            "store untouched by the refused row",
+            &down(g, &store),
+            &before,
+        );
+    }
+    // Pooling: raw keys of 128, blocks of 4; rows 0..13 (blocks 0..2), then 13..17 (block 3).
+    let (d, ratio, rot, theta) = (128usize, 4usize, 64usize, 1e7f32);
+    let cap_b = cap / ratio;
+    let kn: Vec<f32> = (0..d).map(|_| 1.0 + 0.02 * rng.normal()).collect();
+    let w = weights(vec![("kn", vec![d as u64], GgmlType::F32, f32_bytes(&kn))]);
+    let mut kraw = buf(0, d, &[]);
+    let mut kstore = g.zeros::<f32>(cap * d).unwrap();
+    let mut bstore = g.zeros::<f32>(cap_b * d).unwrap();
+    let mut err = g.zeros::<u32>(1).unwrap();
+    let freqs = up(g, &m::rope_freqs(rot, theta));
+    let dkn = up(g, &kn);
+    let mut want_blocks: Vec<f32> = Vec::new();
+    let mut at = 0usize;
+    for n in [13usize, 4] {
+        let x = rng.f32_vec_special(n * d, 1.0);
+        be.append_kv(&mut kraw, &buf(n, d, &x), KvType::F32)
+            .unwrap();
+        let have = want_blocks.len() / d;
+        let complete = kraw.as_slice().len() / d / ratio;
+        let pooled = be
+            .qsa_pool_blocks(&kraw, have, complete - have, ratio)
+            .unwrap();
+        let mut kb = be.rms_norm(&pooled, &w["kn"], d, 1e-6).unwrap();
+        let first: Vec<u32> = (have..complete).map(|b| (b * ratio) as u32).collect();
+        be.rope_neox(&mut kb, d, rot, theta, &first).unwrap();
+        want_blocks.extend_from_slice(kb.as_slice());
+        let pos: Vec<u32> = (at..at + n).map(|p| p as u32).collect();
+        let dpos = up(g, &pos);
+        m::kv_append(
+            g,
+            &mut kstore,
+            cap,
+            &up(g, &x),
+            &dpos,
+            n,
+            d,
+            false,
+            &mut err,
+        )
+        .unwrap();
+        m::qsa_pool(
+            g,
+            &kstore,
+            &mut bstore,
+            cap_b,
+            &dpos,
+            n,
+            d,
+            ratio,
+            &dkn,
+            1e-6,
+            &freqs,
+            rot,
+            &mut err,
+        )
+        .unwrap();
+        at += n;
+    }
+    let got = down(g, &bstore);
+    let nb = want_blocks.len();
+    // The norm's block sum and rope's cos/sin: 1e-5 of the block row's largest value.
+    within(
+        "qsa_pool",
+        &got[..nb],
+        &want_blocks,
+        row_rel(&want_blocks, d, 1e-5),
+    );
+    assert_eq!(g.download(&err).unwrap(), vec![0]);
+}
+
+#[test]
+fn qsa_selection_equals_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(19);
+    let (heads, d, ratio, budget, cap) = (4usize, 128usize, 4usize, 32usize, 512usize);
+    let cap_b = cap / ratio;
+    // Block keys with many exact ties (rows copied), a zero block (score 0 for every query).
+    let mut blocks = rng.f32_vec_special(cap_b * d, 1.0);
+    for b in 0..cap_b {
+        if b % 3 == 1 {
+            let src = rng.below(b);
+            let (a, c) = blocks.split_at_mut(b * d);
+            c[..d].copy_from_slice(&a[src * d..(src + 1) * d]);
+        }
+    }
+    blocks[5 * d..6 * d].iter_mut().for_each(|v| *v = 0.0);
+    let pos: Vec<u32> = vec![0, 2, 3, 14, 30, 31, 45, 200, 437, 511];
+    let n = pos.len();
+    let qi = rng.f32_vec_special(n * heads * d, 1.0);
+    let (dq, db, dp) = (up(g, &qi), up(g, &blocks), up(g, &pos));
+    for rule in [QsaRule::Reference, QsaRule::LlamaCpp] {
+        let s = QsaSelect {
+            ratio,
+            budget,
+            rule,
+        };
+        // The CPU reads the complete blocks only: hand it the store cut to the largest count.
+        let nb_max = (*pos.iter().max().unwrap() as usize + 1) / ratio;
+        let want = be
+            .qsa_select(
+                &buf(n, heads * d, &qi),
+                &buf(nb_max, d, &blocks[..nb_max * d]),
+                &pos,
+                s,
+            )
+            .unwrap();
+        let mut sel = m::Selection::new(g, n, cap, s).unwrap();
+        let mut err = g.zeros::<u32>(1).unwrap();
+        m::qsa_select(g, &dq, &db, &dp, n, heads, d, s, &mut sel, &mut err).unwrap();
+        assert_eq!(g.download(&err).unwrap(), vec![0], "{rule:?}: error word");
+        let (cnt, toks) = (g.download(&sel.cnt).unwrap(), g.download(&sel.sel).unwrap());
+        for r in 0..n {
+            let got = &toks[r * sel.stride..r * sel.stride + cnt[r] as usize];
+            assert_eq!(
+                got,
+                want.0[r].as_slice(),
+                "{rule:?}: row {r} at position {}",
+                pos[r]
+            );
+        }
+        eprintln!("qsa_select {rule:?}: {n} rows equal to the CPU's token lists");
+    }
+}
+
+#[test]
+fn attention_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(20);
+    let cap = 300usize;
+    // Sparse (QSA geometry) over given token lists, and dense causal (qwen2 geometry).
+    for (dims, causal) in [
+        (
+            AttnDims {
+                n_head: 8,
+                n_head_kv: 2,
+                head_dim: 256,
+            },
+            false,
+        ),
+        (
+            AttnDims {
+                n_head: 14,
+                n_head_kv: 2,
+                head_dim: 64,
+            },
+            true,
+        ),
+    ] {
+        let kvc = dims.n_head_kv * dims.head_dim;
+        let qc = dims.n_head * dims.head_dim;
+        for kv in [KvType::F32, KvType::F16] {
+            // F32: specials too. F16: plain values (a large special is ±inf in F16, and the
+            // head's output NaN on both sides: nothing to compare).
+            let mut gen = |n: usize| {
+                if kv == KvType::F16 {
+                    rng.f32_vec(n, 1.0)
+                } else {
+                    rng.f32_vec_special(n, 1.0)
+                }
+            };
+            let mut kc = gen(cap * kvc);
+            let mut vc = gen(cap * kvc);
+            let q = gen(4 * qc);
+            if kv == KvType::F16 && causal {
+                // A causal F16 store holds rounded values (kv_append rounds them).
+                for v in kc.iter_mut().chain(vc.iter_mut()) {
+                    *v = half::f16::from_f32(*v).to_f32();
+                }
+            }
+            let pos: Vec<u32> = vec![0, 37, 150, 299];
+            let n = pos.len();
+            let lists: Vec<Vec<u32>> = pos
+                .iter()
+                .map(|&p| (0..=p).filter(|_| rng.below(3) != 0 || p < 4).collect())
+                .collect();
+            let (kb, vb) = (buf(cap, kvc, &kc), buf(cap, kvc, &vc));
+            let want = if causal {
+                be.attend_causal(&buf(n, qc, &q), &kb, &vb, &pos, dims, kv)
+                    .unwrap()
+            } else {
+                be.attend(
+                    &buf(n, qc, &q),
+                    &kb,
+                    &vb,
+                    &CpuSelection(lists.clone()),
+                    dims,
+                    kv,
+                )
+                .unwrap()
+            };
+            let mut sel = m::Selection::new(
+                g,
+                n,
+                cap,
+                QsaSelect {
+                    ratio: 4,
+                    budget: cap,
+                    rule: QsaRule::Reference,
+                },
+            )
+            .unwrap();
+            let mut flat = vec![0u32; n * sel.stride];
+            let mut cnt = vec![0u32; n];
+            for (r, l) in lists.iter().enumerate() {
+                flat[r * sel.stride..r * sel.stride + l.len()].copy_from_slice(l);
+                cnt[r] = l.len() as u32;
+            }
+            g.write(&mut sel.sel, &flat).unwrap();
+            g.write(&mut sel.cnt, &cnt).unwrap();
+            let mut out = g.zeros::<f32>(n * qc).unwrap();
+            let mut scratch = g.zeros::<f32>(n * dims.n_head * cap).unwrap();
+            let mut err = g.zeros::<u32>(1).unwrap();
+            m::attend(
+                g,
+                &up(g, &q),
+                &up(g, &kc),
+                &up(g, &vc),
+                cap,
+                if causal { None } else { Some(&sel) },
+                &up(g, &pos),
+                n,
+                dims,
+                kv == KvType::F16,
+                &mut out,
+                &mut scratch,
+                &mut err,
+            )
+            .unwrap();
+            assert_eq!(g.download(&err).unwrap(), vec![0]);
+            // Softmax with the device's expf and another order for Σp: 1e-5 of the largest |v|
+            // the element averages (f32); with F16 probabilities one may round the other way:
+            // 2e-3.
+            let relb = if kv == KvType::F16 { 2e-3 } else { 1e-5 };
+            let d = dims.head_dim;
+            let group = dims.n_head / dims.n_head_kv;
+            let bound = |i: usize| {
+                let (r, h, j) = (i / qc, (i % qc) / d, i % d);
+                let off = (h / group) * d;
+                let toks: Vec<u32> = if causal {
+                    (0..=pos[r]).collect()
+                } else {
+                    lists[r].clone()
+                };
+                let vm = toks
+                    .iter()
+                    .map(|&t| (vc[t as usize * kvc + off + j] as f64).abs())
+                    .fold(0f64, f64::max);
+                relb * vm + 1e-30
+            };
+            within(
+                &format!(
+                    "attend {} {kv:?} {dims:?}",
+                    if causal { "causal" } else { "sparse" }
+                ),
+                &down(g, &out),
+                want.as_slice(),
+                bound,
+            );
+            // The split form (chunks of 256 tokens): the same bound.
+            let mut ss = m::AttnSplitScratch::new(g, n, dims, cap).unwrap();
+            let mut out2 = g.zeros::<f32>(n * qc).unwrap();
+            m::attend_split(
+                g,
+                &up(g, &q),
+                &up(g, &kc),
+                &up(g, &vc),
+                cap,
+                if causal { None } else { Some(&sel) },
+                &up(g, &pos),
+                n,
+                dims,
+                kv == KvType::F16,
+                &mut out2,
+                &mut ss,
+                &mut err,
+            )
+            .unwrap();
+            assert_eq!(g.download(&err).unwrap(), vec![0]);
+            within(
+                &format!(
+                    "attend_split {} {kv:?} {dims:?}",
+                    if causal { "causal" } else { "sparse" }
+                ),
+                &down(g, &out2),
+                want.as_slice(),
+                bound,
+            );
+        }
+    }
+}
+
+// ---- bad input ---------------------------------------------------------------------------------------
+
+#[test]
+fn launchers_refuse_bad_shapes() {
+    let Some(g) = gpu() else { return };
+    let x = g.zeros::<f32>(100).unwrap();
+    let w = g.zeros::<f32>(7).unwrap();
+    let mut o = g.zeros::<f32>(100).unwrap();
+    let e = m::rms_norm(g, &x, &w, &mut o, 1, 100, 10, 1e-6).unwrap_err();
+    assert!(e.to_string().contains("7 weights"), "{e}");
+    let e = m::rms_norm(g, &x, &up(g, &[1f32; 10]), &mut o, 2, 100, 10, 1e-6).unwrap_err();
+    assert!(e.to_string().contains("holds 100"), "{e}");
+    let e = m::deinterleave(g, &x, &mut o, 1, 100, 30, 2).unwrap_err();
+    assert!(e.to_string().contains("2 parts of 30"), "{e}");
+    // A format without product kernels is refused by name.
+    let dw = DevWeight::upload(g, GgmlType::Q4_0, &[0u8; 18 * 8], 1, 256, 1).unwrap();
+    let e = m::matmul(g, &dw, &g.zeros::<u8>(292).unwrap(), 1, &mut o).unwrap_err();
+    assert!(e.to_string().contains("Q4_0"), "{e}");
+    // A position buffer shorter than the rows.
+    let freqs = up(g, &m::rope_freqs(64, 1e4));
+    let e = m::rope_neox(g, &mut o, &up(g, &[0u32]), &freqs, 2, 50, 50, 0).unwrap_err();
+    assert!(e.to_string().contains("positions holds 1"), "{e}");
+}
+
+// ---- graph replay -------------------------------------------------------------------------------
+
+/// A decode step's attention (two KV appends and causal attention, qwen2 geometry) captured
+/// once as a graph and replayed for six steps with only its inputs rewritten in place (the
+/// new key/value/query rows and the position): each replay matches the CPU at that step.
+#[test]
+fn a_captured_step_replays_with_new_inputs() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(21);
+    let dims = AttnDims {
+        n_head: 14,
+        n_head_kv: 2,
+        head_dim: 64,
+    };
+    let (kvc, qc, cap) = (2 * 64, 14 * 64, 32usize);
+    let mut xk = g.zeros::<f32>(kvc).unwrap();
+    let mut xv = g.zeros::<f32>(kvc).unwrap();
+    let mut q = g.zeros::<f32>(qc).unwrap();
+    let mut pos = g.zeros::<u32>(1).unwrap();
+    let mut ks = g.zeros::<f32>(cap * kvc).unwrap();
+    let mut vs = g.zeros::<f32>(cap * kvc).unwrap();
+    let mut out = g.zeros::<f32>(qc).unwrap();
+    let mut scratch = g.zeros::<f32>(14 * cap).unwrap();
+    let mut err = g.zeros::<u32>(1).unwrap();
+    let graph = g
+        .capture(&mut || {
+            m::kv_append(g, &mut ks, cap, &xk, &pos, 1, kvc, false, &mut err)?;
+            m::kv_append(g, &mut vs, cap, &xv, &pos, 1, kvc, false, &mut err)?;
+            m::attend(
+                g,
+                &q,
+                &ks,
+                &vs,
+                cap,
+                None,
+                &pos,
+                1,
+                dims,
+                false,
+                &mut out,
+                &mut scratch,
+                &mut err,
+            )
+        })
+        .unwrap();
+    let (mut kc, mut vc) = (buf(0, kvc, &[]), buf(0, kvc, &[]));
+    for p in 0..6u32 {
+        let (k1, v1, q1) = (
+            rng.f32_vec_special(kvc, 1.0),
+            rng.f32_vec_special(kvc, 1.0),
+            rng.f32_vec_special(qc, 1.0),
+        );
+        g.write(&mut xk, &k1).unwrap();
+        g.write(&mut xv, &v1).unwrap();
+        g.write(&mut q, &q1).unwrap();
+        g.write(&mut pos, &[p]).unwrap();
+        graph.launch().unwrap();
+        be.append_kv(&mut kc, &buf(1, kvc, &k1), KvType::F32)
+            .unwrap();
+        be.append_kv(&mut vc, &buf(1, kvc, &v1), KvType::F32)
+            .unwrap();
+        let want = be
+            .attend_causal(&buf(1, qc, &q1), &kc, &vc, &[p], dims, KvType::F32)
+            .unwrap();
+        let vals = vc.as_slice().to_vec();
+        let bound = |i: usize| {
+            let (h, j) = (i / 64, i % 64);
+            let off = (h / 7) * 64;
+            let vm = (0..=p as usize)
+                .map(|t| (vals[t * kvc + off + j] as f64).abs())
+                .fold(0f64, f64::max);
+            1e-5 * vm + 1e-30
+        };
+        within(
+            &format!("replayed step at position {p}"),
+            &down(g, &out),
+            want.as_slice(),
+            bound,
+        );
+    }
+    assert_eq!(g.download(&err).unwrap(), vec![0]);
+}
+
+// ---- timings (printed, never asserted; docs/PERF.md records them) --------------------------------
+
+/// Device time of full-size decode shapes, each op captured 20 times in a graph and timed with
+/// events (median of 9). `--ignored`: a measurement, not a test.
+#[test]
+#[ignore]
+fn model_op_timings() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(22);
+    let time = |name: &str, f: &mut dyn FnMut() -> Result<(), strata_cuda::CudaError>| {
+        let graph = g.capture(&mut || (0..20).try_for_each(|_| f())).unwrap();
+        graph.launch().unwrap();
+        g.check(name).unwrap();
+        let mut t: Vec<f64> = (0..9)
+            .map(|_| g.time_us(&mut || graph.launch()).unwrap() / 20.0)
+            .collect();
+        t.sort_by(f64::total_cmp);
+        eprintln!("TIMING {name}: {:.1} us", t[4]);
+    };
+    let mut err = g.zeros::<u32>(1).unwrap();
+    // GDN step, 16 key / 48 value heads of 128.
+    let dims = GdnDims {
+        n_k_heads: 16,
+        n_v_heads: 48,
+        head_k: 128,
+        head_v: 128,
+        conv_kernel: 4,
+    };
+    let dev = m::GdnDev {
+        ssm_a: up(g, &[-1f32; 48]),
+        dt_bias: up(g, &[0f32; 48]),
+        norm: up(g, &vec![1f32; 128]),
+        dims,
+        eps: 1e-6,
+    };
+    let (qkv, z) = (
+        up(g, &rng.f32_vec(dims.conv_dim(), 1.0)),
+        up(g, &rng.f32_vec(dims.value_dim(), 1.0)),
+    );
+    let (al, bt) = (up(g, &rng.f32_vec(48, 1.0)), up(g, &rng.f32_vec(48, 1.0)));
+    let mut st = g.zeros::<f32>(48 * 128 * 128).unwrap();
+    let mut o = g.zeros::<f32>(8 * dims.value_dim()).unwrap();
+    time("gdn_step 1 row (48 heads of 128)", &mut || {
+        m::gdn_step(g, &dev, &qkv, &z, &al, &bt, &mut st, &mut o, 1)
+    });
+    let (qkv5, z5) = (
+        up(g, &rng.f32_vec(512 * dims.conv_dim(), 1.0)),
+        up(g, &rng.f32_vec(512 * dims.value_dim(), 1.0)),
+    );
+    let (al5, bt5) = (
+        up(g, &rng.f32_vec(512 * 48, 1.0)),
+        up(g, &rng.f32_vec(512 * 48, 1.0)),
+    );
+    let mut o5 = g.zeros::<f32>(512 * dims.value_dim()).unwrap();
+    time("gdn_step 512 rows (sequential exact mode)", &mut || {
+        m::gdn_step(g, &dev, &qkv5, &z5, &al5, &bt5, &mut st, &mut o5, 512)
+    });
+    let mut gs = m::GdnScratch::new(g, dims, 512).unwrap();
+    time("gdn_step_scan 512 rows (3 launches)", &mut || {
+        m::gdn_step_scan(
+            g, &dev, &qkv5, &z5, &al5, &bt5, &mut st, &mut o5, 512, &mut gs,
+        )
+    });
+    time("gdn_step_scan 1 row (3 launches)", &mut || {
+        m::gdn_step_scan(g, &dev, &qkv, &z, &al, &bt, &mut st, &mut o, 1, &mut gs)
+    });
+    time("gdn_step_chunked 512 rows (chunks of 16)", &mut || {
+        m::gdn_step_chunked(g, &dev, &qkv5, &z5, &al5, &bt5, &mut st, &mut o5, 512)
+    });
+    let mut hist = g.zeros::<f32>(3 * 10240).unwrap();
+    let cw = up(g, &rng.f32_vec(4 * 10240, 0.5));
+    let cx = up(g, &rng.f32_vec(10240, 1.0));
+    let mut co = g.zeros::<f32>(10240).unwrap();
+    time("conv1d_silu 1 row of 10240", &mut || {
+        m::conv1d_silu(g, &cx, &cw, &mut hist, &mut co, 1, 10240, 4, 1)
+    });
+    // QSA at 32K: selection over 8192 blocks, attention over 2051 tokens (24 heads, 2 KV heads).
+    let cap = 32768usize;
+    let s = QsaSelect {
+        ratio: 4,
+        budget: 2048,
+        rule: QsaRule::Reference,
+    };
+    let mut sel = m::Selection::new(g, 1, cap, s).unwrap();
+    let blocks = up(g, &rng.f32_vec(cap / 4 * 128, 1.0));
+    let qi = up(g, &rng.f32_vec(4 * 128, 1.0));
+    let pos = up(g, &[cap as u32 - 1]);
+    time("qsa_select reference, 8192 blocks", &mut || {
+        m::qsa_select(g, &qi, &blocks, &pos, 1, 4, 128, s, &mut sel, &mut err)
+    });
+    let adims = AttnDims {
+        n_head: 24,
+        n_head_kv: 2,
+        head_dim: 256,
+    };
+    let kc = up(g, &rng.f32_vec(cap * 512, 1.0));
+    let vc = up(g, &rng.f32_vec(cap * 512, 1.0));
+    let q = up(g, &rng.f32_vec(24 * 256, 1.0));
+    let mut ao = g.zeros::<f32>(24 * 256).unwrap();
+    let mut scratch = g.zeros::<f32>(24 * cap).unwrap();
+    time("attend sparse, 2051 selected tokens", &mut || {
+        m::attend(
+            g,
+            &q,
+            &kc,
+            &vc,
+            cap,
+            Some(&sel),
+            &pos,
+            1,
+            adims,
+            false,
+            &mut ao,
+            &mut scratch,
+            &mut err,
+        )
+    });
+    let mut ss = m::AttnSplitScratch::new(g, 1, adims, cap).unwrap();
+    time("attend_split sparse, 2051 selected tokens", &mut || {
+        m::attend_split(
+            g,
+            &q,
+            &kc,
+            &vc,
+            cap,
+            Some(&sel),
+            &pos,
+            1,
+            adims,
+            false,
+            &mut ao,
+            &mut ss,
+            &mut err,
+        )
+    });
+    time("attend_split causal, 32768 tokens", &mut || {
+        m::attend_split(
+            g, &q, &kc, &vc, cap, None, &pos, 1, adims, false, &mut ao, &mut ss, &mut err,
+        )
+    });
+    time("attend causal, 32768 tokens", &mut || {
+        m::attend(
+            g,
+            &q,
+            &kc,
+            &vc,
+            cap,
+            None,
+            &pos,
+            1,
+            adims,
+            false,
+            &mut ao,
+            &mut scratch,
+            &mut err,
+        )
+    });
+    // Routed experts, Q2_0, top-10 of 64 (each expert 1.4 MB: beyond L2 over the graph's 20).
+    let (h, ff, ne, ks) = (2560usize, 640usize, 64usize, 10usize);
+    let ex = m::ExpertsDev {
+        gate: DevWeight::upload(
+            g,
+            GgmlType::Q2_0,
+            &weight_blocks(GgmlType::Q2_0, ne * ff * h / 64, 1),
+            ff,
+            h,
+            ne,
+        )
+        .unwrap(),
+        up: DevWeight::upload(
+            g,
+            GgmlType::Q2_0,
+            &weight_blocks(GgmlType::Q2_0, ne * ff * h / 64, 2),
+            ff,
+            h,
+            ne,
+        )
+        .unwrap(),
+        down: DevWeight::upload(
+            g,
+            GgmlType::Q2_0,
+            &weight_blocks(GgmlType::Q2_0, ne * ff * h / 64, 3),
+            h,
+            ff,
+            ne,
+        )
+        .unwrap(),
+    };
+    let x = up(g, &rng.f32_vec(h, 1.0));
+    let ids = up(g, &rng.distinct(ks, ne));
+    let wts = up(g, &vec![0.1f32; ks]);
+    let mut ms = m::MoeScratch::new(g, &ex, 1, ks).unwrap();
+    let mut mo = g.zeros::<f32>(h).unwrap();
+    time("moe_experts decode, 1 row, top-10 Q2_0", &mut || {
+        m::moe_experts(g, &ex, &x, &ids, &wts, &mut ms, false, &mut mo, &mut err)
+    });
+    // A prefill chunk's routed experts: 512 rows × top-10, grouped by expert.
+    let x5 = up(g, &rng.f32_vec(512 * h, 1.0));
+    let ids5: Vec<i32> = (0..512).flat_map(|_| rng.distinct(ks, ne)).collect();
+    let ids5 = up(g, &ids5);
+    let wts5 = up(g, &vec![0.1f32; 512 * ks]);
+    let mut ms5 = m::MoeScratch::new(g, &ex, 512, ks).unwrap();
+    let mut mo5 = g.zeros::<f32>(512 * h).unwrap();
+    time(
+        "moe_experts prefill, 512 rows, top-10 of 64, grouped",
+        &mut || {
+            m::moe_experts(
+                g, &ex, &x5, &ids5, &wts5, &mut ms5, true, &mut mo5, &mut err,
+            )
+        },
+    );
+    // Hyper-connection mix, full size.
+    let hc = m::HcDev {
+        norm: up(g, &vec![1f32; 10240]),
+        down: DevWeight::upload(
+            g,
+            GgmlType::BF16,
+            &bf16_bytes(&rng.f32_vec(320 * 10240, 0.02)),
+            320,
+            10240,
+            1,
+        )
+        .unwrap(),
+        up: DevWeight::upload(
+            g,
+            GgmlType::BF16,
+            &bf16_bytes(&rng.f32_vec(320 * 10240, 0.02)),
+            10240,
+            320,
+            1,
+        )
+        .unwrap(),
+        inject: Some(
+            DevWeight::upload(
+                g,
+                GgmlType::BF16,
+                &bf16_bytes(&rng.f32_vec(4 * 10240, 0.02)),
+                4,
+                10240,
+                1,
+            )
+            .unwrap(),
+        ),
+        streams: 4,
+        h: 2560,
+        eps: 1e-6,
+    };
+    let mut hs = m::HcScratch::new(g, &hc, 1).unwrap();
+    let hx = up(g, &rng.f32_vec(10240, 1.0));
+    let mut hu = g.zeros::<f32>(2560).unwrap();
+    let mut hi = g.zeros::<f32>(4).unwrap();
+    time("hc_mix 1 row (4 x 2560, rank 320)", &mut || {
+        m::hc_mix(g, &hc, &hx, 1, &mut hs, &mut hu, Some(&mut hi))
+    });
+    // A prefill chunk's product: Q4_K 10240 x 2560 against 512 rows (tiled kernel).
+    let w = DevWeight::upload(
+        g,
+        GgmlType::Q4_K,
+        &weight_blocks(GgmlType::Q4_K, 10240 * 2560 / 256, 4),
+        10240,
+        2560,
+        1,
+    )
+    .unwrap();
+    let xq = up(
+        g,
+        &act_bytes(GgmlType::Q4_K, &rng.f32_vec(512 * 2560, 1.0), 512, 2560),
+    );
+    let mut y = g.zeros::<f32>(512 * 10240).unwrap();
+    time("matmul Q4_K 10240x2560, 512 rows", &mut || {
+        m::matmul(g, &w, &xq, 512, &mut y)
+    });
+    assert_eq!(g.download(&err).unwrap(), vec![0]);
+}
+
+// ---- the MoE block ------------------------------------------------------------------------------
+
+/// The whole MoE block (router, route, routed experts, shared expert, gated add) against the
+/// CPU's composition of the same Backend operations (qwen4exp::moe): the routes exactly, the
+/// output within the products' bound.
+#[test]
+fn moe_block_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(23);
+    let (h, ff, ne, ku, ffs) = (2560usize, 640usize, 64usize, 8usize, 640usize);
+    let q2 = GgmlType::Q2_0;
+    let blocks =
+        |ty: GgmlType, n: usize, rng: &mut Rng| weight_blocks(ty, n / ty.block_size(), rng.u64());
+    let router = rng.f32_vec(ne * h, 0.02);
+    let gi = rng.f32_vec(h, 0.02);
+    let (eg, eu, ed) = (
+        blocks(q2, ne * ff * h, &mut rng),
+        blocks(q2, ne * ff * h, &mut rng),
+        blocks(q2, ne * h * ff, &mut rng),
+    );
+    let (sg, su, sd) = (
+        blocks(q2, ffs * h, &mut rng),
+        blocks(q2, ffs * h, &mut rng),
+        blocks(GgmlType::Q8_0, h * ffs, &mut rng),
+    );
+    let (h6, f6, e6, fs6) = (h as u64, ff as u64, ne as u64, ffs as u64);
+    let w = weights(vec![
+        ("router", vec![h6, e6], GgmlType::BF16, bf16_bytes(&router)),
+        ("gi", vec![h6, 1], GgmlType::BF16, bf16_bytes(&gi)),
+        ("eg", vec![h6, f6, e6], q2, eg.clone()),
+        ("eu", vec![h6, f6, e6], q2, eu.clone()),
+        ("ed", vec![f6, h6, e6], q2, ed.clone()),
+        ("sg", vec![h6, fs6], q2, sg.clone()),
+        ("su", vec![h6, fs6], q2, su.clone()),
+        ("sd", vec![fs6, h6], GgmlType::Q8_0, sd.clone()),
+    ]);
+    let dw = |ty, b: &[u8], rows, k, n| DevWeight::upload(g, ty, b, rows, k, n).unwrap();
+    let l = m::MoeLayerDev {
+        router: dw(GgmlType::BF16, &bf16_bytes(&router), ne, h, 1),
+        experts: m::ExpertsDev {
+            gate: dw(q2, &eg, ff, h, ne),
+            up: dw(q2, &eu, ff, h, ne),
+            down: dw(q2, &ed, h, ff, ne),
+        },
+        n_used: ku,
+        gate_sh: dw(q2, &sg, ffs, h, 1),
+        up_sh: dw(q2, &su, ffs, h, 1),
+        down_sh: dw(GgmlType::Q8_0, &sd, h, ffs, 1),
+        gate_inp_sh: dw(GgmlType::BF16, &bf16_bytes(&gi), 1, h, 1),
+    };
+    for nt in [1usize, 5, 11] {
+        let x = tame(rng.f32_vec_special(nt * h, 1.0));
+        let xb = buf(nt, h, &x);
+        let [logits, gs, us, gate] = be
+            .matmuls([&w["router"], &w["sg"], &w["su"], &w["gi"]], &xb)
+            .unwrap();
+        let routes = be.route(&logits, ku).unwrap();
+        let mut y = be
+            .moe_experts(
+                &ExpertWeights {
+                    gate: &w["eg"],
+                    up: &w["eu"],
+                    down: &w["ed"],
+                },
+                &xb,
+                &routes,
+            )
+            .unwrap();
+        let shared = be.matmul(&w["sd"], &be.swiglu(&gs, &us).unwrap()).unwrap();
+        be.add_sigmoid_gated(&mut y, &shared, &gate).unwrap();
+        let mut s = m::MoeLayerScratch::new(g, &l, nt).unwrap();
+        let mut err = g.zeros::<u32>(1).unwrap();
+        let dx = up(g, &x);
+        let mut out = g.zeros::<f32>(nt * h).unwrap();
+        let mut out2 = g.zeros::<f32>(nt * h).unwrap();
+        m::moe_layer(g, &l, &dx, &mut s, false, &mut out, &mut err).unwrap();
+        let ids = g.download(&s.ids).unwrap();
+        m::moe_layer(g, &l, &dx, &mut s, true, &mut out2, &mut err).unwrap();
+        assert_eq!(g.download(&err).unwrap(), vec![0]);
+        let want_ids: Vec<i32> = routes
+            .0
+            .iter()
+            .flat_map(|r| r.iter().map(|&(e, _)| e as i32))
+            .collect();
+        assert_eq!(ids, want_ids, "routes of {nt} rows");
+        let got = down(g, &out);
+        bitwise(
+            &format!("moe block {nt} rows: grouped vs decode"),
+            &down(g, &out2),
+            &got,
+        );
+        within(
+            &format!("moe block {nt} rows vs CPU"),
+            &got,
+            y.as_slice(),
+            row_rel(y.as_slice(), h, 2e-3),
+        );
+    }
+}
+
+/// The chunked GDN form (chunks of 16) against the sequential exact mode on the device and the
+/// CPU: prefill lengths with partial chunks, the state carried between calls.
+#[test]
+fn gdn_chunked_matches_sequential() {
+    let Some(g) = gpu() else { return };
+    let be = cpu();
+    let mut rng = Rng::new(24);
+    let dims = GdnDims {
+        n_k_heads: 2,
+        n_v_heads: 4,
+        head_k: 128,
+        head_v: 128,
+        conv_kernel: 4,
+    };
+    let nv = dims.n_v_heads;
+    let ssm_a: Vec<f32> = (0..nv).map(|_| -(0.5 + rng.unit())).collect();
+    let dt: Vec<f32> = rng.f32_vec(nv, 1.0);
+    let norm: Vec<f32> = (0..128).map(|_| 1.0 + 0.02 * rng.normal()).collect();
+    let w = weights(vec![
+        ("a", vec![nv as u64], GgmlType::F32, f32_bytes(&ssm_a)),
+        ("dt", vec![nv as u64], GgmlType::F32, f32_bytes(&dt)),
+        ("norm", vec![128], GgmlType::F32, f32_bytes(&norm)),
+    ]);
+    let params = GdnParams {
+        a: &w["a"],
+        dt_bias: &w["dt"],
+        norm: &w["norm"],
+        dims,
+        eps: 1e-6,
+    };
+    let dev = m::GdnDev {
+        ssm_a: up(g, &ssm_a),
+        dt_bias: up(g, &dt),
+        norm: up(g, &norm),
+        dims,
+        eps: 1e-6,
+    };
+    let ss = nv * 128 * 128;
+    let mut state = buf(nv, 128 * 128, &vec![0f32; ss]);
+    let mut sseq = g.zeros::<f32>(ss).unwrap();
+    let mut schk = g.zeros::<f32>(ss).unwrap();
+    let mut sscan = g.zeros::<f32>(ss).unwrap();
+    let vd = dims.value_dim();
+    for n in [1usize, 17, 40, 64] {
+        let qkv = rng.f32_vec(n * dims.conv_dim(), 1.0);
+        let z = rng.f32_vec(n * vd, 1.0);
+        let al = rng.f32_vec(n * nv, 1.0);
+        let bt = rng.f32_vec(n * nv, 1.0);
+        let (dq, dz, da, db) = (up(g, &qkv), up(g, &z), up(g, &al), up(g, &bt));
+        let mut o1 = g.zeros::<f32>(n * vd).unwrap();
+        let mut o2 = g.zeros::<f32>(n * vd).unwrap();
+        m::gdn_step(g, &dev, &dq, &dz, &da, &db, &mut sseq, &mut o1, n).unwrap();
+        m::gdn_step_chunked(g, &dev, &dq, &dz, &da, &db, &mut schk, &mut o2, n).unwrap();
+        let want = be
+            .gdn_step(
+                &params,
+                &buf(n, dims.conv_dim(), &qkv),
+                &buf(n, vd, &z),
+                &buf(n, nv, &al),
+                &buf(n, nv, &bt),
+                &mut state,
+            )
+            .unwrap();
+        let (r1, r2) = (down(g, &o1), down(g, &o2));
+        // The column-spread form: bitwise the fused kernel, outputs and state.
+        let mut o3 = g.zeros::<f32>(n * vd).unwrap();
+        let mut gs = m::GdnScratch::new(g, dims, n).unwrap();
+        m::gdn_step_scan(g, &dev, &dq, &dz, &da, &db, &mut sscan, &mut o3, n, &mut gs).unwrap();
+        bitwise(
+            &format!("gdn scan out, {n} rows vs fused"),
+            &down(g, &o3),
+            &r1,
+        );
+        bitwise(
+            &format!("gdn scan state after {n} rows vs fused"),
+            &down(g, &sscan),
+            &down(g, &sseq),
+        );
+        // Reassociated sums and exp-of-sums for products of exps: 1e-4 of the row's (state's)
+        // largest magnitude against the sequential form, 2e-4 against the CPU.
+        within(
+            &format!("gdn chunked out, {n} rows vs sequential"),
+            &r2,
+            &r1,
+            row_rel(&r1, 128, 1e-4),
+        );
+        let (st1, st2) = (down(g, &sseq), down(g, &schk));
+        within(
+            &format!("gdn chunked state after {n} rows vs sequential"),
+            &st2,
+            &st1,
+            row_rel(&st1, ss, 1e-4),
+        );
+        within(
+            &format!("gdn chunked out, {n} rows vs CPU"),
+            &r2,
+            want.as_slice(),
+            row_rel(want.as_slice(), 128, 2e-4),
+        );
+    }
+}
