@@ -685,7 +685,7 @@ pub fn conv1d_silu(
 }
 
 /// Geometry of a GDN layer (as `strata_engine::backend::GdnDims`).
-pub use strata_engine::backend::GdnDims;
+pub use strata_engine::qwen4exp::ops::GdnDims;
 
 /// The per-head constants of a GDN layer on the device (f32 images).
 pub struct GdnDev {
@@ -977,7 +977,7 @@ pub fn qsa_pool(
 }
 
 /// How one QSA layer selects (as `strata_engine::backend::QsaSelect`).
-pub use strata_engine::backend::{QsaRule, QsaSelect};
+pub use strata_engine::qwen4exp::ops::{QsaRule, QsaSelect};
 
 /// Fixed-capacity selection buffers for up to `rows` query rows: block scores, the selected
 /// tokens (`stride = budget + ratio − 1` a row) and their counts, and the llama.cpp rule's

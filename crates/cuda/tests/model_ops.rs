@@ -18,16 +18,28 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::CudaSlice;
 use strata_cuda::model::{self as m, DevWeight};
 use strata_cuda::{ops, Gpu};
-use strata_engine::backend::{
-    AttnDims, ExpertWeights, GdnDims, GdnParams, HcWeights, KvType, QsaRule, QsaSelect,
-};
-use strata_engine::cpu::{CpuRoutes, CpuSelection};
+use strata_engine::backend::{AttnDims, ExpertWeights, KvType};
+use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
 use strata_engine::kernels::actq::{quantize_row, ActFmt};
 use strata_engine::kernels::testdata::{weight_blocks, Rng};
+use strata_engine::qwen4exp::ops::{GdnDims, GdnParams, HcWeights, QsaRule, QsaSelect};
 use strata_engine::{Backend, CpuBackend, CpuBuf, CpuWeight};
+use strata_engine::{DeviceBuf, Qwen4expOps};
 use strata_gguf::{GgmlType, GgufFile, GgufWriter};
 
 // ---- set-up -------------------------------------------------------------------------------
+
+/// Host ids as the CPU backend's step inputs.
+fn ids(v: &[u32]) -> CpuIds {
+    CpuIds(v.to_vec())
+}
+
+/// Appends rows at the end of a CPU cache (written at its next positions, as a step does).
+fn append_kv(be: &CpuBackend, cache: &mut CpuBuf, x: &CpuBuf, kv: KvType) {
+    let start = cache.rows() as u32;
+    let at: Vec<u32> = (start..start + x.rows() as u32).collect();
+    be.write_kv(cache, x, &ids(&at), kv).unwrap();
+}
 
 fn gpu() -> Option<&'static Gpu> {
     static G: OnceLock<Result<Gpu, String>> = OnceLock::new();
@@ -240,7 +252,7 @@ fn elementwise_ops_match_cpu() {
     let inj = rng.f32_vec_special(rows * s, 1.0);
     let yv = rng.f32_vec_special(rows * h, 1.0);
     let mut x = buf(rows, s * h, &a);
-    be.hc_combine(&mut x, &buf(rows, h, &yv), &buf(rows, s, &inj))
+    be.hc_combine(&mut x, &buf(rows, h, &yv), Some(&buf(rows, s, &inj)))
         .unwrap();
     let mut dx = up(g, &a);
     m::hc_combine(g, &mut dx, &up(g, &yv), &up(g, &inj), rows, h, s).unwrap();
@@ -327,7 +339,7 @@ fn rms_norm_and_rope_match_cpu() {
         let x = rng.f32_vec_special(rows * cols, 1.0);
         let pos: Vec<u32> = (0..rows).map(|_| rng.below(40000) as u32).collect();
         let mut want = buf(rows, cols, &x);
-        be.rope_neox(&mut want, hd, rot, theta, &pos).unwrap();
+        be.rope_neox(&mut want, hd, rot, theta, &ids(&pos)).unwrap();
         let mut dx = up(g, &x);
         let freqs = up(g, &m::rope_freqs(rot, theta));
         m::rope_neox(g, &mut dx, &up(g, &pos), &freqs, rows, cols, hd, rot).unwrap();
@@ -773,7 +785,9 @@ fn embed_and_ple_gather_match_cpu() {
             tb.clone(),
         )]);
         let ids: Vec<u32> = (0..24).map(|_| rng.below(n_rows) as u32).collect();
-        let want = be.embed_rows(&w["t"], &ids, copies).unwrap();
+        let want = be
+            .embed_rows(&w["t"], &CpuIds(ids.clone()), copies)
+            .unwrap();
         let mut e = g.zeros::<f32>(ids.len() * row_len).unwrap();
         ops::embed(
             g,
@@ -972,7 +986,7 @@ fn kv_append_and_qsa_pool_match_cpu() {
         let mut at = 0usize;
         for n in [5usize, 1, 8] {
             let x = rng.f32_vec_special(n * cols, 100.0);
-            be.append_kv(&mut cache, &buf(n, cols, &x), kv).unwrap();
+            append_kv(&be, &mut cache, &buf(n, cols, &x), kv);
             let pos: Vec<u32> = (at..at + n).map(|p| p as u32).collect();
             m::kv_append(
                 g,
@@ -1030,18 +1044,21 @@ fn kv_append_and_qsa_pool_match_cpu() {
     let mut at = 0usize;
     for n in [13usize, 4] {
         let x = rng.f32_vec_special(n * d, 1.0);
-        be.append_kv(&mut kraw, &buf(n, d, &x), KvType::F32)
-            .unwrap();
-        let have = want_blocks.len() / d;
-        let complete = kraw.as_slice().len() / d / ratio;
-        let pooled = be
-            .qsa_pool_blocks(&kraw, have, complete - have, ratio)
-            .unwrap();
-        let mut kb = be.rms_norm(&pooled, &w["kn"], d, 1e-6).unwrap();
-        let first: Vec<u32> = (have..complete).map(|b| (b * ratio) as u32).collect();
-        be.rope_neox(&mut kb, d, rot, theta, &first).unwrap();
-        want_blocks.extend_from_slice(kb.as_slice());
+        append_kv(&be, &mut kraw, &buf(n, d, &x), KvType::F32);
         let pos: Vec<u32> = (at..at + n).map(|p| p as u32).collect();
+        // The CPU pools per row; the rows whose position completes a block carry one.
+        let pooled = be.qsa_pool_blocks(&kraw, &ids(&pos), ratio).unwrap();
+        let done: Vec<usize> = (0..n).filter(|&r| (at + r + 1) % ratio == 0).collect();
+        let rows: Vec<f32> = done
+            .iter()
+            .flat_map(|&r| pooled.as_slice()[r * d..(r + 1) * d].to_vec())
+            .collect();
+        let mut kb = be
+            .rms_norm(&buf(done.len(), d, &rows), &w["kn"], d, 1e-6)
+            .unwrap();
+        let first: Vec<u32> = done.iter().map(|&r| (at + r + 1 - ratio) as u32).collect();
+        be.rope_neox(&mut kb, d, rot, theta, &ids(&first)).unwrap();
+        want_blocks.extend_from_slice(kb.as_slice());
         let dpos = up(g, &pos);
         m::kv_append(
             g,
@@ -1118,7 +1135,7 @@ fn qsa_selection_equals_cpu() {
             .qsa_select(
                 &buf(n, heads * d, &qi),
                 &buf(nb_max, d, &blocks[..nb_max * d]),
-                &pos,
+                &ids(&pos),
                 s,
             )
             .unwrap();
@@ -1194,7 +1211,7 @@ fn attention_matches_cpu() {
                 .collect();
             let (kb, vb) = (buf(cap, kvc, &kc), buf(cap, kvc, &vc));
             let want = if causal {
-                be.attend_causal(&buf(n, qc, &q), &kb, &vb, &pos, dims, kv)
+                be.attend_causal(&buf(n, qc, &q), &kb, &vb, &ids(&pos), dims, kv)
                     .unwrap()
             } else {
                 be.attend(
@@ -1390,12 +1407,10 @@ fn a_captured_step_replays_with_new_inputs() {
         g.write(&mut q, &q1).unwrap();
         g.write(&mut pos, &[p]).unwrap();
         graph.launch().unwrap();
-        be.append_kv(&mut kc, &buf(1, kvc, &k1), KvType::F32)
-            .unwrap();
-        be.append_kv(&mut vc, &buf(1, kvc, &v1), KvType::F32)
-            .unwrap();
+        append_kv(&be, &mut kc, &buf(1, kvc, &k1), KvType::F32);
+        append_kv(&be, &mut vc, &buf(1, kvc, &v1), KvType::F32);
         let want = be
-            .attend_causal(&buf(1, qc, &q1), &kc, &vc, &[p], dims, KvType::F32)
+            .attend_causal(&buf(1, qc, &q1), &kc, &vc, &ids(&[p]), dims, KvType::F32)
             .unwrap();
         let vals = vc.as_slice().to_vec();
         let bound = |i: usize| {
