@@ -112,6 +112,9 @@ pub struct Row {
     /// The row's floor: bytes over measured bandwidth, or the launch floor, the larger.
     pub floor_us: f64,
     pub failed: bool,
+    /// FNV-1a of the optimized variant's outputs on the first trial: equal digests on two
+    /// adapters (same seed and shapes) mean the same bits there.
+    pub digest: String,
 }
 
 impl Row {
@@ -175,13 +178,17 @@ impl Report {
                 r.parity
             );
             if gpu {
-                let _ = write!(
-                    s,
-                    " {} | {:.3} | {:.2} |",
-                    r.vs_cpu,
-                    r.floor_us,
-                    r.cand_us / r.floor_us.max(1e-9)
-                );
+                if r.floor_us > 0.0 {
+                    let _ = write!(
+                        s,
+                        " {} | {:.3} | {:.2} |",
+                        r.vs_cpu,
+                        r.floor_us,
+                        r.cand_us / r.floor_us
+                    );
+                } else {
+                    let _ = write!(s, " {} | - | - |", r.vs_cpu);
+                }
             }
             s.push('\n');
         }
@@ -209,6 +216,7 @@ impl Report {
                 "bytes": r.bytes,
                 "floor_us": r.floor_us,
                 "failed": r.failed,
+                "digest": r.digest,
             })).collect::<Vec<_>>(),
         })
     }

@@ -9,6 +9,7 @@ use strata_engine::kernels::{ActFmt, KernelError};
 use strata_quant::GgmlType;
 
 use crate::device::{Buf, Launch, Wgpu};
+use crate::shaders;
 use crate::WgpuError;
 
 fn optimized(op: &str, variant: &str) -> Result<bool, WgpuError> {
@@ -43,10 +44,6 @@ fn need(kernel: &str, what: &str, b: &Buf, bytes: usize) -> Result<(), WgpuError
 
 fn u32_of(kernel: &str, v: usize) -> Result<u32, WgpuError> {
     u32::try_from(v).map_err(|_| bad(kernel, format!("size {v} exceeds the kernels' 32-bit index")))
-}
-
-fn s(v: impl ToString) -> String {
-    v.to_string()
 }
 
 /// Largest row the norm kernels take (their block-scale arrays in workgroup memory).
@@ -88,11 +85,7 @@ fn norm_launch(
     ];
     let groups = (u32_of(k, rows)?, 1, 1);
     let l = if opt {
-        let spec = [
-            ("SPEC_N", s(n)),
-            ("SPEC_FMT", s(fmt.code())),
-            ("SPEC_NORM", s(norm)),
-        ];
+        let spec = shaders::spec_norm(n, fmt, norm);
         g.launch("norm", "rms_xprep_opt", &spec, &params, &bufs, groups)?
     } else {
         g.launch("norm", "rms_xprep_base", &[], &params, &bufs, groups)?
@@ -183,7 +176,7 @@ pub fn combine_gnorm(
     ];
     let bufs = [h, e, w, r, o];
     let l = if optimized(k, variant)? {
-        let spec = [("SPEC_N", s(n)), ("SPEC_S", s(streams))];
+        let spec = shaders::spec_combine(n, streams);
         let groups = (u32_of(k, nt * streams)?, 1, 1);
         g.launch("combine", "combine_gnorm_opt", &spec, &params, &bufs, groups)?
     } else {
@@ -231,13 +224,8 @@ pub fn embed(
     let bufs = [table, ids, out, tab];
     let groups = (u32_of(k, n_ids)?, 1, 1);
     let l = if optimized(k, variant)? {
-        let spec = [
-            ("SPEC_TY", s(ty.id())),
-            ("SPEC_N", s(row_len)),
-            ("SPEC_RB", s(rb)),
-            ("SPEC_BS", s(bs)),
-            ("SPEC_TS", s(ts)),
-        ];
+        let spec = shaders::spec_embed(ty, row_len)
+            .ok_or_else(|| bad(k, format!("row length {row_len} is not whole {ty} blocks")))?;
         g.launch("embed", "embed_opt", &spec, &params, &bufs, groups)?
     } else {
         g.launch("embed", "embed_base", &[], &params, &bufs, groups)?
@@ -297,16 +285,8 @@ pub fn gemv(
     ];
     let bufs = [w, x, y, tab];
     let l = if optimized(k, variant)? {
-        let spec = [
-            ("SPEC_TY", s(ty.id())),
-            ("SPEC_K", s(kk)),
-            ("SPEC_NT", s(nt)),
-            ("SPEC_WRB", s(wrb)),
-            ("SPEC_XRB", s(xrb)),
-            ("SPEC_BS", s(bs)),
-            ("SPEC_TS", s(ts)),
-            ("SPEC_XF", s(fmt.code())),
-        ];
+        let spec = shaders::spec_gemv(ty, kk, nt)
+            .ok_or_else(|| bad(k, format!("{ty}: no specialization for k = {kk}")))?;
         g.launch("gemv", "gemv_opt", &spec, &params, &bufs, (u32_of(k, rows)?, 1, 1))?
     } else {
         let groups = (u32_of(k, rows)?, u32_of(k, nt)?, 1);
@@ -341,7 +321,7 @@ pub fn route(
     let bufs = [logits, ids, wts];
     let groups = (u32_of(kn, nt)?, 1, 1);
     let l = if optimized(kn, variant)? {
-        let spec = [("SPEC_E", s(n_exp)), ("SPEC_K", s(k))];
+        let spec = shaders::spec_route(n_exp, k);
         g.launch("route", "route_opt", &spec, &params, &bufs, groups)?
     } else {
         g.launch("route", "route_base", &[], &params, &bufs, groups)?

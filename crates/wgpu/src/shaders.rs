@@ -79,6 +79,13 @@ const MODULES: &[Module] = &[
         spec: &[],
     },
     Module {
+        name: "selftest",
+        src: include_str!("../shaders/selftest.wgsl"),
+        storage: 3,
+        quants: false,
+        spec: &[],
+    },
+    Module {
         name: "pick",
         src: include_str!("../shaders/pick.wgsl"),
         storage: 4,
@@ -165,4 +172,92 @@ pub fn grid_table() -> Vec<u32> {
     t.extend(KSIGNS_IQ2XS.iter().map(|&v| v as u32));
     t.extend(KVALUES_IQ4NL.iter().map(|&v| v as i32 as u32));
     t
+}
+
+/// A specialization: constant names and their WGSL values.
+pub type Spec = Vec<(&'static str, String)>;
+
+pub fn spec_norm(n: usize, fmt: strata_engine::kernels::ActFmt, norm: bool) -> Spec {
+    vec![
+        ("SPEC_N", n.to_string()),
+        ("SPEC_FMT", fmt.code().to_string()),
+        ("SPEC_NORM", norm.to_string()),
+    ]
+}
+
+pub fn spec_combine(n: usize, streams: usize) -> Spec {
+    vec![("SPEC_N", n.to_string()), ("SPEC_S", streams.to_string())]
+}
+
+/// `None` when the row length is not whole blocks.
+pub fn spec_embed(ty: GgmlType, n: usize) -> Option<Spec> {
+    let rb = ty.row_bytes(n)?;
+    Some(vec![
+        ("SPEC_TY", ty.id().to_string()),
+        ("SPEC_N", n.to_string()),
+        ("SPEC_RB", rb.to_string()),
+        ("SPEC_BS", ty.block_size().to_string()),
+        ("SPEC_TS", ty.type_size().to_string()),
+    ])
+}
+
+/// `None` when the shapes are not whole blocks or the weight has no paired activation.
+pub fn spec_gemv(ty: GgmlType, k: usize, nt: usize) -> Option<Spec> {
+    let fmt = strata_engine::kernels::ActFmt::for_weight(ty)?;
+    Some(vec![
+        ("SPEC_TY", ty.id().to_string()),
+        ("SPEC_K", k.to_string()),
+        ("SPEC_NT", nt.to_string()),
+        ("SPEC_WRB", ty.row_bytes(k)?.to_string()),
+        ("SPEC_XRB", fmt.row_bytes(k)?.to_string()),
+        ("SPEC_BS", ty.block_size().to_string()),
+        ("SPEC_TS", ty.type_size().to_string()),
+        ("SPEC_XF", fmt.code().to_string()),
+    ])
+}
+
+pub fn spec_route(n_exp: usize, k: usize) -> Spec {
+    vec![("SPEC_E", n_exp.to_string()), ("SPEC_K", k.to_string())]
+}
+
+/// Every (module, entry, specialization) the catalogue's report shapes compile: what the
+/// MSL translation test covers.
+pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
+    use strata_engine::kernels::ActFmt;
+    let mut v: Vec<(&'static str, &'static str, Spec)> = vec![
+        ("norm", "rms_xprep_base", vec![]),
+        ("combine", "combine_gnorm_base", vec![]),
+        ("combine", "combine_gnorm_opt", spec_combine(2560, 4)),
+        ("embed", "embed_base", vec![]),
+        ("gemv", "gemv_base", vec![]),
+        ("route", "route_base", vec![]),
+        ("route", "route_opt", spec_route(512, 10)),
+        ("route", "route_opt", spec_route(256, 8)),
+        ("slop", "slop_pen_base", vec![]),
+        ("slop", "slop_pen_opt", vec![]),
+        ("pick", "pick_base", vec![]),
+        ("pick", "pick_opt1", vec![]),
+        ("pick", "pick_opt2", vec![]),
+        ("selftest", "arith", vec![]),
+    ];
+    for n in [2560usize, 10240] {
+        for fmt in ActFmt::ALL {
+            for norm in [true, false] {
+                v.push(("norm", "rms_xprep_opt", spec_norm(n, fmt, norm)));
+            }
+        }
+    }
+    for ty in strata_engine::kernels::embed::REPORT_FORMATS {
+        if let Some(s) = spec_embed(ty, 2560) {
+            v.push(("embed", "embed_opt", s));
+        }
+    }
+    for ty in strata_engine::kernels::gemv::GEMV_FORMATS {
+        for nt in 1..=8 {
+            if let Some(s) = spec_gemv(ty, 2560, nt) {
+                v.push(("gemv", "gemv_opt", s));
+            }
+        }
+    }
+    v
 }
