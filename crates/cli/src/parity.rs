@@ -36,7 +36,10 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let Some(backend) = BackendKind::from_name(&a.backend) else {
-        bail!("unknown backend '{}': expected cpu, cuda or wgpu", a.backend);
+        bail!(
+            "unknown backend '{}': expected cpu, cuda or wgpu",
+            a.backend
+        );
     };
     let suites: Vec<Suite> = if a.suite == "all" {
         Suite::ALL.to_vec()

@@ -116,7 +116,11 @@ fn copies(gpu: &Gpu, src: &CudaSlice<u8>, cold: bool) -> Result<Vec<CudaSlice<u8
     Ok(v)
 }
 
-fn pick_copy<'a>(base: &'a CudaSlice<u8>, extra: &'a [CudaSlice<u8>], i: usize) -> &'a CudaSlice<u8> {
+fn pick_copy<'a>(
+    base: &'a CudaSlice<u8>,
+    extra: &'a [CudaSlice<u8>],
+    i: usize,
+) -> &'a CudaSlice<u8> {
     if extra.is_empty() || i.is_multiple_of(COLD_COPIES) {
         base
     } else {
@@ -138,12 +142,9 @@ impl CudaBackend {
         drop((src, dst));
         let bw = 2.0 * (n * 4) as f64 / (best * 1e3);
         // Launch floor: an empty kernel in the same graph timing as the kernels.
-        let (launch, _) = time_graphs(
-            &gpu,
-            opts.reps,
-            &mut |_| ops::noop(&gpu),
-            &mut |_| ops::noop(&gpu),
-        )?;
+        let (launch, _) = time_graphs(&gpu, opts.reps, &mut |_| ops::noop(&gpu), &mut |_| {
+            ops::noop(&gpu)
+        })?;
         Ok(CudaBackend {
             gpu,
             cold: opts.cold,
@@ -322,12 +323,32 @@ impl KernelBackend for CudaBackend {
         Ok(self.case(Box::new(move |act| match act {
             Act::Launch(opt, i) => {
                 let t = pick_copy(&dt, &extra, i);
-                ops::embed(g, variant(opt), ty, t, table_rows, &di, n_ids, &mut o, row_len)?;
+                ops::embed(
+                    g,
+                    variant(opt),
+                    ty,
+                    t,
+                    table_rows,
+                    &di,
+                    n_ids,
+                    &mut o,
+                    row_len,
+                )?;
                 Ok(vec![])
             }
             Act::Read(opt) => {
                 o = poison_f32(g, n_ids * row_len)?;
-                ops::embed(g, variant(opt), ty, &dt, table_rows, &di, n_ids, &mut o, row_len)?;
+                ops::embed(
+                    g,
+                    variant(opt),
+                    ty,
+                    &dt,
+                    table_rows,
+                    &di,
+                    n_ids,
+                    &mut o,
+                    row_len,
+                )?;
                 Ok(vec![Out::F32(g.download(&o)?)])
             }
         })))

@@ -241,7 +241,20 @@ impl KernelBackend for WgpuBackend {
             self.out("out", poison_f32(n))?,
         ];
         self.case(
-            &|v, b| ops::embed(g, v, ty, &b[0], rows, &b[1], ids.len(), &b[2], row_len, &self.tab),
+            &|v, b| {
+                ops::embed(
+                    g,
+                    v,
+                    ty,
+                    &b[0],
+                    rows,
+                    &b[1],
+                    ids.len(),
+                    &b[2],
+                    row_len,
+                    &self.tab,
+                )
+            },
             bufs,
             vec![(2, poison_f32(n))],
             vec![(2, Kind::F32)],

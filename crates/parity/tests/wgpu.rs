@@ -25,9 +25,14 @@ fn wgpu_suites_quick_all_pass() {
     let mut failures = Vec::new();
     for suite in Suite::ALL {
         let t = std::time::Instant::now();
-        let rep = run_on(be.as_ref(), suite, &opts)
-            .unwrap_or_else(|e| panic!("{}: {e}", suite.name()));
-        eprintln!("{} in {:.2?}\n{}", suite.name(), t.elapsed(), rep.markdown());
+        let rep =
+            run_on(be.as_ref(), suite, &opts).unwrap_or_else(|e| panic!("{}: {e}", suite.name()));
+        eprintln!(
+            "{} in {:.2?}\n{}",
+            suite.name(),
+            t.elapsed(),
+            rep.markdown()
+        );
         assert!(!rep.rows.is_empty());
         for r in rep.rows.iter().filter(|r| r.failed) {
             failures.push(format!(

@@ -226,8 +226,7 @@ impl Wgpu {
     /// Overwrites a buffer's contents from the host.
     pub fn write<T: bytemuck::Pod>(&self, b: &Buf, data: &[T]) -> Result<(), WgpuError> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
-        if bytes.len() as u64 > b.bytes.max(4).div_ceil(4) * 4 || !bytes.len().is_multiple_of(4)
-        {
+        if bytes.len() as u64 > b.bytes.max(4).div_ceil(4) * 4 || !bytes.len().is_multiple_of(4) {
             return Err(WgpuError::Launch {
                 kernel: "write".into(),
                 what: format!("{} bytes into a buffer of {}", bytes.len(), b.bytes),

@@ -29,7 +29,11 @@ pub enum WgpuError {
     #[error("{kernel}: {what}")]
     Launch { kernel: String, what: String },
     #[error("{what}: {bytes} bytes exceed the adapter's storage-binding limit of {limit} bytes")]
-    TooLarge { what: String, bytes: u64, limit: u64 },
+    TooLarge {
+        what: String,
+        bytes: u64,
+        limit: u64,
+    },
     #[error("wgpu validation: {0}")]
     Validation(String),
     #[error("buffer map: {0}")]

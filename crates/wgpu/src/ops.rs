@@ -43,7 +43,12 @@ fn need(kernel: &str, what: &str, b: &Buf, bytes: usize) -> Result<(), WgpuError
 }
 
 fn u32_of(kernel: &str, v: usize) -> Result<u32, WgpuError> {
-    u32::try_from(v).map_err(|_| bad(kernel, format!("size {v} exceeds the kernels' 32-bit index")))
+    u32::try_from(v).map_err(|_| {
+        bad(
+            kernel,
+            format!("size {v} exceeds the kernels' 32-bit index"),
+        )
+    })
 }
 
 /// Largest row the norm kernels take (their block-scale arrays in workgroup memory).
@@ -111,7 +116,17 @@ pub fn rms_xprep(
     need(k, "x", x, nt * n * 4)?;
     need(k, "w", w, n * 4)?;
     need(k, "out", out, nt * rb)?;
-    norm_launch(g, k, optimized(k, variant)?, [x, w, out], nt, n, eps, fmt, true)
+    norm_launch(
+        g,
+        k,
+        optimized(k, variant)?,
+        [x, w, out],
+        nt,
+        n,
+        eps,
+        fmt,
+        true,
+    )
 }
 
 /// `xprep`: `rows` rows of `n` from `x` to their image in `fmt`. `dummy` is any small buffer
@@ -178,7 +193,14 @@ pub fn combine_gnorm(
     let l = if optimized(k, variant)? {
         let spec = shaders::spec_combine(n, streams);
         let groups = (u32_of(k, nt * streams)?, 1, 1);
-        g.launch("combine", "combine_gnorm_opt", &spec, &params, &bufs, groups)?
+        g.launch(
+            "combine",
+            "combine_gnorm_opt",
+            &spec,
+            &params,
+            &bufs,
+            groups,
+        )?
     } else {
         let groups = (u32_of(k, nt)?, 1, 1);
         g.launch("combine", "combine_gnorm_base", &[], &params, &bufs, groups)?
@@ -253,7 +275,10 @@ pub fn gemv(
         return Err(bad(k, format!("{ty} has no wgpu GEMV")));
     }
     if !(1..=8).contains(&nt) {
-        return Err(bad(k, format!("{nt} activation rows; the kernels take 1..=8")));
+        return Err(bad(
+            k,
+            format!("{nt} activation rows; the kernels take 1..=8"),
+        ));
     }
     let fmt = ActFmt::for_weight(ty).ok_or_else(|| bad(k, format!("{ty}: no activation")))?;
     let wrb = ty
@@ -265,7 +290,10 @@ pub fn gemv(
         .ok_or_else(|| {
             bad(
                 k,
-                format!("row length {kk}: {} rows must be whole 4-byte words", fmt.name()),
+                format!(
+                    "row length {kk}: {} rows must be whole 4-byte words",
+                    fmt.name()
+                ),
             )
         })?;
     need(k, "w", w, rows * wrb)?;
@@ -287,7 +315,14 @@ pub fn gemv(
     let l = if optimized(k, variant)? {
         let spec = shaders::spec_gemv(ty, kk, nt)
             .ok_or_else(|| bad(k, format!("{ty}: no specialization for k = {kk}")))?;
-        g.launch("gemv", "gemv_opt", &spec, &params, &bufs, (u32_of(k, rows)?, 1, 1))?
+        g.launch(
+            "gemv",
+            "gemv_opt",
+            &spec,
+            &params,
+            &bufs,
+            (u32_of(k, rows)?, 1, 1),
+        )?
     } else {
         let groups = (u32_of(k, rows)?, u32_of(k, nt)?, 1);
         g.launch("gemv", "gemv_base", &[], &params, &bufs, groups)?
@@ -350,7 +385,10 @@ impl SlopDev {
             .iter()
             .find(|&&b| b < 0 || b as usize >= t.inverse.len())
         {
-            return Err(bad(k, format!("banned token {b} is outside the vocabulary")));
+            return Err(bad(
+                k,
+                format!("banned token {b} is outside the vocabulary"),
+            ));
         }
         let mut ints = t.inverse.clone();
         let off = |v: &[i32], ints: &mut Vec<i32>| -> Result<u32, WgpuError> {
@@ -420,7 +458,10 @@ pub fn slop_pen(
         ));
     }
     if prev < -1 || prev >= t.params[17] as i32 {
-        return Err(bad(k, format!("previous token {prev} is outside the vocabulary")));
+        return Err(bad(
+            k,
+            format!("previous token {prev} is outside the vocabulary"),
+        ));
     }
     need(k, "logits", logits, nv * 4)?;
     need(k, "state in", st_in, STATE_LEN * 4)?;
@@ -434,7 +475,14 @@ pub fn slop_pen(
     } else {
         "slop_pen_base"
     };
-    Ok(vec![g.launch("slop", entry, &[], &params, &bufs, (1, 1, 1))?])
+    Ok(vec![g.launch(
+        "slop",
+        entry,
+        &[],
+        &params,
+        &bufs,
+        (1, 1, 1),
+    )?])
 }
 
 /// Partials of the optimized pick (4 values an invocation, 256 a workgroup).
@@ -466,10 +514,24 @@ pub fn pick(
     let bufs = [logits, draft_ids, out, part];
     if optimized(k, variant)? {
         Ok(vec![
-            g.launch("pick", "pick_opt1", &[], &params, &bufs, (parts as u32, 1, 1))?,
+            g.launch(
+                "pick",
+                "pick_opt1",
+                &[],
+                &params,
+                &bufs,
+                (parts as u32, 1, 1),
+            )?,
             g.launch("pick", "pick_opt2", &[], &params, &bufs, (1, 1, 1))?,
         ])
     } else {
-        Ok(vec![g.launch("pick", "pick_base", &[], &params, &bufs, (1, 1, 1))?])
+        Ok(vec![g.launch(
+            "pick",
+            "pick_base",
+            &[],
+            &params,
+            &bufs,
+            (1, 1, 1),
+        )?])
     }
 }

@@ -26,7 +26,11 @@ const MODULES: &[Module] = &[
         src: include_str!("../shaders/norm.wgsl"),
         storage: 3,
         quants: false,
-        spec: &[("SPEC_N", "u32"), ("SPEC_FMT", "u32"), ("SPEC_NORM", "bool")],
+        spec: &[
+            ("SPEC_N", "u32"),
+            ("SPEC_FMT", "u32"),
+            ("SPEC_NORM", "bool"),
+        ],
     },
     Module {
         name: "combine",
@@ -140,7 +144,10 @@ pub fn source(module: &str, spec: &[(&str, String)]) -> Result<String, WgpuError
         s.push_str(&format!("const {name}: u32 = {}u;\n", ty.id()));
     }
     for (name, ty) in m.spec {
-        let v = spec.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
+        let v = spec
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str());
         let lit = match (*ty, v) {
             ("bool", Some(v)) => v.to_string(),
             ("bool", None) => "false".to_string(),
@@ -149,7 +156,10 @@ pub fn source(module: &str, spec: &[(&str, String)]) -> Result<String, WgpuError
         };
         s.push_str(&format!("const {name}: {ty} = {lit};\n"));
     }
-    if let Some((n, _)) = spec.iter().find(|(n, _)| !m.spec.iter().any(|(k, _)| k == n)) {
+    if let Some((n, _)) = spec
+        .iter()
+        .find(|(n, _)| !m.spec.iter().any(|(k, _)| k == n))
+    {
         return Err(WgpuError::Shader {
             module: module.into(),
             msg: format!("unknown specialization constant {n}"),

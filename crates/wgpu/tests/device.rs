@@ -54,7 +54,14 @@ fn soft_division_sqrt_and_conversions_match_the_cpu() {
     let (da, db) = (g.upload("a", &a).unwrap(), g.upload("b", &b).unwrap());
     let out = g.upload("out", &vec![0u32; 4 * n]).unwrap();
     let l = g
-        .launch("selftest", "arith", &[], &[n as u32], &[&da, &db, &out], ((n / 64) as u32, 1, 1))
+        .launch(
+            "selftest",
+            "arith",
+            &[],
+            &[n as u32],
+            &[&da, &db, &out],
+            ((n / 64) as u32, 1, 1),
+        )
         .unwrap();
     g.run(&[&l], 1).unwrap();
     let o: Vec<u32> = g.download(&out).unwrap();
@@ -77,22 +84,36 @@ fn soft_division_sqrt_and_conversions_match_the_cpu() {
         }
         let bf = o[4 * i + 2] >> 16;
         if bf != f32_to_bf16(x) as u32 {
-            bad.push(format!("bf16 of {x:e}: {bf:#06x} vs {:#06x}", f32_to_bf16(x)));
+            bad.push(format!(
+                "bf16 of {x:e}: {bf:#06x} vs {:#06x}",
+                f32_to_bf16(x)
+            ));
         }
         let back = f32::from_bits(o[4 * i + 3]);
         let want = f16_to_f32(y.to_bits() as u16);
         if !same(back, want) {
-            bad.push(format!("f16 {:#06x} to f32: {back:e} vs {want:e}", y.to_bits() as u16));
+            bad.push(format!(
+                "f16 {:#06x} to f32: {back:e} vs {want:e}",
+                y.to_bits() as u16
+            ));
         }
     }
-    assert!(bad.is_empty(), "{} mismatches, first: {:?}", bad.len(), &bad[..bad.len().min(8)]);
+    assert!(
+        bad.is_empty(),
+        "{} mismatches, first: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(8)]
+    );
 }
 
 #[test]
 fn unknown_adapter_is_a_clear_error() {
     match Wgpu::open(Some("no-such-adapter-anywhere")) {
         Err(WgpuError::NoAdapter(m)) => {
-            assert!(m.contains("no-such-adapter-anywhere") || m.contains("adapter"), "{m}")
+            assert!(
+                m.contains("no-such-adapter-anywhere") || m.contains("adapter"),
+                "{m}"
+            )
         }
         Err(e) => panic!("unexpected error {e}"),
         Ok(g) => panic!("opened {}", g.describe()),

@@ -12,7 +12,10 @@ fn every_kernel_translates_to_msl() {
     let cat = strata_wgpu::shaders::catalogue();
     assert!(cat.len() > 90, "{} entries", cat.len());
     for module in strata_wgpu::shaders::modules() {
-        assert!(cat.iter().any(|(m, _, _)| *m == module), "{module} not covered");
+        assert!(
+            cat.iter().any(|(m, _, _)| *m == module),
+            "{module} not covered"
+        );
     }
     let mut total = 0usize;
     for (module, entry, spec) in &cat {
@@ -37,7 +40,10 @@ fn every_kernel_translates_to_msl() {
         };
         let (out, _) = msl::write_string(&m, &info, &opts, &popts)
             .unwrap_or_else(|e| panic!("{module}::{entry} {spec:?} to MSL: {e}"));
-        assert!(out.contains("kernel void"), "{module}::{entry}: no kernel in the MSL");
+        assert!(
+            out.contains("kernel void"),
+            "{module}::{entry}: no kernel in the MSL"
+        );
         total += out.len();
     }
     eprintln!("{} kernels, {total} bytes of MSL", cat.len());
