@@ -10,12 +10,15 @@ use crate::backend::{BoxCase, Case, KernelBackend, Out};
 use crate::stats::paired;
 use crate::ParityError;
 
+/// Runs one variant (`true`: optimized) on the inputs into the output.
+type RunFn<I, O> = Box<dyn Fn(&I, bool, &mut O) -> Result<(), KernelError>>;
+
 /// Inputs, one output per variant, the run function and the output view.
 struct CpuCase<I, O> {
     inp: I,
     out: [O; 2],
     init: fn(&I) -> O,
-    run: Box<dyn Fn(&I, bool, &mut O) -> Result<(), KernelError>>,
+    run: RunFn<I, O>,
     view: fn(&O) -> Vec<Out>,
 }
 

@@ -168,6 +168,11 @@ impl Verdict {
     }
 }
 
+/// Builds one trial's case and the CPU's expected outputs (None on the reference backend).
+type MakeFn<'m, 'b> = dyn FnMut(usize) -> Result<(BoxCase<'b>, Option<Vec<Out>>), ParityError> + 'm;
+/// States the agreement of the optimized outputs with the CPU's.
+type CrossFn<'c> = dyn Fn(&[Out], &[Out]) -> Result<String, String> + 'c;
+
 struct Ctx<'a> {
     be: &'a dyn KernelBackend,
     opts: &'a Options,
@@ -193,8 +198,8 @@ impl Ctx<'_> {
         bytes: f64,
         trials: usize,
         reps: usize,
-        make: &mut dyn FnMut(usize) -> Result<(BoxCase<'b>, Option<Vec<Out>>), ParityError>,
-        cross: &dyn Fn(&[Out], &[Out]) -> Result<String, String>,
+        make: &mut MakeFn<'_, 'b>,
+        cross: &CrossFn<'_>,
     ) -> Result<(), ParityError> {
         let mut v = Verdict::new(self.be.is_reference());
         let mut last = None;

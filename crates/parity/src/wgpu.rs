@@ -37,6 +37,9 @@ enum Kind {
     I32,
 }
 
+/// Builds a variant's dispatches over the case's buffers.
+type LaunchFn<'f> = dyn Fn(&str, &[Buf]) -> Result<Vec<Launch>, strata_wgpu::WgpuError> + 'f;
+
 struct WgpuCase<'a> {
     g: &'a Wgpu,
     launches: [Vec<Launch>; 2],
@@ -114,7 +117,7 @@ impl WgpuBackend {
 
     fn case(
         &self,
-        launch: &dyn Fn(&str, &[Buf]) -> Result<Vec<Launch>, strata_wgpu::WgpuError>,
+        launch: &LaunchFn<'_>,
         bufs: Vec<Buf>,
         resets: Vec<(usize, Vec<u8>)>,
         outs: Vec<(usize, Kind)>,

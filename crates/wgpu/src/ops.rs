@@ -70,6 +70,7 @@ fn image_bytes(k: &str, fmt: ActFmt, n: usize) -> Result<usize, WgpuError> {
     Ok(rb)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn norm_launch(
     g: &Wgpu,
     k: &str,
