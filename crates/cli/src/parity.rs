@@ -13,7 +13,7 @@ use crate::outln;
 pub struct Args {
     /// mtp-ab | router-ab | sample | gemv | all
     pub suite: String,
-    /// cpu | cuda
+    /// cpu | cuda | wgpu (adapter: STRATA_WGPU_ADAPTER, an index or part of its name)
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// Rotate 16 copies of weights and tables so launches read from memory
@@ -37,10 +37,11 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
-    let backend = match a.backend.as_str() {
-        "cpu" => BackendKind::Cpu,
-        "cuda" => BackendKind::Cuda,
-        b => bail!("unknown backend '{b}': expected cpu or cuda"),
+    let Some(backend) = BackendKind::from_name(&a.backend) else {
+        bail!(
+            "unknown backend '{}': expected cpu, cuda or wgpu",
+            a.backend
+        );
     };
     let suites: Vec<Suite> = if a.suite == "all" {
         Suite::ALL.to_vec()
@@ -62,10 +63,12 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if let Some(s) = a.seed {
         opts.seed = s;
     }
+    let be = strata_parity::open(&opts)
+        .with_context(|| format!("strata parity --backend {}", a.backend))?;
     let mut failed = false;
     let mut json = Vec::new();
     for s in suites {
-        let rep = strata_parity::run(s, &opts)
+        let rep = strata_parity::run_on(be.as_ref(), s, &opts)
             .with_context(|| format!("strata parity {} --backend {}", s.name(), a.backend))?;
         failed |= rep.failed();
         if a.json {

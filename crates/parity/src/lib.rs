@@ -9,11 +9,17 @@
 //! The suites: `mtp-ab` (rms_xprep, combine_gnorm, xprep, embed × 13 formats, slop_pen ×
 //! modes × vocabulary sizes, pick), `router-ab` (route 512/10 and 256/8 × nt 1..8, and the
 //! router-gate GEMV), `sample` (slop_pen, pick) and `gemv` (9 formats × 1–8 rows).
+//!
+//! The suites are written once ([`suites`]) against [`backend::KernelBackend`]; the CPU
+//! ([`cpu`]), CUDA ([`cuda`]) and wgpu ([`wgpu`]) backends implement it.
 
+pub mod backend;
 pub mod check;
 pub mod cpu;
 pub mod cuda;
 pub mod stats;
+pub mod suites;
+pub mod wgpu;
 
 use std::fmt::Write;
 
@@ -48,6 +54,18 @@ impl Suite {
 pub enum BackendKind {
     Cpu,
     Cuda,
+    Wgpu,
+}
+
+impl BackendKind {
+    pub fn from_name(s: &str) -> Option<BackendKind> {
+        match s {
+            "cpu" => Some(BackendKind::Cpu),
+            "cuda" => Some(BackendKind::Cuda),
+            "wgpu" => Some(BackendKind::Wgpu),
+            _ => None,
+        }
+    }
 }
 
 /// Harness options.
@@ -94,6 +112,9 @@ pub struct Row {
     /// The row's floor: bytes over measured bandwidth, or the launch floor, the larger.
     pub floor_us: f64,
     pub failed: bool,
+    /// FNV-1a of the optimized variant's outputs on the first trial: equal digests on two
+    /// adapters (same seed and shapes) mean the same bits there.
+    pub digest: String,
 }
 
 impl Row {
@@ -134,7 +155,7 @@ impl Report {
         if !self.notes.is_empty() {
             s.push('\n');
         }
-        let gpu = self.backend == "cuda";
+        let gpu = self.backend != "cpu";
         if gpu {
             s.push_str("| Kernel | Shape | Baseline (us) | Candidate (us) | Ratio | Delta | Parity | vs CPU | Floor (us) | Cand/floor |\n");
             s.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
@@ -157,13 +178,17 @@ impl Report {
                 r.parity
             );
             if gpu {
-                let _ = write!(
-                    s,
-                    " {} | {:.3} | {:.2} |",
-                    r.vs_cpu,
-                    r.floor_us,
-                    r.cand_us / r.floor_us.max(1e-9)
-                );
+                if r.floor_us > 0.0 {
+                    let _ = write!(
+                        s,
+                        " {} | {:.3} | {:.2} |",
+                        r.vs_cpu,
+                        r.floor_us,
+                        r.cand_us / r.floor_us
+                    );
+                } else {
+                    let _ = write!(s, " {} | - | - |", r.vs_cpu);
+                }
             }
             s.push('\n');
         }
@@ -191,6 +216,7 @@ impl Report {
                 "bytes": r.bytes,
                 "floor_us": r.floor_us,
                 "failed": r.failed,
+                "digest": r.digest,
             })).collect::<Vec<_>>(),
         })
     }
@@ -203,14 +229,32 @@ pub enum ParityError {
     Kernel(#[from] strata_engine::kernels::KernelError),
     #[error(transparent)]
     Cuda(#[from] strata_cuda::CudaError),
+    #[error(transparent)]
+    Wgpu(#[from] strata_wgpu::WgpuError),
     #[error("{0}")]
     Other(String),
 }
 
-/// Runs one suite.
+/// Opens the backend `opts.backend` names.
+pub fn open(opts: &Options) -> Result<Box<dyn backend::KernelBackend>, ParityError> {
+    Ok(match opts.backend {
+        BackendKind::Cpu => Box::new(cpu::CpuBackend),
+        BackendKind::Cuda => Box::new(cuda::CudaBackend::new(opts)?),
+        BackendKind::Wgpu => Box::new(wgpu::WgpuBackend::new()?),
+    })
+}
+
+/// Runs one suite on an open backend.
+pub fn run_on(
+    be: &dyn backend::KernelBackend,
+    suite: Suite,
+    opts: &Options,
+) -> Result<Report, ParityError> {
+    suites::run(be, suite, opts)
+}
+
+/// Opens the backend and runs one suite.
 pub fn run(suite: Suite, opts: &Options) -> Result<Report, ParityError> {
-    match opts.backend {
-        BackendKind::Cpu => cpu::run(suite, opts),
-        BackendKind::Cuda => cuda::run(suite, opts),
-    }
+    let be = open(opts)?;
+    suites::run(be.as_ref(), suite, opts)
 }

@@ -1,0 +1,150 @@
+// Block decoders of the 13 report formats, one element at a time, transcribed from
+// strata_engine::kernels::embed::dequant_block (products `(d·s)·q`, then `− m` after an `nc`
+// barrier: never fused). The module that includes this declares `W` (the quantized bytes as
+// little-endian u32 words) and `TAB` (the grids: IQ3_S at 0, IQ3_XXS at 512, the IQ2_XS sign
+// table at 768, the IQ4_NL values at 896). The format ids `T_*` are prepended by strata-wgpu.
+
+fn wb(o: u32) -> u32 { return (W[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
+fn wh(o: u32) -> u32 { return wb(o) | (wb(o + 1u) << 8u); }
+fn ww(o: u32) -> u32 { return wh(o) | (wh(o + 2u) << 16u); }
+fn wf16(o: u32) -> f32 { return f16_to_f32(wh(o)); }
+
+fn kv4(q: u32) -> f32 { return f32(bitcast<i32>(TAB[896u + (q & 15u)])); }
+
+fn scale_q3_k(j: u32, s: u32) -> i32 {
+    var lo = 0u;
+    if (j < 8u) { lo = wb(s + j) & 15u; } else { lo = wb(s + j - 8u) >> 4u; }
+    let hi = (wb(s + 8u + j % 4u) >> (2u * (j / 4u))) & 3u;
+    return i32(lo | (hi << 4u)) - 32;
+}
+
+fn scale_min_k4(j: u32, q: u32) -> vec2<u32> {
+    if (j < 4u) { return vec2<u32>(wb(q + j) & 63u, wb(q + j + 4u) & 63u); }
+    return vec2<u32>((wb(q + j + 4u) & 15u) | ((wb(q + j - 4u) >> 6u) << 4u),
+                     (wb(q + j + 4u) >> 4u) | ((wb(q + j) >> 6u) << 4u));
+}
+
+fn signed_grid(g: u32, signs: u32, k: u32, jj: u32) -> f32 {
+    let m = i32((g >> (8u * jj)) & 255u);
+    if ((signs & (1u << (4u * k + jj))) != 0u) { return f32(-m); }
+    return f32(m);
+}
+
+// Element `j` of the block of format `ty` at byte offset `b` of W.
+fn deq(ty: u32, b: u32, j: u32) -> f32 {
+    switch ty {
+        case T_BF16: { return bf16_to_f32(wh(b)); }
+        case T_Q8_0: { return f32(sext8(wb(b + 2u + j))) * wf16(b); }
+        case T_Q4_0: {
+            var q = 0u;
+            if (j < 16u) { q = wb(b + 2u + j) & 15u; } else { q = wb(b + 2u + j - 16u) >> 4u; }
+            return f32(i32(q) - 8) * wf16(b);
+        }
+        case T_Q5_0: {
+            let qh = ww(b + 2u);
+            var lo = 0u;
+            if (j < 16u) { lo = wb(b + 6u + j) & 15u; } else { lo = wb(b + 6u + j - 16u) >> 4u; }
+            let h = ((qh >> j) & 1u) << 4u;
+            return f32(i32(lo | h) - 16) * wf16(b);
+        }
+        case T_IQ4_NL: {
+            var q = 0u;
+            if (j < 16u) { q = wb(b + 2u + j) & 15u; } else { q = wb(b + 2u + j - 16u) >> 4u; }
+            return wf16(b) * kv4(q);
+        }
+        case T_Q2_0: {
+            let c = (wb(b + 2u + j / 4u) >> (2u * (j % 4u))) & 3u;
+            return f32(i32(c) - 1) * wf16(b);
+        }
+        case T_IQ4_XS: {
+            let d = wf16(b);
+            let sh = wh(b + 2u);
+            let ib = j / 32u;
+            let jj = j % 32u;
+            let lo = (wb(b + 4u + ib / 2u) >> (4u * (ib % 2u))) & 15u;
+            let ls = i32(lo | (((sh >> (2u * ib)) & 3u) << 4u)) - 32;
+            let dl = d * f32(ls);
+            let q = wb(b + 8u + 16u * ib + jj % 16u);
+            var nib = q & 15u;
+            if (jj >= 16u) { nib = q >> 4u; }
+            return dl * kv4(nib);
+        }
+        case T_IQ3_S: {
+            let d = wf16(b);
+            let ib = j / 32u;
+            let r = j % 32u;
+            let l = r / 8u;
+            let k = (r % 8u) / 4u;
+            let jj = r % 4u;
+            let s = (wb(b + 106u + ib / 2u) >> (4u * (ib % 2u))) & 15u;
+            let db = d * f32(1 + 2 * i32(s));
+            let h = wb(b + 66u + ib);
+            var idx = 0u;
+            if (k == 0u) {
+                idx = wb(b + 2u + 8u * ib + 2u * l) | ((h << (8u - 2u * l)) & 256u);
+            } else {
+                idx = wb(b + 2u + 8u * ib + 2u * l + 1u) | ((h << (7u - 2u * l)) & 256u);
+            }
+            let signs = wb(b + 74u + 4u * ib + l);
+            return db * signed_grid(TAB[idx], signs, k, jj);
+        }
+        case T_IQ3_XXS: {
+            let d = wf16(b);
+            let ib = j / 32u;
+            let r = j % 32u;
+            let l = r / 8u;
+            let k = (r % 8u) / 4u;
+            let jj = r % 4u;
+            let a = ww(b + 66u + 4u * ib);
+            let db = (d * (0.5 + f32(a >> 28u))) * 0.5;
+            let signs = TAB[768u + ((a >> (7u * l)) & 127u)];
+            let g = TAB[512u + wb(b + 2u + 8u * ib + 2u * l + k)];
+            return db * signed_grid(g, signs, k, jj);
+        }
+        case T_Q3_K: {
+            let d = wf16(b + 108u);
+            let s = j / 16u;
+            let l = j % 16u;
+            let dl = d * f32(scale_q3_k(s, b + 96u));
+            let half = s / 8u;
+            let jq = (s / 2u) % 4u;
+            let h = s % 2u;
+            let bit = 1u << (4u * half + jq);
+            let q = wb(b + 32u + 32u * half + 16u * h + l);
+            let hm = wb(b + 16u * h + l);
+            var sub = 4;
+            if ((hm & bit) != 0u) { sub = 0; }
+            let v = i32((q >> (2u * jq)) & 3u) - sub;
+            return dl * f32(v);
+        }
+        case T_Q4_K, T_Q5_K: {
+            let d = wf16(b);
+            let dmin = wf16(b + 2u);
+            let q5 = ty == T_Q5_K;
+            var qs0 = 16u;
+            if (q5) { qs0 = 48u; }
+            let s = j / 32u;
+            let l = j % 32u;
+            let sm = scale_min_k4(s, b + 4u);
+            let dl = d * f32(sm.x);
+            let ml = dmin * f32(sm.y);
+            var v = (wb(b + qs0 + 32u * (s / 2u) + l) >> (4u * (s % 2u))) & 15u;
+            if (q5) { v = v | (((wb(b + 16u + l) >> s) & 1u) << 4u); }
+            return nc(dl * f32(v)) - ml;
+        }
+        case T_Q6_K: {
+            let d = wf16(b + 208u);
+            let half = j / 128u;
+            let r = j % 128u;
+            let quarter = r / 32u;
+            let l = r % 32u;
+            let ql = wb(b + 64u * half + 32u * (quarter % 2u) + l);
+            var lo = ql & 15u;
+            if (quarter >= 2u) { lo = ql >> 4u; }
+            let hi = (wb(b + 128u + 32u * half + l) >> (2u * quarter)) & 3u;
+            let sc = sext8(wb(b + 192u + j / 16u));
+            return (d * f32(sc)) * f32(i32(lo | (hi << 4u)) - 32);
+        }
+        default: { return f_nan(); }
+    }
+}

@@ -1,0 +1,473 @@
+//! The adapter, the device and its limits, buffers, compiled pipelines and launches.
+//!
+//! Adapter choice: `STRATA_WGPU_ADAPTER` (an index into the list, or a case-insensitive part
+//! of the adapter's name) picks one; otherwise the first GPU, then the first CPU adapter
+//! (lavapipe). Backends: Vulkan and Metal unless `WGPU_BACKEND` says otherwise. The device is
+//! opened with the adapter's own limits, and every buffer and dispatch is checked against
+//! them before wgpu sees it, so a too-large request is a clear error, never a panic or a
+//! silently truncated binding. Validation errors are caught in error scopes and returned.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::shaders;
+use crate::WgpuError;
+
+/// Words of the parameter block every kernel takes (word 31 is the `nc` zero).
+pub const PARAM_WORDS: usize = 32;
+
+/// The adapter and the device opened on it.
+pub struct Wgpu {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub limits: wgpu::Limits,
+    /// Largest storage binding the kernels may use (the adapter's, or less when forced).
+    pub max_binding: u64,
+    pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    /// Pipeline compile times (module key, seconds), for the report's notes.
+    pub compiles: Mutex<Vec<(String, f64)>>,
+    errors: Arc<Mutex<Vec<String>>>,
+}
+
+/// A storage buffer and the bytes it holds (rounded up to 4 on the device).
+pub struct Buf {
+    pub buf: wgpu::Buffer,
+    pub bytes: u64,
+}
+
+/// One dispatch, bound and ready to record.
+pub struct Launch {
+    pipe: Arc<wgpu::ComputePipeline>,
+    bind: wgpu::BindGroup,
+    groups: (u32, u32, u32),
+    // Kept alive with the bind group.
+    _params: wgpu::Buffer,
+}
+
+/// The adapters this process can see, one line each (for messages and `--list`).
+pub fn list_adapters() -> Vec<String> {
+    let inst = instance();
+    let ads = pollster::block_on(inst.enumerate_adapters(backends()));
+    ads.iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let inf = a.get_info();
+            format!(
+                "{i}: {} ({:?}, {:?}, driver {} {})",
+                inf.name, inf.device_type, inf.backend, inf.driver, inf.driver_info
+            )
+        })
+        .collect()
+}
+
+fn backends() -> wgpu::Backends {
+    wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::METAL)
+}
+
+fn instance() -> wgpu::Instance {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+    desc.backends = backends();
+    wgpu::Instance::new(desc)
+}
+
+impl Wgpu {
+    /// Opens the adapter named by `STRATA_WGPU_ADAPTER`, else the first GPU, else a CPU one.
+    pub fn new() -> Result<Wgpu, WgpuError> {
+        let sel = std::env::var("STRATA_WGPU_ADAPTER").ok();
+        Wgpu::open(sel.as_deref())
+    }
+
+    /// Opens the adapter `sel` (index or part of the name), or the default one.
+    pub fn open(sel: Option<&str>) -> Result<Wgpu, WgpuError> {
+        if wgpu::Instance::enabled_backend_features().is_empty() {
+            return Err(WgpuError::NoAdapter(
+                "this build has no wgpu backend for this platform".into(),
+            ));
+        }
+        let inst = instance();
+        let ads = pollster::block_on(inst.enumerate_adapters(backends()));
+        if ads.is_empty() {
+            return Err(WgpuError::NoAdapter(format!(
+                "no {:?} adapter found (on Linux install a Vulkan driver, e.g. Debian's \
+                 mesa-vulkan-drivers for lavapipe, and the Vulkan loader libvulkan1)",
+                backends()
+            )));
+        }
+        let names: Vec<String> = ads.iter().map(|a| a.get_info().name).collect();
+        let pick = match sel.map(str::trim).filter(|s| !s.is_empty()) {
+            Some(s) => {
+                let by_index = s.parse::<usize>().ok().filter(|&i| i < ads.len());
+                let by_name = || {
+                    let l = s.to_lowercase();
+                    names.iter().position(|n| n.to_lowercase().contains(&l))
+                };
+                by_index.or_else(by_name).ok_or_else(|| {
+                    WgpuError::NoAdapter(format!(
+                        "STRATA_WGPU_ADAPTER='{s}' matches none of: {}",
+                        list_adapters().join("; ")
+                    ))
+                })?
+            }
+            None => {
+                let gpu = ads.iter().position(|a| {
+                    matches!(
+                        a.get_info().device_type,
+                        wgpu::DeviceType::DiscreteGpu | wgpu::DeviceType::IntegratedGpu
+                    )
+                });
+                gpu.unwrap_or(0)
+            }
+        };
+        let adapter = &ads[pick];
+        let info = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("strata"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| WgpuError::Device(format!("{}: {e}", info.name)))?;
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            if let Ok(mut v) = sink.lock() {
+                v.push(e.to_string());
+            }
+        }));
+        let max_binding = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size);
+        Ok(Wgpu {
+            device,
+            queue,
+            info,
+            limits,
+            max_binding,
+            pipelines: Mutex::new(HashMap::new()),
+            compiles: Mutex::new(Vec::new()),
+            errors,
+        })
+    }
+
+    /// Lowers the storage-binding limit the kernels respect (tests force small limits).
+    pub fn force_binding_limit(&mut self, bytes: u64) {
+        self.max_binding = self.max_binding.min(bytes);
+    }
+
+    /// A CPU adapter (lavapipe, or another software rasterizer).
+    pub fn is_cpu(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
+    }
+
+    /// One line naming the adapter, its driver and the limits that shape the kernels.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, subgroup {}..{})",
+            self.info.name,
+            self.info.device_type,
+            self.info.backend,
+            self.info.driver,
+            self.info.driver_info,
+            self.max_binding >> 20,
+            self.info.subgroup_min_size,
+            self.info.subgroup_max_size
+        )
+    }
+
+    fn check_errors(&self, what: &str) -> Result<(), WgpuError> {
+        let mut v = self.errors.lock().map_err(|_| WgpuError::Poisoned)?;
+        if v.is_empty() {
+            return Ok(());
+        }
+        let all = v.join("; ");
+        v.clear();
+        Err(WgpuError::Validation(format!("{what}: {all}")))
+    }
+
+    fn checked_size(&self, what: &str, bytes: u64) -> Result<u64, WgpuError> {
+        let padded = bytes.max(4).div_ceil(4) * 4;
+        if padded > self.max_binding {
+            return Err(WgpuError::TooLarge {
+                what: what.into(),
+                bytes,
+                limit: self.max_binding,
+            });
+        }
+        Ok(padded)
+    }
+
+    /// A storage buffer holding `data` (padded with zeros to a multiple of 4 bytes).
+    pub fn upload_bytes(&self, what: &str, data: &[u8]) -> Result<Buf, WgpuError> {
+        let size = self.checked_size(what, data.len() as u64)?;
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(what),
+            size,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let mut padded = data.to_vec();
+        padded.resize(size as usize, 0);
+        self.queue.write_buffer(&buf, 0, &padded);
+        Ok(Buf {
+            buf,
+            bytes: data.len() as u64,
+        })
+    }
+
+    pub fn upload<T: bytemuck::Pod>(&self, what: &str, data: &[T]) -> Result<Buf, WgpuError> {
+        self.upload_bytes(what, bytemuck::cast_slice(data))
+    }
+
+    /// Overwrites a buffer's contents from the host.
+    pub fn write<T: bytemuck::Pod>(&self, b: &Buf, data: &[T]) -> Result<(), WgpuError> {
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        if bytes.len() as u64 > b.bytes.max(4).div_ceil(4) * 4 || !bytes.len().is_multiple_of(4) {
+            return Err(WgpuError::Launch {
+                kernel: "write".into(),
+                what: format!("{} bytes into a buffer of {}", bytes.len(), b.bytes),
+            });
+        }
+        self.queue.write_buffer(&b.buf, 0, bytes);
+        Ok(())
+    }
+
+    /// The buffer's bytes back on the host (waits for all submitted work).
+    pub fn download_bytes(&self, b: &Buf) -> Result<Vec<u8>, WgpuError> {
+        let size = b.bytes.max(4).div_ceil(4) * 4;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("download"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(&b.buf, 0, &staging, 0, size);
+        self.queue.submit([enc.finish()]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait()?;
+        rx.recv()
+            .map_err(|e| WgpuError::Map(e.to_string()))?
+            .map_err(|e| WgpuError::Map(e.to_string()))?;
+        let view = staging
+            .get_mapped_range(..)
+            .map_err(|e| WgpuError::Map(e.to_string()))?;
+        let out = view[..b.bytes as usize].to_vec();
+        drop(view);
+        staging.unmap();
+        self.check_errors("download")?;
+        Ok(out)
+    }
+
+    pub fn download<T: bytemuck::Pod>(&self, b: &Buf) -> Result<Vec<T>, WgpuError> {
+        let bytes = self.download_bytes(b)?;
+        let n = bytes.len() / std::mem::size_of::<T>();
+        let mut v = vec![T::zeroed(); n];
+        bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&bytes[..n * size_of::<T>()]);
+        Ok(v)
+    }
+
+    /// Blocks until the queue is idle.
+    pub fn wait(&self) -> Result<(), WgpuError> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| WgpuError::Device(format!("poll: {e}")))?;
+        Ok(())
+    }
+
+    /// The pipeline of `entry` in `module` specialized by `spec` (compiled once, cached).
+    pub fn pipeline(
+        &self,
+        module: &str,
+        entry: &str,
+        spec: &[(&str, String)],
+    ) -> Result<Arc<wgpu::ComputePipeline>, WgpuError> {
+        let src = shaders::source(module, spec)?;
+        let key = format!("{module}/{entry}/{spec:?}");
+        if let Some(p) = self
+            .pipelines
+            .lock()
+            .map_err(|_| WgpuError::Poisoned)?
+            .get(&key)
+        {
+            return Ok(p.clone());
+        }
+        let t = Instant::now();
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let sm = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(module),
+                source: wgpu::ShaderSource::Wgsl(src.into()),
+            });
+        let layout = self.layout(module)?;
+        let pl = self
+            .device
+            .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(module),
+                bind_group_layouts: &[Some(&layout)],
+                immediate_size: 0,
+            });
+        let pipe = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: Some(&pl),
+                module: &sm,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(WgpuError::Shader {
+                module: format!("{module}::{entry}"),
+                msg: e.to_string(),
+            });
+        }
+        self.check_errors(module)?;
+        let p = Arc::new(pipe);
+        self.compiles
+            .lock()
+            .map_err(|_| WgpuError::Poisoned)?
+            .push((format!("{module}::{entry}"), t.elapsed().as_secs_f64()));
+        self.pipelines
+            .lock()
+            .map_err(|_| WgpuError::Poisoned)?
+            .insert(key, p.clone());
+        Ok(p)
+    }
+
+    /// Binding 0 the parameter block, then the module's storage buffers (read-write in the
+    /// layout; the shaders declare which they only read).
+    fn layout(&self, module: &str) -> Result<wgpu::BindGroupLayout, WgpuError> {
+        let n = shaders::storage_bindings(module)?;
+        let mut entries = vec![wgpu::BindGroupLayoutEntry {
+            binding: 0,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Uniform,
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        }];
+        for i in 0..n {
+            entries.push(wgpu::BindGroupLayoutEntry {
+                binding: 1 + i as u32,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Storage { read_only: false },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            });
+        }
+        Ok(self
+            .device
+            .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(module),
+                entries: &entries,
+            }))
+    }
+
+    /// A dispatch of `entry` over `groups` workgroups with `params` and the buffers `bufs`
+    /// (bindings 1..), checked against the device's limits.
+    pub fn launch(
+        &self,
+        module: &str,
+        entry: &str,
+        spec: &[(&str, String)],
+        params: &[u32],
+        bufs: &[&Buf],
+        groups: (u32, u32, u32),
+    ) -> Result<Launch, WgpuError> {
+        let n = shaders::storage_bindings(module)?;
+        if bufs.len() != n || params.len() >= PARAM_WORDS {
+            return Err(WgpuError::Launch {
+                kernel: format!("{module}::{entry}"),
+                what: format!(
+                    "{} buffers and {} parameters for {n} bindings",
+                    bufs.len(),
+                    params.len()
+                ),
+            });
+        }
+        let maxg = self.limits.max_compute_workgroups_per_dimension;
+        if groups.0 == 0 || groups.0 > maxg || groups.1 > maxg || groups.2 > maxg {
+            return Err(WgpuError::Launch {
+                kernel: format!("{module}::{entry}"),
+                what: format!("{groups:?} workgroups (the adapter allows 1..={maxg} a dimension)"),
+            });
+        }
+        let pipe = self.pipeline(module, entry, spec)?;
+        let mut words = [0u32; PARAM_WORDS];
+        words[..params.len()].copy_from_slice(params);
+        let pbuf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("params"),
+            size: (PARAM_WORDS * 4) as u64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.queue
+            .write_buffer(&pbuf, 0, bytemuck::cast_slice(&words));
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: pbuf.as_entire_binding(),
+        }];
+        for (i, b) in bufs.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: 1 + i as u32,
+                resource: b.buf.as_entire_binding(),
+            });
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(entry),
+            layout: &pipe.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(WgpuError::Launch {
+                kernel: format!("{module}::{entry}"),
+                what: e.to_string(),
+            });
+        }
+        Ok(Launch {
+            pipe,
+            bind,
+            groups: (groups.0, groups.1.max(1), groups.2.max(1)),
+            _params: pbuf,
+        })
+    }
+
+    /// Records `launches` in order, `repeat` times, in one compute pass; submits and waits.
+    /// Returns the wall time in seconds from submit to completion.
+    pub fn run(&self, launches: &[&Launch], repeat: usize) -> Result<f64, WgpuError> {
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            for _ in 0..repeat.max(1) {
+                for l in launches {
+                    pass.set_pipeline(&l.pipe);
+                    pass.set_bind_group(0, &l.bind, &[]);
+                    pass.dispatch_workgroups(l.groups.0, l.groups.1, l.groups.2);
+                }
+            }
+        }
+        let cmd = enc.finish();
+        let t = Instant::now();
+        self.queue.submit([cmd]);
+        self.wait()?;
+        let s = t.elapsed().as_secs_f64();
+        self.check_errors("dispatch")?;
+        Ok(s)
+    }
+}
