@@ -22,6 +22,8 @@ pub enum What {
     Formats(FormatsArgs),
     /// MTP speculative decoding: tokens/s with and without drafts, window cost, forced acceptance
     Spec(crate::spec_run::BenchArgs),
+    /// Model throughput in llama-bench's terms: prompt (pp) and decode (tg) tokens/s at depths
+    Model(crate::bench_model::Args),
 }
 
 #[derive(clap::Args)]
@@ -48,6 +50,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.what {
         What::Formats(a) => formats(a),
         What::Spec(a) => crate::spec_run::bench(a),
+        What::Model(a) => crate::bench_model::run(a),
     }
 }
 

@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_model;
 mod chat;
 mod convert_mtp;
 mod draft_vocab;
@@ -14,6 +15,7 @@ mod parity;
 mod run;
 mod sampling_args;
 mod spec_run;
+mod synth;
 mod tokenize;
 
 #[derive(Parser)]
@@ -51,6 +53,8 @@ enum Command {
     DraftVocab(draft_vocab::Args),
     /// A completion with MTP speculative decoding (--mtp, --spec N)
     SpecRun(spec_run::RunArgs),
+    /// Write a synthetic qwen4exp GGUF (random valid blocks, full size or scaled) for timing
+    Synth(synth::Args),
 }
 
 /// glibc's allocator serves blocks above a *dynamic* threshold with fresh `mmap`s and returns
@@ -87,6 +91,7 @@ fn main() -> std::process::ExitCode {
         Command::ConvertMtp(a) => convert_mtp::run(a),
         Command::DraftVocab(a) => draft_vocab::run(a),
         Command::SpecRun(a) => spec_run::run(a),
+        Command::Synth(a) => synth::run(a),
     };
     match result {
         Ok(code) => code,
