@@ -141,12 +141,7 @@ fn feed(s: &mut dyn Session, rng: &mut SplitMix64, n: usize, ubatch: usize) -> R
 }
 
 /// One repetition: a fresh sequence, the depth filled, then the timed part.
-fn once(
-    loaded: &run::Loaded,
-    t: Test,
-    ubatch: usize,
-    rng: &mut SplitMix64,
-) -> Result<(u64, u64)> {
+fn once(loaded: &run::Loaded, t: Test, ubatch: usize, rng: &mut SplitMix64) -> Result<(u64, u64)> {
     let mut s = loaded.session()?;
     feed(s.as_mut(), rng, t.depth, ubatch).context("filling the context to the depth")?;
     let (w0, c0) = (Instant::now(), cpu_ns());
@@ -160,9 +155,9 @@ fn once(
 pub fn run(a: Args) -> Result<ExitCode> {
     match a.backend {
         BackendArg::Cpu | BackendArg::Auto => {}
-        BackendArg::Cuda => bail!(
-            "--backend cuda: this build has no CUDA model backend yet; use --backend cpu"
-        ),
+        BackendArg::Cuda => {
+            bail!("--backend cuda: this build has no CUDA model backend yet; use --backend cpu")
+        }
     }
     if a.profile {
         bail!(
@@ -203,17 +198,19 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let (loaded, _tok) = run::load(&path, &a.model)?;
     let load_s = t_load.elapsed().as_secs_f64();
     let threads = loaded.threads();
-    {
-        let s = loaded.session()?;
-        if let Some(t) = tests.iter().find(|t| t.depth + t.n > s.n_ctx()) {
-            bail!(
-                "{}: depth {} + {} tokens exceeds the model's context of {} positions",
-                t.name(),
-                t.depth,
-                t.n,
-                s.n_ctx()
-            );
-        }
+    // Positions a sequence may hold: qwen4exp's caches are sized by the file's context length
+    // (its session reports no bound of its own).
+    let n_ctx = match &loaded {
+        run::Loaded::Qwen2(m) => m.config().n_ctx_train,
+        run::Loaded::Qwen4exp(m) => m.config().n_ctx,
+    };
+    if let Some(t) = tests.iter().find(|t| t.depth + t.n > n_ctx) {
+        bail!(
+            "{}: depth {} + {} tokens exceeds the model's context of {n_ctx} positions",
+            t.name(),
+            t.depth,
+            t.n,
+        );
     }
     let mut rng = SplitMix64(a.seed);
     if !a.no_warmup {

@@ -99,7 +99,10 @@ fn mtp_path(out: &Path, device: bool) -> PathBuf {
     if device {
         return out.to_path_buf();
     }
-    let stem = out.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = out
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
     out.with_file_name(format!("{stem}-mtp.gguf"))
 }
 
@@ -173,19 +176,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
         sink: if device {
             Sink::Device
         } else {
-            Sink::File {
-                overwrite: a.force,
-            }
+            Sink::File { overwrite: a.force }
         },
         ..WriteOptions::default()
     };
     // Both outputs are checked before either is written.
     let mtp_out = mtp_path(&out, device);
     if mtp.is_some() && !device && !a.force && mtp_out.exists() {
-        anyhow::bail!(
-            "{} exists; pass --force to replace it",
-            mtp_out.display()
-        );
+        anyhow::bail!("{} exists; pass --force to replace it", mtp_out.display());
     }
     write_one("trunk", &trunk, &out, &wo)?;
     if let Some(m) = &mtp {

@@ -10,7 +10,11 @@ fn deferred_tensors_at_layout_offsets_equal_the_in_memory_file() {
         ("b", vec![5], GgmlType::F32),
         ("c", vec![64, 2], GgmlType::Q2_0),
     ];
-    let bytes = |i: usize, n: u64| (0..n).map(|j| (j as usize * 7 + i) as u8).collect::<Vec<u8>>();
+    let bytes = |i: usize, n: u64| {
+        (0..n)
+            .map(|j| (j as usize * 7 + i) as u8)
+            .collect::<Vec<u8>>()
+    };
     let mut whole = GgufWriter::new();
     let mut stream = GgufWriter::new();
     for w in [&mut whole, &mut stream] {
@@ -35,5 +39,7 @@ fn deferred_tensors_at_layout_offsets_equal_the_in_memory_file() {
     assert_eq!(f.tensor_bytes("c").unwrap(), bytes(2, 36).as_slice());
     // A deferred tensor has no bytes for write_to; a wrong shape is refused as before.
     assert!(stream.to_bytes().is_err());
-    assert!(stream.add_tensor_deferred("d", &[33], GgmlType::Q8_0).is_err());
+    assert!(stream
+        .add_tensor_deferred("d", &[33], GgmlType::Q8_0)
+        .is_err());
 }

@@ -155,7 +155,9 @@ mod tests {
     #[test]
     fn pools_dequantize_to_finite_weights_of_modest_spread() {
         use GgmlType::*;
-        for ty in [Q2_0, Q8_0, IQ4_NL, Q4_K, Q5_K, Q3_K, Q6_K, IQ4_XS, BF16, F16, F32] {
+        for ty in [
+            Q2_0, Q8_0, IQ4_NL, Q4_K, Q5_K, Q3_K, Q6_K, IQ4_XS, BF16, F16, F32,
+        ] {
             let blocks = 4096 * 32 / ty.block_size();
             let pool = random_pool(ty, blocks, 7).unwrap();
             assert_eq!(pool.len(), blocks * ty.type_size());
@@ -203,7 +205,10 @@ mod tests {
         assert!((mean - 1.0).abs() < 0.002, "{mean}");
         assert!(g.iter().all(|&x| (0.85..1.15).contains(&x)));
         let a = small_values(Fill::SsmA, 1000, 2);
-        assert!(a.iter().all(|&x| (-16.0..=-1.0).contains(&x)), "ssm_a must be negative");
+        assert!(
+            a.iter().all(|&x| (-16.0..=-1.0).contains(&x)),
+            "ssm_a must be negative"
+        );
         let dt = small_values(Fill::DtBias, 1000, 3);
         assert!(dt.iter().all(|&x| (-4.0..=-1.0).contains(&x)));
     }

@@ -185,7 +185,10 @@ fn check(o: &Options) -> Result<()> {
         return Err(bad("--layers", format!("{}; expected 1..4096", o.layers)));
     }
     if o.experts == 0 || o.experts > 65_536 {
-        return Err(bad("--experts", format!("{}; expected 1..65536", o.experts)));
+        return Err(bad(
+            "--experts",
+            format!("{}; expected 1..65536", o.experts),
+        ));
     }
     if o.vocab < 1024 || o.vocab > 1 << 24 {
         return Err(bad(
@@ -266,16 +269,56 @@ impl Tensors {
     /// A QSA layer's attention and indexer (`p` = "blk.N" or "mtp.blk.0").
     fn qsa(&mut self, p: &str, q: GgmlType, k: GgmlType, v: GgmlType, o: GgmlType, ix: GgmlType) {
         use GgmlType::F32;
-        self.pool(format!("{p}.attn_q.weight"), &[N_EMBD, HEAD_DIM * N_HEAD * 2], q);
-        self.pool(format!("{p}.attn_k.weight"), &[N_EMBD, HEAD_DIM * N_HEAD_KV], k);
-        self.pool(format!("{p}.attn_v.weight"), &[N_EMBD, HEAD_DIM * N_HEAD_KV], v);
-        self.pool(format!("{p}.attn_output.weight"), &[HEAD_DIM * N_HEAD, N_EMBD], o);
-        self.add(format!("{p}.attn_q_norm.weight"), &[HEAD_DIM], F32, Fill::Norm);
-        self.add(format!("{p}.attn_k_norm.weight"), &[HEAD_DIM], F32, Fill::Norm);
-        self.pool(format!("{p}.indexer.q_proj.weight"), &[N_EMBD, IDX_HEADS * IDX_DIM], ix);
+        self.pool(
+            format!("{p}.attn_q.weight"),
+            &[N_EMBD, HEAD_DIM * N_HEAD * 2],
+            q,
+        );
+        self.pool(
+            format!("{p}.attn_k.weight"),
+            &[N_EMBD, HEAD_DIM * N_HEAD_KV],
+            k,
+        );
+        self.pool(
+            format!("{p}.attn_v.weight"),
+            &[N_EMBD, HEAD_DIM * N_HEAD_KV],
+            v,
+        );
+        self.pool(
+            format!("{p}.attn_output.weight"),
+            &[HEAD_DIM * N_HEAD, N_EMBD],
+            o,
+        );
+        self.add(
+            format!("{p}.attn_q_norm.weight"),
+            &[HEAD_DIM],
+            F32,
+            Fill::Norm,
+        );
+        self.add(
+            format!("{p}.attn_k_norm.weight"),
+            &[HEAD_DIM],
+            F32,
+            Fill::Norm,
+        );
+        self.pool(
+            format!("{p}.indexer.q_proj.weight"),
+            &[N_EMBD, IDX_HEADS * IDX_DIM],
+            ix,
+        );
         self.pool(format!("{p}.indexer.k_proj.weight"), &[N_EMBD, IDX_DIM], ix);
-        self.add(format!("{p}.indexer.q_norm.weight"), &[IDX_DIM], F32, Fill::Norm);
-        self.add(format!("{p}.indexer.k_norm.weight"), &[IDX_DIM], F32, Fill::Norm);
+        self.add(
+            format!("{p}.indexer.q_norm.weight"),
+            &[IDX_DIM],
+            F32,
+            Fill::Norm,
+        );
+        self.add(
+            format!("{p}.indexer.k_norm.weight"),
+            &[IDX_DIM],
+            F32,
+            Fill::Norm,
+        );
     }
 }
 
@@ -310,38 +353,103 @@ pub fn trunk_plan(o: &Options) -> Result<Plan> {
             t.qsa(&p, Q2_0, Q5_K, Q6_K, Q4_K, BF16);
         } else {
             let g = gdn_layers.iter().position(|&l| l == il).unwrap_or(0);
-            t.pool(format!("{p}.attn_qkv.weight"), &[N_EMBD, CONV_DIM], qkv_types[g]);
-            t.pool(format!("{p}.attn_gate.weight"), &[N_EMBD, SSM_D_INNER], Q4_K);
-            t.add(format!("{p}.ssm_conv1d.weight"), &[SSM_D_CONV, CONV_DIM], F32, Fill::Conv);
-            t.add(format!("{p}.ssm_dt.bias"), &[SSM_DT_RANK], F32, Fill::DtBias);
+            t.pool(
+                format!("{p}.attn_qkv.weight"),
+                &[N_EMBD, CONV_DIM],
+                qkv_types[g],
+            );
+            t.pool(
+                format!("{p}.attn_gate.weight"),
+                &[N_EMBD, SSM_D_INNER],
+                Q4_K,
+            );
+            t.add(
+                format!("{p}.ssm_conv1d.weight"),
+                &[SSM_D_CONV, CONV_DIM],
+                F32,
+                Fill::Conv,
+            );
+            t.add(
+                format!("{p}.ssm_dt.bias"),
+                &[SSM_DT_RANK],
+                F32,
+                Fill::DtBias,
+            );
             t.add(format!("{p}.ssm_a"), &[SSM_DT_RANK], F32, Fill::SsmA);
             t.pool(format!("{p}.ssm_beta.weight"), &[N_EMBD, SSM_DT_RANK], BF16);
-            t.pool(format!("{p}.ssm_alpha.weight"), &[N_EMBD, SSM_DT_RANK], BF16);
-            t.add(format!("{p}.ssm_norm.weight"), &[SSM_D_STATE], F32, Fill::Norm);
+            t.pool(
+                format!("{p}.ssm_alpha.weight"),
+                &[N_EMBD, SSM_DT_RANK],
+                BF16,
+            );
+            t.add(
+                format!("{p}.ssm_norm.weight"),
+                &[SSM_D_STATE],
+                F32,
+                Fill::Norm,
+            );
             t.pool(format!("{p}.ssm_out.weight"), &[SSM_D_INNER, N_EMBD], Q5_K);
         }
         if ple_on && il == PLE_LAYER {
             t.pool(format!("{p}.ple_key.weight"), &[N_EMBD, HC_DIM], Q2_0);
             t.pool(format!("{p}.ple_value.weight"), &[N_EMBD, N_EMBD], BF16);
             for nm in ["key", "query", "conv"] {
-                t.add(format!("{p}.ple_norm_{nm}.weight"), &[HC_DIM], F32, Fill::Norm);
+                t.add(
+                    format!("{p}.ple_norm_{nm}.weight"),
+                    &[HC_DIM],
+                    F32,
+                    Fill::Norm,
+                );
             }
-            t.add(format!("{p}.ple_conv1d.weight"), &[PLE_CONV_K, HC_DIM], F16, Fill::Conv);
+            t.add(
+                format!("{p}.ple_conv1d.weight"),
+                &[PLE_CONV_K, HC_DIM],
+                F16,
+                Fill::Conv,
+            );
         }
         t.pool(format!("{p}.ffn_gate_inp.weight"), &[N_EMBD, n_exp], BF16);
-        t.pool(format!("{p}.ffn_gate_exps.weight"), &[N_EMBD, N_FF_EXP, n_exp], Q2_0);
-        t.pool(format!("{p}.ffn_up_exps.weight"), &[N_EMBD, N_FF_EXP, n_exp], Q2_0);
-        t.pool(format!("{p}.ffn_down_exps.weight"), &[N_FF_EXP, N_EMBD, n_exp], Q2_0);
+        t.pool(
+            format!("{p}.ffn_gate_exps.weight"),
+            &[N_EMBD, N_FF_EXP, n_exp],
+            Q2_0,
+        );
+        t.pool(
+            format!("{p}.ffn_up_exps.weight"),
+            &[N_EMBD, N_FF_EXP, n_exp],
+            Q2_0,
+        );
+        t.pool(
+            format!("{p}.ffn_down_exps.weight"),
+            &[N_FF_EXP, N_EMBD, n_exp],
+            Q2_0,
+        );
         t.pool(format!("{p}.ffn_gate_inp_shexp.weight"), &[N_EMBD], BF16);
-        t.pool(format!("{p}.ffn_gate_shexp.weight"), &[N_EMBD, N_FF_SHEXP], shg_types[il]);
-        t.pool(format!("{p}.ffn_up_shexp.weight"), &[N_EMBD, N_FF_SHEXP], shu_types[il]);
-        t.pool(format!("{p}.ffn_down_shexp.weight"), &[N_FF_SHEXP, N_EMBD], Q8_0);
+        t.pool(
+            format!("{p}.ffn_gate_shexp.weight"),
+            &[N_EMBD, N_FF_SHEXP],
+            shg_types[il],
+        );
+        t.pool(
+            format!("{p}.ffn_up_shexp.weight"),
+            &[N_EMBD, N_FF_SHEXP],
+            shu_types[il],
+        );
+        t.pool(
+            format!("{p}.ffn_down_shexp.weight"),
+            &[N_FF_SHEXP, N_EMBD],
+            Q8_0,
+        );
     }
     t.hc("output_hc", false, F32, BF16);
     t.pool("output.weight", &[N_EMBD, v], Q6_K);
     let ple = ple_on.then(|| ple_geometry(o.ple_rows_per_head));
     if let Some((_, _, rows)) = &ple {
-        t.pool("per_layer_token_embd.weight", &[PLE_HEAD_DIM, *rows], IQ4_NL);
+        t.pool(
+            "per_layer_token_embd.weight",
+            &[PLE_HEAD_DIM, *rows],
+            IQ4_NL,
+        );
     }
 
     // Metadata, in the converter's order (compare `strata inspect` on fixtures/qwen4exp/tiny).
@@ -349,7 +457,10 @@ pub fn trunk_plan(o: &Options) -> Result<Plan> {
     let a = |k: &str| format!("qwen4exp.{k}");
     let mut kv: Vec<(String, Value)> = Vec::new();
     let mut put = |k: String, v: Value| kv.push((k, v));
-    put("general.architecture".into(), Value::String("qwen4exp".into()));
+    put(
+        "general.architecture".into(),
+        Value::String("qwen4exp".into()),
+    );
     put("general.type".into(), Value::String("model".into()));
     put(
         "general.name".into(),
@@ -360,7 +471,10 @@ pub fn trunk_plan(o: &Options) -> Result<Plan> {
     );
     put(
         "general.description".into(),
-        Value::String("Random weights for benchmarking only (strata synth); output text is meaningless.".into()),
+        Value::String(
+            "Random weights for benchmarking only (strata synth); output text is meaningless."
+                .into(),
+        ),
     );
     put(a("block_count"), u32v(n_layer));
     put(a("context_length"), Value::U32(o.ctx));
@@ -405,7 +519,10 @@ pub fn trunk_plan(o: &Options) -> Result<Plan> {
         )),
     );
     if let Some((vocab, offsets, _)) = &ple {
-        put(a("ple.layers"), Value::Array(Array::I32(vec![PLE_LAYER as i32])));
+        put(
+            a("ple.layers"),
+            Value::Array(Array::I32(vec![PLE_LAYER as i32])),
+        );
         put(a("ple.ngram_size"), Value::U32(PLE_NGRAM));
         put(a("ple.heads_per_ngram"), Value::U32(PLE_HEADS_PER_NGRAM));
         put(a("ple.conv_kernel"), u32v(PLE_CONV_K));
@@ -419,8 +536,14 @@ pub fn trunk_plan(o: &Options) -> Result<Plan> {
             a("ple.layer_multipliers"),
             Value::Array(Array::U64(PLE_MULTIPLIERS.to_vec())),
         );
-        put(a("ple.head_offsets"), Value::Array(Array::U64(offsets.clone())));
-        put(a("ple.head_vocab_sizes"), Value::Array(Array::U64(vocab.clone())));
+        put(
+            a("ple.head_offsets"),
+            Value::Array(Array::U64(offsets.clone())),
+        );
+        put(
+            a("ple.head_vocab_sizes"),
+            Value::Array(Array::U64(vocab.clone())),
+        );
     }
     put("general.quantization_version".into(), Value::U32(2));
     put("tokenizer.ggml.model".into(), Value::String("gpt2".into()));
@@ -446,10 +569,16 @@ pub fn trunk_plan(o: &Options) -> Result<Plan> {
         "tokenizer.chat_template".into(),
         Value::String(CHAT_TEMPLATE.into()),
     );
-    put("synth.generator".into(), Value::String("strata synth".into()));
+    put(
+        "synth.generator".into(),
+        Value::String("strata synth".into()),
+    );
     put("synth.recipe".into(), Value::String("q2_0".into()));
     put("synth.seed".into(), Value::U64(o.seed));
-    put("synth.ple_rows_per_head".into(), Value::U64(o.ple_rows_per_head));
+    put(
+        "synth.ple_rows_per_head".into(),
+        Value::U64(o.ple_rows_per_head),
+    );
     debug_assert_eq!(CONTROL, 3);
     Ok(Plan {
         kvs: kv,
@@ -472,7 +601,12 @@ pub fn mtp_plan(o: &Options) -> Result<Plan> {
     let mut t = Tensors(Vec::new());
     t.pool("mtp.fc_embedding.weight", &[N_EMBD, N_EMBD], Q8_0);
     t.pool("mtp.fc_hidden.weight", &[N_EMBD, N_EMBD], Q8_0);
-    t.add("mtp.pre_fc_norm_embedding.weight", &[N_EMBD], F32, Fill::Norm);
+    t.add(
+        "mtp.pre_fc_norm_embedding.weight",
+        &[N_EMBD],
+        F32,
+        Fill::Norm,
+    );
     t.add("mtp.pre_fc_norm_hidden.weight", &[HC_DIM], F32, Fill::Norm);
     t.hc("mtp.output_hc", false, F32, Q8_0);
     let p = "mtp.blk.0";
@@ -480,17 +614,44 @@ pub fn mtp_plan(o: &Options) -> Result<Plan> {
     t.hc(&format!("{p}.hc_ffn"), true, F32, Q8_0);
     t.qsa(p, Q8_0, Q8_0, Q8_0, Q8_0, BF16);
     t.pool(format!("{p}.ffn_gate_inp.weight"), &[N_EMBD, n_exp], F32);
-    t.pool(format!("{p}.ffn_gate_exps.weight"), &[N_EMBD, N_FF_EXP, n_exp], Q8_0);
-    t.pool(format!("{p}.ffn_up_exps.weight"), &[N_EMBD, N_FF_EXP, n_exp], Q8_0);
-    t.pool(format!("{p}.ffn_down_exps.weight"), &[N_FF_EXP, N_EMBD, n_exp], Q8_0);
-    t.pool(format!("{p}.ffn_gate_shexp.weight"), &[N_EMBD, N_FF_SHEXP], Q8_0);
-    t.pool(format!("{p}.ffn_up_shexp.weight"), &[N_EMBD, N_FF_SHEXP], Q8_0);
-    t.pool(format!("{p}.ffn_down_shexp.weight"), &[N_FF_SHEXP, N_EMBD], Q8_0);
+    t.pool(
+        format!("{p}.ffn_gate_exps.weight"),
+        &[N_EMBD, N_FF_EXP, n_exp],
+        Q8_0,
+    );
+    t.pool(
+        format!("{p}.ffn_up_exps.weight"),
+        &[N_EMBD, N_FF_EXP, n_exp],
+        Q8_0,
+    );
+    t.pool(
+        format!("{p}.ffn_down_exps.weight"),
+        &[N_FF_EXP, N_EMBD, n_exp],
+        Q8_0,
+    );
+    t.pool(
+        format!("{p}.ffn_gate_shexp.weight"),
+        &[N_EMBD, N_FF_SHEXP],
+        Q8_0,
+    );
+    t.pool(
+        format!("{p}.ffn_up_shexp.weight"),
+        &[N_EMBD, N_FF_SHEXP],
+        Q8_0,
+    );
+    t.pool(
+        format!("{p}.ffn_down_shexp.weight"),
+        &[N_FF_SHEXP, N_EMBD],
+        Q8_0,
+    );
     t.pool(format!("{p}.ffn_gate_inp_shexp.weight"), &[N_EMBD, 1], F32);
 
     let k = |n: &str| format!("qwen4exp_mtp.{n}");
     let mut kv: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String("qwen4exp_mtp".into())),
+        (
+            "general.architecture".into(),
+            Value::String("qwen4exp_mtp".into()),
+        ),
         ("general.type".into(), Value::String("mtp".into())),
         (
             "general.name".into(),

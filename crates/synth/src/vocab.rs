@@ -47,8 +47,9 @@ pub struct Vocab {
 /// GPT-2's byte → printable character map.
 fn bytes_to_unicode() -> [char; 256] {
     let mut map = ['\0'; 256];
-    let printable =
-        |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let printable = |b: u32| {
+        (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
     let mut n = 0;
     for b in 0..256u32 {
         map[b as usize] = if printable(b) {

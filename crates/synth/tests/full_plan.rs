@@ -24,7 +24,11 @@ fn census(plan: &Plan) -> BTreeMap<(String, Vec<u64>), BTreeMap<&'static str, us
     m
 }
 
-fn row(name: &str, ne: &[u64], types: &[(GgmlType, usize)]) -> ((String, Vec<u64>), BTreeMap<&'static str, usize>) {
+fn row(
+    name: &str,
+    ne: &[u64],
+    types: &[(GgmlType, usize)],
+) -> ((String, Vec<u64>), BTreeMap<&'static str, usize>) {
     (
         (name.to_string(), ne.to_vec()),
         types.iter().map(|&(t, n)| (t.name(), n)).collect(),
@@ -40,7 +44,11 @@ fn full_size_plan_matches_the_readme_table() {
         row("output_hc_norm.weight", &[10240], &[(F32, 1)]),
         row("output_hc_down.weight", &[10240, 320], &[(BF16, 1)]),
         row("output_hc_up.weight", &[320, 10240], &[(BF16, 1)]),
-        row("per_layer_token_embd.weight", &[160, 1049472], &[(IQ4_NL, 1)]),
+        row(
+            "per_layer_token_embd.weight",
+            &[160, 1049472],
+            &[(IQ4_NL, 1)],
+        ),
         row("blk.N.hc_attn_norm.weight", &[10240], &[(F32, 48)]),
         row("blk.N.hc_ffn_norm.weight", &[10240], &[(F32, 48)]),
         row("blk.N.hc_attn_down.weight", &[10240, 320], &[(BF16, 48)]),
@@ -50,12 +58,28 @@ fn full_size_plan_matches_the_readme_table() {
         row("blk.N.hc_attn_inject.weight", &[10240, 4], &[(BF16, 48)]),
         row("blk.N.hc_ffn_inject.weight", &[10240, 4], &[(BF16, 48)]),
         row("blk.N.ffn_gate_inp.weight", &[2560, 512], &[(BF16, 48)]),
-        row("blk.N.ffn_gate_exps.weight", &[2560, 640, 512], &[(Q2_0, 48)]),
+        row(
+            "blk.N.ffn_gate_exps.weight",
+            &[2560, 640, 512],
+            &[(Q2_0, 48)],
+        ),
         row("blk.N.ffn_up_exps.weight", &[2560, 640, 512], &[(Q2_0, 48)]),
-        row("blk.N.ffn_down_exps.weight", &[640, 2560, 512], &[(Q2_0, 48)]),
+        row(
+            "blk.N.ffn_down_exps.weight",
+            &[640, 2560, 512],
+            &[(Q2_0, 48)],
+        ),
         row("blk.N.ffn_gate_inp_shexp.weight", &[2560], &[(BF16, 48)]),
-        row("blk.N.ffn_gate_shexp.weight", &[2560, 640], &[(Q2_0, 21), (Q4_K, 27)]),
-        row("blk.N.ffn_up_shexp.weight", &[2560, 640], &[(Q2_0, 13), (Q4_K, 35)]),
+        row(
+            "blk.N.ffn_gate_shexp.weight",
+            &[2560, 640],
+            &[(Q2_0, 21), (Q4_K, 27)],
+        ),
+        row(
+            "blk.N.ffn_up_shexp.weight",
+            &[2560, 640],
+            &[(Q2_0, 13), (Q4_K, 35)],
+        ),
         row("blk.N.ffn_down_shexp.weight", &[640, 2560], &[(Q8_0, 48)]),
         row(
             "blk.N.attn_qkv.weight",
@@ -109,7 +133,9 @@ fn full_size_plan_matches_the_readme_table() {
             .filter(|t| t.name.ends_with(".attn_q.weight"))
             .map(|t| t.name.clone())
             .collect::<Vec<_>>(),
-        (0..12).map(|i| format!("blk.{}.attn_q.weight", 4 * i + 3)).collect::<Vec<_>>()
+        (0..12)
+            .map(|i| format!("blk.{}.attn_q.weight", 4 * i + 3))
+            .collect::<Vec<_>>()
     );
     assert!(plan.tensor("blk.1.ple_key.weight").is_some());
 }
@@ -141,7 +167,10 @@ fn full_size_metadata_has_the_release_keys() {
     assert_eq!(get("qwen4exp.hyper_connection.count"), Value::U32(4));
     assert_eq!(get("qwen4exp.hyper_connection.low_rank"), Value::U32(320));
     assert_eq!(get("qwen4exp.attention.indexer.head_count"), Value::U32(4));
-    assert_eq!(get("qwen4exp.attention.indexer.key_length"), Value::U32(128));
+    assert_eq!(
+        get("qwen4exp.attention.indexer.key_length"),
+        Value::U32(128)
+    );
     assert_eq!(get("qwen4exp.attention.indexer.top_k"), Value::U32(2048));
     let ratios: Vec<i32> = (0..48).map(|l| if l % 4 == 3 { 4 } else { 0 }).collect();
     assert_eq!(

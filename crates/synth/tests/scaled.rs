@@ -62,7 +62,10 @@ fn check_file(file: &GgufFile, plan: &strata_synth::Plan) {
         // The first and last 64 KiB of whole blocks (the whole tensor when smaller).
         let bs = ty.type_size();
         let k = (65_536 / bs).max(1) * bs;
-        for part in [&data[..k.min(data.len())], &data[data.len() - k.min(data.len())..]] {
+        for part in [
+            &data[..k.min(data.len())],
+            &data[data.len() - k.min(data.len())..],
+        ] {
             let mut v = vec![0f32; part.len() / bs * ty.block_size()];
             strata_quant::dequantize(ty, part, &mut v).unwrap();
             assert!(v.iter().all(|x| x.is_finite()), "{}: non-finite", t.name);
@@ -102,8 +105,8 @@ fn scaled_file_loads_runs_and_attaches_the_mtp_head() {
     assert_eq!(tok.decode(&ids, true).unwrap(), text);
     assert_eq!(tok.token_id("<|im_end|>"), Some(4096 - 276 + 2));
 
-    let mut model = Model::from_file(file, CpuBackend::new(2).unwrap(), &LoadOptions::default())
-        .unwrap();
+    let mut model =
+        Model::from_file(file, CpuBackend::new(2).unwrap(), &LoadOptions::default()).unwrap();
     assert_eq!(model.config().n_layer, 4);
     let mut st = model.new_state().unwrap();
     let want = Want {
@@ -112,7 +115,10 @@ fn scaled_file_loads_runs_and_attaches_the_mtp_head() {
     };
     let out = model.forward_with(&mut st, &ids, want).unwrap();
     assert_eq!(out.rows(), ids.len());
-    assert!(out.logits.iter().all(|x| x.is_finite()), "non-finite logits");
+    assert!(
+        out.logits.iter().all(|x| x.is_finite()),
+        "non-finite logits"
+    );
     let row = out.row(ids.len() - 1).unwrap();
     let (lo, hi) = row
         .iter()
