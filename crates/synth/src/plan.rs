@@ -131,7 +131,7 @@ impl Plan {
 }
 
 pub fn is_qsa(layer: usize) -> bool {
-    (layer + 1) % FULL_ATTN_INTERVAL == 0
+    (layer + 1).is_multiple_of(FULL_ATTN_INTERVAL)
 }
 
 /// `n` items split in proportion to `weights` (largest remainder, ties to the earlier entry),
@@ -213,12 +213,12 @@ fn primes_from(start: u64, n: usize) -> Vec<u64> {
         if x < 2 {
             return false;
         }
-        if x % 2 == 0 {
+        if x.is_multiple_of(2) {
             return x == 2;
         }
         let mut f = 3;
         while f * f <= x {
-            if x % f == 0 {
+            if x.is_multiple_of(f) {
                 return false;
             }
             f += 2;
