@@ -154,7 +154,8 @@ fn once(loaded: &run::Loaded, t: Test, ubatch: usize, rng: &mut SplitMix64) -> R
 
 pub fn run(a: Args) -> Result<ExitCode> {
     match a.backend {
-        BackendArg::Cpu | BackendArg::Auto => {}
+        BackendArg::Cpu => {}
+        BackendArg::Auto => eprintln!("--backend auto: CPU (this build has no GPU model backend)"),
         BackendArg::Cuda => {
             bail!("--backend cuda: this build has no CUDA model backend yet; use --backend cpu")
         }
