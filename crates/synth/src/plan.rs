@@ -190,6 +190,9 @@ fn check(o: &Options) -> Result<()> {
             format!("{}; expected 1..65536", o.experts),
         ));
     }
+    if o.expert_used == 0 {
+        return Err(bad("--expert-used", "must be at least 1"));
+    }
     if o.vocab < 1024 || o.vocab > 1 << 24 {
         return Err(bad(
             "--vocab",
