@@ -27,6 +27,8 @@ pub enum What {
     Formats(FormatsArgs),
     /// MTP speculative decoding: tokens/s with and without drafts, window cost, forced acceptance
     Spec(spec::BenchArgs),
+    /// Model throughput in llama-bench's terms: prompt (pp) and decode (tg) tokens/s at depths
+    Model(crate::bench_model::Args),
 }
 
 #[derive(clap::Args)]
@@ -53,6 +55,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.what {
         What::Formats(a) => formats(a),
         What::Spec(a) => spec::bench(a),
+        What::Model(a) => crate::bench_model::run(a),
     }
 }
 

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 
 mod args;
 mod bench;
+mod bench_model;
 mod chat;
 mod convert_mtp;
 mod draft_vocab;
@@ -21,6 +22,7 @@ mod parity;
 mod report;
 mod run;
 mod signals;
+mod synth;
 mod tokenize;
 
 #[derive(Parser)]
@@ -58,6 +60,8 @@ enum Command {
     ConvertMtp(convert_mtp::Args),
     /// Draft vocabularies for --draft-vocab: `draft-vocab build`
     DraftVocab(draft_vocab::Args),
+    /// Write a synthetic qwen4exp GGUF (random valid blocks, full size or scaled) for timing
+    Synth(synth::Args),
 }
 
 /// glibc's allocator serves blocks above a *dynamic* threshold with fresh `mmap`s and returns
@@ -111,6 +115,7 @@ fn main() -> std::process::ExitCode {
         Command::Parity(a) => parity::run(a),
         Command::ConvertMtp(a) => convert_mtp::run(a),
         Command::DraftVocab(a) => draft_vocab::run(a),
+        Command::Synth(a) => synth::run(a),
     };
     match result {
         Ok(code) => code,

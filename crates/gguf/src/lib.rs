@@ -17,4 +17,4 @@ pub use reader::{
 };
 pub use strata_quant::GgmlType;
 pub use value::{Array, Value, ValueType};
-pub use writer::GgufWriter;
+pub use writer::{GgufWriter, StreamLayout};

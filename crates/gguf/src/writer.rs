@@ -22,6 +22,28 @@ struct PendingTensor {
     data: Vec<u8>,
     /// Written in place of the computed offset (malformed files only).
     offset_override: Option<u64>,
+    /// A tensor whose bytes the caller writes itself (streaming mode): its size, with `data`
+    /// empty.
+    deferred: Option<u64>,
+}
+
+impl PendingTensor {
+    fn len(&self) -> u64 {
+        self.deferred.unwrap_or(self.data.len() as u64)
+    }
+}
+
+/// Where everything goes in a file whose tensor bytes the caller writes itself
+/// ([`GgufWriter::add_tensor_deferred`]): the header to write at offset 0, then each tensor's
+/// bytes at its absolute offset. Padding between tensors is zeros (a file extended to
+/// `file_len` reads as zeros there).
+#[derive(Clone, Debug)]
+pub struct StreamLayout {
+    pub header: Vec<u8>,
+    /// Per tensor, in insertion order: (absolute file offset, byte length).
+    pub tensors: Vec<(u64, u64)>,
+    /// The file's length, the last tensor padded like ggml's writer does.
+    pub file_len: u64,
 }
 
 /// Builds a GGUF file in memory and writes it out.
@@ -131,70 +153,119 @@ impl GgufWriter {
         ty: GgmlType,
         data: Vec<u8>,
     ) -> Result<&mut Self, GgufError> {
-        if self.validate {
-            let what = || format!("tensor '{name}'");
-            if name.len() >= MAX_NAME_BYTES {
-                return Err(werr(
-                    what(),
-                    format!("a name shorter than {MAX_NAME_BYTES} bytes"),
-                    format!("{} bytes", name.len()),
-                ));
-            }
-            if dims.len() > MAX_DIMS {
-                return Err(werr(
-                    what(),
-                    format!("at most {MAX_DIMS} dims"),
-                    format!("{dims:?}"),
-                ));
-            }
-            if self.tensors.iter().any(|t| t.name == name) {
-                return Err(werr(
-                    what(),
-                    "a unique tensor name",
-                    "a second tensor of that name",
-                ));
-            }
-            let n = dims
-                .iter()
-                .try_fold(1u64, |a, &d| {
-                    a.checked_mul(d).filter(|&n| n <= i64::MAX as u64)
-                })
-                .ok_or_else(|| {
-                    werr(
-                        what(),
-                        "an element count that fits in i64",
-                        format!("{dims:?}"),
-                    )
-                })?;
-            let bs = ty.block_size() as u64;
-            let ne0 = dims.first().copied().unwrap_or(1);
-            if ne0 % bs != 0 {
-                return Err(werr(
-                    what(),
-                    format!("ne[0] a multiple of {ty}'s block size {bs}"),
-                    format!("ne[0] = {ne0}"),
-                ));
-            }
-            let bytes = (n / bs).checked_mul(ty.type_size() as u64);
-            if bytes != Some(data.len() as u64) {
-                return Err(werr(
-                    what(),
-                    format!(
-                        "{} bytes of data for {ty} {dims:?}",
-                        bytes.map_or("too many".into(), |b| b.to_string())
-                    ),
-                    format!("{} bytes", data.len()),
-                ));
-            }
-        }
+        self.check_tensor(name, dims, ty, Some(data.len() as u64))?;
         self.tensors.push(PendingTensor {
             name: name.to_string(),
             dims: dims.to_vec(),
             type_id: ty.id(),
             data,
             offset_override: None,
+            deferred: None,
         });
         Ok(self)
+    }
+
+    /// Appends a tensor record whose bytes the caller writes itself at the offset
+    /// [`GgufWriter::layout`] gives it (streaming a file far larger than memory). Checked like
+    /// `add_tensor`; returns the tensor's size in bytes.
+    pub fn add_tensor_deferred(
+        &mut self,
+        name: &str,
+        dims: &[u64],
+        ty: GgmlType,
+    ) -> Result<u64, GgufError> {
+        let len = self.check_tensor(name, dims, ty, None)?;
+        self.tensors.push(PendingTensor {
+            name: name.to_string(),
+            dims: dims.to_vec(),
+            type_id: ty.id(),
+            data: Vec::new(),
+            offset_override: None,
+            deferred: Some(len),
+        });
+        Ok(len)
+    }
+
+    /// Checks a tensor's name, shape and (when given) data length; returns its size in bytes.
+    fn check_tensor(
+        &self,
+        name: &str,
+        dims: &[u64],
+        ty: GgmlType,
+        data_len: Option<u64>,
+    ) -> Result<u64, GgufError> {
+        let size = || -> Option<u64> {
+            let n = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
+            (n / ty.block_size() as u64).checked_mul(ty.type_size() as u64)
+        };
+        if !self.validate {
+            if let Some(l) = data_len {
+                return Ok(l);
+            }
+            return size().ok_or_else(|| {
+                werr(
+                    format!("tensor '{name}'"),
+                    "a size that fits in u64",
+                    format!("{dims:?}"),
+                )
+            });
+        }
+        let what = || format!("tensor '{name}'");
+        if name.len() >= MAX_NAME_BYTES {
+            return Err(werr(
+                what(),
+                format!("a name shorter than {MAX_NAME_BYTES} bytes"),
+                format!("{} bytes", name.len()),
+            ));
+        }
+        if dims.len() > MAX_DIMS {
+            return Err(werr(
+                what(),
+                format!("at most {MAX_DIMS} dims"),
+                format!("{dims:?}"),
+            ));
+        }
+        if self.tensors.iter().any(|t| t.name == name) {
+            return Err(werr(
+                what(),
+                "a unique tensor name",
+                "a second tensor of that name",
+            ));
+        }
+        let n = dims
+            .iter()
+            .try_fold(1u64, |a, &d| {
+                a.checked_mul(d).filter(|&n| n <= i64::MAX as u64)
+            })
+            .ok_or_else(|| {
+                werr(
+                    what(),
+                    "an element count that fits in i64",
+                    format!("{dims:?}"),
+                )
+            })?;
+        let bs = ty.block_size() as u64;
+        let ne0 = dims.first().copied().unwrap_or(1);
+        if ne0 % bs != 0 {
+            return Err(werr(
+                what(),
+                format!("ne[0] a multiple of {ty}'s block size {bs}"),
+                format!("ne[0] = {ne0}"),
+            ));
+        }
+        let bytes = (n / bs).checked_mul(ty.type_size() as u64);
+        match (bytes, data_len) {
+            (Some(b), None) => Ok(b),
+            (Some(b), Some(l)) if b == l => Ok(b),
+            (_, l) => Err(werr(
+                what(),
+                format!(
+                    "{} bytes of data for {ty} {dims:?}",
+                    bytes.map_or("too many".into(), |b| b.to_string())
+                ),
+                l.map_or("no size".into(), |l| format!("{l} bytes")),
+            )),
+        }
     }
 
     /// Appends a tensor record with no checks: any type id (including unknown ones), any data
@@ -213,6 +284,7 @@ impl GgufWriter {
             type_id,
             data,
             offset_override,
+            deferred: None,
         });
         self
     }
@@ -316,7 +388,7 @@ impl GgufWriter {
             }
             h.extend_from_slice(&t.type_id.to_le_bytes());
             h.extend_from_slice(&t.offset_override.unwrap_or(running).to_le_bytes());
-            running = pad(running + t.data.len() as u64, alignment);
+            running = pad(running + t.len(), alignment);
         }
         if !self.tensors.is_empty() {
             h.resize(pad(h.len() as u64, alignment) as usize, 0);
@@ -324,8 +396,33 @@ impl GgufWriter {
         Ok((h, alignment))
     }
 
+    /// The header and every tensor's place, for a caller that writes the tensor bytes itself
+    /// (positional writes, in any order, from any number of threads).
+    pub fn layout(&self) -> Result<StreamLayout, GgufError> {
+        let (header, alignment) = self.header()?;
+        let base = header.len() as u64;
+        let mut running = 0u64;
+        let mut tensors = Vec::with_capacity(self.tensors.len());
+        for t in &self.tensors {
+            tensors.push((base + running, t.len()));
+            running = pad(running + t.len(), alignment);
+        }
+        Ok(StreamLayout {
+            header,
+            tensors,
+            file_len: base + running,
+        })
+    }
+
     /// Writes the whole file to `out`.
     pub fn write_to(&self, out: &mut impl Write) -> Result<(), GgufError> {
+        if let Some(t) = self.tensors.iter().find(|t| t.deferred.is_some()) {
+            return Err(werr(
+                format!("tensor '{}'", t.name),
+                "its data (write_to writes whole files)",
+                "a deferred tensor: write it through layout()",
+            ));
+        }
         let (header, alignment) = self.header()?;
         let io = |source| GgufError::Io {
             file: "<gguf writer output>".into(),

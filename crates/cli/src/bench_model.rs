@@ -1,0 +1,314 @@
+//! `strata bench model`: a model's throughput in llama-bench's vocabulary, so the numbers sit
+//! beside `llama-bench`'s: `ppN` (a prompt of N tokens, tokens/s), `tgN` (N decode steps of one
+//! token, tokens/s), `@ dD` (D tokens already in the context, filled before the timed part and
+//! not counted), repetitions with mean ± sd, a markdown table like llama-bench's or JSON with
+//! its field names. Both families (qwen2, qwen4exp) through the generation loop's `Session`.
+//! Tokens are random ids (as llama-bench's), so the text is noise. Besides the wall clock it
+//! records the process's CPU time per repetition, steadier on a shared machine.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+use strata_engine::generate::Session;
+use strata_gguf::GgufFile;
+use strata_quant::synth::SplitMix64;
+
+use crate::args::model::ModelArgs;
+use crate::load::{self, Loaded};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendArg {
+    Cpu,
+    Cuda,
+    Auto,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt lengths to time (pp tests; 0 = none), comma-separated
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_values_t = vec![512])]
+    pub n_prompt: Vec<usize>,
+    /// Decode lengths to time (tg tests; 0 = none), comma-separated
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_values_t = vec![128])]
+    pub n_gen: Vec<usize>,
+    /// Context depths: tokens already in the context before the timed part, comma-separated
+    #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_values_t = vec![0])]
+    pub n_depth: Vec<usize>,
+    /// Repetitions of each test
+    #[arg(short = 'r', long, default_value_t = 5)]
+    pub repetitions: usize,
+    /// Tokens per forward call in prompts and depth fills (llama-bench's ubatch)
+    #[arg(short = 'u', long, default_value_t = 512)]
+    pub ubatch: usize,
+    /// Backend (only the CPU backend exists in this build)
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: BackendArg,
+    /// Per-kernel decode profile (needs a GPU backend)
+    #[arg(long)]
+    pub profile: bool,
+    /// Skip the untimed warm-up run
+    #[arg(long)]
+    pub no_warmup: bool,
+    /// Seed of the random token ids
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print JSON (an array of tests, llama-bench's field names) instead of the table
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Prompt,
+    Gen,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Test {
+    kind: Kind,
+    n: usize,
+    depth: usize,
+}
+
+impl Test {
+    fn name(&self) -> String {
+        let base = match self.kind {
+            Kind::Prompt => format!("pp{}", self.n),
+            Kind::Gen => format!("tg{}", self.n),
+        };
+        if self.depth > 0 {
+            format!("{base} @ d{}", self.depth)
+        } else {
+            base
+        }
+    }
+}
+
+struct Result1 {
+    test: Test,
+    wall_ns: Vec<u64>,
+    cpu_ns: Vec<u64>,
+}
+
+fn mean_sd(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let var = if v.len() > 1 {
+        v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)
+    } else {
+        0.0
+    };
+    (mean, var.sqrt())
+}
+
+impl Result1 {
+    fn ts(&self) -> Vec<f64> {
+        self.wall_ns
+            .iter()
+            .map(|&ns| self.test.n as f64 * 1e9 / ns.max(1) as f64)
+            .collect()
+    }
+}
+
+/// The process's CPU time (all threads) in nanoseconds.
+fn cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Feeds `n` random tokens in calls of at most `ubatch`.
+fn feed(s: &mut dyn Session, rng: &mut SplitMix64, n: usize, ubatch: usize) -> Result<()> {
+    let v = s.n_vocab() as u64;
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(ubatch);
+        let toks: Vec<u32> = (0..k).map(|_| (rng.next_u64() % v) as u32).collect();
+        s.feed(&toks)?;
+        left -= k;
+    }
+    Ok(())
+}
+
+/// One repetition: a fresh sequence, the depth filled, then the timed part.
+fn once(loaded: &Loaded, t: Test, ubatch: usize, rng: &mut SplitMix64) -> Result<(u64, u64)> {
+    let mut s = loaded.session(loaded.n_ctx_model())?;
+    feed(s.as_mut(), rng, t.depth, ubatch).context("filling the context to the depth")?;
+    let (w0, c0) = (Instant::now(), cpu_ns());
+    match t.kind {
+        Kind::Prompt => feed(s.as_mut(), rng, t.n, ubatch)?,
+        Kind::Gen => feed(s.as_mut(), rng, t.n, 1)?,
+    }
+    Ok((w0.elapsed().as_nanos() as u64, cpu_ns().saturating_sub(c0)))
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    match a.backend {
+        BackendArg::Cpu => {}
+        BackendArg::Auto => eprintln!("--backend auto: CPU (this build has no GPU model backend)"),
+        BackendArg::Cuda => {
+            bail!("--backend cuda: this build has no CUDA model backend yet; use --backend cpu")
+        }
+    }
+    if a.profile {
+        bail!(
+            "--profile needs a GPU backend (it reports per-kernel times per decode token); it is \
+             not available on the CPU backend yet"
+        );
+    }
+    if a.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    if a.ubatch == 0 {
+        bail!("--ubatch must be at least 1");
+    }
+    let mut tests = Vec::new();
+    for &d in &a.n_depth {
+        tests.extend(a.n_prompt.iter().filter(|&&n| n > 0).map(|&n| Test {
+            kind: Kind::Prompt,
+            n,
+            depth: d,
+        }));
+        tests.extend(a.n_gen.iter().filter(|&&n| n > 0).map(|&n| Test {
+            kind: Kind::Gen,
+            n,
+            depth: d,
+        }));
+    }
+    if tests.is_empty() {
+        bail!("nothing to measure: every -p and -n is 0");
+    }
+
+    let choice = a.model.resolve()?;
+    let path = choice.path()?;
+    let file = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let arch = file.architecture()?.to_string();
+    let size: u64 = file.tensors().iter().map(|t| t.n_bytes).sum();
+    let params: u64 = file.tensors().iter().map(|t| t.n_elements).sum();
+    drop(file);
+    let t_load = Instant::now();
+    let opened = load::open(&path)?;
+    let loaded = Loaded::bind(
+        &opened,
+        &path,
+        choice.threads,
+        choice.kv_type,
+        None,
+        choice.ctx_size,
+    )?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    let threads = loaded.threads();
+    // Positions a sequence may hold (qwen4exp: the capacity its caches were made with).
+    let n_ctx = loaded.n_ctx_model();
+    if let Some(t) = tests.iter().find(|t| t.depth + t.n > n_ctx) {
+        bail!(
+            "{}: depth {} + {} tokens exceeds the model's context of {n_ctx} positions",
+            t.name(),
+            t.depth,
+            t.n,
+        );
+    }
+    let mut rng = SplitMix64(a.seed);
+    if !a.no_warmup {
+        // Pages the weights in and warms the allocator; not timed.
+        let mut s = loaded.session(loaded.n_ctx_model())?;
+        feed(s.as_mut(), &mut rng, 16, a.ubatch)?;
+        feed(s.as_mut(), &mut rng, 2, 1)?;
+    }
+    let mut results = Vec::new();
+    for &t in &tests {
+        let mut r = Result1 {
+            test: t,
+            wall_ns: vec![],
+            cpu_ns: vec![],
+        };
+        for _ in 0..a.repetitions {
+            let (w, c) = once(&loaded, t, a.ubatch, &mut rng)
+                .with_context(|| format!("running {}", t.name()))?;
+            r.wall_ns.push(w);
+            r.cpu_ns.push(c);
+        }
+        if !a.json {
+            eprintln!("{}: done", t.name());
+        }
+        results.push(r);
+    }
+
+    let model_type = format!("{arch} {:.2} B", params as f64 / 1e9);
+    let filename = path.display().to_string();
+    if a.json {
+        let rows: Vec<_> = results
+            .iter()
+            .map(|r| {
+                let ts = r.ts();
+                let (avg_ts, sd_ts) = mean_sd(&ts);
+                let ns: Vec<f64> = r.wall_ns.iter().map(|&x| x as f64).collect();
+                let (avg_ns, sd_ns) = mean_sd(&ns);
+                let (n_prompt, n_gen) = match r.test.kind {
+                    Kind::Prompt => (r.test.n, 0),
+                    Kind::Gen => (0, r.test.n),
+                };
+                json!({
+                    "model_filename": filename,
+                    "model_type": model_type,
+                    "model_size": size,
+                    "model_n_params": params,
+                    "backends": "CPU",
+                    "n_threads": threads,
+                    "n_ubatch": a.ubatch,
+                    "type_k": format!("{:?}", a.model.kv_type).to_lowercase(),
+                    "test": r.test.name(),
+                    "n_prompt": n_prompt,
+                    "n_gen": n_gen,
+                    "n_depth": r.test.depth,
+                    "avg_ns": avg_ns as u64,
+                    "stddev_ns": sd_ns as u64,
+                    "avg_ts": avg_ts,
+                    "stddev_ts": sd_ts,
+                    "best_ts": ts.iter().copied().fold(0.0, f64::max),
+                    "samples_ns": r.wall_ns,
+                    "samples_ts": ts,
+                    "samples_cpu_ns": r.cpu_ns,
+                    "load_s": load_s,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!(
+            "| model | size | params | backend | threads | test | t/s | best t/s | CPU ms/token |"
+        );
+        println!("| --- | ---: | ---: | --- | ---: | --: | ---: | ---: | ---: |");
+        for r in &results {
+            let ts = r.ts();
+            let (m, sd) = mean_sd(&ts);
+            let best = ts.iter().copied().fold(0.0, f64::max);
+            let cpu_min = r.cpu_ns.iter().copied().min().unwrap_or(0);
+            println!(
+                "| {model_type} | {:.2} GiB | {:.2} B | CPU | {threads} | {} | {m:.2} ± {sd:.2} | {best:.2} | {:.2} |",
+                size as f64 / (1u64 << 30) as f64,
+                params as f64 / 1e9,
+                r.test.name(),
+                cpu_min as f64 / 1e6 / r.test.n as f64
+            );
+        }
+        println!(
+            "\n{} repetitions per test (mean ± sd of tokens/s over the wall clock; best = fastest \
+             repetition; CPU ms/token = the least process CPU time of a repetition per token, all \
+             threads); load {load_s:.2} s; {filename}",
+            a.repetitions
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
