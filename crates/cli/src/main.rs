@@ -13,6 +13,7 @@ mod logits;
 mod parity;
 mod run;
 mod sampling_args;
+mod serve;
 mod spec_run;
 mod tokenize;
 
@@ -51,6 +52,8 @@ enum Command {
     DraftVocab(draft_vocab::Args),
     /// A completion with MTP speculative decoding (--mtp, --spec N)
     SpecRun(spec_run::RunArgs),
+    /// Serve the model over HTTP: OpenAI- and Anthropic-compatible API (default model when no -m)
+    Serve(serve::Args),
 }
 
 /// glibc's allocator serves blocks above a *dynamic* threshold with fresh `mmap`s and returns
@@ -87,6 +90,7 @@ fn main() -> std::process::ExitCode {
         Command::ConvertMtp(a) => convert_mtp::run(a),
         Command::DraftVocab(a) => draft_vocab::run(a),
         Command::SpecRun(a) => spec_run::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,417 @@
+//! From generated tokens to what a response carries: text decoded as it streams (UTF-8 held
+//! until complete), stop strings (text held back while it could still be the start of one, so
+//! nothing sent is ever taken back), and the split of the model's output into reasoning
+//! (`<think>…</think>`), content and tool calls (Qwen's `<tool_call>` JSON and the Coder models'
+//! `<function=…><parameter=…>` XML form).
+//!
+//! Streaming and non-streaming responses are both built from these pieces, so they agree.
+
+use serde_json::Value;
+use strata_tokenizer::{StreamDecoder, Tokenizer};
+
+/// Decodes tokens and applies stop strings.
+pub struct TextStream {
+    dec: StreamDecoder,
+    stops: Vec<String>,
+    held: String,
+    /// The stop string that matched.
+    pub stopped: Option<String>,
+}
+
+impl TextStream {
+    pub fn new(stops: Vec<String>) -> TextStream {
+        TextStream {
+            dec: StreamDecoder::new(false),
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+            stopped: None,
+        }
+    }
+
+    /// The text that became final with `id`; after a stop string matched, nothing more.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, String> {
+        if self.stopped.is_some() {
+            return Ok(String::new());
+        }
+        let s = self.dec.push(tok, id).map_err(|e| format!("detokenizing: {e}"))?;
+        Ok(self.push_text(&s))
+    }
+
+    fn push_text(&mut self, s: &str) -> String {
+        self.held.push_str(s);
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|st| self.held.find(st.as_str()).map(|i| (i, st)))
+            .min_by_key(|(i, _)| *i);
+        if let Some((i, st)) = first {
+            self.stopped = Some(st.clone());
+            let out = self.held[..i].to_string();
+            self.held.clear();
+            return out;
+        }
+        let keep = self
+            .stops
+            .iter()
+            .map(|st| partial_suffix(&self.held, st))
+            .max()
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        out
+    }
+
+    /// Whatever is left at the end of generation.
+    pub fn finish(&mut self) -> String {
+        if self.stopped.is_some() {
+            return String::new();
+        }
+        let rest = self.dec.flush();
+        let mut out = self.push_text(&rest);
+        if self.stopped.is_none() {
+            out.push_str(&std::mem::take(&mut self.held));
+        }
+        out
+    }
+}
+
+/// Length of the longest suffix of `s` that is a proper prefix of `pat` (on char boundaries).
+fn partial_suffix(s: &str, pat: &str) -> usize {
+    let max = (pat.len().saturating_sub(1)).min(s.len());
+    (1..=max)
+        .rev()
+        .find(|&k| s.is_char_boundary(s.len() - k) && pat.is_char_boundary(k) && s.ends_with(&pat[..k]))
+        .unwrap_or(0)
+}
+
+/// A piece of a response.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Piece {
+    Content(String),
+    Reasoning(String),
+    /// A complete tool call: its name and its arguments as JSON text.
+    ToolCall { name: String, arguments: String },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Content,
+    Think,
+    Tool,
+}
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+const TOOL_OPEN: &str = "<tool_call>";
+const TOOL_CLOSE: &str = "</tool_call>";
+
+/// Splits generated text into reasoning, content and tool calls, as it streams.
+pub struct Splitter {
+    mode: Mode,
+    /// The mode a tool call returns to.
+    back: Mode,
+    reasoning: bool,
+    tools: bool,
+    held: String,
+    call: String,
+    /// Malformed calls passed on as text.
+    pub malformed: usize,
+}
+
+impl Splitter {
+    /// `in_think`: the prompt already opened a `<think>` block. `reasoning`: split `<think>`
+    /// blocks out (else they stay in the content). `tools`: parse tool calls (else text).
+    pub fn new(in_think: bool, reasoning: bool, tools: bool) -> Splitter {
+        Splitter {
+            mode: if in_think && reasoning {
+                Mode::Think
+            } else {
+                Mode::Content
+            },
+            back: Mode::Content,
+            reasoning,
+            tools,
+            held: String::new(),
+            call: String::new(),
+            malformed: 0,
+        }
+    }
+
+    fn tags(&self) -> Vec<&'static str> {
+        let mut t = Vec::new();
+        match self.mode {
+            Mode::Content => {
+                if self.reasoning {
+                    t.push(THINK_OPEN);
+                }
+                if self.tools {
+                    t.push(TOOL_OPEN);
+                }
+            }
+            Mode::Think => {
+                t.push(THINK_CLOSE);
+                if self.tools {
+                    t.push(TOOL_OPEN);
+                }
+            }
+            Mode::Tool => t.push(TOOL_CLOSE),
+        }
+        t
+    }
+
+    fn emit(&mut self, out: &mut Vec<Piece>, s: &str) {
+        if s.is_empty() {
+            return;
+        }
+        match self.mode {
+            Mode::Content => push_piece(out, Piece::Content(s.to_string())),
+            Mode::Think => push_piece(out, Piece::Reasoning(s.to_string())),
+            Mode::Tool => self.call.push_str(s),
+        }
+    }
+
+    pub fn push(&mut self, s: &str) -> Vec<Piece> {
+        let mut out = Vec::new();
+        self.held.push_str(s);
+        loop {
+            let tags = self.tags();
+            let hit = tags
+                .iter()
+                .filter_map(|t| self.held.find(t).map(|i| (i, *t)))
+                .min_by_key(|(i, _)| *i);
+            match hit {
+                Some((i, tag)) => {
+                    let before = self.held[..i].to_string();
+                    self.emit(&mut out, &before);
+                    self.held.drain(..i + tag.len());
+                    match tag {
+                        THINK_OPEN => self.mode = Mode::Think,
+                        THINK_CLOSE => {
+                            self.mode = Mode::Content;
+                            // The template's "</think>\n\n" separator is not content.
+                            let n = self.held.len() - self.held.trim_start_matches('\n').len();
+                            self.held.drain(..n);
+                        }
+                        TOOL_OPEN => {
+                            self.back = self.mode;
+                            self.mode = Mode::Tool;
+                            self.call.clear();
+                        }
+                        _ => {
+                            let call = std::mem::take(&mut self.call);
+                            self.mode = self.back;
+                            match parse_tool_call(&call) {
+                                Some((name, arguments)) => {
+                                    out.push(Piece::ToolCall { name, arguments })
+                                }
+                                None => {
+                                    self.malformed += 1;
+                                    tracing::warn!(
+                                        "a malformed tool call was returned as text: {call:?}"
+                                    );
+                                    let text = format!("{TOOL_OPEN}{call}{TOOL_CLOSE}");
+                                    self.emit(&mut out, &text);
+                                }
+                            }
+                        }
+                    }
+                }
+                None => {
+                    let keep = tags
+                        .iter()
+                        .map(|t| partial_suffix(&self.held, t))
+                        .max()
+                        .unwrap_or(0);
+                    let cut = self.held.len() - keep;
+                    let text = self.held[..cut].to_string();
+                    self.held.drain(..cut);
+                    self.emit(&mut out, &text);
+                    return out;
+                }
+            }
+        }
+    }
+
+    /// The end of the text: held-back text is text; an unclosed tool call is malformed.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        let rest = std::mem::take(&mut self.held);
+        self.emit(&mut out, &rest);
+        if self.mode == Mode::Tool {
+            let call = std::mem::take(&mut self.call);
+            self.malformed += 1;
+            tracing::warn!("an unfinished tool call was returned as text: {call:?}");
+            self.mode = self.back;
+            self.emit(&mut out, &format!("{TOOL_OPEN}{call}"));
+        }
+        out
+    }
+}
+
+fn push_piece(out: &mut Vec<Piece>, p: Piece) {
+    match (out.last_mut(), &p) {
+        (Some(Piece::Content(a)), Piece::Content(b)) => a.push_str(b),
+        (Some(Piece::Reasoning(a)), Piece::Reasoning(b)) => a.push_str(b),
+        _ => out.push(p),
+    }
+}
+
+/// The body of a `<tool_call>`: `{"name": ..., "arguments": {...}}` or
+/// `<function=NAME><parameter=P>VALUE</parameter>...</function>`; the arguments come back as
+/// JSON text.
+pub fn parse_tool_call(body: &str) -> Option<(String, String)> {
+    let b = body.trim();
+    if b.starts_with('{') {
+        let v: Value = serde_json::from_str(b).ok()?;
+        let name = v.get("name")?.as_str()?.to_string();
+        if name.is_empty() {
+            return None;
+        }
+        let args = match v.get("arguments").or_else(|| v.get("parameters")) {
+            None => Value::Object(Default::default()),
+            // Some models write the arguments as a JSON string.
+            Some(Value::String(s)) => serde_json::from_str(s).ok()?,
+            Some(a) => a.clone(),
+        };
+        if !args.is_object() {
+            return None;
+        }
+        return Some((name, args.to_string()));
+    }
+    let rest = b.strip_prefix("<function=")?;
+    let end = rest.find('>')?;
+    let name = rest[..end].trim().to_string();
+    if name.is_empty() {
+        return None;
+    }
+    let mut body = &rest[end + 1..];
+    body = body.trim_end().strip_suffix("</function>")?;
+    let mut args = serde_json::Map::new();
+    loop {
+        let t = body.trim_start();
+        if t.is_empty() {
+            break;
+        }
+        let r = t.strip_prefix("<parameter=")?;
+        let e = r.find('>')?;
+        let key = r[..e].trim().to_string();
+        let r = &r[e + 1..];
+        let close = r.find("</parameter>")?;
+        let raw = r[..close].strip_prefix('\n').unwrap_or(&r[..close]);
+        let raw = raw.strip_suffix('\n').unwrap_or(raw);
+        // A value that parses as JSON (number, object, true) is that value, else a string.
+        let v = serde_json::from_str::<Value>(raw).unwrap_or_else(|_| Value::String(raw.into()));
+        args.insert(key, v);
+        body = &r[close + "</parameter>".len()..];
+    }
+    Some((name, Value::Object(args).to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split_all(parts: &[&str], in_think: bool) -> Vec<Piece> {
+        let mut s = Splitter::new(in_think, true, true);
+        let mut out = Vec::new();
+        for p in parts {
+            for x in s.push(p) {
+                push_any(&mut out, x);
+            }
+        }
+        for x in s.finish() {
+            push_any(&mut out, x);
+        }
+        out
+    }
+
+    fn push_any(out: &mut Vec<Piece>, p: Piece) {
+        match p {
+            Piece::ToolCall { .. } => out.push(p),
+            p => push_piece(out, p),
+        }
+    }
+
+    #[test]
+    fn splits_reasoning_content_and_a_json_call_across_any_chunking() {
+        let text = "<think>plan it</think>\n\nSure.<tool_call>\n{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+        let want = vec![
+            Piece::Reasoning("plan it".into()),
+            Piece::Content("Sure.".into()),
+            Piece::ToolCall {
+                name: "get".into(),
+                arguments: r#"{"city":"Oslo"}"#.into(),
+            },
+        ];
+        // Every split point, so tags cut across chunks are found too.
+        for i in 0..text.len() {
+            if !text.is_char_boundary(i) {
+                continue;
+            }
+            assert_eq!(split_all(&[&text[..i], &text[i..]], false), want, "split at {i}");
+        }
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let refs: Vec<&str> = chars.iter().map(|s| s.as_str()).collect();
+        assert_eq!(split_all(&refs, false), want);
+    }
+
+    #[test]
+    fn a_prompt_that_opened_think_starts_in_reasoning() {
+        assert_eq!(
+            split_all(&["a b</think>c"], true),
+            vec![Piece::Reasoning("a b".into()), Piece::Content("c".into())]
+        );
+    }
+
+    #[test]
+    fn xml_calls_and_calls_inside_think() {
+        let text = "<think>x<tool_call>\n<function=run>\n<parameter=cmd>\nls -l\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>y</think>z";
+        assert_eq!(
+            split_all(&[text], false),
+            vec![
+                Piece::Reasoning("x".into()),
+                Piece::ToolCall {
+                    name: "run".into(),
+                    arguments: r#"{"cmd":"ls -l","n":3}"#.into()
+                },
+                Piece::Reasoning("y".into()),
+                Piece::Content("z".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_malformed_call_is_text_not_an_empty_turn() {
+        let mut s = Splitter::new(false, true, true);
+        let mut out = s.push("<tool_call>{not json}</tool_call>");
+        out.extend(s.finish());
+        assert_eq!(out, vec![Piece::Content("<tool_call>{not json}</tool_call>".into())]);
+        assert_eq!(s.malformed, 1);
+        let mut s = Splitter::new(false, true, true);
+        let mut out = s.push("<tool_call>{\"name\":");
+        out.extend(s.finish());
+        assert_eq!(out, vec![Piece::Content("<tool_call>{\"name\":".into())]);
+    }
+
+    #[test]
+    fn without_tools_a_call_is_text() {
+        let mut s = Splitter::new(false, true, false);
+        let mut out = s.push("<tool_call>{\"name\":\"f\"}</tool_call>");
+        out.extend(s.finish());
+        assert_eq!(out, vec![Piece::Content("<tool_call>{\"name\":\"f\"}</tool_call>".into())]);
+    }
+
+    #[test]
+    fn stop_strings_cut_and_hold_back_partial_matches() {
+        let mut t = TextStream::new(vec!["END".into(), "\n\n".into()]);
+        assert_eq!(t.push_text("abc E"), "abc ");
+        assert_eq!(t.push_text("N"), "");
+        assert_eq!(t.push_text("x"), "ENx");
+        assert_eq!(t.push_text("yEND more"), "y");
+        assert_eq!(t.stopped.as_deref(), Some("END"));
+        let mut t = TextStream::new(vec!["é!".into()]);
+        assert_eq!(t.push_text("aé"), "a");
+        assert_eq!(t.finish(), "é");
+    }
+}
