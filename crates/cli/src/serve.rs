@@ -81,7 +81,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
         bail!("--mtp: speculative decoding is not wired into `strata serve` yet");
     }
     if args.backend != "cpu" {
-        bail!("--backend {}: `strata serve` runs on the cpu backend only for now", args.backend);
+        bail!(
+            "--backend {}: `strata serve` runs on the cpu backend only for now",
+            args.backend
+        );
     }
     if args.parallel == 0 {
         bail!("--parallel must be at least 1");

@@ -45,9 +45,11 @@ fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
             let mut s = String::new();
             for (j, b) in a.iter().enumerate() {
                 match b.get("type").and_then(Value::as_str) {
-                    Some("text") => s.push_str(b.get("text").and_then(Value::as_str).ok_or_else(|| {
-                        ApiError::invalid(format!("{at}[{j}].text"), "expected a string")
-                    })?),
+                    Some("text") => {
+                        s.push_str(b.get("text").and_then(Value::as_str).ok_or_else(|| {
+                            ApiError::invalid(format!("{at}[{j}].text"), "expected a string")
+                        })?)
+                    }
                     Some(t) => {
                         return Err(ApiError::invalid(
                             format!("{at}[{j}].type"),
@@ -59,7 +61,10 @@ fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
             }
             Ok(s)
         }
-        _ => Err(ApiError::invalid(at, "expected a string or an array of content blocks")),
+        _ => Err(ApiError::invalid(
+            at,
+            "expected a string or an array of content blocks",
+        )),
     }
 }
 
@@ -70,20 +75,33 @@ fn conversation(req: &MessagesReq) -> Result<(Conversation, bool), ApiError> {
         msgs.push(json!({"role": "system", "content": text_of(sys, "system")?}));
     }
     if req.messages.is_empty() {
-        return Err(ApiError::invalid("messages", "must hold at least one message"));
+        return Err(ApiError::invalid(
+            "messages",
+            "must hold at least one message",
+        ));
     }
     for (i, m) in req.messages.iter().enumerate() {
         let at = format!("messages[{i}]");
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("user" | "assistant")) => r,
-            Some(r) => return Err(ApiError::invalid(format!("{at}.role"), format!("{r:?}; expected user or assistant"))),
+            Some(r) => {
+                return Err(ApiError::invalid(
+                    format!("{at}.role"),
+                    format!("{r:?}; expected user or assistant"),
+                ))
+            }
             None => return Err(ApiError::invalid(format!("{at}.role"), "missing")),
         };
         let content = m.get("content").unwrap_or(&Value::Null);
         let blocks: Vec<Value> = match content {
             Value::String(s) => vec![json!({"type": "text", "text": s})],
             Value::Array(a) => a.clone(),
-            _ => return Err(ApiError::invalid(format!("{at}.content"), "expected a string or an array of content blocks")),
+            _ => {
+                return Err(ApiError::invalid(
+                    format!("{at}.content"),
+                    "expected a string or an array of content blocks",
+                ))
+            }
         };
         let mut text = String::new();
         let mut reasoning = String::new();
@@ -92,19 +110,20 @@ fn conversation(req: &MessagesReq) -> Result<(Conversation, bool), ApiError> {
         for (j, b) in blocks.iter().enumerate() {
             let bat = format!("{at}.content[{j}]");
             match b.get("type").and_then(Value::as_str) {
-                Some("text") => text.push_str(
-                    b.get("text")
-                        .and_then(Value::as_str)
-                        .ok_or_else(|| ApiError::invalid(format!("{bat}.text"), "expected a string"))?,
-                ),
+                Some("text") => {
+                    text.push_str(b.get("text").and_then(Value::as_str).ok_or_else(|| {
+                        ApiError::invalid(format!("{bat}.text"), "expected a string")
+                    })?)
+                }
                 Some("thinking") if role == "assistant" => {
                     reasoning.push_str(b.get("thinking").and_then(Value::as_str).unwrap_or(""))
                 }
                 Some("redacted_thinking") => {}
                 Some("tool_use") if role == "assistant" => {
-                    let name = b.get("name").and_then(Value::as_str).ok_or_else(|| {
-                        ApiError::invalid(format!("{bat}.name"), "missing")
-                    })?;
+                    let name = b
+                        .get("name")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| ApiError::invalid(format!("{bat}.name"), "missing"))?;
                     calls.push(json!({
                         "id": b.get("id").cloned().unwrap_or(Value::Null),
                         "type": "function",
@@ -147,7 +166,10 @@ fn conversation(req: &MessagesReq) -> Result<(Conversation, bool), ApiError> {
     }
     let mut tools = Vec::new();
     for (i, t) in req.tools.iter().flatten().enumerate() {
-        let name = t.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
+        let name = t
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty());
         let Some(name) = name else {
             return Err(ApiError::invalid(format!("tools[{i}].name"), "missing"));
         };
@@ -169,7 +191,12 @@ fn conversation(req: &MessagesReq) -> Result<(Conversation, bool), ApiError> {
         Some(t) => return Err(ApiError::invalid("tool_choice.type", format!("{t:?}; expected auto, any, tool or none"))),
     };
     let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
-    match req.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) {
+    match req
+        .thinking
+        .as_ref()
+        .and_then(|t| t.get("type"))
+        .and_then(Value::as_str)
+    {
         None => {}
         Some("enabled") => {
             kwargs.insert("enable_thinking".into(), json!(true));
@@ -177,11 +204,23 @@ fn conversation(req: &MessagesReq) -> Result<(Conversation, bool), ApiError> {
         Some("disabled") => {
             kwargs.insert("enable_thinking".into(), json!(false));
         }
-        Some(t) => return Err(ApiError::invalid("thinking.type", format!("{t:?}; expected enabled or disabled"))),
+        Some(t) => {
+            return Err(ApiError::invalid(
+                "thinking.type",
+                format!("{t:?}; expected enabled or disabled"),
+            ))
+        }
     }
     let tools = if use_tools { tools } else { Vec::new() };
     let has_tools = !tools.is_empty();
-    Ok((Conversation { messages: msgs, tools, kwargs }, has_tools))
+    Ok((
+        Conversation {
+            messages: msgs,
+            tools,
+            kwargs,
+        },
+        has_tools,
+    ))
 }
 
 pub async fn count_tokens(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
@@ -190,7 +229,8 @@ pub async fn count_tokens(State(s): State<AppState>, headers: HeaderMap, body: B
         let v = body_json(&body)?;
         let mut v = v;
         // count_tokens takes no max_tokens; the shared parser does not need it either.
-        v.as_object_mut().map(|o| o.entry("max_tokens").or_insert(json!(1)));
+        v.as_object_mut()
+            .map(|o| o.entry("max_tokens").or_insert(json!(1)));
         let req: MessagesReq = fields(&v)?;
         let (conv, _) = conversation(&req)?;
         let ready = s.need_ready()?;
@@ -239,7 +279,11 @@ fn usage(d: &Driver) -> Value {
     })
 }
 
-async fn messages_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+async fn messages_inner(
+    s: AppState,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     s.check_key(&headers)?;
     let v = body_json(&body)?;
     let req: MessagesReq = fields(&v)?;
@@ -248,11 +292,19 @@ async fn messages_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<
     let max_tokens = match req.max_tokens {
         None => return Err(ApiError::invalid("max_tokens", "required")),
         Some(n) if n >= 1 => n as usize,
-        Some(n) => return Err(ApiError::invalid("max_tokens", format!("{n}; expected an integer of at least 1"))),
+        Some(n) => {
+            return Err(ApiError::invalid(
+                "max_tokens",
+                format!("{n}; expected an integer of at least 1"),
+            ))
+        }
     };
     let stops = req.stop_sequences.clone().unwrap_or_default();
     if stops.iter().any(String::is_empty) {
-        return Err(ApiError::invalid("stop_sequences", "a stop sequence is empty"));
+        return Err(ApiError::invalid(
+            "stop_sequences",
+            "a stop sequence is empty",
+        ));
     }
     let (conv, has_tools) = conversation(&req)?;
     let ready = s.need_ready()?;
@@ -316,11 +368,13 @@ async fn collect(ctx: Ctx, mut d: Driver) -> Result<Response, ApiError> {
                                 let s = format!("{}{t}", b["thinking"].as_str().unwrap_or(""));
                                 b["thinking"] = json!(s);
                             }
-                            _ => blocks.push(json!({"type": "thinking", "thinking": t, "signature": ""})),
+                            _ => blocks
+                                .push(json!({"type": "thinking", "thinking": t, "signature": ""})),
                         },
                         Piece::ToolCall { name, arguments } => {
                             calls = true;
-                            let input: Value = serde_json::from_str(&arguments).unwrap_or(json!({}));
+                            let input: Value =
+                                serde_json::from_str(&arguments).unwrap_or(json!({}));
                             blocks.push(json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": input}));
                         }
                     }
@@ -378,10 +432,16 @@ fn stream(ctx: Ctx, mut d: Driver) -> Response {
         let close = |open: &mut Option<(usize, &'static str)>, events: &mut Vec<SseEvent>| {
             if let Some((i, kind)) = open.take() {
                 if kind == "thinking" {
-                    events.push(ev("content_block_delta", json!({"type": "content_block_delta", "index": i,
-                        "delta": {"type": "signature_delta", "signature": ""}})));
+                    events.push(ev(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": i,
+                        "delta": {"type": "signature_delta", "signature": ""}}),
+                    ));
                 }
-                events.push(ev("content_block_stop", json!({"type": "content_block_stop", "index": i})));
+                events.push(ev(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": i}),
+                ));
             }
         };
         loop {
@@ -391,28 +451,39 @@ fn stream(ctx: Ctx, mut d: Driver) -> Response {
                     for p in pieces {
                         let (kind, delta) = match &p {
                             Piece::Content(t) => ("text", json!({"type": "text_delta", "text": t})),
-                            Piece::Reasoning(t) => ("thinking", json!({"type": "thinking_delta", "thinking": t})),
-                            Piece::ToolCall { arguments, .. } => {
-                                ("tool_use", json!({"type": "input_json_delta", "partial_json": arguments}))
+                            Piece::Reasoning(t) => {
+                                ("thinking", json!({"type": "thinking_delta", "thinking": t}))
                             }
+                            Piece::ToolCall { arguments, .. } => (
+                                "tool_use",
+                                json!({"type": "input_json_delta", "partial_json": arguments}),
+                            ),
                         };
                         if kind == "tool_use" || open.map(|o| o.1) != Some(kind) {
                             close(&mut open, &mut events);
                             let block = match &p {
                                 Piece::Content(_) => json!({"type": "text", "text": ""}),
-                                Piece::Reasoning(_) => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                                Piece::Reasoning(_) => {
+                                    json!({"type": "thinking", "thinking": "", "signature": ""})
+                                }
                                 Piece::ToolCall { name, .. } => {
                                     calls = true;
                                     json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}})
                                 }
                             };
-                            events.push(ev("content_block_start", json!({"type": "content_block_start",
-                                "index": next_index, "content_block": block})));
+                            events.push(ev(
+                                "content_block_start",
+                                json!({"type": "content_block_start",
+                                "index": next_index, "content_block": block}),
+                            ));
                             open = Some((next_index, kind));
                             next_index += 1;
                         }
                         let i = open.map_or(0, |o| o.0);
-                        events.push(ev("content_block_delta", json!({"type": "content_block_delta", "index": i, "delta": delta})));
+                        events.push(ev(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": i, "delta": delta}),
+                        ));
                     }
                     for e in events.drain(..) {
                         if tx.send(e).await.is_err() {
@@ -422,14 +493,20 @@ fn stream(ctx: Ctx, mut d: Driver) -> Response {
                 }
                 Update::End(r) => {
                     if next_index == 0 {
-                        events.push(ev("content_block_start", json!({"type": "content_block_start",
-                            "index": 0, "content_block": {"type": "text", "text": ""}})));
+                        events.push(ev(
+                            "content_block_start",
+                            json!({"type": "content_block_start",
+                            "index": 0, "content_block": {"type": "text", "text": ""}}),
+                        ));
                         open = Some((0, "text"));
                     }
                     close(&mut open, &mut events);
                     let (sr, ss) = stop_reason(&r, calls);
-                    events.push(ev("message_delta", json!({"type": "message_delta",
-                        "delta": {"stop_reason": sr, "stop_sequence": ss}, "usage": usage(&d)})));
+                    events.push(ev(
+                        "message_delta",
+                        json!({"type": "message_delta",
+                        "delta": {"stop_reason": sr, "stop_sequence": ss}, "usage": usage(&d)}),
+                    ));
                     events.push(ev("message_stop", json!({"type": "message_stop"})));
                     for e in events.drain(..) {
                         if tx.send(e).await.is_err() {

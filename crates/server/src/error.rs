@@ -68,7 +68,11 @@ impl ApiError {
     }
 
     pub fn unavailable(message: impl Into<String>) -> Self {
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", message)
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable_error",
+            message,
+        )
     }
 
     pub fn internal(message: impl Into<String>) -> Self {

@@ -184,7 +184,9 @@ impl Shared {
         if ok {
             Ok(())
         } else if bearer.is_none() && xkey.is_none() {
-            Err(ApiError::auth("no API key given (Authorization: Bearer KEY or x-api-key: KEY)"))
+            Err(ApiError::auth(
+                "no API key given (Authorization: Bearer KEY or x-api-key: KEY)",
+            ))
         } else {
             Err(ApiError::auth("invalid API key"))
         }
@@ -296,7 +298,10 @@ pub fn serve(cfg: ServerConfig, loader: Loader) -> Result<()> {
     };
     let s = Server::start(cfg, loader)?;
     tracing::info!("listening on http://{}", s.addr());
-    eprintln!("strata serve: listening on http://{} (loading the model)", s.addr());
+    eprintln!(
+        "strata serve: listening on http://{} (loading the model)",
+        s.addr()
+    );
     s.wait()
 }
 
@@ -363,7 +368,11 @@ fn make_template(cfg: &ServerConfig, tok: &Tokenizer) -> Result<ChatTemplate> {
         Some(t) => Ok(t),
         None => {
             tracing::warn!("the model file has no chat template; using ChatML");
-            Ok(ChatTemplate::new(CHATML, &text(tok.bos()), &text(tok.eos()))?)
+            Ok(ChatTemplate::new(
+                CHATML,
+                &text(tok.bos()),
+                &text(tok.eos()),
+            )?)
         }
     }
 }
@@ -444,9 +453,11 @@ pub fn router(shared: Arc<Shared>) -> Router {
 
 async fn health(State(s): State<AppState>) -> Response {
     match s.ready() {
-        Some(_) if !s.shutting_down() => {
-            (StatusCode::OK, axum::Json(serde_json::json!({"status": "ok"}))).into_response()
-        }
+        Some(_) if !s.shutting_down() => (
+            StatusCode::OK,
+            axum::Json(serde_json::json!({"status": "ok"})),
+        )
+            .into_response(),
         _ => ApiError::unavailable("Loading model").openai(),
     }
 }

@@ -44,24 +44,114 @@ impl Metrics {
         let rate = |n: u64, us: u64| if us == 0 { 0.0 } else { n as f64 / secs(us) };
         let (pt, pu) = (g(&self.prompt_tokens), g(&self.prompt_us));
         let (gt, gu) = (g(&self.predicted_tokens), g(&self.predicted_us));
-        put("prompt_tokens_total", "counter", "Number of prompt tokens processed.", pt as f64);
-        put("prompt_seconds_total", "counter", "Prompt process time.", secs(pu));
-        put("tokens_predicted_total", "counter", "Number of generation tokens processed.", gt as f64);
-        put("tokens_predicted_seconds_total", "counter", "Predict process time.", secs(gu));
-        put("n_decode_total", "counter", "Total number of decode steps.", g(&self.decode_calls) as f64);
-        put("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.", rate(pt, pu));
-        put("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.", rate(gt, gu));
-        put("requests_processing", "gauge", "Number of requests processing.", g(&self.processing) as f64);
-        put("requests_deferred", "gauge", "Number of requests deferred.", g(&self.deferred) as f64);
-        put("n_tokens_max", "gauge", "Context size of each sequence.", n_ctx as f64);
-        put("requests_total", "counter", "Generation requests accepted.", g(&self.requests) as f64);
-        put("requests_rejected_total", "counter", "Requests refused because the queue was full.", g(&self.rejected) as f64);
-        put("requests_cancelled_total", "counter", "Generations stopped because the client went away.", g(&self.cancelled) as f64);
-        put("prefix_cache_hits_total", "counter", "Requests that reused a cached prefix.", g(&self.cache_hits) as f64);
-        put("prefix_cached_tokens_total", "counter", "Prompt tokens served from the cache.", g(&self.cached_tokens) as f64);
-        put("checkpoint_restores_total", "counter", "Recurrent-state checkpoints restored.", g(&self.checkpoint_restores) as f64);
-        put("checkpoint_evictions_total", "counter", "Checkpoints dropped to stay under --cache-ram.", g(&self.checkpoint_evictions) as f64);
-        put("checkpoint_bytes", "gauge", "Bytes held by recurrent-state checkpoints.", g(&self.checkpoint_bytes) as f64);
+        put(
+            "prompt_tokens_total",
+            "counter",
+            "Number of prompt tokens processed.",
+            pt as f64,
+        );
+        put(
+            "prompt_seconds_total",
+            "counter",
+            "Prompt process time.",
+            secs(pu),
+        );
+        put(
+            "tokens_predicted_total",
+            "counter",
+            "Number of generation tokens processed.",
+            gt as f64,
+        );
+        put(
+            "tokens_predicted_seconds_total",
+            "counter",
+            "Predict process time.",
+            secs(gu),
+        );
+        put(
+            "n_decode_total",
+            "counter",
+            "Total number of decode steps.",
+            g(&self.decode_calls) as f64,
+        );
+        put(
+            "prompt_tokens_seconds",
+            "gauge",
+            "Average prompt throughput in tokens/s.",
+            rate(pt, pu),
+        );
+        put(
+            "predicted_tokens_seconds",
+            "gauge",
+            "Average generation throughput in tokens/s.",
+            rate(gt, gu),
+        );
+        put(
+            "requests_processing",
+            "gauge",
+            "Number of requests processing.",
+            g(&self.processing) as f64,
+        );
+        put(
+            "requests_deferred",
+            "gauge",
+            "Number of requests deferred.",
+            g(&self.deferred) as f64,
+        );
+        put(
+            "n_tokens_max",
+            "gauge",
+            "Context size of each sequence.",
+            n_ctx as f64,
+        );
+        put(
+            "requests_total",
+            "counter",
+            "Generation requests accepted.",
+            g(&self.requests) as f64,
+        );
+        put(
+            "requests_rejected_total",
+            "counter",
+            "Requests refused because the queue was full.",
+            g(&self.rejected) as f64,
+        );
+        put(
+            "requests_cancelled_total",
+            "counter",
+            "Generations stopped because the client went away.",
+            g(&self.cancelled) as f64,
+        );
+        put(
+            "prefix_cache_hits_total",
+            "counter",
+            "Requests that reused a cached prefix.",
+            g(&self.cache_hits) as f64,
+        );
+        put(
+            "prefix_cached_tokens_total",
+            "counter",
+            "Prompt tokens served from the cache.",
+            g(&self.cached_tokens) as f64,
+        );
+        put(
+            "checkpoint_restores_total",
+            "counter",
+            "Recurrent-state checkpoints restored.",
+            g(&self.checkpoint_restores) as f64,
+        );
+        put(
+            "checkpoint_evictions_total",
+            "counter",
+            "Checkpoints dropped to stay under --cache-ram.",
+            g(&self.checkpoint_evictions) as f64,
+        );
+        put(
+            "checkpoint_bytes",
+            "gauge",
+            "Bytes held by recurrent-state checkpoints.",
+            g(&self.checkpoint_bytes) as f64,
+        );
         s
     }
 }

@@ -19,7 +19,9 @@ use crate::chat::{self, Conversation};
 use crate::engine::TokenLogprob;
 use crate::error::ApiError;
 use crate::output::Piece;
-use crate::run::{fields, new_id, unix_now, Driver, EndReason, GenSpec, SamplingFields, Stop, Update};
+use crate::run::{
+    fields, new_id, unix_now, Driver, EndReason, GenSpec, SamplingFields, Stop, Update,
+};
 use crate::{AppState, Ready};
 
 /// The fields of `/v1/chat/completions` and `/v1/completions` besides sampling.
@@ -85,23 +87,35 @@ impl Common {
         match v {
             -1 if name == "n_predict" => Ok(None),
             v if v >= 1 => Ok(Some(v as usize)),
-            v => Err(ApiError::invalid(name, format!("{v}; expected an integer of at least 1"))),
+            v => Err(ApiError::invalid(
+                name,
+                format!("{v}; expected an integer of at least 1"),
+            )),
         }
     }
 
     fn check(&self) -> Result<(), ApiError> {
         if let Some(n) = self.n {
             if n != 1 {
-                return Err(ApiError::invalid("n", format!("{n}; only n = 1 is supported")));
+                return Err(ApiError::invalid(
+                    "n",
+                    format!("{n}; only n = 1 is supported"),
+                ));
             }
         }
         if let Some(k) = self.top_logprobs {
             if k > 20 {
-                return Err(ApiError::invalid("top_logprobs", format!("{k}; expected 0 to 20")));
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    format!("{k}; expected 0 to 20"),
+                ));
             }
         }
         if self.stream_options.is_some() && self.stream != Some(true) {
-            return Err(ApiError::invalid("stream_options", "only allowed when stream is true"));
+            return Err(ApiError::invalid(
+                "stream_options",
+                "only allowed when stream is true",
+            ));
         }
         Ok(())
     }
@@ -125,7 +139,9 @@ pub async fn models(State(s): State<AppState>, headers: HeaderMap) -> Response {
     if let Err(e) = s.check_key(&headers) {
         return e.openai();
     }
-    let meta = s.ready().map(|r| json!({"arch": r.arch, "n_ctx": r.n_ctx, "n_vocab": r.n_vocab}));
+    let meta = s
+        .ready()
+        .map(|r| json!({"arch": r.arch, "n_ctx": r.n_ctx, "n_vocab": r.n_vocab}));
     Json(json!({
         "object": "list",
         "data": [{
@@ -139,7 +155,11 @@ pub async fn models(State(s): State<AppState>, headers: HeaderMap) -> Response {
     .into_response()
 }
 
-pub async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn chat_completions(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     match chat_inner(s, headers, body).await {
         Ok(r) => r,
         Err(e) => e.openai(),
@@ -162,10 +182,17 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<Resp
             Some(t @ ("json_object" | "json_schema")) => {
                 return Err(ApiError::invalid(
                     "response_format.type",
-                    format!("{t:?} needs constrained decoding, which this server does not have yet"),
+                    format!(
+                        "{t:?} needs constrained decoding, which this server does not have yet"
+                    ),
                 ))
             }
-            _ => return Err(ApiError::invalid("response_format.type", "expected \"text\", \"json_object\" or \"json_schema\"")),
+            _ => {
+                return Err(ApiError::invalid(
+                    "response_format.type",
+                    "expected \"text\", \"json_object\" or \"json_schema\"",
+                ))
+            }
         }
     }
     let tools = chat::openai_tools(cf.tools.as_deref().unwrap_or(&[]))?;
@@ -219,7 +246,10 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<Resp
         created: unix_now(),
         tok: Arc::clone(&ready.tok),
         logprobs,
-        include_usage: common.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        include_usage: common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
     };
     if common.stream == Some(true) {
         Ok(stream_chat(ctx, driver))
@@ -256,7 +286,10 @@ fn finish_reason(r: &EndReason, calls: bool) -> &'static str {
 }
 
 fn piece_text(tok: &strata_tokenizer::Tokenizer, id: u32) -> (String, Vec<u8>) {
-    let b = tok.token_to_piece(id, false).map(|p| p.to_vec()).unwrap_or_default();
+    let b = tok
+        .token_to_piece(id, false)
+        .map(|p| p.to_vec())
+        .unwrap_or_default();
     (String::from_utf8_lossy(&b).into_owned(), b)
 }
 
@@ -388,7 +421,11 @@ fn stream_chat(ctx: Ctx, mut d: Driver) -> Response {
             }
         };
         if tx
-            .send(data(&chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null)))
+            .send(data(&chunk(
+                json!({"role": "assistant", "content": ""}),
+                Value::Null,
+                Value::Null,
+            )))
             .await
             .is_err()
         {
@@ -409,9 +446,11 @@ fn stream_chat(ctx: Ctx, mut d: Driver) -> Response {
                                 pending.clear();
                                 out.push(chunk(json!({"content": t}), lp, Value::Null));
                             }
-                            Piece::Reasoning(t) => {
-                                out.push(chunk(json!({"reasoning_content": t}), Value::Null, Value::Null))
-                            }
+                            Piece::Reasoning(t) => out.push(chunk(
+                                json!({"reasoning_content": t}),
+                                Value::Null,
+                                Value::Null,
+                            )),
                             Piece::ToolCall { name, arguments } => {
                                 let head = json!({"tool_calls": [{
                                     "index": n_calls, "id": new_id("call_"), "type": "function",
@@ -432,7 +471,11 @@ fn stream_chat(ctx: Ctx, mut d: Driver) -> Response {
                 }
                 Update::End(r) => {
                     let fr = finish_reason(&r, n_calls > 0);
-                    let lp = if pending.is_empty() { Value::Null } else { lp_value(&pending) };
+                    let lp = if pending.is_empty() {
+                        Value::Null
+                    } else {
+                        lp_value(&pending)
+                    };
                     let _ = tx.send(data(&chunk(json!({}), lp, json!(fr)))).await;
                     if ctx.include_usage {
                         let u = json!({
@@ -460,9 +503,12 @@ fn stream_chat(ctx: Ctx, mut d: Driver) -> Response {
 /// `prompt`: a string, an array with one string, or an array of token ids.
 fn completion_prompt(ready: &Ready, v: &Value) -> Result<Vec<u32>, ApiError> {
     let toks = match v {
-        Value::String(s) => chat::encode(ready, s).map_err(|e| ApiError::invalid("prompt", e.message))?,
+        Value::String(s) => {
+            chat::encode(ready, s).map_err(|e| ApiError::invalid("prompt", e.message))?
+        }
         Value::Array(a) if a.len() == 1 && a[0].is_string() => {
-            chat::encode(ready, a[0].as_str().unwrap_or("")).map_err(|e| ApiError::invalid("prompt", e.message))?
+            chat::encode(ready, a[0].as_str().unwrap_or(""))
+                .map_err(|e| ApiError::invalid("prompt", e.message))?
         }
         Value::Array(a) if a.iter().all(Value::is_number) => {
             let mut t = Vec::with_capacity(a.len());
@@ -480,9 +526,17 @@ fn completion_prompt(ready: &Ready, v: &Value) -> Result<Vec<u32>, ApiError> {
             t
         }
         Value::Array(_) => {
-            return Err(ApiError::invalid("prompt", "only one prompt per request (n = 1): a string, [string] or token ids"))
+            return Err(ApiError::invalid(
+                "prompt",
+                "only one prompt per request (n = 1): a string, [string] or token ids",
+            ))
         }
-        _ => return Err(ApiError::invalid("prompt", "expected a string or an array of token ids")),
+        _ => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "expected a string or an array of token ids",
+            ))
+        }
     };
     chat::check_context(ready, toks.len(), "prompt")?;
     Ok(toks)
@@ -495,7 +549,11 @@ pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: By
     }
 }
 
-async fn completions_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+async fn completions_inner(
+    s: AppState,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     s.check_key(&headers)?;
     let v = body_json(&body)?;
     let common: Common = fields(&v)?;
@@ -513,7 +571,10 @@ async fn completions_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Resu
     }
     if let Some(k) = cf.logprobs {
         if k > 5 {
-            return Err(ApiError::invalid("logprobs", format!("{k}; expected 0 to 5")));
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("{k}; expected 0 to 5"),
+            ));
         }
     }
     let ready = s.need_ready()?;
@@ -535,7 +596,10 @@ async fn completions_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Resu
         created: unix_now(),
         tok: Arc::clone(&ready.tok),
         logprobs: cf.logprobs.is_some(),
-        include_usage: common.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        include_usage: common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
     };
     if common.stream == Some(true) {
         Ok(stream_completion(ctx, d))
@@ -545,7 +609,11 @@ async fn completions_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Resu
 }
 
 /// The legacy completions `logprobs` object.
-fn completion_logprobs(tok: &strata_tokenizer::Tokenizer, lps: &[(u32, TokenLogprob)], offset0: usize) -> Value {
+fn completion_logprobs(
+    tok: &strata_tokenizer::Tokenizer,
+    lps: &[(u32, TokenLogprob)],
+    offset0: usize,
+) -> Value {
     let mut tokens = Vec::new();
     let mut token_logprobs = Vec::new();
     let mut top = Vec::new();
@@ -557,7 +625,11 @@ fn completion_logprobs(tok: &strata_tokenizer::Tokenizer, lps: &[(u32, TokenLogp
         off += t.len();
         tokens.push(t);
         token_logprobs.push(l.logprob);
-        let m: Map<String, Value> = l.top.iter().map(|(i, x)| (piece_text(tok, *i).0, json!(x))).collect();
+        let m: Map<String, Value> = l
+            .top
+            .iter()
+            .map(|(i, x)| (piece_text(tok, *i).0, json!(x)))
+            .collect();
         top.push(Value::Object(m));
     }
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
@@ -566,7 +638,9 @@ fn completion_logprobs(tok: &strata_tokenizer::Tokenizer, lps: &[(u32, TokenLogp
 fn piece_str(p: Piece) -> String {
     match p {
         Piece::Content(t) | Piece::Reasoning(t) => t,
-        Piece::ToolCall { name, arguments } => format!("<tool_call>{{\"name\":{name:?},\"arguments\":{arguments}}}</tool_call>"),
+        Piece::ToolCall { name, arguments } => {
+            format!("<tool_call>{{\"name\":{name:?},\"arguments\":{arguments}}}</tool_call>")
+        }
     }
 }
 
@@ -591,7 +665,11 @@ async fn collect_completion(ctx: Ctx, mut d: Driver) -> Result<Response, ApiErro
     }
     let fr = finish_reason(&end, false);
     log_request("completions", &d, fr, false);
-    let lp = if ctx.logprobs { completion_logprobs(&ctx.tok, &lps, 0) } else { Value::Null };
+    let lp = if ctx.logprobs {
+        completion_logprobs(&ctx.tok, &lps, 0)
+    } else {
+        Value::Null
+    };
     Ok(Json(json!({
         "id": ctx.id,
         "object": "text_completion",
@@ -625,7 +703,11 @@ fn stream_completion(ctx: Ctx, mut d: Driver) -> Response {
                     if text.is_empty() && logprobs.is_empty() {
                         continue;
                     }
-                    let lp = if ctx.logprobs { completion_logprobs(&ctx.tok, &logprobs, offset) } else { Value::Null };
+                    let lp = if ctx.logprobs {
+                        completion_logprobs(&ctx.tok, &logprobs, offset)
+                    } else {
+                        Value::Null
+                    };
                     offset += text.len();
                     if tx.send(data(&chunk(&text, lp, Value::Null))).await.is_err() {
                         return;
@@ -685,7 +767,11 @@ pub async fn tokenize(State(s): State<AppState>, headers: HeaderMap, body: Bytes
         let tokens: Vec<Value> = if req.with_pieces {
             toks.iter()
                 .map(|&id| {
-                    let b = ready.tok.token_to_piece(id, true).map(|p| p.to_vec()).unwrap_or_default();
+                    let b = ready
+                        .tok
+                        .token_to_piece(id, true)
+                        .map(|p| p.to_vec())
+                        .unwrap_or_default();
                     let piece = match String::from_utf8(b) {
                         Ok(s) => json!(s),
                         Err(e) => json!(e.into_bytes()),

@@ -33,7 +33,10 @@ impl TextStream {
         if self.stopped.is_some() {
             return Ok(String::new());
         }
-        let s = self.dec.push(tok, id).map_err(|e| format!("detokenizing: {e}"))?;
+        let s = self
+            .dec
+            .push(tok, id)
+            .map_err(|e| format!("detokenizing: {e}"))?;
         Ok(self.push_text(&s))
     }
 
@@ -81,7 +84,9 @@ fn partial_suffix(s: &str, pat: &str) -> usize {
     let max = (pat.len().saturating_sub(1)).min(s.len());
     (1..=max)
         .rev()
-        .find(|&k| s.is_char_boundary(s.len() - k) && pat.is_char_boundary(k) && s.ends_with(&pat[..k]))
+        .find(|&k| {
+            s.is_char_boundary(s.len() - k) && pat.is_char_boundary(k) && s.ends_with(&pat[..k])
+        })
         .unwrap_or(0)
 }
 
@@ -91,7 +96,10 @@ pub enum Piece {
     Content(String),
     Reasoning(String),
     /// A complete tool call: its name and its arguments as JSON text.
-    ToolCall { name: String, arguments: String },
+    ToolCall {
+        name: String,
+        arguments: String,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,6 +123,8 @@ pub struct Splitter {
     tools: bool,
     held: String,
     call: String,
+    /// Just after `</think>`: the template's blank line before the answer is not content.
+    after_think: bool,
     /// Malformed calls passed on as text.
     pub malformed: usize,
 }
@@ -134,6 +144,7 @@ impl Splitter {
             tools,
             held: String::new(),
             call: String::new(),
+            after_think: false,
             malformed: 0,
         }
     }
@@ -165,7 +176,17 @@ impl Splitter {
             return;
         }
         match self.mode {
-            Mode::Content => push_piece(out, Piece::Content(s.to_string())),
+            Mode::Content => {
+                let s = if self.after_think {
+                    s.trim_start_matches('\n')
+                } else {
+                    s
+                };
+                if !s.is_empty() {
+                    self.after_think = false;
+                    push_piece(out, Piece::Content(s.to_string()));
+                }
+            }
             Mode::Think => push_piece(out, Piece::Reasoning(s.to_string())),
             Mode::Tool => self.call.push_str(s),
         }
@@ -189,9 +210,7 @@ impl Splitter {
                         THINK_OPEN => self.mode = Mode::Think,
                         THINK_CLOSE => {
                             self.mode = Mode::Content;
-                            // The template's "</think>\n\n" separator is not content.
-                            let n = self.held.len() - self.held.trim_start_matches('\n').len();
-                            self.held.drain(..n);
+                            self.after_think = true;
                         }
                         TOOL_OPEN => {
                             self.back = self.mode;
@@ -349,7 +368,11 @@ mod tests {
             if !text.is_char_boundary(i) {
                 continue;
             }
-            assert_eq!(split_all(&[&text[..i], &text[i..]], false), want, "split at {i}");
+            assert_eq!(
+                split_all(&[&text[..i], &text[i..]], false),
+                want,
+                "split at {i}"
+            );
         }
         let chars: Vec<String> = text.chars().map(String::from).collect();
         let refs: Vec<&str> = chars.iter().map(|s| s.as_str()).collect();
@@ -386,7 +409,10 @@ mod tests {
         let mut s = Splitter::new(false, true, true);
         let mut out = s.push("<tool_call>{not json}</tool_call>");
         out.extend(s.finish());
-        assert_eq!(out, vec![Piece::Content("<tool_call>{not json}</tool_call>".into())]);
+        assert_eq!(
+            out,
+            vec![Piece::Content("<tool_call>{not json}</tool_call>".into())]
+        );
         assert_eq!(s.malformed, 1);
         let mut s = Splitter::new(false, true, true);
         let mut out = s.push("<tool_call>{\"name\":");
@@ -399,7 +425,12 @@ mod tests {
         let mut s = Splitter::new(false, true, false);
         let mut out = s.push("<tool_call>{\"name\":\"f\"}</tool_call>");
         out.extend(s.finish());
-        assert_eq!(out, vec![Piece::Content("<tool_call>{\"name\":\"f\"}</tool_call>".into())]);
+        assert_eq!(
+            out,
+            vec![Piece::Content(
+                "<tool_call>{\"name\":\"f\"}</tool_call>".into()
+            )]
+        );
     }
 
     #[test]

@@ -105,7 +105,10 @@ impl SamplingFields {
         finite("dry_base", self.dry_base, 1.0, 100.0)?;
         if let Some(k) = self.top_k {
             if k < 0 {
-                return Err(ApiError::invalid("top_k", format!("{k}; expected 0 (off) or more")));
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("{k}; expected 0 (off) or more"),
+                ));
             }
         }
         for (name, n) in [
@@ -114,13 +117,19 @@ impl SamplingFields {
         ] {
             if let Some(n) = n {
                 if n < -1 {
-                    return Err(ApiError::invalid(name, format!("{n}; expected -1 (all), 0 (off) or more")));
+                    return Err(ApiError::invalid(
+                        name,
+                        format!("{n}; expected -1 (all), 0 (off) or more"),
+                    ));
                 }
             }
         }
         if let Some(m) = self.slop_mode {
             if m > 2 {
-                return Err(ApiError::invalid("slop_mode", format!("{m}; expected 0, 1 or 2")));
+                return Err(ApiError::invalid(
+                    "slop_mode",
+                    format!("{m}; expected 0, 1 or 2"),
+                ));
             }
         }
         let d = SamplingParams::default();
@@ -172,7 +181,12 @@ impl SamplingFields {
             slop_list,
         };
         // The engine checks the rest (slop phrases, DRY breakers) and names what is wrong.
-        p.config().map_err(|e| ApiError::invalid(slop_field(&self.slop_phrases, &self.slop_list), format!("{e:#}")))?;
+        p.config().map_err(|e| {
+            ApiError::invalid(
+                slop_field(&self.slop_phrases, &self.slop_list),
+                format!("{e:#}"),
+            )
+        })?;
         Ok(p)
     }
 }
@@ -263,7 +277,12 @@ pub struct Driver {
 impl Driver {
     /// Submits the job and waits for the worker to take it (so a queue-full or a failing
     /// rollback is an HTTP error, not a broken stream).
-    pub async fn start(shared: &Shared, ready: &Ready, prompt: Vec<u32>, spec: GenSpec) -> Result<Driver, ApiError> {
+    pub async fn start(
+        shared: &Shared,
+        ready: &Ready,
+        prompt: Vec<u32>,
+        spec: GenSpec,
+    ) -> Result<Driver, ApiError> {
         let sampler = spec
             .params
             .build(&ready.tok)

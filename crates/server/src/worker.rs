@@ -107,11 +107,16 @@ pub fn run(
         if shared.shutting_down() {
             for s in &mut slots {
                 if let Some(a) = s.active.take() {
-                    let _ = a.job.events.send(Event::Error("the server is shutting down".into()));
+                    let _ = a
+                        .job
+                        .events
+                        .send(Event::Error("the server is shutting down".into()));
                 }
             }
             while let Ok(job) = jobs.try_recv() {
-                let _ = job.events.send(Event::Error("the server is shutting down".into()));
+                let _ = job
+                    .events
+                    .send(Event::Error("the server is shutting down".into()));
             }
             return;
         }
@@ -203,7 +208,9 @@ fn admit(model: &ModelHandle, slots: &mut [Slot], job: Job, clock: u64, shared: 
     let reached = match slot.seq.rollback(model, common) {
         Ok(r) => r,
         Err(e) => {
-            let _ = job.events.send(Event::Error(format!("rolling the cache back: {e:#}")));
+            let _ = job
+                .events
+                .send(Event::Error(format!("rolling the cache back: {e:#}")));
             return;
         }
     };
@@ -259,7 +266,8 @@ fn turn(
             }
             let t0 = Instant::now();
             let logits = slot.seq.feed(model, &prompt[*next..end])?;
-            m.prompt_tokens.fetch_add((end - *next) as u64, Ordering::Relaxed);
+            m.prompt_tokens
+                .fetch_add((end - *next) as u64, Ordering::Relaxed);
             m.prompt_us
                 .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
             *next = end;
