@@ -309,6 +309,7 @@ async fn messages_inner(
     let (conv, has_tools) = conversation(&req)?;
     let ready = s.need_ready()?;
     let prompt = conv.prompt(ready, "messages")?;
+    let tool_names = crate::chat::tool_names(&conv.tools);
     let spec = GenSpec {
         params,
         max_tokens: Some(max_tokens),
@@ -316,6 +317,7 @@ async fn messages_inner(
         top_logprobs: None,
         reasoning: true,
         tools: has_tools,
+        tool_names,
         in_think: prompt.in_think,
         user_boundary: prompt.user_boundary,
     };

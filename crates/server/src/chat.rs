@@ -263,3 +263,12 @@ pub fn openai_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
     }
     Ok(tools.to_vec())
 }
+
+/// The function names of OpenAI-form tools.
+pub fn tool_names(tools: &[Value]) -> Vec<String> {
+    tools
+        .iter()
+        .filter_map(|t| t.pointer("/function/name").and_then(Value::as_str))
+        .map(String::from)
+        .collect()
+}

@@ -87,6 +87,8 @@ pub struct Ready {
     pub n_ctx: usize,
     pub arch: &'static str,
     pub n_vocab: usize,
+    /// Control tokens printed anyway ([`output::preserved_ids`]).
+    pub preserved: Arc<Vec<u32>>,
 }
 
 /// State shared by the handlers and the worker.
@@ -338,6 +340,7 @@ fn load_and_run(loader: Loader, rx: std::sync::mpsc::Receiver<worker::Job>, shar
         n_ctx,
         arch: model.arch(),
         n_vocab: model.n_vocab(),
+        preserved: Arc::new(output::preserved_ids(&tok)),
     });
     let secs = t0.elapsed().as_secs_f64();
     tracing::info!(arch = model.arch(), n_ctx, secs, "model loaded");

@@ -236,6 +236,7 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<Resp
         top_logprobs: logprobs.then(|| common.top_logprobs.unwrap_or(0) as usize),
         reasoning: cf.reasoning_format.as_deref() != Some("none"),
         tools: use_tools && !tools.is_empty(),
+        tool_names: chat::tool_names(&tools),
         in_think: prompt.in_think,
         user_boundary: prompt.user_boundary,
     };
@@ -586,6 +587,7 @@ async fn completions_inner(
         top_logprobs: cf.logprobs.map(|k| k as usize),
         reasoning: false,
         tools: false,
+        tool_names: Vec::new(),
         in_think: false,
         user_boundary: None,
     };

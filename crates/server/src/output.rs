@@ -6,12 +6,17 @@
 //!
 //! Streaming and non-streaming responses are both built from these pieces, so they agree.
 
+use std::sync::Arc;
+
 use serde_json::Value;
 use strata_tokenizer::{StreamDecoder, Tokenizer};
 
 /// Decodes tokens and applies stop strings.
 pub struct TextStream {
     dec: StreamDecoder,
+    /// Control tokens that print anyway (the tool-call and think tags, which some files mark
+    /// as control tokens).
+    preserved: Arc<Vec<u32>>,
     stops: Vec<String>,
     held: String,
     /// The stop string that matched.
@@ -19,9 +24,10 @@ pub struct TextStream {
 }
 
 impl TextStream {
-    pub fn new(stops: Vec<String>) -> TextStream {
+    pub fn new(stops: Vec<String>, preserved: Arc<Vec<u32>>) -> TextStream {
         TextStream {
             dec: StreamDecoder::new(false),
+            preserved,
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
             stopped: None,
@@ -33,10 +39,16 @@ impl TextStream {
         if self.stopped.is_some() {
             return Ok(String::new());
         }
-        let s = self
-            .dec
-            .push(tok, id)
-            .map_err(|e| format!("detokenizing: {e}"))?;
+        let s = if self.preserved.contains(&id) {
+            let piece = tok
+                .token_to_piece(id, true)
+                .map_err(|e| format!("detokenizing: {e}"))?;
+            self.dec.push_bytes(piece)
+        } else {
+            self.dec
+                .push(tok, id)
+                .map_err(|e| format!("detokenizing: {e}"))?
+        };
         Ok(self.push_text(&s))
     }
 
@@ -107,6 +119,16 @@ enum Mode {
     Content,
     Think,
     Tool,
+    /// The reply so far is a JSON object: held whole until the end decides.
+    Bare,
+}
+
+/// Tags the splitter reads, which must reach it even when the vocabulary marks them control.
+pub const TAGS: [&str; 4] = [THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE];
+
+/// The ids of [`TAGS`] that are single tokens of `tok`.
+pub fn preserved_ids(tok: &Tokenizer) -> Vec<u32> {
+    TAGS.iter().filter_map(|t| tok.token_id(t)).collect()
 }
 
 const THINK_OPEN: &str = "<think>";
@@ -125,6 +147,11 @@ pub struct Splitter {
     call: String,
     /// Just after `</think>`: the template's blank line before the answer is not content.
     after_think: bool,
+    /// Tool names a bare `{"name": ...}` reply may call (llama.cpp accepts a Hermes-style call
+    /// without its `<tool_call>` tag, which small Qwen models often leave out).
+    bare_names: Vec<String>,
+    /// No content has been emitted yet (a bare call can only be the whole reply).
+    fresh: bool,
     /// Malformed calls passed on as text.
     pub malformed: usize,
 }
@@ -145,8 +172,16 @@ impl Splitter {
             held: String::new(),
             call: String::new(),
             after_think: false,
+            bare_names: Vec::new(),
+            fresh: true,
             malformed: 0,
         }
+    }
+
+    /// Accepts a whole reply of bare JSON calls to these tools as tool calls.
+    pub fn with_bare_calls(mut self, names: Vec<String>) -> Splitter {
+        self.bare_names = names;
+        self
     }
 
     fn tags(&self) -> Vec<&'static str> {
@@ -167,6 +202,7 @@ impl Splitter {
                 }
             }
             Mode::Tool => t.push(TOOL_CLOSE),
+            Mode::Bare => {}
         }
         t
     }
@@ -184,9 +220,11 @@ impl Splitter {
                 };
                 if !s.is_empty() {
                     self.after_think = false;
+                    self.fresh = false;
                     push_piece(out, Piece::Content(s.to_string()));
                 }
             }
+            Mode::Bare => self.call.push_str(s),
             Mode::Think => push_piece(out, Piece::Reasoning(s.to_string())),
             Mode::Tool => self.call.push_str(s),
         }
@@ -195,6 +233,23 @@ impl Splitter {
     pub fn push(&mut self, s: &str) -> Vec<Piece> {
         let mut out = Vec::new();
         self.held.push_str(s);
+        if self.mode == Mode::Content && self.fresh && !self.bare_names.is_empty() {
+            let t = self.held.trim_start();
+            if t.is_empty() {
+                return out;
+            }
+            if t.starts_with('{') {
+                self.mode = Mode::Bare;
+                self.call.clear();
+            } else {
+                self.bare_names.clear();
+            }
+        }
+        if self.mode == Mode::Bare {
+            let s = std::mem::take(&mut self.held);
+            self.call.push_str(&s);
+            return out;
+        }
         loop {
             let tags = self.tags();
             let hit = tags
@@ -257,6 +312,15 @@ impl Splitter {
         let mut out = Vec::new();
         let rest = std::mem::take(&mut self.held);
         self.emit(&mut out, &rest);
+        if self.mode == Mode::Bare {
+            let body = std::mem::take(&mut self.call);
+            self.mode = Mode::Content;
+            match bare_calls(&body, &self.bare_names) {
+                Some(calls) => out.extend(calls),
+                None => self.emit(&mut out, &body),
+            }
+            return out;
+        }
         if self.mode == Mode::Tool {
             let call = std::mem::take(&mut self.call);
             self.malformed += 1;
@@ -274,6 +338,23 @@ fn push_piece(out: &mut Vec<Piece>, p: Piece) {
         (Some(Piece::Reasoning(a)), Piece::Reasoning(b)) => a.push_str(b),
         _ => out.push(p),
     }
+}
+
+/// A reply that is one JSON call, or one per line, to known tools.
+fn bare_calls(body: &str, names: &[String]) -> Option<Vec<Piece>> {
+    let known = |c: &(String, String)| names.iter().any(|n| *n == c.0);
+    if let Some(c) = parse_tool_call(body).filter(known) {
+        return Some(vec![Piece::ToolCall {
+            name: c.0,
+            arguments: c.1,
+        }]);
+    }
+    let mut out = Vec::new();
+    for line in body.lines().filter(|l| !l.trim().is_empty()) {
+        let (name, arguments) = parse_tool_call(line).filter(known)?;
+        out.push(Piece::ToolCall { name, arguments });
+    }
+    (!out.is_empty()).then_some(out)
 }
 
 /// The body of a `<tool_call>`: `{"name": ..., "arguments": {...}}` or
@@ -421,6 +502,49 @@ mod tests {
     }
 
     #[test]
+    fn a_bare_json_reply_to_a_known_tool_is_a_call() {
+        let run = |parts: &[&str], names: &[&str]| {
+            let mut s = Splitter::new(false, true, true)
+                .with_bare_calls(names.iter().map(|n| n.to_string()).collect());
+            let mut out = Vec::new();
+            for p in parts {
+                out.extend(s.push(p));
+            }
+            out.extend(s.finish());
+            out
+        };
+        let call = Piece::ToolCall {
+            name: "get".into(),
+            arguments: r#"{"city":"Oslo"}"#.into(),
+        };
+        assert_eq!(
+            run(
+                &[
+                    " {\"name\": \"get\", ",
+                    "\"arguments\": {\"city\": \"Oslo\"}}"
+                ],
+                &["get"]
+            ),
+            vec![call.clone()]
+        );
+        assert_eq!(
+            run(&["{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}\n{\"name\": \"get\", \"arguments\": {\"city\": \"Oslo\"}}"], &["get"]),
+            vec![call.clone(), call]
+        );
+        // An unknown name, other JSON, or text first: content.
+        let j = "{\"name\": \"other\", \"arguments\": {}}";
+        assert_eq!(run(&[j], &["get"]), vec![Piece::Content(j.into())]);
+        assert_eq!(
+            run(&["{\"a\": 1}"], &["get"]),
+            vec![Piece::Content("{\"a\": 1}".into())]
+        );
+        assert_eq!(
+            run(&["Hi {\"name\": \"get\"}"], &["get"]),
+            vec![Piece::Content("Hi {\"name\": \"get\"}".into())]
+        );
+    }
+
+    #[test]
     fn without_tools_a_call_is_text() {
         let mut s = Splitter::new(false, true, false);
         let mut out = s.push("<tool_call>{\"name\":\"f\"}</tool_call>");
@@ -435,13 +559,13 @@ mod tests {
 
     #[test]
     fn stop_strings_cut_and_hold_back_partial_matches() {
-        let mut t = TextStream::new(vec!["END".into(), "\n\n".into()]);
+        let mut t = TextStream::new(vec!["END".into(), "\n\n".into()], Arc::default());
         assert_eq!(t.push_text("abc E"), "abc ");
         assert_eq!(t.push_text("N"), "");
         assert_eq!(t.push_text("x"), "ENx");
         assert_eq!(t.push_text("yEND more"), "y");
         assert_eq!(t.stopped.as_deref(), Some("END"));
-        let mut t = TextStream::new(vec!["é!".into()]);
+        let mut t = TextStream::new(vec!["é!".into()], Arc::default());
         assert_eq!(t.push_text("aé"), "a");
         assert_eq!(t.finish(), "é");
     }

@@ -237,6 +237,8 @@ pub struct GenSpec {
     pub top_logprobs: Option<usize>,
     pub reasoning: bool,
     pub tools: bool,
+    /// Tool names (a bare JSON reply calling one is a call).
+    pub tool_names: Vec<String>,
     pub in_think: bool,
     pub user_boundary: Option<usize>,
 }
@@ -312,8 +314,14 @@ impl Driver {
         Ok(Driver {
             rx: Some(rx),
             tok: Arc::clone(&ready.tok),
-            text: TextStream::new(spec.stops),
-            split: Splitter::new(spec.in_think, spec.reasoning, spec.tools),
+            text: TextStream::new(spec.stops, Arc::clone(&ready.preserved)),
+            split: Splitter::new(spec.in_think, spec.reasoning, spec.tools).with_bare_calls(
+                if spec.tools {
+                    spec.tool_names
+                } else {
+                    Vec::new()
+                },
+            ),
             prompt_tokens,
             cached_tokens,
             completion_tokens: 0,
