@@ -34,6 +34,7 @@ struct MessagesReq {
     tools: Option<Vec<Value>>,
     tool_choice: Option<Value>,
     thinking: Option<Value>,
+    output_config: Option<Value>,
     chat_template_kwargs: Option<Map<String, Value>>,
 }
 
@@ -198,7 +199,7 @@ fn conversation(req: &MessagesReq) -> Result<(Conversation, bool), ApiError> {
         .and_then(Value::as_str)
     {
         None => {}
-        Some("enabled") => {
+        Some("enabled" | "adaptive" | "between_tools") => {
             kwargs.insert("enable_thinking".into(), json!(true));
         }
         Some("disabled") => {
@@ -304,6 +305,17 @@ async fn messages_inner(
         return Err(ApiError::invalid(
             "stop_sequences",
             "a stop sequence is empty",
+        ));
+    }
+    if req
+        .output_config
+        .as_ref()
+        .and_then(|o| o.get("format"))
+        .is_some_and(|f| !f.is_null())
+    {
+        return Err(ApiError::invalid(
+            "output_config.format",
+            "structured output needs constrained decoding, which this server does not have yet",
         ));
     }
     let (conv, has_tools) = conversation(&req)?;

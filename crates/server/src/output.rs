@@ -342,7 +342,7 @@ fn push_piece(out: &mut Vec<Piece>, p: Piece) {
 
 /// A reply that is one JSON call, or one per line, to known tools.
 fn bare_calls(body: &str, names: &[String]) -> Option<Vec<Piece>> {
-    let known = |c: &(String, String)| names.iter().any(|n| *n == c.0);
+    let known = |c: &(String, String)| names.contains(&c.0);
     if let Some(c) = parse_tool_call(body).filter(known) {
         return Some(vec![Piece::ToolCall {
             name: c.0,

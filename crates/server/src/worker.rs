@@ -57,7 +57,7 @@ pub enum Event {
 
 enum Phase {
     Prefill { next: usize },
-    Decode(Gen),
+    Decode(Box<Gen>),
 }
 
 struct Active {
@@ -139,14 +139,13 @@ pub fn run(
             clock += 1;
             admit(&model, &mut slots, job, clock, &shared);
         }
-        for i in 0..slots.len() {
-            if slots[i].active.is_none() {
+        for slot in slots.iter_mut() {
+            if slot.active.is_none() {
                 continue;
             }
             clock += 1;
-            slots[i].last_used = clock;
-            let res = turn(&model, &mut slots[i], &cfg, &is_eog, clock, &shared);
-            let slot = &mut slots[i];
+            slot.last_used = clock;
+            let res = turn(&model, slot, &cfg, &is_eog, clock, &shared);
             match res {
                 Ok(Some(finish)) => {
                     if let Some(a) = slot.active.take() {
@@ -283,7 +282,7 @@ fn turn(
                     cfg.n_ctx,
                     a.job.top_logprobs,
                 );
-                a.phase = Phase::Decode(gen);
+                a.phase = Phase::Decode(Box::new(gen));
             }
             Ok(None)
         }

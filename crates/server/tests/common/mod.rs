@@ -98,10 +98,7 @@ fn send(
 /// Undoes `Transfer-Encoding: chunked`.
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(i) = b.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
+    while let Some(i) = b.windows(2).position(|w| w == b"\r\n") {
         let n = usize::from_str_radix(std::str::from_utf8(&b[..i]).unwrap_or("0").trim(), 16)
             .unwrap_or(0);
         if n == 0 {
