@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 
 use crate::chat::Conversation;
 use crate::error::ApiError;
+use crate::grammar::Grammar;
 use crate::openai::{body_json, sse};
 use crate::output::Piece;
 use crate::run::{fields, new_id, Driver, EndReason, GenSpec, SamplingFields, Update};
@@ -180,16 +181,21 @@ fn conversation(req: &MessagesReq) -> Result<(Conversation, bool), ApiError> {
             "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"})),
         }}));
     }
-    let use_tools = match req.tool_choice.as_ref().and_then(|c| c.get("type")).and_then(Value::as_str) {
+    let use_tools = match req
+        .tool_choice
+        .as_ref()
+        .and_then(|c| c.get("type"))
+        .and_then(Value::as_str)
+    {
         None | Some("auto") => true,
         Some("none") => false,
-        Some("any") | Some("tool") => {
+        Some("any") | Some("tool") => true,
+        Some(t) => {
             return Err(ApiError::invalid(
                 "tool_choice.type",
-                "\"any\" and \"tool\" need constrained decoding, which this server does not have yet; use \"auto\"",
+                format!("{t:?}; expected auto, any, tool or none"),
             ))
         }
-        Some(t) => return Err(ApiError::invalid("tool_choice.type", format!("{t:?}; expected auto, any, tool or none"))),
     };
     let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     match req
@@ -222,6 +228,44 @@ fn conversation(req: &MessagesReq) -> Result<(Conversation, bool), ApiError> {
         },
         has_tools,
     ))
+}
+
+/// `tool_choice` `any` (one of the tools) or `tool` (the named one) as a grammar.
+fn forced_tools(
+    req: &MessagesReq,
+    tools: &[Value],
+) -> Result<Option<(Grammar, &'static str)>, ApiError> {
+    let Some(choice) = &req.tool_choice else {
+        return Ok(None);
+    };
+    let chosen: Vec<Value> = match choice.get("type").and_then(Value::as_str) {
+        Some("any") => tools.to_vec(),
+        Some("tool") => {
+            let Some(name) = choice.get("name").and_then(Value::as_str) else {
+                return Err(ApiError::invalid("tool_choice.name", "missing"));
+            };
+            let v: Vec<Value> = tools
+                .iter()
+                .filter(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))
+                .cloned()
+                .collect();
+            if v.is_empty() {
+                return Err(ApiError::invalid(
+                    "tool_choice.name",
+                    format!("{name:?} is not one of the request's tools"),
+                ));
+            }
+            v
+        }
+        _ => return Ok(None),
+    };
+    if chosen.is_empty() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "forces a tool call but no tools are given",
+        ));
+    }
+    Ok(Some((Grammar::tool_call(&chosen), "tools")))
 }
 
 pub async fn count_tokens(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
@@ -307,18 +351,32 @@ async fn messages_inner(
             "a stop sequence is empty",
         ));
     }
-    if req
-        .output_config
-        .as_ref()
-        .and_then(|o| o.get("format"))
-        .is_some_and(|f| !f.is_null())
-    {
-        return Err(ApiError::invalid(
-            "output_config.format",
-            "structured output needs constrained decoding, which this server does not have yet",
-        ));
-    }
+    let mut grammar: Option<(Grammar, &'static str)> =
+        match req.output_config.as_ref().and_then(|o| o.get("format")) {
+            None | Some(Value::Null) => None,
+            Some(f) => match (f.get("type").and_then(Value::as_str), f.get("schema")) {
+                (Some("json_schema"), Some(schema)) if schema.is_object() => Some((
+                    Grammar::json_schema(schema.clone()),
+                    "output_config.format.schema",
+                )),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "output_config.format",
+                        "expected {\"type\": \"json_schema\", \"schema\": {...}}",
+                    ))
+                }
+            },
+        };
     let (conv, has_tools) = conversation(&req)?;
+    if let Some(force) = forced_tools(&req, &conv.tools)? {
+        if grammar.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a forced tool call and output_config.format cannot both constrain the reply",
+            ));
+        }
+        grammar = Some(force);
+    }
     let ready = s.need_ready()?;
     let prompt = conv.prompt(ready, "messages")?;
     let tool_names = crate::chat::tool_names(&conv.tools);
@@ -332,6 +390,7 @@ async fn messages_inner(
         tool_names,
         in_think: prompt.in_think,
         user_boundary: prompt.user_boundary,
+        grammar,
     };
     let d = Driver::start(&s, ready, prompt.tokens, spec).await?;
     let ctx = Ctx {

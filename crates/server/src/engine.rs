@@ -510,6 +510,16 @@ pub struct StepOut {
     pub replayed: usize,
 }
 
+/// A constraint on the generated tokens (a grammar): applied to the logits before the sampler.
+pub trait Constraint: Send {
+    /// Sets the logits of forbidden tokens to −∞.
+    fn mask(&mut self, logits: &mut [f32]) -> std::result::Result<(), String>;
+    /// Records a generated token.
+    fn consume(&mut self, tok: u32) -> std::result::Result<(), String>;
+    /// Forgets generated tokens past the first `n` (slop rewinds).
+    fn truncate(&mut self, n: usize) -> std::result::Result<(), String>;
+}
+
 /// One generation after its prefill: the logits of the next position and the guarded loop's
 /// state.
 pub struct Gen {
@@ -523,6 +533,7 @@ pub struct Gen {
     max_tokens: usize,
     n_ctx: usize,
     top_logprobs: Option<usize>,
+    constraint: Option<Box<dyn Constraint>>,
     pub rewinds: u32,
 }
 
@@ -535,6 +546,7 @@ impl Gen {
         max_tokens: usize,
         n_ctx: usize,
         top_logprobs: Option<usize>,
+        constraint: Option<Box<dyn Constraint>>,
     ) -> Gen {
         Gen {
             logits,
@@ -546,6 +558,7 @@ impl Gen {
             max_tokens,
             n_ctx,
             top_logprobs,
+            constraint,
             rewinds: 0,
         }
     }
@@ -577,8 +590,17 @@ impl Gen {
             return Ok(out);
         }
         let pos = seq.len();
+        let masked = match self.constraint.as_mut() {
+            Some(c) => {
+                c.truncate(self.gen.len()).map_err(anyhow::Error::msg)?;
+                let mut l = self.logits.clone();
+                c.mask(&mut l).map_err(anyhow::Error::msg)?;
+                Some(l)
+            }
+            None => None,
+        };
         let sampled = sampler.sample_with(
-            &self.logits,
+            masked.as_deref().unwrap_or(&self.logits),
             &SampleContext {
                 position: pos as u64,
                 history: seq.tokens(),
@@ -608,6 +630,9 @@ impl Gen {
         match self.slop.as_mut() {
             Some(s) => match s.accept(tok) {
                 Accepted::Kept => {
+                    if let Some(c) = self.constraint.as_mut() {
+                        c.consume(tok).map_err(anyhow::Error::msg)?;
+                    }
                     self.gen.push(tok);
                     self.lps.push(lp);
                     for i in s.take_commits() {
@@ -629,6 +654,9 @@ impl Gen {
                 }
             },
             None => {
+                if let Some(c) = self.constraint.as_mut() {
+                    c.consume(tok).map_err(anyhow::Error::msg)?;
+                }
                 self.gen.push(tok);
                 self.lps.push(None);
                 self.emitted = self.gen.len();

@@ -9,6 +9,7 @@ pub mod anthropic;
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod grammar;
 pub mod metrics;
 pub mod openai;
 pub mod output;
@@ -89,6 +90,21 @@ pub struct Ready {
     pub n_vocab: usize,
     /// Control tokens printed anyway ([`output::preserved_ids`]).
     pub preserved: Arc<Vec<u32>>,
+    /// llguidance's view of the vocabulary, built on the first constrained request.
+    constrainer: OnceLock<Result<Arc<grammar::Constrainer>, String>>,
+}
+
+impl Ready {
+    pub fn constrainer(&self) -> Result<Arc<grammar::Constrainer>, ApiError> {
+        self.constrainer
+            .get_or_init(|| {
+                grammar::Constrainer::new(Arc::clone(&self.tok))
+                    .map(Arc::new)
+                    .map_err(|e| format!("{e:#}"))
+            })
+            .clone()
+            .map_err(|e| ApiError::internal(format!("constrained decoding is unavailable: {e}")))
+    }
 }
 
 /// State shared by the handlers and the worker.
@@ -341,6 +357,7 @@ fn load_and_run(loader: Loader, rx: std::sync::mpsc::Receiver<worker::Job>, shar
         arch: model.arch(),
         n_vocab: model.n_vocab(),
         preserved: Arc::new(output::preserved_ids(&tok)),
+        constrainer: OnceLock::new(),
     });
     let secs = t0.elapsed().as_secs_f64();
     tracing::info!(arch = model.arch(), n_ctx, secs, "model loaded");

@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use crate::chat::{self, Conversation};
 use crate::engine::TokenLogprob;
 use crate::error::ApiError;
+use crate::grammar::Grammar;
 use crate::output::Piece;
 use crate::run::{
     fields, new_id, unix_now, Driver, EndReason, GenSpec, SamplingFields, Stop, Update,
@@ -176,46 +177,80 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<Resp
     let params = sf.params()?;
     let max_tokens = common.max_tokens()?;
     let stops = common.stops()?;
-    if let Some(rf) = &cf.response_format {
-        match rf.get("type").and_then(Value::as_str) {
-            Some("text") => {}
-            Some(t @ ("json_object" | "json_schema")) => {
-                return Err(ApiError::invalid(
-                    "response_format.type",
-                    format!(
-                        "{t:?} needs constrained decoding, which this server does not have yet"
-                    ),
-                ))
-            }
+    let mut grammar: Option<(Grammar, &'static str)> = match &cf.response_format {
+        None => None,
+        Some(rf) => match rf.get("type").and_then(Value::as_str) {
+            Some("text") => None,
+            Some("json_object") => Some((Grammar::json_object(), "response_format")),
+            Some("json_schema") => match rf.pointer("/json_schema/schema") {
+                Some(schema) if schema.is_object() || schema.is_boolean() => Some((
+                    Grammar::json_schema(schema.clone()),
+                    "response_format.json_schema.schema",
+                )),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.schema",
+                        "missing; expected a JSON schema object",
+                    ))
+                }
+            },
             _ => {
                 return Err(ApiError::invalid(
                     "response_format.type",
                     "expected \"text\", \"json_object\" or \"json_schema\"",
                 ))
             }
-        }
-    }
+        },
+    };
     let tools = chat::openai_tools(cf.tools.as_deref().unwrap_or(&[]))?;
-    let use_tools = match &cf.tool_choice {
-        None => true,
-        Some(Value::String(c)) if c == "auto" => true,
-        Some(Value::String(c)) if c == "none" => false,
-        Some(Value::String(c)) if c == "required" => {
+    let forced = |ts: &[Value]| -> Result<Option<(Grammar, &'static str)>, ApiError> {
+        if ts.is_empty() {
             return Err(ApiError::invalid(
                 "tool_choice",
-                "\"required\" needs constrained decoding, which this server does not have yet; use \"auto\"",
-            ))
+                "forces a tool call but no tools are given",
+            ));
         }
-        Some(Value::Object(_)) => {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                "a named function needs constrained decoding, which this server does not have yet; use \"auto\"",
-            ))
+        Ok(Some((Grammar::tool_call(ts), "tools")))
+    };
+    let (use_tools, force) = match &cf.tool_choice {
+        None => (true, None),
+        Some(Value::String(c)) if c == "auto" => (true, None),
+        Some(Value::String(c)) if c == "none" => (false, None),
+        Some(Value::String(c)) if c == "required" => (true, forced(&tools)?),
+        Some(Value::Object(o)) => {
+            let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+            let Some(name) = name else {
+                return Err(ApiError::invalid("tool_choice.function.name", "missing"));
+            };
+            let chosen: Vec<Value> = tools
+                .iter()
+                .filter(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))
+                .cloned()
+                .collect();
+            if chosen.is_empty() {
+                return Err(ApiError::invalid(
+                    "tool_choice.function.name",
+                    format!("{name:?} is not one of the request's tools"),
+                ));
+            }
+            (true, forced(&chosen)?)
         }
         Some(other) => {
-            return Err(ApiError::invalid("tool_choice", format!("{other}; expected \"auto\", \"none\" or \"required\"")))
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!("{other}; expected \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+            ))
         }
     };
+    if force.is_some() {
+        if grammar.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a forced tool call and response_format cannot both constrain the reply",
+            ));
+        }
+        grammar = force;
+    }
     let _ = cf.parallel_tool_calls;
     let logprobs = cf.logprobs.unwrap_or(false);
     if common.top_logprobs.is_some() && !logprobs {
@@ -239,6 +274,7 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<Resp
         tool_names: chat::tool_names(&tools),
         in_think: prompt.in_think,
         user_boundary: prompt.user_boundary,
+        grammar,
     };
     let driver = Driver::start(&s, ready, prompt.tokens, spec).await?;
     let ctx = Ctx {
@@ -590,6 +626,7 @@ async fn completions_inner(
         tool_names: Vec::new(),
         in_think: false,
         user_boundary: None,
+        grammar: None,
     };
     let d = Driver::start(&s, ready, prompt, spec).await?;
     let ctx = Ctx {

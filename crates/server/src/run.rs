@@ -12,8 +12,9 @@ use serde_json::Value;
 use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::engine::{Finish, SamplingParams, TokenLogprob};
+use crate::engine::{Constraint, Finish, SamplingParams, TokenLogprob};
 use crate::error::ApiError;
+use crate::grammar::Grammar;
 use crate::output::{Piece, Splitter, TextStream};
 use crate::worker::{Event, Job};
 use crate::{Ready, Shared};
@@ -241,6 +242,8 @@ pub struct GenSpec {
     pub tool_names: Vec<String>,
     pub in_think: bool,
     pub user_boundary: Option<usize>,
+    /// A grammar, and the request field that asked for it (named in a compile error).
+    pub grammar: Option<(Grammar, &'static str)>,
 }
 
 /// Why a response ended, in neutral terms; each API names it its own way.
@@ -289,6 +292,16 @@ impl Driver {
             .params
             .build(&ready.tok)
             .map_err(|e| ApiError::invalid("sampling", format!("{e:#}")))?;
+        let constraint: Option<Box<dyn Constraint>> = match &spec.grammar {
+            Some((g, param)) => {
+                let c = ready.constrainer()?;
+                let m = tokio::task::block_in_place(|| c.matcher(g)).map_err(|e| {
+                    ApiError::invalid(*param, format!("the schema does not compile: {e}"))
+                })?;
+                Some(Box::new(m))
+            }
+            None => None,
+        };
         let room = ready.n_ctx - prompt.len();
         let max_tokens = spec.max_tokens.unwrap_or(room);
         let (tx, mut rx) = unbounded_channel();
@@ -299,6 +312,7 @@ impl Driver {
             max_tokens,
             top_logprobs: spec.top_logprobs,
             checkpoint_at: spec.user_boundary.into_iter().collect(),
+            constraint,
             events: tx,
             enqueued: Instant::now(),
         })?;

@@ -18,7 +18,7 @@ use strata_engine::sampler::Sampler;
 use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::{Finish, Gen, ModelHandle, Seq, TokenLogprob};
+use crate::engine::{Constraint, Finish, Gen, ModelHandle, Seq, TokenLogprob};
 use crate::Shared;
 
 /// Prompt tokens per turn of a prefilling sequence: large enough to keep the matrix products
@@ -35,6 +35,8 @@ pub struct Job {
     /// Prompt positions to checkpoint (the last user-message boundary), besides the end of
     /// prefill and the end of generation.
     pub checkpoint_at: Vec<usize>,
+    /// A grammar the generated tokens must follow.
+    pub constraint: Option<Box<dyn Constraint>>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -281,6 +283,7 @@ fn turn(
                     a.job.max_tokens,
                     cfg.n_ctx,
                     a.job.top_logprobs,
+                    a.job.constraint.take(),
                 );
                 a.phase = Phase::Decode(Box::new(gen));
             }

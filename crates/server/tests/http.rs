@@ -277,7 +277,7 @@ fn bad_requests_name_the_field() {
         ),
         (
             json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}),
-            "response_format.type",
+            "response_format.json_schema.schema",
         ),
     ];
     for (body, param) in cases {
@@ -563,4 +563,125 @@ fn shutdown_ends_an_open_stream_with_an_error_event() {
     assert!(rest.contains("shutting down"));
     assert!(!rest.contains("message_stop"));
     stopper.join().unwrap().unwrap();
+}
+
+#[test]
+fn json_schema_and_forced_tool_calls_are_followed_even_by_a_random_model() {
+    let s = start(tiny_model(), cfg());
+    let a = s.addr();
+    let schema = json!({"type": "object",
+        "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "blue"]}},
+        "required": ["ok", "colour"], "additionalProperties": false});
+    for stream in [false, true] {
+        let body = json!({"messages": [{"role": "user", "content": "json please"}], "max_tokens": 60,
+            "temperature": 0, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}});
+        let r = post(a, "/v1/chat/completions", &body);
+        let (text, fr) = if stream {
+            chat_stream_text(&r.sse_data())
+        } else {
+            let v = r.json();
+            (
+                v["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap_or_else(|| panic!("{v}"))
+                    .to_string(),
+                v["choices"][0]["finish_reason"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            )
+        };
+        assert_eq!(fr, "stop", "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert!(v["ok"].is_boolean(), "{v}");
+        assert!(v["colour"] == "red" || v["colour"] == "blue", "{v}");
+        assert_eq!(v.as_object().unwrap().len(), 2);
+    }
+    // Anthropic's output_config.format.
+    let m = post(
+        a,
+        "/v1/messages",
+        &json!({"max_tokens": 60, "temperature": 0,
+        "messages": [{"role": "user", "content": "json"}],
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}}),
+    )
+    .json();
+    let v: Value = serde_json::from_str(m["content"][0]["text"].as_str().unwrap()).unwrap();
+    assert!(v["ok"].is_boolean());
+    // json_object: any object.
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "obj"}],
+        "max_tokens": 200, "temperature": 0, "response_format": {"type": "json_object"}}),
+    )
+    .json();
+    if r["choices"][0]["finish_reason"] == "stop" {
+        let t = r["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(serde_json::from_str::<Value>(t).unwrap().is_object(), "{t}");
+    }
+
+    // A forced tool call: the named function with arguments of its schema.
+    let tools = json!([
+        {"type": "function", "function": {"name": "paint", "parameters": {"type": "object",
+            "properties": {"colour": {"enum": ["red", "blue"]}, "wet": {"type": "boolean"}},
+            "required": ["colour", "wet"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}]);
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "paint"}}),
+    ] {
+        let r = post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "paint it"}],
+            "max_tokens": 80, "temperature": 0, "tools": tools, "tool_choice": choice}),
+        )
+        .json();
+        let c = &r["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+        let call = &c["message"]["tool_calls"][0]["function"];
+        if choice.is_object() {
+            assert_eq!(call["name"], "paint");
+        }
+        let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        if call["name"] == "paint" {
+            assert!(args["wet"].is_boolean(), "{args}");
+        } else {
+            assert!(args.is_object());
+        }
+    }
+    let r = post(
+        a,
+        "/v1/messages",
+        &json!({"max_tokens": 80, "temperature": 0,
+        "messages": [{"role": "user", "content": "paint"}],
+        "tools": [{"name": "paint", "input_schema": tools[0]["function"]["parameters"]}],
+        "tool_choice": {"type": "tool", "name": "paint"}}),
+    )
+    .json();
+    assert_eq!(r["stop_reason"], "tool_use", "{r}");
+    assert_eq!(r["content"][0]["type"], "tool_use");
+    assert!(r["content"][0]["input"]["wet"].is_boolean());
+    // A name that is not a tool, and a schema that does not compile, are 400s naming the field.
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}],
+        "tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+    );
+    assert_eq!(r.json()["error"]["param"], "tool_choice.function.name");
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        r.json()["error"]["param"],
+        "response_format.json_schema.schema"
+    );
+    s.shutdown().unwrap();
 }
