@@ -52,15 +52,15 @@ impl Constrainer {
         let n = tok.n_vocab();
         let words: Vec<Vec<u8>> = (0..n as u32)
             .map(|id| {
-                let special = tok.is_control(id) || tok.is_eog(id);
-                if special {
+                let piece = tok.token_to_piece(id, false).unwrap_or(&[]);
+                // Control and end tokens, and any token that prints nothing (which a grammar
+                // would otherwise allow anywhere, forever), are special: never grammar text.
+                if tok.is_control(id) || tok.is_eog(id) || piece.is_empty() {
                     let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
                     w.extend_from_slice(tok.token_text(id).unwrap_or("").as_bytes());
                     w
                 } else {
-                    tok.token_to_piece(id, false)
-                        .map(|p| p.to_vec())
-                        .unwrap_or_default()
+                    piece.to_vec()
                 }
             })
             .collect();

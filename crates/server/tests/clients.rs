@@ -12,7 +12,7 @@ use common::{default_model, start, tiny_model};
 use strata_server::ServerConfig;
 
 const KEY: &str = "test-key";
-const CTX: usize = 512;
+const CTX: usize = 2048;
 
 fn pyclients() -> Option<PathBuf> {
     let dir = std::env::var_os("STRATA_PYCLIENTS").map(PathBuf::from)?;

@@ -260,3 +260,39 @@ def test_anthropic_tool_use():
         final = s.get_final_message()
     use2 = [b for b in final.content if b.type == "tool_use"][0]
     assert (use2.name, use2.input, final.stop_reason) == ("get_weather", {"city": "Paris"}, "tool_use")
+
+
+# ---- structured output ----
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
+          "required": ["ok", "size"], "additionalProperties": False}
+
+
+def test_openai_json_schema_is_followed():
+    r = oa.chat.completions.create(model="tiny", messages=user("json"), max_tokens=60, temperature=0,
+                                   response_format={"type": "json_schema",
+                                                    "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}})
+    v = json.loads(r.choices[0].message.content)
+    assert isinstance(v["ok"], bool) and v["size"] in ("S", "M", "L") and len(v) == 2
+
+
+def test_anthropic_output_format_is_followed():
+    m = an.messages.create(model="tiny", max_tokens=60, messages=user("json"), extra_body=GREEDY,
+                           output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
+    v = json.loads(m.content[0].text)
+    assert isinstance(v["ok"], bool) and v["size"] in ("S", "M", "L")
+
+
+def test_forced_tool_calls_through_both_sdks():
+    r = oa.chat.completions.create(model="tiny", messages=user("call it"), max_tokens=200, temperature=0,
+                                   tools=[{"type": "function", "function": {"name": "pick", "parameters": SCHEMA}}],
+                                   tool_choice={"type": "function", "function": {"name": "pick"}})
+    assert r.choices[0].finish_reason == "tool_calls", (r.choices[0].message, r.usage)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "pick"
+    assert json.loads(call.function.arguments)["size"] in ("S", "M", "L")
+    m = an.messages.create(model="tiny", max_tokens=200, messages=user("call it"), extra_body=GREEDY,
+                           tools=[{"name": "pick", "input_schema": SCHEMA}], tool_choice={"type": "any"})
+    assert m.stop_reason == "tool_use"
+    use = [b for b in m.content if b.type == "tool_use"][0]
+    assert use.name == "pick" and use.input["size"] in ("S", "M", "L")
