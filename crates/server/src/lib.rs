@@ -468,6 +468,8 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .fallback(not_found)
+        // Long agent conversations exceed axum's 2 MiB default; 64 MiB is ~16M tokens of text.
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(shared)
 }
 

@@ -685,3 +685,36 @@ fn json_schema_and_forced_tool_calls_are_followed_even_by_a_random_model() {
     );
     s.shutdown().unwrap();
 }
+
+#[test]
+fn health_is_503_while_loading_and_a_failed_load_stops_the_server() {
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let model = tiny_model();
+    let loader = Box::new(move || {
+        // Holds the load until the test has seen the 503.
+        let _ = wait.recv();
+        strata_server::ModelHandle::load(&model, &strata_server::LoadSpec::default())
+    });
+    let s = strata_server::Server::start(ServerConfig { port: 0, ..cfg() }, loader).unwrap();
+    let a = s.addr();
+    let h = request(a, "GET", "/health", &[], "");
+    assert_eq!(h.status, 503);
+    assert_eq!(h.json()["error"]["message"], "Loading model");
+    let r = post(a, "/v1/chat/completions", &chat_body("hi", 2));
+    assert_eq!(r.status, 503, "{}", r.body);
+    go.send(()).unwrap();
+    s.wait_ready(std::time::Duration::from_secs(60)).unwrap();
+    assert_eq!(request(a, "GET", "/health", &[], "").status, 200);
+    s.shutdown().unwrap();
+
+    let missing = std::path::PathBuf::from("/nonexistent/model.gguf");
+    let loader = Box::new(move || {
+        strata_server::ModelHandle::load(&missing, &strata_server::LoadSpec::default())
+    });
+    let s = strata_server::Server::start(ServerConfig { port: 0, ..cfg() }, loader).unwrap();
+    let e = s.wait().unwrap_err();
+    assert!(
+        format!("{e:#}").contains("/nonexistent/model.gguf"),
+        "{e:#}"
+    );
+}
