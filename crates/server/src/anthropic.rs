@@ -424,6 +424,8 @@ async fn collect(ctx: Ctx, mut d: Driver) -> Result<Response, ApiError> {
     let mut blocks: Vec<Value> = Vec::new();
     let mut end = EndReason::Eog;
     let mut calls = false;
+    // The arguments of the call being read.
+    let mut args = String::new();
     while let Some(u) = d.next().await {
         match u {
             Update::Pieces { pieces, .. } => {
@@ -444,12 +446,19 @@ async fn collect(ctx: Ctx, mut d: Driver) -> Result<Response, ApiError> {
                             _ => blocks
                                 .push(json!({"type": "thinking", "thinking": t, "signature": ""})),
                         },
-                        Piece::ToolCall { name, arguments } => {
+                        Piece::ToolStart { name } => {
                             calls = true;
-                            let input: Value =
-                                serde_json::from_str(&arguments).unwrap_or(json!({}));
-                            blocks.push(json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": input}));
+                            args.clear();
+                            blocks.push(json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}}));
                         }
+                        Piece::ToolArgs(a) => args.push_str(&a),
+                        Piece::ToolEnd => {
+                            if let Some(b) = blocks.last_mut() {
+                                b["input"] = serde_json::from_str(&args).unwrap_or(json!({}));
+                            }
+                        }
+                        // Whole calls arrive expanded (Driver).
+                        Piece::ToolCall { .. } => {}
                     }
                 }
             }
@@ -527,22 +536,35 @@ fn stream(ctx: Ctx, mut d: Driver) -> Response {
                             Piece::Reasoning(t) => {
                                 ("thinking", json!({"type": "thinking_delta", "thinking": t}))
                             }
-                            Piece::ToolCall { arguments, .. } => (
+                            Piece::ToolArgs(a) => (
                                 "tool_use",
-                                json!({"type": "input_json_delta", "partial_json": arguments}),
+                                json!({"type": "input_json_delta", "partial_json": a}),
                             ),
+                            Piece::ToolStart { name } => {
+                                calls = true;
+                                close(&mut open, &mut events);
+                                let block = json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}});
+                                events.push(ev(
+                                    "content_block_start",
+                                    json!({"type": "content_block_start",
+                                    "index": next_index, "content_block": block}),
+                                ));
+                                open = Some((next_index, "tool_use"));
+                                next_index += 1;
+                                continue;
+                            }
+                            Piece::ToolEnd => {
+                                close(&mut open, &mut events);
+                                continue;
+                            }
+                            // Whole calls arrive expanded (Driver).
+                            Piece::ToolCall { .. } => continue,
                         };
-                        if kind == "tool_use" || open.map(|o| o.1) != Some(kind) {
+                        if open.map(|o| o.1) != Some(kind) {
                             close(&mut open, &mut events);
-                            let block = match &p {
-                                Piece::Content(_) => json!({"type": "text", "text": ""}),
-                                Piece::Reasoning(_) => {
-                                    json!({"type": "thinking", "thinking": "", "signature": ""})
-                                }
-                                Piece::ToolCall { name, .. } => {
-                                    calls = true;
-                                    json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}})
-                                }
+                            let block = match kind {
+                                "text" => json!({"type": "text", "text": ""}),
+                                _ => json!({"type": "thinking", "thinking": "", "signature": ""}),
                             };
                             events.push(ev(
                                 "content_block_start",

@@ -377,11 +377,22 @@ async fn collect_chat(ctx: Ctx, mut d: Driver) -> Result<Response, ApiError> {
                     match p {
                         Piece::Content(t) => content.push_str(&t),
                         Piece::Reasoning(t) => reasoning.push_str(&t),
-                        Piece::ToolCall { name, arguments } => calls.push(json!({
+                        Piece::ToolStart { name } => calls.push(json!({
                             "id": new_id("call_"),
                             "type": "function",
-                            "function": {"name": name, "arguments": arguments},
+                            "function": {"name": name, "arguments": ""},
                         })),
+                        Piece::ToolArgs(a) => {
+                            if let Some(c) = calls.last_mut() {
+                                let s = format!(
+                                    "{}{a}",
+                                    c["function"]["arguments"].as_str().unwrap_or("")
+                                );
+                                c["function"]["arguments"] = json!(s);
+                            }
+                        }
+                        // Whole calls arrive expanded (Driver); an end closes nothing here.
+                        Piece::ToolEnd | Piece::ToolCall { .. } => {}
                     }
                 }
             }
@@ -488,16 +499,20 @@ fn stream_chat(ctx: Ctx, mut d: Driver) -> Response {
                                 Value::Null,
                                 Value::Null,
                             )),
-                            Piece::ToolCall { name, arguments } => {
+                            Piece::ToolStart { name } => {
                                 let head = json!({"tool_calls": [{
                                     "index": n_calls, "id": new_id("call_"), "type": "function",
                                     "function": {"name": name, "arguments": ""}}]});
-                                let args = json!({"tool_calls": [{
-                                    "index": n_calls, "function": {"arguments": arguments}}]});
                                 out.push(chunk(head, Value::Null, Value::Null));
-                                out.push(chunk(args, Value::Null, Value::Null));
-                                n_calls += 1;
                             }
+                            Piece::ToolArgs(a) => {
+                                let args = json!({"tool_calls": [{
+                                    "index": n_calls, "function": {"arguments": a}}]});
+                                out.push(chunk(args, Value::Null, Value::Null));
+                            }
+                            Piece::ToolEnd => n_calls += 1,
+                            // Whole calls arrive expanded (Driver).
+                            Piece::ToolCall { .. } => {}
                         }
                         for c in out {
                             if tx.send(data(&c)).await.is_err() {
@@ -677,8 +692,9 @@ fn completion_logprobs(
 fn piece_str(p: Piece) -> String {
     match p {
         Piece::Content(t) | Piece::Reasoning(t) => t,
-        Piece::ToolCall { name, arguments } => {
-            format!("<tool_call>{{\"name\":{name:?},\"arguments\":{arguments}}}</tool_call>")
+        // Completions parse no tools (GenSpec::tools is false there).
+        Piece::ToolCall { .. } | Piece::ToolStart { .. } | Piece::ToolArgs(_) | Piece::ToolEnd => {
+            String::new()
         }
     }
 }

@@ -112,6 +112,14 @@ pub enum Piece {
         name: String,
         arguments: String,
     },
+    /// A `<tool_call>` in the JSON form, streamed: its name once the model has written it,
+    /// then its arguments' text as it comes (what the model wrote), then its end. Together
+    /// they say what one [`Piece::ToolCall`] says.
+    ToolStart {
+        name: String,
+    },
+    ToolArgs(String),
+    ToolEnd,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,6 +160,8 @@ pub struct Splitter {
     bare_names: Vec<String>,
     /// No content has been emitted yet (a bare call can only be the whole reply).
     fresh: bool,
+    /// A streamed call: where its arguments start in `call`, and how far they were sent.
+    streaming: Option<(usize, usize)>,
     /// Malformed calls passed on as text.
     pub malformed: usize,
 }
@@ -174,6 +184,7 @@ impl Splitter {
             after_think: false,
             bare_names: Vec::new(),
             fresh: true,
+            streaming: None,
             malformed: 0,
         }
     }
@@ -226,7 +237,62 @@ impl Splitter {
             }
             Mode::Bare => self.call.push_str(s),
             Mode::Think => push_piece(out, Piece::Reasoning(s.to_string())),
-            Mode::Tool => self.call.push_str(s),
+            Mode::Tool => {
+                self.call.push_str(s);
+                self.stream_args(out);
+            }
+        }
+    }
+
+    /// Sends what can be sent of a JSON-form call: its start once `"arguments":` is written,
+    /// then the arguments' text, holding back trailing whitespace and a last `}` (which may be
+    /// the call object's own).
+    fn stream_args(&mut self, out: &mut Vec<Piece>) {
+        let (start, sent) = match self.streaming {
+            Some(x) => x,
+            None => match call_head(&self.call) {
+                Some((name, start)) => {
+                    out.push(Piece::ToolStart { name });
+                    self.streaming = Some((start, start));
+                    (start, start)
+                }
+                None => return,
+            },
+        };
+        let t = self.call.trim_end();
+        let safe = if t.ends_with('}') {
+            t.len() - 1
+        } else {
+            t.len()
+        };
+        if safe > sent {
+            out.push(Piece::ToolArgs(self.call[sent..safe].to_string()));
+            self.streaming = Some((start, safe));
+        }
+    }
+
+    /// Ends a streamed call: the rest of its arguments (the call object's closing brace cut).
+    fn end_streamed(&mut self, out: &mut Vec<Piece>, call: &str, closed: bool) {
+        let Some((start, sent)) = self.streaming.take() else {
+            return;
+        };
+        let t = call.trim_end();
+        let end = if closed {
+            t.strip_suffix('}').unwrap_or(t).trim_end().len()
+        } else {
+            t.len()
+        };
+        if end > sent {
+            out.push(Piece::ToolArgs(call[sent..end].to_string()));
+        }
+        out.push(Piece::ToolEnd);
+        let args_ok = serde_json::from_str::<Value>(&call[start..end.max(start)])
+            .is_ok_and(|v| v.is_object());
+        if !closed || !args_ok || parse_tool_call(call).is_none() {
+            self.malformed += 1;
+            tracing::warn!(
+                "a streamed tool call was malformed (its arguments were sent as written): {call:?}"
+            );
         }
     }
 
@@ -271,10 +337,15 @@ impl Splitter {
                             self.back = self.mode;
                             self.mode = Mode::Tool;
                             self.call.clear();
+                            self.streaming = None;
                         }
                         _ => {
                             let call = std::mem::take(&mut self.call);
                             self.mode = self.back;
+                            if self.streaming.is_some() {
+                                self.end_streamed(&mut out, &call, true);
+                                continue;
+                            }
                             match parse_tool_call(&call) {
                                 Some((name, arguments)) => {
                                     out.push(Piece::ToolCall { name, arguments })
@@ -321,6 +392,12 @@ impl Splitter {
             }
             return out;
         }
+        if self.mode == Mode::Tool && self.streaming.is_some() {
+            let call = std::mem::take(&mut self.call);
+            self.mode = self.back;
+            self.end_streamed(&mut out, &call, false);
+            return out;
+        }
         if self.mode == Mode::Tool {
             let call = std::mem::take(&mut self.call);
             self.malformed += 1;
@@ -332,12 +409,82 @@ impl Splitter {
     }
 }
 
+/// Whole calls as their streamed form (start, arguments, end), so that a response is built from
+/// one kind of call piece.
+pub fn expand_calls(pieces: Vec<Piece>) -> Vec<Piece> {
+    let mut out = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        match p {
+            Piece::ToolCall { name, arguments } => {
+                out.push(Piece::ToolStart { name });
+                out.push(Piece::ToolArgs(arguments));
+                out.push(Piece::ToolEnd);
+            }
+            p => out.push(p),
+        }
+    }
+    out
+}
+
 fn push_piece(out: &mut Vec<Piece>, p: Piece) {
     match (out.last_mut(), &p) {
         (Some(Piece::Content(a)), Piece::Content(b)) => a.push_str(b),
         (Some(Piece::Reasoning(a)), Piece::Reasoning(b)) => a.push_str(b),
         _ => out.push(p),
     }
+}
+
+/// The head `{"name": "N", "arguments":` of a JSON-form call: the name and where the
+/// arguments start; None while it is not (yet) written, or for another form.
+fn call_head(call: &str) -> Option<(String, usize)> {
+    let s = call.trim_start();
+    let off = call.len() - s.len();
+    let mut i = 0;
+    let b = s.as_bytes();
+    let ws = |i: &mut usize| {
+        while *i < b.len() && b[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    };
+    let lit = |i: &mut usize, l: &str| -> Option<()> {
+        if s[*i..].starts_with(l) {
+            *i += l.len();
+            Some(())
+        } else {
+            None
+        }
+    };
+    lit(&mut i, "{")?;
+    ws(&mut i);
+    lit(&mut i, "\"name\"")?;
+    ws(&mut i);
+    lit(&mut i, ":")?;
+    ws(&mut i);
+    // The name: a JSON string up to its closing quote.
+    if b.get(i) != Some(&b'"') {
+        return None;
+    }
+    let mut j = i + 1;
+    while j < b.len() && b[j] != b'"' {
+        j += if b[j] == b'\\' { 2 } else { 1 };
+    }
+    if j >= b.len() {
+        return None;
+    }
+    let name: String = serde_json::from_str(&s[i..=j]).ok()?;
+    i = j + 1;
+    ws(&mut i);
+    lit(&mut i, ",")?;
+    ws(&mut i);
+    lit(&mut i, "\"arguments\"")?;
+    ws(&mut i);
+    lit(&mut i, ":")?;
+    ws(&mut i);
+    // Only once the arguments have begun (so the call's form is settled).
+    if i >= b.len() || name.is_empty() {
+        return None;
+    }
+    Some((name, off + i))
 }
 
 /// A reply that is one JSON call, or one per line, to known tools.
@@ -426,8 +573,18 @@ mod tests {
         out
     }
 
+    /// Folds streamed calls (start, argument pieces, end) into whole ones.
     fn push_any(out: &mut Vec<Piece>, p: Piece) {
         match p {
+            Piece::ToolStart { name } => out.push(Piece::ToolCall {
+                name,
+                arguments: String::new(),
+            }),
+            Piece::ToolArgs(a) => match out.last_mut() {
+                Some(Piece::ToolCall { arguments, .. }) => arguments.push_str(&a),
+                _ => panic!("arguments outside a call"),
+            },
+            Piece::ToolEnd => {}
             Piece::ToolCall { .. } => out.push(p),
             p => push_piece(out, p),
         }
@@ -441,7 +598,7 @@ mod tests {
             Piece::Content("Sure.".into()),
             Piece::ToolCall {
                 name: "get".into(),
-                arguments: r#"{"city":"Oslo"}"#.into(),
+                arguments: r#"{"city": "Oslo"}"#.into(),
             },
         ];
         // Every split point, so tags cut across chunks are found too.
@@ -458,6 +615,33 @@ mod tests {
         let chars: Vec<String> = text.chars().map(String::from).collect();
         let refs: Vec<&str> = chars.iter().map(|s| s.as_str()).collect();
         assert_eq!(split_all(&refs, false), want);
+    }
+
+    #[test]
+    fn json_calls_stream_their_arguments_as_they_are_written() {
+        let text = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": {\"b\": [1, 2]}, \"c\": \"}\"}}\n</tool_call>";
+        let mut s = Splitter::new(false, true, true);
+        let mut raw = Vec::new();
+        for ch in text.chars() {
+            raw.extend(s.push(&ch.to_string()));
+        }
+        raw.extend(s.finish());
+        assert_eq!(raw.first(), Some(&Piece::ToolStart { name: "f".into() }));
+        assert_eq!(raw.last(), Some(&Piece::ToolEnd));
+        let n_args = raw
+            .iter()
+            .filter(|p| matches!(p, Piece::ToolArgs(_)))
+            .count();
+        assert!(n_args > 10, "{raw:?}");
+        let args: String = raw
+            .iter()
+            .filter_map(|p| match p {
+                Piece::ToolArgs(a) => Some(a.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(args, r#"{"a": {"b": [1, 2]}, "c": "}"}"#);
+        assert_eq!(s.malformed, 0);
     }
 
     #[test]

@@ -258,6 +258,7 @@ pub enum EndReason {
 /// One update for the response.
 pub enum Update {
     Pieces {
+        /// Calls come as start / arguments / end ([`crate::output::expand_calls`]).
         pieces: Vec<Piece>,
         logprobs: Vec<(u32, TokenLogprob)>,
     },
@@ -359,12 +360,25 @@ impl Driver {
             return None;
         };
         let ev = rx.recv().await;
-        Some(match ev {
+        Some(match self.update(ev) {
+            Update::Pieces { pieces, logprobs } => Update::Pieces {
+                pieces: crate::output::expand_calls(pieces),
+                logprobs,
+            },
+            u => u,
+        })
+    }
+
+    fn update(&mut self, ev: Option<Event>) -> Update {
+        let Some(ev) = ev else {
+            return self.fail("the model worker stopped".into());
+        };
+        match Some(ev) {
             Some(Event::Token { id, logprob }) => {
                 self.completion_tokens += 1;
                 let text = match self.text.push(&self.tok, id) {
                     Ok(t) => t,
-                    Err(e) => return Some(self.fail(e)),
+                    Err(e) => return self.fail(e),
                 };
                 let mut pieces = self.split.push(&text);
                 let logprobs = logprob.map(|l| vec![(id, l)]).unwrap_or_default();
@@ -397,7 +411,7 @@ impl Driver {
                 logprobs: Vec::new(),
             },
             None => self.fail("the model worker stopped".into()),
-        })
+        }
     }
 
     /// Malformed tool calls passed on as text so far.
