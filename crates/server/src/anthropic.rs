@@ -268,6 +268,20 @@ fn forced_tools(
     Ok(Some((Grammar::tool_call(&chosen), "tools")))
 }
 
+/// `thinking.budget_tokens` (with `enabled`): the most tokens inside `<think>`.
+fn thinking_budget(req: &MessagesReq) -> Result<Option<usize>, ApiError> {
+    match req.thinking.as_ref().and_then(|t| t.get("budget_tokens")) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) => Ok(Some(n as usize)),
+            None => Err(ApiError::invalid(
+                "thinking.budget_tokens",
+                format!("{v}; expected a count of tokens"),
+            )),
+        },
+    }
+}
+
 pub async fn count_tokens(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     let r = async {
         s.check_key(&headers)?;
@@ -391,6 +405,7 @@ async fn messages_inner(
         in_think: prompt.in_think,
         user_boundary: prompt.user_boundary,
         grammar,
+        reasoning_budget: thinking_budget(&req)?,
     };
     let d = Driver::start(&s, ready, prompt.tokens, spec).await?;
     let ctx = Ctx {

@@ -534,7 +534,66 @@ pub struct Gen {
     n_ctx: usize,
     top_logprobs: Option<usize>,
     constraint: Option<Box<dyn Constraint>>,
+    think: Option<ThinkBudget>,
+    forced: std::collections::VecDeque<u32>,
     pub rewinds: u32,
+}
+
+/// A cap on the tokens generated inside `<think>…</think>`: when it is reached, `close` is
+/// written into the sequence (as llama.cpp's reasoning budget does), and the answer follows.
+#[derive(Clone, Debug)]
+pub struct ThinkBudget {
+    pub budget: usize,
+    /// The prompt opened the block already.
+    pub in_think: bool,
+    /// Token forms of `<think>` and `</think>`, and what is forced to close (`\n</think>\n\n`).
+    pub open: Vec<u32>,
+    pub end: Vec<u32>,
+    pub close: Vec<u32>,
+    count: usize,
+    forcing: bool,
+}
+
+impl ThinkBudget {
+    pub fn new(
+        budget: usize,
+        in_think: bool,
+        open: Vec<u32>,
+        end: Vec<u32>,
+        close: Vec<u32>,
+    ) -> Self {
+        ThinkBudget {
+            budget,
+            in_think,
+            open,
+            end,
+            close,
+            count: 0,
+            forcing: false,
+        }
+    }
+
+    /// Follows the generated tokens; true when the budget has just run out.
+    fn observe(&mut self, gen: &[u32]) -> bool {
+        if !self.end.is_empty() && gen.ends_with(&self.end) {
+            self.in_think = false;
+            self.forcing = false;
+            return false;
+        }
+        if !self.open.is_empty() && gen.ends_with(&self.open) {
+            self.in_think = true;
+            self.count = 0;
+            return false;
+        }
+        if self.in_think && !self.forcing {
+            self.count += 1;
+            if self.count >= self.budget {
+                self.forcing = true;
+                return true;
+            }
+        }
+        false
+    }
 }
 
 impl Gen {
@@ -547,7 +606,17 @@ impl Gen {
         n_ctx: usize,
         top_logprobs: Option<usize>,
         constraint: Option<Box<dyn Constraint>>,
+        think: Option<ThinkBudget>,
     ) -> Gen {
+        let mut forced = std::collections::VecDeque::new();
+        let mut think = think;
+        if let Some(b) = think.as_mut() {
+            // A budget of 0 closes the block at once.
+            if b.in_think && b.budget == 0 {
+                b.forcing = true;
+                forced.extend(b.close.iter().copied());
+            }
+        }
         Gen {
             logits,
             start,
@@ -559,6 +628,8 @@ impl Gen {
             n_ctx,
             top_logprobs,
             constraint,
+            think,
+            forced,
             rewinds: 0,
         }
     }
@@ -590,44 +661,64 @@ impl Gen {
             return Ok(out);
         }
         let pos = seq.len();
-        let masked = match self.constraint.as_mut() {
-            Some(c) => {
-                c.truncate(self.gen.len()).map_err(anyhow::Error::msg)?;
-                let mut l = self.logits.clone();
-                c.mask(&mut l).map_err(anyhow::Error::msg)?;
-                Some(l)
+        // A token the reasoning budget forces is written, not sampled.
+        let forced = self.forced.pop_front();
+        let tok = match forced {
+            Some(t) => t,
+            None => {
+                let masked = match self.constraint.as_mut() {
+                    Some(c) => {
+                        c.truncate(self.gen.len()).map_err(anyhow::Error::msg)?;
+                        let mut l = self.logits.clone();
+                        c.mask(&mut l).map_err(anyhow::Error::msg)?;
+                        Some(l)
+                    }
+                    None => None,
+                };
+                let sampled = sampler.sample_with(
+                    masked.as_deref().unwrap_or(&self.logits),
+                    &SampleContext {
+                        position: pos as u64,
+                        history: seq.tokens(),
+                    },
+                    self.slop.as_ref(),
+                )?;
+                let tok = match (sampled, self.slop.as_mut()) {
+                    (Sampled::Token(t), _) => t,
+                    (Sampled::DeadEnd, Some(s)) => match s.dead_end() {
+                        DeadEnd::Rewound { position, .. } => {
+                            self.rewinds += 1;
+                            self.gen.truncate(position - self.start);
+                            self.lps.truncate(position - self.start);
+                            out.replayed = self.roll(seq, model, position)?;
+                            return Ok(out);
+                        }
+                        DeadEnd::Stop => return Ok(self.finish(out, Finish::Slop)),
+                    },
+                    (Sampled::DeadEnd, None) => {
+                        bail!("sampler: every token was banned at position {pos}")
+                    }
+                };
+                tok
             }
-            None => None,
         };
-        let sampled = sampler.sample_with(
-            masked.as_deref().unwrap_or(&self.logits),
-            &SampleContext {
-                position: pos as u64,
-                history: seq.tokens(),
-            },
-            self.slop.as_ref(),
-        )?;
-        let tok = match (sampled, self.slop.as_mut()) {
-            (Sampled::Token(t), _) => t,
-            (Sampled::DeadEnd, Some(s)) => match s.dead_end() {
-                DeadEnd::Rewound { position, .. } => {
-                    self.rewinds += 1;
-                    self.gen.truncate(position - self.start);
-                    self.lps.truncate(position - self.start);
-                    out.replayed = self.roll(seq, model, position)?;
-                    return Ok(out);
-                }
-                DeadEnd::Stop => return Ok(self.finish(out, Finish::Slop)),
-            },
-            (Sampled::DeadEnd, None) => {
-                bail!("sampler: every token was banned at position {pos}")
-            }
-        };
-        if is_eog(tok) {
+        if forced.is_none() && is_eog(tok) {
             return Ok(self.finish(out, Finish::Eog));
         }
         let lp = self.top_logprobs.map(|n| logprob_of(&self.logits, tok, n));
         match self.slop.as_mut() {
+            Some(s) if forced.is_some() => {
+                if let Some(c) = self.constraint.as_mut() {
+                    c.consume(tok).map_err(anyhow::Error::msg)?;
+                }
+                s.push_token(tok);
+                self.gen.push(tok);
+                self.lps.push(None);
+                for i in s.take_commits() {
+                    out.tokens.push((self.gen[i], self.lps[i].take()));
+                    self.emitted = i + 1;
+                }
+            }
             Some(s) => match s.accept(tok) {
                 Accepted::Kept => {
                     if let Some(c) = self.constraint.as_mut() {
@@ -661,6 +752,11 @@ impl Gen {
                 self.lps.push(None);
                 self.emitted = self.gen.len();
                 out.tokens.push((tok, lp));
+            }
+        }
+        if let Some(b) = self.think.as_mut() {
+            if b.observe(&self.gen) {
+                self.forced.extend(b.close.iter().copied());
             }
         }
         if self.gen.len() >= self.max_tokens {

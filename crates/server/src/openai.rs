@@ -56,6 +56,8 @@ struct ChatFields {
     chat_template_kwargs: Option<Map<String, Value>>,
     /// llama-server's switch: "none" leaves `<think>` in the content.
     reasoning_format: Option<String>,
+    /// llama.cpp's reasoning budget: most tokens inside `<think>` (-1: no limit).
+    reasoning_budget: Option<i64>,
     parallel_tool_calls: Option<bool>,
 }
 
@@ -275,6 +277,16 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<Resp
         in_think: prompt.in_think,
         user_boundary: prompt.user_boundary,
         grammar,
+        reasoning_budget: match cf.reasoning_budget {
+            None | Some(-1) => None,
+            Some(b) if b >= 0 => Some(b as usize),
+            Some(b) => {
+                return Err(ApiError::invalid(
+                    "reasoning_budget",
+                    format!("{b}; expected -1 (no limit) or a count of tokens"),
+                ))
+            }
+        },
     };
     let driver = Driver::start(&s, ready, prompt.tokens, spec).await?;
     let ctx = Ctx {
@@ -642,6 +654,7 @@ async fn completions_inner(
         in_think: false,
         user_boundary: None,
         grammar: None,
+        reasoning_budget: None,
     };
     let d = Driver::start(&s, ready, prompt, spec).await?;
     let ctx = Ctx {

@@ -12,7 +12,7 @@ use serde_json::Value;
 use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::engine::{Constraint, Finish, SamplingParams, TokenLogprob};
+use crate::engine::{Constraint, Finish, SamplingParams, ThinkBudget, TokenLogprob};
 use crate::error::ApiError;
 use crate::grammar::Grammar;
 use crate::output::{Piece, Splitter, TextStream};
@@ -244,6 +244,8 @@ pub struct GenSpec {
     pub user_boundary: Option<usize>,
     /// A grammar, and the request field that asked for it (named in a compile error).
     pub grammar: Option<(Grammar, &'static str)>,
+    /// Most tokens inside `<think>` before `</think>` is written.
+    pub reasoning_budget: Option<usize>,
 }
 
 /// Why a response ended, in neutral terms; each API names it its own way.
@@ -303,6 +305,19 @@ impl Driver {
             }
             None => None,
         };
+        let think = match spec.reasoning_budget {
+            Some(b) => {
+                let enc = |t: &str| ready.tok.encode(t, false, true).unwrap_or_default();
+                Some(ThinkBudget::new(
+                    b,
+                    spec.in_think,
+                    enc("<think>"),
+                    enc("</think>"),
+                    enc("\n</think>\n\n"),
+                ))
+            }
+            None => None,
+        };
         let room = ready.n_ctx - prompt.len();
         let max_tokens = spec.max_tokens.unwrap_or(room);
         let (tx, mut rx) = unbounded_channel();
@@ -314,6 +329,7 @@ impl Driver {
             top_logprobs: spec.top_logprobs,
             checkpoint_at: spec.user_boundary.into_iter().collect(),
             constraint,
+            think,
             events: tx,
             enqueued: Instant::now(),
         })?;

@@ -18,7 +18,7 @@ use strata_engine::sampler::Sampler;
 use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::{Constraint, Finish, Gen, ModelHandle, Seq, TokenLogprob};
+use crate::engine::{Constraint, Finish, Gen, ModelHandle, Seq, ThinkBudget, TokenLogprob};
 use crate::Shared;
 
 /// Prompt tokens per turn of a prefilling sequence: large enough to keep the matrix products
@@ -37,6 +37,8 @@ pub struct Job {
     pub checkpoint_at: Vec<usize>,
     /// A grammar the generated tokens must follow.
     pub constraint: Option<Box<dyn Constraint>>,
+    /// A cap on the reasoning tokens.
+    pub think: Option<ThinkBudget>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -284,6 +286,7 @@ fn turn(
                     cfg.n_ctx,
                     a.job.top_logprobs,
                     a.job.constraint.take(),
+                    a.job.think.take(),
                 );
                 a.phase = Phase::Decode(Box::new(gen));
             }

@@ -718,3 +718,74 @@ fn health_is_503_while_loading_and_a_failed_load_stops_the_server() {
         "{e:#}"
     );
 }
+
+#[test]
+fn a_reasoning_budget_closes_the_think_block() {
+    // A template whose generation prompt opens a think block, as Qwen3-style templates do.
+    let template = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}";
+    let s = start(
+        tiny_model(),
+        ServerConfig {
+            chat_template: Some(template.into()),
+            ..cfg()
+        },
+    );
+    let a = s.addr();
+    let body = |extra: Value| {
+        let mut b = chat_body("think about it", 5);
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    // Unbounded, five tokens: all of them are reasoning (nothing closed the block).
+    let free = post(a, "/v1/chat/completions", &body(json!({}))).json();
+    let r5 = free["choices"][0]["message"]["reasoning_content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(free["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .is_empty());
+    // A budget of five: the same five tokens, then "\n</think>\n\n" is written and the answer follows.
+    let capped = post(
+        a,
+        "/v1/chat/completions",
+        &body(json!({"max_tokens": 30, "reasoning_budget": 5})),
+    )
+    .json();
+    let m = &capped["choices"][0]["message"];
+    assert_eq!(m["reasoning_content"].as_str().unwrap(), format!("{r5}\n"));
+    assert!(!m["content"].as_str().unwrap().is_empty(), "{capped}");
+    // Budget 0: no reasoning at all.
+    let none = post(
+        a,
+        "/v1/chat/completions",
+        &body(json!({"max_tokens": 10, "reasoning_budget": 0})),
+    )
+    .json();
+    let m = &none["choices"][0]["message"];
+    assert!(
+        m.get("reasoning_content")
+            .is_none_or(|r| r == "\n" || r == ""),
+        "{none}"
+    );
+    assert!(!m["content"].as_str().unwrap().is_empty());
+    // Anthropic: thinking.budget_tokens, the reasoning as a thinking block.
+    let r = post(
+        a,
+        "/v1/messages",
+        &json!({"max_tokens": 30, "temperature": 0,
+        "messages": [{"role": "user", "content": "think about it"}],
+        "thinking": {"type": "enabled", "budget_tokens": 5}}),
+    )
+    .json();
+    assert_eq!(r["content"][0]["type"], "thinking", "{r}");
+    assert_eq!(
+        r["content"][0]["thinking"].as_str().unwrap(),
+        format!("{r5}\n")
+    );
+    assert_eq!(r["content"][1]["type"], "text");
+    s.shutdown().unwrap();
+}
