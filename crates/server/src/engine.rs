@@ -596,18 +596,27 @@ impl ThinkBudget {
     }
 }
 
+/// What shapes one generation besides its sampler.
+pub struct GenRules {
+    pub max_tokens: usize,
+    /// The sequence's context (generation stops when it is full).
+    pub n_ctx: usize,
+    /// Log-probabilities with this many alternatives (None: none).
+    pub top_logprobs: Option<usize>,
+    pub constraint: Option<Box<dyn Constraint>>,
+    pub think: Option<ThinkBudget>,
+}
+
 impl Gen {
     /// Starts generating after a prefill of `start` tokens whose last logits are `logits`.
-    pub fn new(
-        sampler: &Sampler,
-        logits: Vec<f32>,
-        start: usize,
-        max_tokens: usize,
-        n_ctx: usize,
-        top_logprobs: Option<usize>,
-        constraint: Option<Box<dyn Constraint>>,
-        think: Option<ThinkBudget>,
-    ) -> Gen {
+    pub fn new(sampler: &Sampler, logits: Vec<f32>, start: usize, rules: GenRules) -> Gen {
+        let GenRules {
+            max_tokens,
+            n_ctx,
+            top_logprobs,
+            constraint,
+            think,
+        } = rules;
         let mut forced = std::collections::VecDeque::new();
         let mut think = think;
         if let Some(b) = think.as_mut() {

@@ -18,7 +18,9 @@ use strata_engine::sampler::Sampler;
 use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::{Constraint, Finish, Gen, ModelHandle, Seq, ThinkBudget, TokenLogprob};
+use crate::engine::{
+    Constraint, Finish, Gen, GenRules, ModelHandle, Seq, ThinkBudget, TokenLogprob,
+};
 use crate::Shared;
 
 /// Prompt tokens per turn of a prefilling sequence: large enough to keep the matrix products
@@ -278,16 +280,14 @@ fn turn(
                 slot.seq.checkpoint(model, clock)?;
             }
             if end == prompt.len() {
-                let gen = Gen::new(
-                    &a.job.sampler,
-                    logits,
-                    prompt.len(),
-                    a.job.max_tokens,
-                    cfg.n_ctx,
-                    a.job.top_logprobs,
-                    a.job.constraint.take(),
-                    a.job.think.take(),
-                );
+                let rules = GenRules {
+                    max_tokens: a.job.max_tokens,
+                    n_ctx: cfg.n_ctx,
+                    top_logprobs: a.job.top_logprobs,
+                    constraint: a.job.constraint.take(),
+                    think: a.job.think.take(),
+                };
+                let gen = Gen::new(&a.job.sampler, logits, prompt.len(), rules);
                 a.phase = Phase::Decode(Box::new(gen));
             }
             Ok(None)
