@@ -468,9 +468,36 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn(log_request))
         // Long agent conversations exceed axum's 2 MiB default; 64 MiB is ~16M tokens of text.
         .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(shared)
+}
+
+/// The log line of a request the generation path does not log itself: every refusal (4xx, 5xx
+/// before any output) at info, other endpoints at debug. Generations log their own line, with
+/// token counts, when they end (run.rs's callers).
+async fn log_request(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let t0 = Instant::now();
+    let resp = next.run(req).await;
+    let status = resp.status().as_u16();
+    let ms = t0.elapsed().as_millis() as u64;
+    let generating = matches!(
+        path.as_str(),
+        "/v1/chat/completions"
+            | "/chat/completions"
+            | "/v1/completions"
+            | "/completions"
+            | "/v1/messages"
+    );
+    if status >= 400 {
+        tracing::info!(target: "strata::request", %method, path, status, ms, "request refused");
+    } else if !generating {
+        tracing::debug!(target: "strata::request", %method, path, status, ms, "request done");
+    }
+    resp
 }
 
 async fn health(State(s): State<AppState>) -> Response {
