@@ -4,8 +4,6 @@
 //! `/v1/messages/count_tokens`. Errors are Anthropic's shape; the key is accepted as
 //! `x-api-key` or `Authorization: Bearer`.
 
-use std::sync::Arc;
-
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -286,22 +284,11 @@ pub async fn count_tokens(State(s): State<AppState>, headers: HeaderMap, body: B
     let r = async {
         s.check_key(&headers)?;
         let v = body_json(&body)?;
-        let mut v = v;
-        // count_tokens takes no max_tokens; the shared parser does not need it either.
-        v.as_object_mut()
-            .map(|o| o.entry("max_tokens").or_insert(json!(1)));
         let req: MessagesReq = fields(&v)?;
         let (conv, _) = conversation(&req)?;
         let ready = s.need_ready()?;
-        // Counting is allowed past the context: report the number, let the caller decide.
-        let text_prompt = conv.prompt(ready, "messages");
-        let n = match text_prompt {
-            Ok(p) => p.tokens.len(),
-            Err(e) if e.code == Some("context_length_exceeded") => {
-                return Err(e);
-            }
-            Err(e) => return Err(e),
-        };
+        // Counting is not generating: a conversation over the context is counted, not refused.
+        let n = conv.render(ready)?.tokens.len();
         Ok::<_, ApiError>(Json(json!({"input_tokens": n})).into_response())
     }
     .await;
@@ -412,7 +399,6 @@ async fn messages_inner(
         id: new_id("msg_"),
         model: req.model.clone().unwrap_or_else(|| s.cfg.model_id.clone()),
     };
-    let _ = Arc::clone(&ready.tok);
     if req.stream == Some(true) {
         Ok(stream(ctx, d))
     } else {

@@ -49,6 +49,13 @@ impl Conversation {
     /// Renders with the model's template and tokenizes; a prompt that leaves no room in the
     /// context is a `context_length_exceeded` error naming `param`.
     pub fn prompt(&self, ready: &Ready, param: &str) -> Result<Prompt, ApiError> {
+        let p = self.render(ready)?;
+        check_context(ready, p.tokens.len(), param)?;
+        Ok(p)
+    }
+
+    /// Renders and tokenizes, whatever the length.
+    pub fn render(&self, ready: &Ready) -> Result<Prompt, ApiError> {
         let mut messages = self.messages.clone();
         let mut kwargs = self.kwargs.clone();
         if !self.tools.is_empty() {
@@ -76,17 +83,14 @@ impl Conversation {
         let text = render(&messages, true)?;
         let tokens = encode(ready, &text)?;
         let user_boundary = match messages.iter().rposition(|m| m["role"] == "user") {
-            Some(i) if i + 1 < messages.len() || !messages.is_empty() => {
-                render(&messages[..=i], false)
-                    .ok()
-                    .and_then(|t| encode(ready, &t).ok())
-                    .filter(|b| !b.is_empty() && b.len() < tokens.len() && tokens.starts_with(b))
-                    .map(|b| b.len())
-            }
+            Some(i) => render(&messages[..=i], false)
+                .ok()
+                .and_then(|t| encode(ready, &t).ok())
+                .filter(|b| !b.is_empty() && b.len() < tokens.len() && tokens.starts_with(b))
+                .map(|b| b.len()),
             _ => None,
         };
         let in_think = text.trim_end_matches('\n').ends_with("<think>");
-        check_context(ready, tokens.len(), param)?;
         Ok(Prompt {
             text,
             tokens,

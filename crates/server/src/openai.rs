@@ -132,9 +132,8 @@ impl Common {
     }
 }
 
-fn model_id(s: &AppState, asked: &Option<String>) -> String {
-    // One model is served whatever the request names (llama-server does the same).
-    let _ = asked;
+/// One model is served whatever the request names (llama-server does the same).
+fn model_id(s: &AppState, _asked: &Option<String>) -> String {
     s.cfg.model_id.clone()
 }
 

@@ -385,6 +385,14 @@ fn a_prompt_over_the_context_is_refused_not_truncated() {
     );
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    // Counting is not generating: the long conversation is counted, not refused.
+    let r = post(
+        a,
+        "/v1/messages/count_tokens",
+        &json!({"messages": [{"role": "user", "content": long}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.json()["input_tokens"].as_u64().unwrap() > 64);
     // A prompt that fits generates until the context is full, then says "length" (some
     // prompts meet an end-of-generation token first: at least one of these does not).
     let mut full = 0;
