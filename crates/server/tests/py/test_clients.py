@@ -296,3 +296,19 @@ def test_forced_tool_calls_through_both_sdks():
     assert m.stop_reason == "tool_use"
     use = [b for b in m.content if b.type == "tool_use"][0]
     assert use.name == "pick" and use.input["size"] in ("S", "M", "L")
+
+
+def test_openai_parse_helper_with_a_pydantic_model():
+    from typing import Literal
+
+    import pydantic
+
+    class Answer(pydantic.BaseModel):
+        ok: bool
+        size: Literal["S", "M", "L"]
+
+    r = oa.chat.completions.parse(model="tiny", messages=user("parse"), max_tokens=60, temperature=0,
+                                  response_format=Answer)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Answer)
+    assert parsed.size in ("S", "M", "L")
