@@ -21,6 +21,7 @@ mod output;
 mod parity;
 mod report;
 mod run;
+mod serve;
 mod signals;
 mod synth;
 mod tokenize;
@@ -62,6 +63,8 @@ enum Command {
     DraftVocab(draft_vocab::Args),
     /// Write a synthetic qwen4exp GGUF (random valid blocks, full size or scaled) for timing
     Synth(synth::Args),
+    /// Serve the model over HTTP: OpenAI- and Anthropic-compatible API (default model when no -m)
+    Serve(serve::Args),
 }
 
 /// glibc's allocator serves blocks above a *dynamic* threshold with fresh `mmap`s and returns
@@ -116,6 +119,7 @@ fn main() -> std::process::ExitCode {
         Command::ConvertMtp(a) => convert_mtp::run(a),
         Command::DraftVocab(a) => draft_vocab::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(code) => code,

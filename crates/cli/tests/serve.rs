@@ -1,0 +1,98 @@
+//! `strata serve` as a process: it binds (port 0: any free port, printed on stderr), answers
+//! `/health` once the tiny fixture is loaded, a chat request, and stops cleanly on SIGTERM;
+//! flags it cannot honour are refused before anything starts.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+fn tiny() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen4exp/tiny/model-f32.gguf")
+}
+
+fn get(addr: &str, req: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn serves_and_stops_on_sigterm() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "-m"])
+        .arg(tiny())
+        .args(["--port", "0", "--api-key", "k"])
+        .env("STRATA_LOG", "warn")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut addr = None;
+    let mut seen = String::new();
+    // The first lines say where it listens, then that the model loaded.
+    for _ in 0..10 {
+        let mut l = String::new();
+        if err.read_line(&mut l).unwrap() == 0 {
+            break;
+        }
+        seen.push_str(&l);
+        if let Some(rest) = l.split("listening on http://").nth(1) {
+            addr = rest.split_whitespace().next().map(str::to_string);
+        }
+        if l.contains("model loaded") {
+            break;
+        }
+    }
+    let addr = addr.unwrap_or_else(|| panic!("no address in {seen}"));
+    let health = get(
+        &addr,
+        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    let body = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"temperature":0}"#;
+    let chat = get(
+        &addr,
+        &format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer k\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    );
+    assert!(chat.starts_with("HTTP/1.1 200"), "{chat}");
+    assert!(chat.contains("\"completion_tokens\":3"), "{chat}");
+    // SAFETY: sending a signal to the child this test spawned, by its own pid.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let status = child.wait().unwrap();
+    let mut rest = String::new();
+    err.read_to_string(&mut rest).unwrap();
+    assert!(status.success(), "exit {status:?}: {rest}");
+    assert!(rest.contains("stopping"), "{rest}");
+}
+
+#[test]
+fn refuses_what_it_cannot_do() {
+    for (args, says) in [
+        (vec!["--mtp", "x.gguf"], "--mtp"),
+        (vec!["--backend", "cuda"], "--backend"),
+        (vec!["--parallel", "0"], "--parallel"),
+        (
+            vec!["--api-key-file", "/nonexistent/keys"],
+            "/nonexistent/keys",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["serve", "-m"])
+            .arg(tiny())
+            .args(["--port", "0"])
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
