@@ -46,7 +46,7 @@ enum Command {
     Chat(chat::Args),
     /// Show a GGUF file's metadata and tensors, or dump one tensor dequantized to .npy
     Inspect(inspect::Args),
-    /// Throughput programs: `bench formats` (block formats), `bench spec` (MTP speculation)
+    /// Throughput programs: `bench formats` (block formats), `bench spec` (MTP speculation), `bench model` (pp/tg tokens/s)
     Bench(bench::Args),
     /// Download the default model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M) into the cache, or check
     /// the cached copy (--check)
@@ -105,8 +105,13 @@ fn error_text(e: &anyhow::Error) -> String {
 
 fn main() -> std::process::ExitCode {
     tune_allocator();
-    signals::install();
     let cli = Cli::parse();
+    // `serve` ends on SIGINT/SIGTERM itself (open streams get an error event, then it exits
+    // cleanly); every other command takes the signals here to clean up what it was writing.
+    // Parsing starts no thread, so the mask is still set before any other thread exists.
+    if !matches!(cli.command, Command::Serve(_)) {
+        signals::install();
+    }
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Chat(a) => chat::run(a),

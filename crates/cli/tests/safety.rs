@@ -681,7 +681,7 @@ fn the_readme_and_help_list_every_command() {
         );
     }
     let bench = String::from_utf8(strata(&["bench", "--help"], None).stdout).unwrap();
-    for sub in ["formats", "spec"] {
+    for sub in ["formats", "spec", "model"] {
         assert!(
             bench.contains(&format!("  {sub} ")),
             "bench --help lacks {sub}: {bench}"
