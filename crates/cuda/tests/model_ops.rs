@@ -1048,7 +1048,9 @@ fn kv_append_and_qsa_pool_match_cpu() {
         let pos: Vec<u32> = (at..at + n).map(|p| p as u32).collect();
         // The CPU pools per row; the rows whose position completes a block carry one.
         let pooled = be.qsa_pool_blocks(&kraw, &ids(&pos), ratio).unwrap();
-        let done: Vec<usize> = (0..n).filter(|&r| (at + r + 1) % ratio == 0).collect();
+        let done: Vec<usize> = (0..n)
+            .filter(|&r| (at + r + 1).is_multiple_of(ratio))
+            .collect();
         let rows: Vec<f32> = done
             .iter()
             .flat_map(|&r| pooled.as_slice()[r * d..(r + 1) * d].to_vec())

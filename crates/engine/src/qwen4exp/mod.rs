@@ -487,10 +487,10 @@ impl<B: Qwen4expOps> Model<B> {
         let key = StepKey {
             kind: StepKind::Forward,
             rows: n,
-            outputs: (!want.last_only as u32) * OUT_LOGITS_ALL
-                | (want.hidden as u32) * OUT_HIDDEN
-                | (want.layer_out as u32) * OUT_LAYERS
-                | (log.is_some() as u32) * OUT_LOGGED,
+            outputs: ((!want.last_only as u32) * OUT_LOGITS_ALL)
+                | ((want.hidden as u32) * OUT_HIDDEN)
+                | ((want.layer_out as u32) * OUT_LAYERS)
+                | ((log.is_some() as u32) * OUT_LOGGED),
         };
         let out = b.step(key, || {
             self.layers_and_head(st, &inputs, ple_rows.as_ref(), want, log)

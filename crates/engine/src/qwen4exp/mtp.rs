@@ -338,7 +338,7 @@ impl<B: Qwen4expOps> Model<B> {
         let key = StepKey {
             kind: StepKind::Draft,
             rows: n,
-            outputs: (last_only as u32) | (rows.is_some() as u32) << 1,
+            outputs: (last_only as u32) | ((rows.is_some() as u32) << 1),
         };
         let out = b.step(key, || {
             self.mtp_body(head, st, hidden, &inputs, last_only, rows)

@@ -367,6 +367,13 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         } else {
             Vec::new()
         };
+        let state = model.new_state()?;
+        // The window's checkpoint, allocated up front and refilled every window.
+        let spare_checkpoint = if cfg.window > 1 {
+            Some(model.checkpoint(&state)?)
+        } else {
+            None
+        };
         let draft_rows = match &cfg.draft_vocab {
             Some(v) if cfg.window > 1 => Some(model.backend().upload_ids(v.ids())?),
             _ => None,
@@ -377,8 +384,8 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
             min_p: cfg.min_p,
             vocab: cfg.draft_vocab,
             draft_rows,
-            state: model.new_state()?,
-            spare_checkpoint: None,
+            state,
+            spare_checkpoint,
             prefill_hidden: None,
             verified: None,
             may_rewind: false,
