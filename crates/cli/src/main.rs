@@ -21,6 +21,7 @@ mod output;
 mod parity;
 mod report;
 mod run;
+mod selftest;
 mod serve;
 mod signals;
 mod synth;
@@ -63,6 +64,8 @@ enum Command {
     DraftVocab(draft_vocab::Args),
     /// Write a synthetic qwen4exp GGUF (random valid blocks, full size or scaled) for timing
     Synth(synth::Args),
+    /// Every parity suite on one backend, summed up with a verdict to paste back (wgpu by default)
+    Selftest(selftest::Args),
     /// Serve the model over HTTP: OpenAI- and Anthropic-compatible API (default model when no -m)
     Serve(serve::Args),
 }
@@ -124,6 +127,7 @@ fn main() -> std::process::ExitCode {
         Command::ConvertMtp(a) => convert_mtp::run(a),
         Command::DraftVocab(a) => draft_vocab::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Selftest(a) => selftest::run(a),
         Command::Serve(a) => serve::run(a),
     };
     match result {
