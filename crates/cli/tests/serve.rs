@@ -32,7 +32,9 @@ fn serves_and_stops_on_sigterm() {
     let mut err = BufReader::new(child.stderr.take().unwrap());
     let mut addr = None;
     let mut seen = String::new();
-    // The first lines say where it listens, then that the model loaded.
+    // The first lines say where it listens and that the model loaded, in either order (the
+    // model loads on the worker thread while the listener starts).
+    let mut loaded = false;
     for _ in 0..10 {
         let mut l = String::new();
         if err.read_line(&mut l).unwrap() == 0 {
@@ -42,7 +44,8 @@ fn serves_and_stops_on_sigterm() {
         if let Some(rest) = l.split("listening on http://").nth(1) {
             addr = rest.split_whitespace().next().map(str::to_string);
         }
-        if l.contains("model loaded") {
+        loaded |= l.contains("model loaded");
+        if loaded && addr.is_some() {
             break;
         }
     }
