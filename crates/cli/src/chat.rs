@@ -24,7 +24,7 @@ use strata_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 
 use crate::args::model::ModelArgs;
 use crate::args::sampling::{self, SampleArgs};
-use crate::load::{self, Loaded};
+use crate::load;
 use crate::output::Stream;
 use crate::report;
 
@@ -67,16 +67,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let choice = args.model.resolve()?;
     let path = choice.path()?;
     let t0 = Instant::now();
-    let opened = load::open(&path)?;
-    let model = Loaded::bind(
-        &opened,
-        &path,
-        choice.threads,
-        choice.kv_type,
-        None,
-        choice.ctx_size,
-    )?;
-    let tok = load::tokenizer(&opened.file, &path, model.n_vocab())?;
+    let (model, tok) = load::model(&path, &choice)?;
     let load_time = t0.elapsed();
     let n_ctx = load::n_ctx(choice.ctx_size, model.n_ctx_model())?;
     let template = match ChatTemplate::from_tokenizer(&tok)

@@ -101,6 +101,22 @@ pub fn tokenizer(file: &GgufFile, path: &Path, n_vocab: usize) -> Result<Tokeniz
     Ok(tok)
 }
 
+/// Opens `path` and binds it as `choice` says, without an MTP head: the model and its
+/// tokenizer (what `chat` and `serve` load).
+pub fn model(path: &Path, choice: &crate::args::model::ModelChoice) -> Result<(Loaded, Tokenizer)> {
+    let opened = open(path)?;
+    let loaded = Loaded::bind(
+        &opened,
+        path,
+        choice.threads,
+        choice.kv_type,
+        None,
+        choice.ctx_size,
+    )?;
+    let tok = tokenizer(&opened.file, path, loaded.n_vocab())?;
+    Ok((loaded, tok))
+}
+
 impl Loaded {
     /// Binds an opened file; `mtp` loads an MTP head beside a qwen4exp trunk.
     pub fn bind(

@@ -124,16 +124,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let choice = args.model.resolve()?;
     let loader = Box::new(move || {
         let path = choice.path()?;
-        let opened = load::open(&path)?;
-        let loaded = Loaded::bind(
-            &opened,
-            &path,
-            choice.threads,
-            choice.kv_type,
-            None,
-            choice.ctx_size,
-        )?;
-        let tok = load::tokenizer(&opened.file, &path, loaded.n_vocab())?;
+        let (loaded, tok) = load::model(&path, &choice)?;
         let model = match loaded {
             Loaded::Qwen2(m) => ModelHandle::Qwen2(m),
             Loaded::Qwen4exp(m) => ModelHandle::Qwen4exp(m),

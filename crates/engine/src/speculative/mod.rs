@@ -463,23 +463,14 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         // The MTP state must hold every consumed token before new rows are appended.
         self.run_catchup()?;
         self.next_draft = None;
-        let b = self.model.backend();
         let t0 = Instant::now();
-        let want = Want {
-            hidden: self.mtp.is_some(),
-            last_only: true,
-            ..Want::default()
-        };
-        let out = self
-            .model
-            .forward_dev(&mut self.state, &input, want, None)?;
-        let logits = b.download(&out.logits)?;
+        let (logits, hidden) = self.run_rows(&input)?;
         let pos = self.state.position();
         let tok = self.picker.pick(&logits, pos, self.state.tokens())?;
         self.stats.prefill_time += t0.elapsed();
         self.stats.emitted += 1;
         self.pending = Some(tok);
-        if let Some(hidden) = out.hidden {
+        if let Some(hidden) = hidden {
             let mut next = input[1..].to_vec();
             next.push(tok);
             self.catchup = Some(Catchup { hidden, next });
@@ -510,6 +501,20 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         });
         self.stats.catchup_time += t0.elapsed();
         Ok(())
+    }
+
+    /// Runs `tokens` through the trunk: the logits after the last of them, and (with a head)
+    /// every row's pre-mixer state for the head's catch-up.
+    fn run_rows(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, Option<B::Buf>)> {
+        let want = Want {
+            hidden: self.mtp.is_some(),
+            last_only: true,
+            ..Want::default()
+        };
+        let out = self
+            .model
+            .forward_dev(&mut self.state, tokens, want, None)?;
+        Ok((self.model.backend().download(&out.logits)?, out.hidden))
     }
 
     /// A checkpoint of the trunk state now, in the buffers of the last one when there is one.
@@ -765,16 +770,8 @@ impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
             ));
         }
         let t0 = Instant::now();
-        let want = Want {
-            hidden: self.mtp.is_some(),
-            last_only: true,
-            ..Want::default()
-        };
-        let out = self
-            .model
-            .forward_dev(&mut self.state, prompt, want, None)?;
-        let logits = self.model.backend().download(&out.logits)?;
-        self.prefill_hidden = out.hidden;
+        let (logits, hidden) = self.run_rows(prompt)?;
+        self.prefill_hidden = hidden;
         self.stats.prefill_time += t0.elapsed();
         t.prompt = t0.elapsed();
         t.prompt_tokens = prompt.len();
