@@ -171,6 +171,8 @@ struct Judge<'a> {
     start: usize,
     /// Generated tokens, streamed or held back (the slop state's tokens).
     gen: Vec<u32>,
+    /// The shortest `gen` since the current window began (see [`Judge::cut`]).
+    low: usize,
     emitted: usize,
     closed: bool,
     rewinds: u32,
@@ -192,6 +194,13 @@ impl DraftEdit for Judge<'_> {
 }
 
 impl Judge<'_> {
+    /// Cuts the generated tokens back to those before `position`, remembering the shortest
+    /// length reached (the caller rebuilds its sequence from there, not from the start).
+    fn cut(&mut self, position: usize) {
+        self.gen.truncate(position - self.start);
+        self.low = self.low.min(self.gen.len());
+    }
+
     /// Samples the token after `history` from `logits` and records it.
     fn judge(&mut self, logits: &[f32], history: &[u32]) -> Result<Verdict> {
         let pos = history.len();
@@ -211,7 +220,7 @@ impl Judge<'_> {
             (Sampled::DeadEnd, Some(s)) => match s.dead_end() {
                 DeadEnd::Rewound { position, .. } => {
                     self.rewinds += 1;
-                    self.gen.truncate(position - self.start);
+                    self.cut(position);
                     return Ok(Verdict::Rewound);
                 }
                 DeadEnd::Stop => return Ok(Verdict::End(GuardStop::DeadEnd)),
@@ -231,11 +240,11 @@ impl Judge<'_> {
                     Accepted::Kept => self.gen.push(tok),
                     Accepted::Rewound { position, .. } => {
                         self.rewinds += 1;
-                        self.gen.truncate(position - self.start);
+                        self.cut(position);
                         return Ok(Verdict::Rewound);
                     }
                     Accepted::Exhausted { position } => {
-                        self.gen.truncate(position - self.start);
+                        self.cut(position);
                         return Ok(Verdict::End(GuardStop::RewindBudget));
                     }
                 }
@@ -352,6 +361,7 @@ impl<'a> Decoding<'a> {
                 n_ctx,
                 start,
                 gen: Vec::new(),
+                low: 0,
                 emitted: 0,
                 closed: false,
                 rewinds: 0,
@@ -426,13 +436,16 @@ impl<'a> Decoding<'a> {
             ..Judged::default()
         };
         let rewinds0 = j.rewinds;
-        let mut history = self.seq.clone();
+        // The history of row i is the sequence and the drafts before it: pushed onto `seq` as
+        // they are accepted (no copy of the sequence per window), cut back below.
+        let history = &mut self.seq;
         let gen0 = j.gen.len();
+        j.low = gen0;
         for i in 0..n {
             let row = logits
                 .get(i * v..(i + 1) * v)
                 .ok_or_else(|| EngineError::shape("verify", format!("no logits row {i} of {n}")))?;
-            match j.judge(row, &history)? {
+            match j.judge(row, history)? {
                 Verdict::Kept(t) => {
                     judged.kept += 1;
                     if drafts.get(i) != Some(&t) {
@@ -455,9 +468,10 @@ impl<'a> Decoding<'a> {
         judged.rewound = j.rewinds > rewinds0;
         judged.end = end.is_some();
         judged.stopped = j.closed;
+        // `seq` = prompt ++ gen again: keep what no rewind reached, append the rest.
         let start = j.start;
-        self.seq.truncate(start);
-        self.seq.extend_from_slice(&j.gen);
+        self.seq.truncate(start + j.low);
+        self.seq.extend_from_slice(&j.gen[j.low..]);
         if end.is_none() || self.stepper.settle_at_end() {
             let ts = Instant::now();
             self.stepper.settle(&self.seq, judged)?;

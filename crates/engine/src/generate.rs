@@ -263,10 +263,12 @@ impl Stepper for SessionStepper<'_> {
         }
         self.0.feed(window)
     }
-    fn settle(&mut self, seq: &[u32], _judged: Judged) -> Result<()> {
+    fn settle(&mut self, seq: &[u32], judged: Judged) -> Result<()> {
         let want = &seq[..seq.len().saturating_sub(1)];
         let have = self.0.tokens();
-        if have == want {
+        // Without a rewind the session consumed exactly the judged tokens: no need to compare
+        // the whole history every token.
+        if have.len() == want.len() && (!judged.rewound || have == want) {
             return Ok(());
         }
         let common = have.iter().zip(want).take_while(|(a, b)| a == b).count();

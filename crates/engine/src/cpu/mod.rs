@@ -363,12 +363,16 @@ impl Backend for CpuBackend {
     }
 
     fn write_kv(&self, cache: &mut CpuBuf, x: &CpuBuf, at: &CpuIds, kv: KvType) -> Result<()> {
-        if kv == KvType::F32 {
-            return self.write_rows(cache, x, at);
+        self.write_rows(cache, x, at)?;
+        if kv == KvType::F16 {
+            // Round the rows just written, in place (no copy of the step's rows).
+            let cols = cache.cols;
+            for &slot in at.0.iter().filter(|&&s| s != u32::MAX) {
+                let r = slot as usize * cols;
+                attn::round_f16(&mut cache.data[r..r + cols]);
+            }
         }
-        let mut rounded = x.clone();
-        attn::round_f16(&mut rounded.data);
-        self.write_rows(cache, &rounded, at)
+        Ok(())
     }
 
     fn step<R: Send>(&self, _key: StepKey, f: impl FnOnce() -> R + Send) -> R {

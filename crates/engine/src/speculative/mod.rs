@@ -680,9 +680,10 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         let t1 = Instant::now();
         let (pos0, n) = (v.pos0, v.rows);
         let len = seq.len();
+        // Without a rewind the kept tokens are the window's own prefix (no full comparison).
         let in_window = len > pos0
             && len - 1 <= pos0 + n
-            && self.state.tokens().get(..len - 1) == seq.get(..len - 1);
+            && (!judged.rewound || self.state.tokens().get(..len - 1) == seq.get(..len - 1));
         let keep = (len - 1).saturating_sub(pos0);
         let saved = self.saved_first.take();
         let rewound = u64::from(judged.rewound);
