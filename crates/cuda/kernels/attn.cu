@@ -37,6 +37,25 @@ kv_append_f32(float* store, u32 cap, const float* x, const u32* pos, int cols, i
 }
 
 // ---- QSA indexer blocks ------------------------------------------------------------------------
+// Backend::write_rows / write_kv: as kv_append, but rows whose slot is u32::MAX are skipped
+// (a step's rows that complete no pooled block).
+extern "C" __global__ void __launch_bounds__(256)
+store_rows_f32(float* store, u32 cap, const float* x, const u32* at, int cols, int f16, u32* err) {
+    const int r = blockIdx.x;
+    const u32 p = at[r];
+    if (p == 0xffffffffu) return;
+    if (p >= cap) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_CAPACITY);
+        return;
+    }
+    float* o = store + (size_t)p * cols;
+    const float* xr = x + (size_t)r * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = xr[i];
+        o[i] = f16 ? f16_to_f32(f32_to_f16(v)) : v;
+    }
+}
+
 // One 256-thread block per step row r: if row r completes block b ((pos+1) % ratio == 0), the
 // block's key is mean(kraw[b·ratio .. (b+1)·ratio]) (summed in order from +0, then / ratio), RMS
 // normed over d with `w` (the canonical block sum of elem.cu's rms_norm_f32), rotated at

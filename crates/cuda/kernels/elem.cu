@@ -117,6 +117,11 @@ extern "C" __global__ void hc_act_bf16(const float* a, u16* out, u64 n, float in
     GRID_STRIDE(i, n) out[i] = f32_to_bf16(siluf_(a[i] * inv_s));
 }
 
+// As hc_act_bf16 for an up weight paired with f32 activations: silu(v · inv_s).
+extern "C" __global__ void hc_act_f32(const float* a, float* out, u64 n, float inv_s) {
+    GRID_STRIDE(i, n) out[i] = siluf_(a[i] * inv_s);
+}
+
 // u[r][j] = (Σ_s σ(g[r][s·h + j]) · xn[r][s·h + j]) · inv_s, streams in order from +0.
 extern "C" __global__ void hc_u_f32(const float* g, const float* xn, float* u, int rows, int h, int streams, float inv_s) {
     GRID_STRIDE(i, (size_t)rows * h) {
@@ -162,4 +167,120 @@ ple_gate_f32(const float* k, const float* q, const float* v, float* out, int h, 
     float* o = out + ((size_t)r * streams + s) * h;
     const float* vr = v + (size_t)r * h;
     for (int i = threadIdx.x; i < h; i += 256) o[i] = gamma * vr[i];
+}
+
+// ---- views and gathers (strata_cuda::backend) ---------------------------------------------
+
+// out[r][j] = x[r][start + j], rows of `cols` to rows of `len`.
+extern "C" __global__ void slice_cols_f32(const float* x, float* out, u64 n, int cols, int start, int len) {
+    GRID_STRIDE(i, n) {
+        const size_t r = i / len, j = i % len;
+        out[i] = x[r * cols + start + j];
+    }
+}
+
+// out[r][j] = y[r][ids[j]]: columns `ids` (m of them) of rows of `cols` (the draft vocabulary's
+// rows of a full product). An id at or past `cols` gives NaN and sets err bit 1.
+extern "C" __global__ void gather_cols_f32(const float* y, const u32* ids, float* out, u64 n, int cols, int m,
+                                           u32* err) {
+    GRID_STRIDE(i, n) {
+        const size_t r = i / m, j = i % m;
+        const u32 c = ids[j];
+        if (c >= (u32)cols) {
+            atomicOr(err, 1u);
+            out[i] = __int_as_float(0x7fc00000);
+        } else {
+            out[i] = y[r * cols + c];
+        }
+    }
+}
+
+// out[r] = [table[ids[r]]; …] (`copies` times) from an f32 image of a table of `n_rows` rows of
+// `cols` (tables whose format or row length the embed kernels do not take). An id at or past
+// `n_rows` gives a NaN row (the model checks ids before the step).
+extern "C" __global__ void gather_rows_f32(const float* table, u32 n_rows, const u32* ids, float* out, u64 n_out,
+                                           int cols, int copies) {
+    GRID_STRIDE(i, n_out) {
+        const size_t row = i / ((size_t)cols * copies), c = i % cols;
+        const u32 id = ids[row];
+        out[i] = id < n_rows ? table[(size_t)id * cols + c] : __int_as_float(0x7fc00000);
+    }
+}
+
+// QSA block means (cpu qsa_pool_blocks): row r, at position p = pos[r], completes block
+// b = p / ratio when (p + 1) % ratio == 0; its row is the mean of raw keys b·ratio ..
+// (b+1)·ratio (summed in order from +0, then / ratio); other rows are zeros. Keys past the
+// store's `cap` rows set err bit 1. One thread per output value.
+extern "C" __global__ void qsa_mean_f32(const float* kraw, u32 cap, const u32* pos, float* out, u64 n, int d,
+                                        int ratio, u32* err) {
+    GRID_STRIDE(i, n) {
+        const size_t r = i / d, c = i % d;
+        const u32 p = pos[r];
+        float s = 0.f;
+        if ((p + 1) % (u32)ratio == 0) {
+            const u32 b = p / (u32)ratio;
+            if ((size_t)(b + 1) * ratio > cap) {
+                atomicOr(err, 1u);
+                s = __int_as_float(0x7fc00000);
+            } else {
+                for (int k = 0; k < ratio; ++k) s += kraw[((size_t)b * ratio + k) * d + c];
+                s = s / (float)ratio;
+            }
+        }
+        out[i] = s;
+    }
+}
+
+// y[t][r] = Σ_i w[r][i] · x[t][i] for F32 (wty 0) or BF16 (wty 1) weights whose rows are not
+// whole 32-element units (the unit kernels' granularity): one warp per (row r, token t), lane l
+// takes elements l, l + 32, … with fmaf in order, then the warp sum. Against BF16 weights the
+// activation takes BF16 values first (the pairing). Grid (rows / 8, nt), 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+matmul_float_any(const u8* w, const float* x, float* y, int rows, int k, int wty) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int t = blockIdx.y;
+    if (r >= rows) return;
+    float a = 0.f;
+    for (int i = lane; i < k; i += 32) {
+        const size_t wi = (size_t)r * k + i;
+        const float wv = wty == 0 ? ((const float*)w)[wi] : bf16_to_f32(((const u16*)w)[wi]);
+        float xv = x[(size_t)t * k + i];
+        if (wty == 1) xv = bf16_to_f32(f32_to_bf16(xv));
+        a = fmaf(wv, xv, a);
+    }
+    a = warp_sum(a);
+    if (lane == 0) y[(size_t)t * rows + r] = a;
+}
+
+// matmul_float_any for the (row, slot) pairs of routed experts: pair q = t·kslots + slot uses
+// expert ids[q] (a slab of `rows · k` values, `slab` elements apart) against activation row
+// x_per_slot ? q : t. Ids outside the experts give NaN and set err bit 2. Grid (rows / 8,
+// pairs).
+extern "C" __global__ void __launch_bounds__(256)
+moe_float_any(const u8* w, u64 slab, const int* ids, int n_expert, const float* x, int x_per_slot, int kslots,
+              float* y, int rows, int k, int wty, u32* err) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int q = blockIdx.y;
+    if (r >= rows) return;
+    const int e = ids[q];
+    if (e < 0 || e >= n_expert) {
+        if (lane == 0) {
+            atomicOr(err, 2u);
+            y[(size_t)q * rows + r] = __int_as_float(0x7fc00000);
+        }
+        return;
+    }
+    const float* xr = x + (size_t)(x_per_slot ? q : q / kslots) * k;
+    float a = 0.f;
+    for (int i = lane; i < k; i += 32) {
+        const size_t wi = (size_t)e * slab + (size_t)r * k + i;
+        const float wv = wty == 0 ? ((const float*)w)[wi] : bf16_to_f32(((const u16*)w)[wi]);
+        float xv = xr[i];
+        if (wty == 1) xv = bf16_to_f32(f32_to_bf16(xv));
+        a = fmaf(wv, xv, a);
+    }
+    a = warp_sum(a);
+    if (lane == 0) y[(size_t)q * rows + r] = a;
 }

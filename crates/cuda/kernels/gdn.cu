@@ -119,6 +119,7 @@ __device__ __forceinline__ void gdn_step_t(const float* qkv, const float* z, con
 GDN_STEP(128, 128)
 GDN_STEP(64, 64)
 GDN_STEP(32, 32)
+GDN_STEP(16, 16)
 
 // ---- chunked form (prefill) ---------------------------------------------------------------------
 // The same recurrence over chunks of C = 16 rows in the WY form: with G_t the cumulative log

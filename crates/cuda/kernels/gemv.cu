@@ -154,7 +154,7 @@ __device__ __forceinline__ void matmul_t(const u8* w, const u8* x, float* y, int
     for (int t = 0; t < 8; ++t) acc[t] = 0.f;
     const int units = k / 32;
     for (int u = lane; u < units; u += 32) {
-        if constexpr (T == T_BF16) {
+        if constexpr (T == T_BF16 || T == T_F32) {
 #pragma unroll
             for (int t = 0; t < 8; ++t)
                 if (t < tn) acc[t] += unit_dot<T>(wr, xt + (size_t)t * xrb, u, global_tables());
@@ -230,7 +230,7 @@ __device__ __forceinline__ void moe_matmul_t(const u8* w, u64 slab_bytes, const 
 #pragma unroll
     for (int t = 0; t < 8; ++t) acc[t] = 0.f;
     for (int u = lane; u < k / 32; u += 32) {
-        if constexpr (T == T_BF16) {
+        if constexpr (T == T_BF16 || T == T_F32) {
 #pragma unroll
             for (int t = 0; t < 8; ++t)
                 if (t < tn) acc[t] += unit_dot<T>(wr, xs[t], u, global_tables());
@@ -308,6 +308,25 @@ GEMV_ALL(T_IQ3_S, iq3_s)
 #endif
 #if defined(GEMV_IQ3_XXS)
 GEMV_ALL(T_IQ3_XXS, iq3_xxs)
+#endif
+#if defined(GEMV_F32)
+// F32 weights (small or test models): products only, f32 activations, fmaf in order.
+GEMV_BASE(T_F32, f32)
+PRODUCTS(T_F32, f32)
+#endif
+#if defined(GEMV_Q4_0)
+GEMV_BASE(T_Q4_0, q4_0)
+PRODUCTS(T_Q4_0, q4_0)
+#endif
+#if defined(GEMV_Q5_0)
+// Q5_0 (most matrices of the default qwen2 0.5B Q4_K_M file, whose rows of 896 are not whole
+// K-quant blocks): products only.
+GEMV_BASE(T_Q5_0, q5_0)
+PRODUCTS(T_Q5_0, q5_0)
+#endif
+#if defined(GEMV_IQ4_NL)
+GEMV_BASE(T_IQ4_NL, iq4_nl)
+PRODUCTS(T_IQ4_NL, iq4_nl)
 #endif
 #if defined(GEMV_Q3_K)
 // Q3_K (the GDN attn_qkv of 18 layers): products only, no optimized GEMV yet (the model's

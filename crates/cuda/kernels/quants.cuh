@@ -8,6 +8,7 @@
 // kvalues_iq4nl_w) that strata-cuda generates from strata_quant::grids.
 
 // ggml type ids.
+#define T_F32 0
 #define T_Q4_0 2
 #define T_Q5_0 6
 #define T_Q8_0 8
@@ -23,6 +24,7 @@
 #define T_Q2_0 42
 
 template <int T> struct Fmt;
+template <> struct Fmt<T_F32> { static constexpr int QK = 32, TS = 128; };  // as 32-value units
 template <> struct Fmt<T_BF16> { static constexpr int QK = 32, TS = 64; };  // as 32-value units
 template <> struct Fmt<T_Q8_0> { static constexpr int QK = 32, TS = 34; };
 template <> struct Fmt<T_Q4_0> { static constexpr int QK = 32, TS = 18; };
@@ -216,6 +218,34 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
 #pragma unroll
         for (int k = 0; k < 8; ++k) d.w[k] = (int)ld32a2(b + 2 + 4 * k);
         d.f0 = ldf16(b);
+    } else if (T == T_Q4_0) {
+        // Elements j and j + 16 are the low and high nibbles of qs[j], minus 8.
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const u32 q = ld32a2(b + 2 + 4 * (k & 3));
+            d.w[k] = (int)__vsub4((k < 4 ? q : q >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+        }
+        d.f0 = ldf16(b);
+    } else if (T == T_Q5_0) {
+        // As Q4_0 with a fifth bit from qh (bit j for element j), minus 16.
+        const u32 qh = ld32a2(b + 2);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const u32 q = ld32a2(b + 6 + 4 * (k & 3));
+            const u32 hb = (qh >> (4 * k)) & 0xFu;
+            const u32 hi = ((hb & 1u) | (hb & 2u) << 7 | (hb & 4u) << 14 | (hb & 8u) << 21) << 4;
+            d.w[k] = (int)__vsub4(((k < 4 ? q : q >> 4) & 0x0F0F0F0Fu) | hi, 0x10101010u);
+        }
+        d.f0 = ldf16(b);
+    } else if (T == T_IQ4_NL) {
+        const u32 k0 = kvalues_iq4nl_w[0], k1 = kvalues_iq4nl_w[1], k2 = kvalues_iq4nl_w[2], k3 = kvalues_iq4nl_w[3];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 q = ld32a2(b + 2 + 4 * k);
+            d.w[k] = iq4_lookup4(q & 0x0F0F0F0Fu, k0, k1, k2, k3);
+            d.w[k + 4] = iq4_lookup4((q >> 4) & 0x0F0F0F0Fu, k0, k1, k2, k3);
+        }
+        d.f0 = ldf16(b);
     } else if (T == T_Q2_0) {
         // Codes 0..3 as bytes; the -1 offset is applied through the activation sums.
 #pragma unroll
@@ -305,7 +335,7 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
 // type's final factor, see dot_post).
 template <int T>
 __device__ __forceinline__ float dot_decoded(const DecUnit& d, const u8* x, int u) {
-    if (T == T_Q8_0 || T == T_Q2_0) {
+    if (T == T_Q8_0 || T == T_Q2_0 || T == T_Q4_0 || T == T_Q5_0 || T == T_IQ4_NL) {
         const u8* xb = x + 34 * (size_t)u;  // Q8_0 activation block u
         const float dx = ldf16(xb);
         int isum = 0, sx = 0;
@@ -356,7 +386,14 @@ __device__ __forceinline__ float dot_decoded(const DecUnit& d, const u8* x, int 
 // contribution (before the type's final factor, see dot_post).
 template <int T>
 __device__ __forceinline__ float unit_dot(const u8* w, const u8* x, int u, Tables tb) {
-    if (T == T_BF16) {
+    if (T == T_F32) {
+        const float* b = (const float*)(w + 128 * (size_t)u);
+        const float* xb = (const float*)(x + 128 * (size_t)u);
+        float a = 0.f;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) a = fmaf(b[j], xb[j], a);
+        return a;
+    } else if (T == T_BF16) {
         const u8* b = w + 64 * (size_t)u;
         const u8* xb = x + 64 * (size_t)u;
         float a = 0.f;

@@ -29,11 +29,13 @@ extern "C" __global__ void __launch_bounds__(32)
 route_base(const float* logits, int* ids, float* wts, int E, int K) {
     const int lane = threadIdx.x;
     const float* l = logits + (size_t)blockIdx.x * E;
-    const int per = E / 32;
+    // Lanes past E (E not a multiple of 32) hold -inf: exp gives +0, which changes no sum and
+    // loses every tie to a real expert (lower ids win).
+    const int per = (E + 31) / 32;
     float v[16];
     float m = NEG_INF;
     for (int j = 0; j < per; ++j) {
-        v[j] = l[lane + 32 * j];
+        v[j] = lane + 32 * j < E ? l[lane + 32 * j] : NEG_INF;
         m = fmaxf(m, v[j]);
     }
     m = warp_max(m);

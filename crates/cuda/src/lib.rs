@@ -30,8 +30,10 @@ pub enum CudaError {
     Kernel(#[from] strata_engine::kernels::KernelError),
 }
 
+pub mod backend;
 pub mod device;
 pub mod model;
 pub mod ops;
 
+pub use backend::CudaBackend;
 pub use device::{ensure_driver, Gpu, Graph, ModuleLoad};

@@ -437,10 +437,14 @@ impl DevWeight {
     }
 }
 
-/// Weight formats with product kernels: the catalogue's GEMV formats and Q3_K (tiled kernel
-/// only).
+/// Weight formats with product kernels: the catalogue's GEMV formats, and (tiled kernel only)
+/// Q3_K, F32, Q4_0, Q5_0 and IQ4_NL.
 pub fn has_products(ty: GgmlType) -> bool {
-    strata_engine::kernels::gemv::GEMV_FORMATS.contains(&ty) || ty == GgmlType::Q3_K
+    strata_engine::kernels::gemv::GEMV_FORMATS.contains(&ty)
+        || matches!(
+            ty,
+            GgmlType::Q3_K | GgmlType::F32 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::IQ4_NL
+        )
 }
 
 fn product_module(ty: GgmlType) -> Result<String, CudaError> {
@@ -448,6 +452,18 @@ fn product_module(ty: GgmlType) -> Result<String, CudaError> {
         return Err(bad("matmul", format!("{ty} has no CUDA product kernels")));
     }
     Ok(ty.name().to_lowercase())
+}
+
+/// The product kernels read rows in 32-element units: a row length that is not a multiple of
+/// 32 is refused (it would silently drop the last elements).
+fn whole_units(kernel: &str, w: &DevWeight) -> Result<(), CudaError> {
+    if !w.k.is_multiple_of(32) {
+        return Err(bad(
+            kernel,
+            format!("rows of {} are not whole 32-element units", w.k),
+        ));
+    }
+    Ok(())
 }
 
 /// `y[t][r] = W[r] · x_t` for `nt` activation rows already in the paired format, by the tiled
@@ -461,6 +477,7 @@ pub fn matmul(
 ) -> Result<(), CudaError> {
     let k = "matmul";
     let tn = product_module(w.ty)?;
+    whole_units(k, w)?;
     let (wrb, xrb) = (w.row_bytes()?, w.act_row_bytes()?);
     need(k, "w", w.bytes.len(), w.rows * wrb)?;
     need(k, "x", x.len(), nt * xrb)?;
@@ -488,6 +505,7 @@ pub fn product(
     nt: usize,
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
+    whole_units("product", w)?;
     if (1..=8).contains(&nt) && w.ty == GgmlType::BF16 && w.k == 10240 {
         // The hyper-connection down / inject shape: the optimized BF16 GEMV at K = 10240.
         let k = "product";
@@ -523,14 +541,14 @@ pub fn prepare(
 // ---- hyper-connection mix -------------------------------------------------------------------
 
 /// The weights of one hyper-connection module on the device.
-pub struct HcDev {
+pub struct HcDev<'a> {
     /// Grouped norm weight, `streams · h` values.
-    pub norm: CudaSlice<f32>,
+    pub norm: &'a CudaSlice<f32>,
     /// `[rank, streams·h]` and `[streams·h, rank]` BF16.
-    pub down: DevWeight,
-    pub up: DevWeight,
+    pub down: &'a DevWeight,
+    pub up: &'a DevWeight,
     /// `[streams, streams·h]` BF16 (absent for the final mixer).
-    pub inject: Option<DevWeight>,
+    pub inject: Option<&'a DevWeight>,
     pub streams: usize,
     pub h: usize,
     pub eps: f32,
@@ -547,7 +565,7 @@ pub struct HcScratch {
 }
 
 impl HcScratch {
-    pub fn new(gpu: &Gpu, hc: &HcDev, rows: usize) -> Result<HcScratch, CudaError> {
+    pub fn new(gpu: &Gpu, hc: &HcDev<'_>, rows: usize) -> Result<HcScratch, CudaError> {
         let sh = hc.streams * hc.h;
         let rank = hc.down.rows;
         Ok(HcScratch {
@@ -566,7 +584,7 @@ impl HcScratch {
 /// `u` is `rows × h`, `inj` `rows × streams`.
 pub fn hc_mix(
     gpu: &Gpu,
-    hc: &HcDev,
+    hc: &HcDev<'_>,
     x: &CudaSlice<f32>,
     rows: usize,
     s: &mut HcScratch,
@@ -593,9 +611,9 @@ pub fn hc_mix(
         return Ok(());
     }
     let inv_s = 1.0 / st as f32;
-    rms_norm(gpu, x, &hc.norm, &mut s.xn, rows, sh, h, hc.eps)?;
-    prepare(gpu, &hc.down, &s.xn, rows, &mut s.xq)?;
-    product(gpu, &hc.down, &s.xq, rows, &mut s.a)?;
+    rms_norm(gpu, x, hc.norm, &mut s.xn, rows, sh, h, hc.eps)?;
+    prepare(gpu, hc.down, &s.xn, rows, &mut s.xq)?;
+    product(gpu, hc.down, &s.xq, rows, &mut s.a)?;
     // The up weight is BF16: its activation image is the BF16 rounding of silu(a / S).
     if hc.up.act()? != ActFmt::Bf16 {
         return Err(bad(k, format!("up weight {} is not BF16", hc.up.ty)));
@@ -609,7 +627,7 @@ pub fn hc_mix(
         grid(na),
         [&s.a, &mut s.aq, &nn, &inv_s]
     )?;
-    product(gpu, &hc.up, &s.aq, rows, &mut s.g)?;
+    product(gpu, hc.up, &s.aq, rows, &mut s.g)?;
     let (ri, hi, si) = (i32_of(k, rows)?, i32_of(k, h)?, i32_of(k, st)?);
     launch!(
         gpu,
@@ -618,7 +636,7 @@ pub fn hc_mix(
         grid(rows * h),
         [&s.g, &s.xn, u, &ri, &hi, &si, &inv_s]
     )?;
-    match (&hc.inject, inj) {
+    match (hc.inject, inj) {
         (Some(wi), Some(inj)) => {
             if wi.rows != st || wi.k != sh || wi.act()? != hc.down.act()? {
                 return Err(bad(
@@ -688,10 +706,10 @@ pub fn conv1d_silu(
 pub use strata_engine::qwen4exp::ops::GdnDims;
 
 /// The per-head constants of a GDN layer on the device (f32 images).
-pub struct GdnDev {
-    pub ssm_a: CudaSlice<f32>,
-    pub dt_bias: CudaSlice<f32>,
-    pub norm: CudaSlice<f32>,
+pub struct GdnDev<'a> {
+    pub ssm_a: &'a CudaSlice<f32>,
+    pub dt_bias: &'a CudaSlice<f32>,
+    pub norm: &'a CudaSlice<f32>,
     pub dims: GdnDims,
     pub eps: f32,
 }
@@ -702,7 +720,7 @@ pub struct GdnDev {
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_step(
     gpu: &Gpu,
-    p: &GdnDev,
+    p: &GdnDev<'_>,
     qkv: &CudaSlice<f32>,
     z: &CudaSlice<f32>,
     alpha: &CudaSlice<f32>,
@@ -714,10 +732,10 @@ pub fn gdn_step(
     let k = "gdn_step";
     let d = p.dims;
     let (nk, nv, dk, dv) = (d.n_k_heads, d.n_v_heads, d.head_k, d.head_v);
-    if nk == 0 || !nv.is_multiple_of(nk) || dk != dv || !matches!(dk, 32 | 64 | 128) {
+    if nk == 0 || !nv.is_multiple_of(nk) || dk != dv || !matches!(dk, 16 | 32 | 64 | 128) {
         return Err(bad(
             k,
-            format!("{d:?}: the kernels take head_k = head_v in 32, 64, 128"),
+            format!("{d:?}: the kernels take head_k = head_v in 16, 32, 64, 128"),
         ));
     }
     need(k, "qkv", qkv.len(), n * d.conv_dim())?;
@@ -735,7 +753,7 @@ pub fn gdn_step(
         "gdn",
         format!("gdn_step_{dk}_{dv}"),
         cfg(nv as u32, dv as u32),
-        [qkv, z, alpha, beta, &p.ssm_a, &p.dt_bias, &p.norm, state, out, &ni, &nki, &nvi, &p.eps]
+        [qkv, z, alpha, beta, p.ssm_a, p.dt_bias, p.norm, state, out, &ni, &nki, &nvi, &p.eps]
     )
 }
 
@@ -767,7 +785,7 @@ impl GdnScratch {
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_step_scan(
     gpu: &Gpu,
-    p: &GdnDev,
+    p: &GdnDev<'_>,
     qkv: &CudaSlice<f32>,
     z: &CudaSlice<f32>,
     alpha: &CudaSlice<f32>,
@@ -821,7 +839,7 @@ pub fn gdn_step_scan(
         "gdn_prep",
         cfg2(n as u32, nk as u32, 128),
         [
-            qkv, alpha, beta, &p.ssm_a, &p.dt_bias, &mut s.qn, &mut s.kn, &mut s.bd, &nki, &nvi,
+            qkv, alpha, beta, p.ssm_a, p.dt_bias, &mut s.qn, &mut s.kn, &mut s.bd, &nki, &nvi,
             &dki, &dvi
         ]
     )?;
@@ -848,7 +866,7 @@ pub fn gdn_step_scan(
         "gdn",
         "gdn_out",
         cfg((n * nv) as u32, dv as u32),
-        [&s.oraw, z, &p.norm, out, &dvi, &p.eps]
+        [&s.oraw, z, p.norm, out, &dvi, &p.eps]
     )
 }
 
@@ -857,7 +875,7 @@ pub fn gdn_step_scan(
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_step_chunked(
     gpu: &Gpu,
-    p: &GdnDev,
+    p: &GdnDev<'_>,
     qkv: &CudaSlice<f32>,
     z: &CudaSlice<f32>,
     alpha: &CudaSlice<f32>,
@@ -893,7 +911,7 @@ pub fn gdn_step_chunked(
         "gdn",
         "gdn_chunk_128",
         cfg(nv as u32, 128),
-        [qkv, z, alpha, beta, &p.ssm_a, &p.dt_bias, &p.norm, state, out, &ni, &nki, &nvi, &p.eps]
+        [qkv, z, alpha, beta, p.ssm_a, p.dt_bias, p.norm, state, out, &ni, &nki, &nvi, &p.eps]
     )
 }
 
@@ -1117,7 +1135,8 @@ pub use strata_engine::backend::AttnDims;
 
 /// Softmax attention of `n` query rows (`q` `[n, n_head·head_dim]`) over caches of `cap` rows
 /// (`[cap, n_head_kv·head_dim]`): over `sel`'s token lists, or causally over `0..=pos[r]` when
-/// `sel` is `None`. `scratch` holds `n · n_head · cap` floats. `f16`: as an F16 cache reads.
+/// `sel` is `None`. `scratch` holds `n_head · cap` floats per row of a chunk (the rows run in
+/// chunks of what it holds). `f16`: as an F16 cache reads.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     gpu: &Gpu,
@@ -1149,7 +1168,7 @@ pub fn attend(
     need(k, "v cache", v_cache.len(), cap * kvc)?;
     need(k, "positions", pos.len(), n)?;
     need(k, "out", out.len(), n * n_head * head_dim)?;
-    need(k, "scratch", scratch.len(), n * n_head * cap)?;
+    need(k, "scratch", scratch.len(), n_head * cap)?;
     if n == 0 {
         return Ok(());
     }
@@ -1160,39 +1179,82 @@ pub fn attend(
         i32_of(k, head_dim)?,
         f16 as i32,
     );
-    let c = cfg((n * n_head) as u32, 256);
-    match sel {
-        Some(s) => {
-            if n > s.rows || s.cap > cap {
-                return Err(bad(k, "selection made for other stores".into()));
-            }
-            let (st, causal) = (i32_of(k, s.stride)?, 0i32);
-            launch!(
-                gpu,
-                "attn",
-                "attend_f32",
-                c,
-                [
-                    q, k_cache, v_cache, &s.sel, &s.cnt, pos, out, scratch, &capu, &nh, &nkv, &hd,
-                    &st, &causal, &fi, err
-                ]
-            )
-        }
-        None => {
-            // No list is read in the causal mode; `pos` stands in for both list pointers.
-            let (st, causal) = (0i32, 1i32);
-            launch!(
-                gpu,
-                "attn",
-                "attend_f32",
-                c,
-                [
-                    q, k_cache, v_cache, pos, pos, pos, out, scratch, &capu, &nh, &nkv, &hd, &st,
-                    &causal, &fi, err
-                ]
-            )
+    if let Some(s) = sel {
+        if n > s.rows || s.cap > cap {
+            return Err(bad(k, "selection made for other stores".into()));
         }
     }
+    // The rows run in chunks of as many as the scratch holds (a long prefill over a large
+    // capacity); each row's result does not depend on the chunking.
+    let qc = n_head * head_dim;
+    let chunk = (scratch.len() / (n_head * cap)).clamp(1, n);
+    for r0 in (0..n).step_by(chunk) {
+        let m = chunk.min(n - r0);
+        let c = cfg((m * n_head) as u32, 256);
+        let qv = q.slice(r0 * qc..(r0 + m) * qc);
+        let pv = pos.slice(r0..r0 + m);
+        let mut ov = out.slice_mut(r0 * qc..(r0 + m) * qc);
+        match sel {
+            Some(s) => {
+                let (st, causal) = (i32_of(k, s.stride)?, 0i32);
+                let sv = s.sel.slice(r0 * s.stride..(r0 + m) * s.stride);
+                let cv = s.cnt.slice(r0..r0 + m);
+                launch!(
+                    gpu,
+                    "attn",
+                    "attend_f32",
+                    c,
+                    [
+                        &qv,
+                        k_cache,
+                        v_cache,
+                        &sv,
+                        &cv,
+                        &pv,
+                        &mut ov,
+                        &mut *scratch,
+                        &capu,
+                        &nh,
+                        &nkv,
+                        &hd,
+                        &st,
+                        &causal,
+                        &fi,
+                        &mut *err
+                    ]
+                )?;
+            }
+            None => {
+                // No list is read in the causal mode; `pos` stands in for both list pointers.
+                let (st, causal) = (0i32, 1i32);
+                launch!(
+                    gpu,
+                    "attn",
+                    "attend_f32",
+                    c,
+                    [
+                        &qv,
+                        k_cache,
+                        v_cache,
+                        &pv,
+                        &pv,
+                        &pv,
+                        &mut ov,
+                        &mut *scratch,
+                        &capu,
+                        &nh,
+                        &nkv,
+                        &hd,
+                        &st,
+                        &causal,
+                        &fi,
+                        &mut *err
+                    ]
+                )?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Scratch of [`attend_split`] for up to `rows` query rows of `n_head` heads over stores of
@@ -1372,6 +1434,7 @@ pub fn moe_gemv(
 ) -> Result<(), CudaError> {
     let k = "moe_gemv";
     let tn = product_module(w.ty)?;
+    whole_units(k, w)?;
     let (wrb, xrb, slab) = (w.row_bytes()?, w.act_row_bytes()?, w.slab_bytes()?);
     if kslots == 0 || !npairs.is_multiple_of(kslots) {
         return Err(bad(k, format!("{npairs} pairs of {kslots} slots")));
@@ -1479,6 +1542,7 @@ pub fn moe_matmul(
 ) -> Result<(), CudaError> {
     let k = "moe_matmul";
     let tn = product_module(w.ty)?;
+    whole_units(k, w)?;
     let (wrb, xrb, slab) = (w.row_bytes()?, w.act_row_bytes()?, w.slab_bytes()?);
     let npairs = groups.npairs;
     if kslots == 0 || !npairs.is_multiple_of(kslots) || groups.n_expert != w.n_expert {
@@ -1552,10 +1616,10 @@ pub fn moe_combine(
 }
 
 /// The routed experts of one MoE layer on the device.
-pub struct ExpertsDev {
-    pub gate: DevWeight,
-    pub up: DevWeight,
-    pub down: DevWeight,
+pub struct ExpertsDev<'a> {
+    pub gate: &'a DevWeight,
+    pub up: &'a DevWeight,
+    pub down: &'a DevWeight,
 }
 
 /// Scratch of [`moe_experts`] for `nt` rows of `kslots` slots (fixed addresses).
@@ -1575,7 +1639,7 @@ pub struct MoeScratch {
 impl MoeScratch {
     pub fn new(
         gpu: &Gpu,
-        ex: &ExpertsDev,
+        ex: &ExpertsDev<'_>,
         nt: usize,
         kslots: usize,
     ) -> Result<MoeScratch, CudaError> {
@@ -1602,7 +1666,7 @@ impl MoeScratch {
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts(
     gpu: &Gpu,
-    ex: &ExpertsDev,
+    ex: &ExpertsDev<'_>,
     x: &CudaSlice<f32>,
     ids: &CudaSlice<i32>,
     wts: &CudaSlice<f32>,
@@ -1624,27 +1688,27 @@ pub fn moe_experts(
         ));
     }
     let np = nt * ks;
-    prepare(gpu, &ex.gate, x, nt, &mut s.xg)?;
+    prepare(gpu, ex.gate, x, nt, &mut s.xg)?;
     let same_fmt = ex.up.act()? == ex.gate.act()?;
     if !same_fmt {
-        prepare(gpu, &ex.up, x, nt, &mut s.xu)?;
+        prepare(gpu, ex.up, x, nt, &mut s.xu)?;
     }
     if grouped {
         s.groups.build(gpu, ids, err)?;
-        moe_matmul(gpu, &ex.gate, &s.groups, &s.xg, false, ks, &mut s.g)?;
+        moe_matmul(gpu, ex.gate, &s.groups, &s.xg, false, ks, &mut s.g)?;
         let xu = if same_fmt { &s.xg } else { &s.xu };
-        moe_matmul(gpu, &ex.up, &s.groups, xu, false, ks, &mut s.u)?;
+        moe_matmul(gpu, ex.up, &s.groups, xu, false, ks, &mut s.u)?;
     } else {
-        moe_gemv(gpu, &ex.gate, ids, &s.xg, false, ks, np, &mut s.g, err)?;
+        moe_gemv(gpu, ex.gate, ids, &s.xg, false, ks, np, &mut s.g, err)?;
         let xu = if same_fmt { &s.xg } else { &s.xu };
-        moe_gemv(gpu, &ex.up, ids, xu, false, ks, np, &mut s.u, err)?;
+        moe_gemv(gpu, ex.up, ids, xu, false, ks, np, &mut s.u, err)?;
     }
     swiglu(gpu, &s.g, &s.u, &mut s.act, np * ff)?;
-    prepare(gpu, &ex.down, &s.act, np, &mut s.aq)?;
+    prepare(gpu, ex.down, &s.act, np, &mut s.aq)?;
     if grouped {
-        moe_matmul(gpu, &ex.down, &s.groups, &s.aq, true, ks, &mut s.y)?;
+        moe_matmul(gpu, ex.down, &s.groups, &s.aq, true, ks, &mut s.y)?;
     } else {
-        moe_gemv(gpu, &ex.down, ids, &s.aq, true, ks, np, &mut s.y, err)?;
+        moe_gemv(gpu, ex.down, ids, &s.aq, true, ks, np, &mut s.y, err)?;
     }
     moe_combine(gpu, &s.y, wts, out, nt, ks, h)
 }
@@ -1654,9 +1718,9 @@ pub fn moe_experts(
 /// The weights of one MoE block on the device: router `[n_expert, h]` (BF16 in the release),
 /// the routed experts, the shared expert's gate/up `[ff_sh, h]` and down `[h, ff_sh]`, and the
 /// shared expert's gate `[1, h]`.
-pub struct MoeLayerDev {
+pub struct MoeLayerDev<'a> {
     pub router: DevWeight,
-    pub experts: ExpertsDev,
+    pub experts: ExpertsDev<'a>,
     pub n_used: usize,
     pub gate_sh: DevWeight,
     pub up_sh: DevWeight,
@@ -1682,7 +1746,7 @@ pub struct MoeLayerScratch {
 }
 
 impl MoeLayerScratch {
-    pub fn new(gpu: &Gpu, l: &MoeLayerDev, nt: usize) -> Result<MoeLayerScratch, CudaError> {
+    pub fn new(gpu: &Gpu, l: &MoeLayerDev<'_>, nt: usize) -> Result<MoeLayerScratch, CudaError> {
         let (h, ff) = (l.router.k, l.gate_sh.rows);
         Ok(MoeLayerScratch {
             nt,
@@ -1708,7 +1772,7 @@ impl MoeLayerScratch {
 /// The router's ids and weights stay on the device (`s.ids`, `s.wts`).
 pub fn moe_layer(
     gpu: &Gpu,
-    l: &MoeLayerDev,
+    l: &MoeLayerDev<'_>,
     x: &CudaSlice<f32>,
     s: &mut MoeLayerScratch,
     grouped: bool,

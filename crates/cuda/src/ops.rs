@@ -327,8 +327,11 @@ pub fn route(
     k: usize,
 ) -> Result<(), CudaError> {
     let kn = "route";
-    if !n_exp.is_multiple_of(32) || n_exp == 0 || n_exp > 512 || k == 0 || k > 16 || k > n_exp {
-        return Err(bad(kn, format!("{n_exp} experts / top-{k}: the kernels take multiples of 32 up to 512, k in 1..=16")));
+    if n_exp == 0 || n_exp > 512 || k == 0 || k > 16 || k > n_exp {
+        return Err(bad(
+            kn,
+            format!("{n_exp} experts / top-{k}: the kernels take up to 512 experts, k in 1..=16"),
+        ));
     }
     need(kn, "logits", logits.len(), nt * n_exp)?;
     need(kn, "ids", ids.len(), nt * k)?;

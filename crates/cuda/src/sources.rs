@@ -108,6 +108,10 @@ pub const MODULES: &[Module] = &[
     m("gemv_iq3_xxs", "gemv.cu", GEMV, true, Some("GEMV_IQ3_XXS")),
     m("gemv_bf16", "gemv.cu", GEMV, true, Some("GEMV_BF16")),
     m("gemv_q3_k", "gemv.cu", GEMV, true, Some("GEMV_Q3_K")),
+    m("gemv_f32", "gemv.cu", GEMV, true, Some("GEMV_F32")),
+    m("gemv_q4_0", "gemv.cu", GEMV, true, Some("GEMV_Q4_0")),
+    m("gemv_q5_0", "gemv.cu", GEMV, true, Some("GEMV_Q5_0")),
+    m("gemv_iq4_nl", "gemv.cu", GEMV, true, Some("GEMV_IQ4_NL")),
 ];
 
 /// The lookup tables as CUDA `__device__` arrays.

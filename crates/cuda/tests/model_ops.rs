@@ -396,11 +396,12 @@ fn hc_mix_matches_cpu() {
             bf16_bytes(&inj_w),
         ),
     ]);
+    let inj_dev = DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(&inj_w), s, sh, 1).unwrap();
     let hc = m::HcDev {
-        norm: up(g, &norm),
-        down: DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(&down_w), rank, sh, 1).unwrap(),
-        up: DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(&up_w), sh, rank, 1).unwrap(),
-        inject: Some(DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(&inj_w), s, sh, 1).unwrap()),
+        norm: &up(g, &norm),
+        down: &DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(&down_w), rank, sh, 1).unwrap(),
+        up: &DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(&up_w), sh, rank, 1).unwrap(),
+        inject: Some(&inj_dev),
         streams: s,
         h,
         eps: 1e-6,
@@ -613,9 +614,9 @@ fn moe_experts_match_gemv_and_cpu() {
             ),
         ]);
         let ex = m::ExpertsDev {
-            gate: DevWeight::upload(g, gty, &gb, ff, h, ne).unwrap(),
-            up: DevWeight::upload(g, gty, &ub, ff, h, ne).unwrap(),
-            down: DevWeight::upload(g, dty, &db, h, ff, ne).unwrap(),
+            gate: &DevWeight::upload(g, gty, &gb, ff, h, ne).unwrap(),
+            up: &DevWeight::upload(g, gty, &ub, ff, h, ne).unwrap(),
+            down: &DevWeight::upload(g, dty, &db, h, ff, ne).unwrap(),
         };
         for nt in [1usize, 3, 11] {
             let x: Vec<f32> = tame(rng.f32_vec_special(nt * h, 1.0))
@@ -693,7 +694,7 @@ fn moe_experts_match_gemv_and_cpu() {
             let mut yg = g.zeros::<f32>(nt * ks * ff).unwrap();
             m::moe_gemv(
                 g,
-                &ex.gate,
+                ex.gate,
                 &di,
                 &up(g, &xq),
                 false,
@@ -884,9 +885,9 @@ fn conv_and_gdn_match_cpu() {
         eps: 1e-6,
     };
     let dev = m::GdnDev {
-        ssm_a: up(g, &ssm_a),
-        dt_bias: up(g, &dt),
-        norm: up(g, &norm),
+        ssm_a: &up(g, &ssm_a),
+        dt_bias: &up(g, &dt),
+        norm: &up(g, &norm),
         dims,
         eps: 1e-6,
     };
@@ -1342,9 +1343,9 @@ fn launchers_refuse_bad_shapes() {
     let e = m::deinterleave(g, &x, &mut o, 1, 100, 30, 2).unwrap_err();
     assert!(e.to_string().contains("2 parts of 30"), "{e}");
     // A format without product kernels is refused by name.
-    let dw = DevWeight::upload(g, GgmlType::Q4_0, &[0u8; 18 * 8], 1, 256, 1).unwrap();
+    let dw = DevWeight::upload(g, GgmlType::IQ2_XS, &[0u8; 74], 1, 256, 1).unwrap();
     let e = m::matmul(g, &dw, &g.zeros::<u8>(292).unwrap(), 1, &mut o).unwrap_err();
-    assert!(e.to_string().contains("Q4_0"), "{e}");
+    assert!(e.to_string().contains("IQ2_XS"), "{e}");
     // A position buffer shorter than the rows.
     let freqs = up(g, &m::rope_freqs(64, 1e4));
     let e = m::rope_neox(g, &mut o, &up(g, &[0u32]), &freqs, 2, 50, 50, 0).unwrap_err();
@@ -1462,9 +1463,9 @@ fn model_op_timings() {
         conv_kernel: 4,
     };
     let dev = m::GdnDev {
-        ssm_a: up(g, &[-1f32; 48]),
-        dt_bias: up(g, &[0f32; 48]),
-        norm: up(g, &vec![1f32; 128]),
+        ssm_a: &up(g, &[-1f32; 48]),
+        dt_bias: &up(g, &[0f32; 48]),
+        norm: &up(g, &vec![1f32; 128]),
         dims,
         eps: 1e-6,
     };
@@ -1593,7 +1594,7 @@ fn model_op_timings() {
     // Routed experts, Q2_0, top-10 of 64 (each expert 1.4 MB: beyond L2 over the graph's 20).
     let (h, ff, ne, ks) = (2560usize, 640usize, 64usize, 10usize);
     let ex = m::ExpertsDev {
-        gate: DevWeight::upload(
+        gate: &DevWeight::upload(
             g,
             GgmlType::Q2_0,
             &weight_blocks(GgmlType::Q2_0, ne * ff * h / 64, 1),
@@ -1602,7 +1603,7 @@ fn model_op_timings() {
             ne,
         )
         .unwrap(),
-        up: DevWeight::upload(
+        up: &DevWeight::upload(
             g,
             GgmlType::Q2_0,
             &weight_blocks(GgmlType::Q2_0, ne * ff * h / 64, 2),
@@ -1611,7 +1612,7 @@ fn model_op_timings() {
             ne,
         )
         .unwrap(),
-        down: DevWeight::upload(
+        down: &DevWeight::upload(
             g,
             GgmlType::Q2_0,
             &weight_blocks(GgmlType::Q2_0, ne * ff * h / 64, 3),
@@ -1645,9 +1646,18 @@ fn model_op_timings() {
         },
     );
     // Hyper-connection mix, full size.
+    let inj_full = DevWeight::upload(
+        g,
+        GgmlType::BF16,
+        &bf16_bytes(&rng.f32_vec(4 * 10240, 0.02)),
+        4,
+        10240,
+        1,
+    )
+    .unwrap();
     let hc = m::HcDev {
-        norm: up(g, &vec![1f32; 10240]),
-        down: DevWeight::upload(
+        norm: &up(g, &vec![1f32; 10240]),
+        down: &DevWeight::upload(
             g,
             GgmlType::BF16,
             &bf16_bytes(&rng.f32_vec(320 * 10240, 0.02)),
@@ -1656,7 +1666,7 @@ fn model_op_timings() {
             1,
         )
         .unwrap(),
-        up: DevWeight::upload(
+        up: &DevWeight::upload(
             g,
             GgmlType::BF16,
             &bf16_bytes(&rng.f32_vec(320 * 10240, 0.02)),
@@ -1665,17 +1675,7 @@ fn model_op_timings() {
             1,
         )
         .unwrap(),
-        inject: Some(
-            DevWeight::upload(
-                g,
-                GgmlType::BF16,
-                &bf16_bytes(&rng.f32_vec(4 * 10240, 0.02)),
-                4,
-                10240,
-                1,
-            )
-            .unwrap(),
-        ),
+        inject: Some(&inj_full),
         streams: 4,
         h: 2560,
         eps: 1e-6,
@@ -1749,9 +1749,9 @@ fn moe_block_matches_cpu() {
     let l = m::MoeLayerDev {
         router: dw(GgmlType::BF16, &bf16_bytes(&router), ne, h, 1),
         experts: m::ExpertsDev {
-            gate: dw(q2, &eg, ff, h, ne),
-            up: dw(q2, &eu, ff, h, ne),
-            down: dw(q2, &ed, h, ff, ne),
+            gate: &dw(q2, &eg, ff, h, ne),
+            up: &dw(q2, &eu, ff, h, ne),
+            down: &dw(q2, &ed, h, ff, ne),
         },
         n_used: ku,
         gate_sh: dw(q2, &sg, ffs, h, 1),
@@ -1840,9 +1840,9 @@ fn gdn_chunked_matches_sequential() {
         eps: 1e-6,
     };
     let dev = m::GdnDev {
-        ssm_a: up(g, &ssm_a),
-        dt_bias: up(g, &dt),
-        norm: up(g, &norm),
+        ssm_a: &up(g, &ssm_a),
+        dt_bias: &up(g, &dt),
+        norm: &up(g, &norm),
         dims,
         eps: 1e-6,
     };

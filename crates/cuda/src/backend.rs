@@ -1,0 +1,1514 @@
+//! The CUDA backend: [`CudaBackend`] implements the engine's core [`Backend`] and qwen4exp's
+//! [`Qwen4expOps`] over device buffers, so `qwen4exp::Model<CudaBackend>` and
+//! `qwen2::Model<CudaBackend>` run the model code unchanged (DESIGN.md §2.1, docs/BOUNDARY.md).
+//!
+//! - Weights are uploaded in their file formats ([`model::DevWeight`]); tensors read
+//!   element-wise (norm weights, conv kernels, per-head constants) and tables the embed kernels
+//!   do not take get an f32 image on first use.
+//! - Stores ([`Backend::store`]) are allocated at their full capacity once; rows are written at
+//!   device positions; recurrent states are updated in place.
+//! - Every operation is one or a few launches of `kernels/*.cu` through the launchers of
+//!   [`model`] and [`ops`] (the catalogue's optimized variants where the shape has one).
+//! - Nothing is read back inside a step. Kernels that meet a position or id outside a store set
+//!   a bit in the backend's error word instead of touching memory; [`Backend::download`] reads
+//!   it with the results and turns a set bit into an error.
+//!
+//! Semantics are the CPU backend's; results agree with it within the cross-backend bounds of
+//! `tests/model_ops.rs` (sums run in another order), and every row of a batch gets the bits it
+//! gets alone (prefill = steps, window rows = single rows).
+
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use strata_engine::backend::{
+    AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, Usage,
+};
+use strata_engine::kernels::ActFmt;
+use strata_engine::qwen4exp::ops::{GdnParams, HcWeights, QsaSelect, Qwen4expOps};
+use strata_engine::{EngineError, Result};
+use strata_gguf::{GgufFile, TensorInfo};
+use strata_quant::GgmlType;
+
+use crate::device::{cfg, Gpu};
+use crate::model::{self, DevWeight, ERR_CAPACITY, ERR_EXPERT};
+use crate::ops;
+use crate::CudaError;
+
+/// Attention scratch budget (floats): a long prefill over a large capacity runs its rows in
+/// chunks of what this holds.
+const ATTN_SCRATCH_FLOATS: usize = 64 << 20;
+
+/// Batches above this many rows run the routed experts grouped by expert (prefill); at most
+/// this many, one (row, slot) pair a block (decode, verify windows). Both give the same bits.
+const MOE_GROUPED_ABOVE: usize = 8;
+
+/// Batches above this many rows run the GDN recurrence spread over the state's columns (three
+/// launches); at most this many, one block a head. Both give the same bits.
+const GDN_SCAN_ABOVE: usize = 8;
+
+/// One launch of a kernel from backend code (errors become engine errors).
+macro_rules! kernel {
+    ($($t:tt)*) => {
+        (|| -> std::result::Result<(), CudaError> { crate::ops::launch!($($t)*) })()
+    };
+}
+
+fn dev(e: CudaError) -> EngineError {
+    EngineError::Input(format!("CUDA: {e}"))
+}
+
+fn shape(op: &'static str, what: String) -> EngineError {
+    EngineError::Shape { op, what }
+}
+
+/// A row-major f32 buffer on the device; `data` may hold more than `rows · cols` values (a
+/// truncated temporary keeps its allocation).
+pub struct CudaBuf {
+    rows: usize,
+    cols: usize,
+    data: CudaSlice<f32>,
+}
+
+impl CudaBuf {
+    pub fn data(&self) -> &CudaSlice<f32> {
+        &self.data
+    }
+    fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+}
+
+impl DeviceBuf for CudaBuf {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// A step's u32 inputs on the device.
+pub struct CudaIds {
+    len: usize,
+    data: CudaSlice<u32>,
+}
+
+impl DeviceIds for CudaIds {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A weight on the device in its file format, with an f32 image made on first element-wise use.
+pub struct CudaWeight {
+    info: TensorInfo,
+    ty: GgmlType,
+    file: Arc<GgufFile>,
+    dev: DevWeight,
+    values: OnceLock<CudaSlice<f32>>,
+}
+
+impl CudaWeight {
+    fn row_len(&self) -> usize {
+        self.info.ne(0) as usize
+    }
+    fn n_rows2(&self) -> usize {
+        self.info.ne(1) as usize
+    }
+    pub fn bytes_on_device(&self) -> usize {
+        self.dev.bytes.len() + self.values.get().map_or(0, |v| v.len() * 4)
+    }
+}
+
+impl DeviceWeight for CudaWeight {
+    fn name(&self) -> &str {
+        &self.info.name
+    }
+    fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    fn dims(&self) -> &[u64] {
+        &self.info.dims
+    }
+}
+
+/// Router decisions on the device: `[rows, k]` expert ids and weights in rank order.
+pub struct CudaRoutes {
+    rows: usize,
+    k: usize,
+    ids: CudaSlice<i32>,
+    wts: CudaSlice<f32>,
+}
+
+/// QSA decisions on the device: the query rows' positions and, for an indexed layer, the
+/// selected token lists.
+pub struct CudaSelection {
+    rows: usize,
+    pos: CudaSlice<u32>,
+    sparse: Option<model::Selection>,
+}
+
+/// (rotated dims, θ bits).
+type FreqKey = (usize, u32);
+
+/// The CUDA backend over one device.
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    ordinal: usize,
+    /// The error word kernels set bits in (ERR_CAPACITY, ERR_EXPERT, …).
+    err: Mutex<CudaSlice<u32>>,
+    /// Inverse rope frequencies per (rot, θ bits), uploaded once.
+    freqs: Mutex<Vec<(FreqKey, Arc<CudaSlice<f64>>)>>,
+    /// Bytes of weights uploaded.
+    weight_bytes: Mutex<usize>,
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal` (compiling or loading the kernels). Fails with an error naming
+    /// what is missing (driver, GPU, NVRTC) and never panics.
+    pub fn new(ordinal: usize) -> std::result::Result<CudaBackend, CudaError> {
+        let gpu = Gpu::new(ordinal)?;
+        let err = gpu.zeros::<u32>(1)?;
+        Ok(CudaBackend {
+            gpu: Arc::new(gpu),
+            ordinal,
+            err: Mutex::new(err),
+            freqs: Mutex::new(Vec::new()),
+            weight_bytes: Mutex::new(0),
+        })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Bytes of weights uploaded so far (file formats plus f32 images).
+    pub fn weight_bytes(&self) -> usize {
+        *self.weight_bytes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        cudarc::driver::result::mem_get_info()
+            .map_err(|e| EngineError::Input(format!("CUDA: cuMemGetInfo failed: {e}")))
+    }
+
+    fn err_word(&self) -> MutexGuard<'_, CudaSlice<u32>> {
+        self.err.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads (and clears) the error word: a set bit is an error naming what went wrong.
+    fn check_err(&self) -> Result<()> {
+        let mut e = self.err_word();
+        let v = self.gpu.download(&*e).map_err(dev)?;
+        if v.first().copied().unwrap_or(0) == 0 {
+            return Ok(());
+        }
+        self.gpu.write(&mut e, &[0u32]).map_err(dev)?;
+        let bits = v[0];
+        let mut what = Vec::new();
+        if bits & ERR_CAPACITY != 0 {
+            what.push("a position, block or selection past a store's capacity");
+        }
+        if bits & ERR_EXPERT != 0 {
+            what.push("an expert id outside the layer's experts");
+        }
+        if bits & !(ERR_CAPACITY | ERR_EXPERT) != 0 {
+            what.push("an id outside its table");
+        }
+        Err(EngineError::Input(format!(
+            "CUDA: a kernel met {} (error word {bits:#x})",
+            what.join(" and ")
+        )))
+    }
+
+    fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
+        self.gpu.zeros::<f32>(n).map_err(|e| self.oom(n * 4, e))
+    }
+
+    fn alloc_u8(&self, n: usize) -> Result<CudaSlice<u8>> {
+        self.gpu.zeros::<u8>(n).map_err(|e| self.oom(n, e))
+    }
+
+    fn oom(&self, bytes: usize, e: CudaError) -> EngineError {
+        match self.mem_info() {
+            Ok((free, total)) => EngineError::Input(format!(
+                "CUDA: cannot allocate {:.1} MiB on device {} ({:.1} of {:.1} GiB free): {e}",
+                bytes as f64 / (1 << 20) as f64,
+                self.ordinal,
+                free as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64
+            )),
+            Err(_) => dev(e),
+        }
+    }
+
+    fn buf(&self, rows: usize, cols: usize) -> Result<CudaBuf> {
+        Ok(CudaBuf {
+            rows,
+            cols,
+            data: self.alloc(rows * cols)?,
+        })
+    }
+
+    fn freqs(&self, rot: usize, theta: f32) -> Result<Arc<CudaSlice<f64>>> {
+        let key = (rot, theta.to_bits());
+        let mut f = self.freqs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, s)) = f.iter().find(|(k, _)| *k == key) {
+            return Ok(Arc::clone(s));
+        }
+        let s = Arc::new(
+            self.gpu
+                .upload(&model::rope_freqs(rot, theta))
+                .map_err(dev)?,
+        );
+        f.push((key, Arc::clone(&s)));
+        Ok(s)
+    }
+
+    /// The f32 image of a weight (dequantized on the host once, then kept on the device).
+    fn values<'a>(&self, w: &'a CudaWeight) -> Result<&'a CudaSlice<f32>> {
+        if let Some(v) = w.values.get() {
+            return Ok(v);
+        }
+        let n = usize::try_from(w.info.n_elements)
+            .map_err(|_| shape("weight", format!("{}: too many elements", w.info.name)))?;
+        let mut host = vec![0f32; n];
+        strata_quant::dequantize(w.ty, w.file.tensor_data(&w.info)?, &mut host)?;
+        let d = self.gpu.upload(&host).map_err(|e| self.oom(n * 4, e))?;
+        *self.weight_bytes.lock().unwrap_or_else(|p| p.into_inner()) += n * 4;
+        Ok(w.values.get_or_init(|| d))
+    }
+
+    fn same_shape(op: &'static str, a: &CudaBuf, b: &CudaBuf) -> Result<()> {
+        if a.rows != b.rows || a.cols != b.cols {
+            return Err(shape(
+                op,
+                format!("{}×{} vs {}×{}", a.rows, a.cols, b.rows, b.cols),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_matmul(w: &CudaWeight, x: &CudaBuf) -> Result<()> {
+        if w.info.dims.len() > 2 || x.cols != w.row_len() {
+            return Err(shape(
+                "matmul",
+                format!(
+                    "{}: rows of {} against weight {:?}",
+                    w.info.name, x.cols, w.info.dims
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `x`'s rows in `w`'s paired activation format.
+    fn prepare(&self, w: &CudaWeight, x: &CudaBuf) -> Result<CudaSlice<u8>> {
+        let rb = w.dev.act_row_bytes().map_err(dev)?;
+        let mut out = self.alloc_u8(x.rows * rb)?;
+        if x.rows > 0 {
+            model::prepare(&self.gpu, &w.dev, &x.data, x.rows, &mut out).map_err(dev)?;
+        }
+        Ok(out)
+    }
+
+    /// F32/BF16 weights whose rows are not whole 32-element units: products by the generic
+    /// kernel straight from the f32 activations.
+    fn odd_float(w: &CudaWeight) -> bool {
+        matches!(w.ty, GgmlType::F32 | GgmlType::BF16) && !w.row_len().is_multiple_of(32)
+    }
+
+    fn matmul_odd(&self, w: &CudaWeight, x: &CudaBuf) -> Result<CudaBuf> {
+        let rows = w.n_rows2();
+        let mut y = self.buf(x.rows, rows)?;
+        if x.rows == 0 || rows == 0 {
+            return Ok(y);
+        }
+        let (ri, ki, ti) = (
+            rows as i32,
+            w.row_len() as i32,
+            (w.ty == GgmlType::BF16) as i32,
+        );
+        let grid = cudarc::driver::LaunchConfig {
+            grid_dim: (rows.div_ceil(8) as u32, x.rows as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        kernel!(
+            self.gpu,
+            "elem",
+            "matmul_float_any",
+            grid,
+            [&w.dev.bytes, &x.data, &mut y.data, &ri, &ki, &ti]
+        )
+        .map_err(dev)?;
+        Ok(y)
+    }
+
+    fn product(&self, w: &CudaWeight, xq: &CudaSlice<u8>, rows: usize) -> Result<CudaBuf> {
+        let mut y = self.buf(rows, w.n_rows2())?;
+        if rows > 0 {
+            model::product(&self.gpu, &w.dev, xq, rows, &mut y.data).map_err(dev)?;
+        }
+        Ok(y)
+    }
+
+    fn ids_of(&self, ids: &[u32]) -> Result<CudaIds> {
+        Ok(CudaIds {
+            len: ids.len(),
+            data: self
+                .gpu
+                .upload(if ids.is_empty() { &[0] } else { ids })
+                .map_err(dev)?,
+        })
+    }
+
+    fn copy_ids(&self, ids: &CudaSlice<u32>, start: usize, len: usize) -> Result<CudaSlice<u32>> {
+        let mut out = self.gpu.zeros::<u32>(len).map_err(dev)?;
+        if len > 0 {
+            self.gpu
+                .stream()
+                .memcpy_dtod(&ids.slice(start..start + len), &mut out)
+                .map_err(|e| dev(crate::device::drv("cuMemcpyDtoD")(e)))?;
+        }
+        Ok(out)
+    }
+
+    /// `y = x` element-wise into a fresh buffer, through one of elem.cu's binary kernels.
+    fn binary(&self, kernel: &'static str, a: &CudaBuf, b: &CudaBuf) -> Result<CudaBuf> {
+        Self::same_shape(kernel, a, b)?;
+        let mut out = self.buf(a.rows, a.cols)?;
+        let n = a.len();
+        match kernel {
+            "swiglu" => model::swiglu(&self.gpu, &a.data, &b.data, &mut out.data, n),
+            _ => model::mul_sigmoid(&self.gpu, &a.data, &b.data, &mut out.data, n),
+        }
+        .map_err(dev)?;
+        Ok(out)
+    }
+
+    /// The generic hyper-connection mix (formats the fused launcher does not take).
+    fn hc_mix_composed(
+        &self,
+        hc: &HcWeights<'_, CudaWeight>,
+        x: &CudaBuf,
+        h: usize,
+    ) -> Result<(CudaBuf, Option<CudaBuf>)> {
+        let s = hc.streams;
+        let xn = self.rms_norm(x, hc.norm, h, hc.eps)?;
+        let inv_s = 1.0 / s as f32;
+        let a = self.matmul(hc.down, &xn)?;
+        let mut act = self.buf(a.rows, a.cols)?;
+        let n = a.len() as u64;
+        if n > 0 {
+            kernel!(
+                self.gpu,
+                "elem",
+                "hc_act_f32",
+                cfg((a.len().div_ceil(256)).clamp(1, 1 << 16) as u32, 256),
+                [&a.data, &mut act.data, &n, &inv_s]
+            )
+            .map_err(dev)?;
+        }
+        let g = self.matmul(hc.up, &act)?;
+        Self::same_shape("hc_mix (up)", &g, &xn)?;
+        let mut u = self.buf(x.rows, h)?;
+        if x.rows > 0 {
+            let (ri, hi, si) = (x.rows as i32, h as i32, s as i32);
+            kernel!(
+                self.gpu,
+                "elem",
+                "hc_u_f32",
+                cfg((x.rows * h).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
+                [&g.data, &xn.data, &mut u.data, &ri, &hi, &si, &inv_s]
+            )
+            .map_err(dev)?;
+        }
+        let inj = match hc.inject {
+            Some(wi) => {
+                let mut inj = self.matmul(wi, &xn)?;
+                if inj.cols != s {
+                    return Err(shape(
+                        "hc_mix",
+                        format!(
+                            "{}: {} inject weights for {s} streams",
+                            wi.info.name, inj.cols
+                        ),
+                    ));
+                }
+                let ni = inj.len() as u64;
+                if ni > 0 {
+                    let grid = cfg(inj.len().div_ceil(256).clamp(1, 1 << 16) as u32, 256);
+                    kernel!(
+                        self.gpu,
+                        "elem",
+                        "hc_inj_f32",
+                        grid,
+                        [&mut inj.data, &ni, &inv_s]
+                    )
+                    .map_err(dev)?;
+                }
+                Some(inj)
+            }
+            None => None,
+        };
+        Ok((u, inj))
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type Weight = CudaWeight;
+    type Ids = CudaIds;
+    type Routes = CudaRoutes;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn supports(&self, ty: GgmlType, usage: Usage) -> bool {
+        match usage {
+            Usage::MatMul => model::has_products(ty) && ActFmt::for_weight(ty).is_some(),
+            Usage::Rows | Usage::Values => strata_quant::format_fns(ty).dequantize.is_some(),
+        }
+    }
+
+    fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> Result<CudaWeight> {
+        let ty = file.tensor_type(info)?;
+        let bytes = file.tensor_data(info)?;
+        let k = info.ne(0) as usize;
+        let rows = if info.dims.len() >= 2 {
+            info.ne(1) as usize
+        } else {
+            1
+        };
+        let n_expert = if info.dims.len() >= 3 {
+            info.ne(2) as usize
+        } else {
+            1
+        };
+        let dw =
+            DevWeight::upload(&self.gpu, ty, bytes, rows, k, n_expert).map_err(|e| match e {
+                CudaError::Driver { .. } => self.oom(bytes.len(), e),
+                e => EngineError::Input(format!("CUDA: weight '{}': {e}", info.name)),
+            })?;
+        *self.weight_bytes.lock().unwrap_or_else(|p| p.into_inner()) += bytes.len();
+        Ok(CudaWeight {
+            info: info.clone(),
+            ty,
+            file: Arc::clone(file),
+            dev: dw,
+            values: OnceLock::new(),
+        })
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> Result<CudaBuf> {
+        self.buf(rows, cols)
+    }
+
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaBuf> {
+        if data.len() != rows * cols {
+            return Err(shape(
+                "upload",
+                format!("{} values for {rows}×{cols}", data.len()),
+            ));
+        }
+        let data = if data.is_empty() {
+            self.alloc(1)?
+        } else {
+            self.gpu
+                .upload(data)
+                .map_err(|e| self.oom(data.len() * 4, e))?
+        };
+        Ok(CudaBuf { rows, cols, data })
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> Result<CudaIds> {
+        self.ids_of(ids)
+    }
+
+    fn ids_range(&self, ids: &CudaIds, start: usize, len: usize) -> Result<CudaIds> {
+        if start + len > ids.len {
+            return Err(shape(
+                "ids_range",
+                format!("{start}..{} of {} ids", start + len, ids.len),
+            ));
+        }
+        Ok(CudaIds {
+            len,
+            data: self.copy_ids(&ids.data, start, len)?,
+        })
+    }
+
+    fn download(&self, x: &CudaBuf) -> Result<Vec<f32>> {
+        let n = x.len();
+        let v = if n == 0 {
+            Vec::new()
+        } else {
+            self.gpu
+                .stream()
+                .clone_dtoh(&x.data.slice(0..n))
+                .map_err(|e| dev(crate::device::drv("cuMemcpyDtoH")(e)))?
+        };
+        self.check_err()?;
+        Ok(v)
+    }
+
+    fn download_ids(&self, ids: &CudaIds) -> Result<Vec<u32>> {
+        let v = if ids.len == 0 {
+            Vec::new()
+        } else {
+            self.gpu
+                .stream()
+                .clone_dtoh(&ids.data.slice(0..ids.len))
+                .map_err(|e| dev(crate::device::drv("cuMemcpyDtoH")(e)))?
+        };
+        self.check_err()?;
+        Ok(v)
+    }
+
+    fn copy(&self, x: &CudaBuf) -> Result<CudaBuf> {
+        let mut out = self.buf(x.rows, x.cols)?;
+        self.copy_into(&mut out, x)?;
+        Ok(out)
+    }
+
+    fn copy_into(&self, dst: &mut CudaBuf, src: &CudaBuf) -> Result<()> {
+        Self::same_shape("copy_into", dst, src)?;
+        let n = src.len();
+        if n > 0 {
+            self.gpu
+                .stream()
+                .memcpy_dtod(&src.data.slice(0..n), &mut dst.data.slice_mut(0..n))
+                .map_err(|e| dev(crate::device::drv("cuMemcpyDtoD")(e)))?;
+        }
+        Ok(())
+    }
+
+    fn reshape(&self, x: CudaBuf, rows: usize, cols: usize) -> Result<CudaBuf> {
+        if rows * cols != x.len() {
+            return Err(shape(
+                "reshape",
+                format!("{}×{} as {rows}×{cols}", x.rows, x.cols),
+            ));
+        }
+        Ok(CudaBuf {
+            rows,
+            cols,
+            data: x.data,
+        })
+    }
+
+    fn truncate_rows(&self, dst: &mut CudaBuf, rows: usize) -> Result<()> {
+        if rows > dst.rows {
+            return Err(shape(
+                "truncate_rows",
+                format!("{rows} rows asked of a buffer of {}", dst.rows),
+            ));
+        }
+        dst.rows = rows;
+        Ok(())
+    }
+
+    fn slice_cols(&self, x: &CudaBuf, start: usize, len: usize) -> Result<CudaBuf> {
+        if start + len > x.cols {
+            return Err(shape(
+                "slice_cols",
+                format!("columns {start}..{} of rows of {}", start + len, x.cols),
+            ));
+        }
+        let mut out = self.buf(x.rows, len)?;
+        let n = (x.rows * len) as u64;
+        if n > 0 {
+            let (c, s, l) = (x.cols as i32, start as i32, len as i32);
+            kernel!(
+                self.gpu,
+                "elem",
+                "slice_cols_f32",
+                cfg((n as usize).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
+                [&x.data, &mut out.data, &n, &c, &s, &l]
+            )
+            .map_err(dev)?;
+        }
+        Ok(out)
+    }
+
+    fn deinterleave(&self, x: &CudaBuf, chunk: usize, parts: usize) -> Result<Vec<CudaBuf>> {
+        if chunk == 0 || parts == 0 || !x.cols.is_multiple_of(chunk * parts) {
+            return Err(shape(
+                "deinterleave",
+                format!("rows of {} into {parts} parts of {chunk}", x.cols),
+            ));
+        }
+        let n = x.len();
+        let mut all = self.alloc(n)?;
+        if n > 0 {
+            model::deinterleave(&self.gpu, &x.data, &mut all, x.rows, x.cols, chunk, parts)
+                .map_err(dev)?;
+        }
+        let part = n / parts;
+        let mut outs = Vec::with_capacity(parts);
+        for p in 0..parts {
+            let mut o = self.buf(x.rows, x.cols / parts)?;
+            if part > 0 {
+                self.gpu
+                    .stream()
+                    .memcpy_dtod(&all.slice(p * part..(p + 1) * part), &mut o.data)
+                    .map_err(|e| dev(crate::device::drv("cuMemcpyDtoD")(e)))?;
+            }
+            outs.push(o);
+        }
+        Ok(outs)
+    }
+
+    fn store(&self, cap: usize, cols: usize) -> Result<CudaBuf> {
+        self.buf(cap, cols)
+    }
+
+    fn write_rows(&self, store: &mut CudaBuf, x: &CudaBuf, at: &CudaIds) -> Result<()> {
+        self.write_kv(store, x, at, KvType::F32)
+    }
+
+    fn write_kv(&self, cache: &mut CudaBuf, x: &CudaBuf, at: &CudaIds, kv: KvType) -> Result<()> {
+        if cache.cols != x.cols || at.len != x.rows {
+            return Err(shape(
+                "write_rows",
+                format!(
+                    "{} rows of {} at {} positions into rows of {}",
+                    x.rows, x.cols, at.len, cache.cols
+                ),
+            ));
+        }
+        if x.rows == 0 || x.cols == 0 {
+            return Ok(());
+        }
+        let (cap, ci, fi) = (cache.rows as u32, x.cols as i32, (kv == KvType::F16) as i32);
+        let mut err = self.err_word();
+        kernel!(
+            self.gpu,
+            "attn",
+            "store_rows_f32",
+            cfg(x.rows as u32, 256),
+            [
+                &mut cache.data,
+                &cap,
+                &x.data,
+                &at.data,
+                &ci,
+                &fi,
+                &mut *err
+            ]
+        )
+        .map_err(dev)
+    }
+
+    fn add_assign(&self, x: &mut CudaBuf, y: &CudaBuf) -> Result<()> {
+        Self::same_shape("add_assign", x, y)?;
+        let n = x.len();
+        if n > 0 {
+            model::add_assign(&self.gpu, &mut x.data, &y.data, n).map_err(dev)?;
+        }
+        Ok(())
+    }
+
+    fn embed_rows(&self, table: &CudaWeight, ids: &CudaIds, copies: usize) -> Result<CudaBuf> {
+        let k = table.row_len();
+        let rows = table.info.n_rows() as usize;
+        let n = ids.len;
+        let mut out = self.buf(n, k * copies)?;
+        if n == 0 || k == 0 || copies == 0 {
+            return Ok(out);
+        }
+        let kernel = strata_engine::kernels::embed::REPORT_FORMATS.contains(&table.ty)
+            && k.is_multiple_of(32);
+        if kernel {
+            let mut e = if copies == 1 {
+                None
+            } else {
+                Some(self.alloc(n * k)?)
+            };
+            let dst = e.as_mut().unwrap_or(&mut out.data);
+            ops::embed(
+                &self.gpu,
+                "optimized",
+                table.ty,
+                &table.dev.bytes,
+                rows,
+                &ids.data,
+                n,
+                dst,
+                k,
+            )
+            .map_err(dev)?;
+            if let Some(e) = e {
+                model::repeat_rows(&self.gpu, &e, &mut out.data, n, k, copies).map_err(dev)?;
+            }
+        } else {
+            let t = self.values(table)?;
+            let (nr, nn, c, cp) = (
+                rows as u32,
+                (n * k * copies) as u64,
+                k as i32,
+                copies as i32,
+            );
+            kernel!(
+                self.gpu,
+                "elem",
+                "gather_rows_f32",
+                cfg((nn as usize).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
+                [t, &nr, &ids.data, &mut out.data, &nn, &c, &cp]
+            )
+            .map_err(dev)?;
+        }
+        Ok(out)
+    }
+
+    fn matmul(&self, w: &CudaWeight, x: &CudaBuf) -> Result<CudaBuf> {
+        Self::check_matmul(w, x)?;
+        if Self::odd_float(w) {
+            return self.matmul_odd(w, x);
+        }
+        let xq = self.prepare(w, x)?;
+        self.product(w, &xq, x.rows)
+    }
+
+    /// One activation image per format for all the products of `x`.
+    fn matmuls<const N: usize>(&self, ws: [&CudaWeight; N], x: &CudaBuf) -> Result<[CudaBuf; N]> {
+        let mut prepared: Vec<(ActFmt, CudaSlice<u8>)> = Vec::new();
+        let mut ys = Vec::with_capacity(N);
+        for w in ws {
+            Self::check_matmul(w, x)?;
+            if Self::odd_float(w) {
+                ys.push(self.matmul_odd(w, x)?);
+                continue;
+            }
+            let f = w.dev.act().map_err(dev)?;
+            let i = match prepared.iter().position(|(p, _)| *p == f) {
+                Some(i) => i,
+                None => {
+                    prepared.push((f, self.prepare(w, x)?));
+                    prepared.len() - 1
+                }
+            };
+            ys.push(self.product(w, &prepared[i].1, x.rows)?);
+        }
+        ys.try_into()
+            .map_err(|_| shape("matmuls", "product count".into()))
+    }
+
+    fn matmul_rows(&self, w: &CudaWeight, rows: &CudaIds, x: &CudaBuf) -> Result<CudaBuf> {
+        // The full product, then the wanted columns: each entry is the full product's bits.
+        let y = self.matmul(w, x)?;
+        let mut out = self.buf(x.rows, rows.len)?;
+        let n = (x.rows * rows.len) as u64;
+        if n > 0 {
+            let (c, m) = (y.cols as i32, rows.len as i32);
+            let mut err = self.err_word();
+            kernel!(
+                self.gpu,
+                "elem",
+                "gather_cols_f32",
+                cfg((n as usize).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
+                [&y.data, &rows.data, &mut out.data, &n, &c, &m, &mut *err]
+            )
+            .map_err(dev)?;
+        }
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CudaBuf, w: &CudaWeight, group: usize, eps: f32) -> Result<CudaBuf> {
+        let wv = self.values(w)?;
+        let mut out = self.buf(x.rows, x.cols)?;
+        if x.rows == 0 {
+            return Ok(out);
+        }
+        // The weight's image holds exactly its elements (the launcher checks the count).
+        model::rms_norm(
+            &self.gpu,
+            &x.data,
+            wv,
+            &mut out.data,
+            x.rows,
+            x.cols,
+            group,
+            eps,
+        )
+        .map_err(dev)?;
+        Ok(out)
+    }
+
+    fn rope_neox(
+        &self,
+        x: &mut CudaBuf,
+        head_dim: usize,
+        rot: usize,
+        theta: f32,
+        positions: &CudaIds,
+    ) -> Result<()> {
+        if positions.len != x.rows {
+            return Err(shape(
+                "rope_neox",
+                format!("{} positions for {} rows", positions.len, x.rows),
+            ));
+        }
+        if x.rows == 0 || rot == 0 {
+            return Ok(());
+        }
+        let f = self.freqs(rot, theta)?;
+        let (rows, cols) = (x.rows, x.cols);
+        model::rope_neox(
+            &self.gpu,
+            &mut x.data,
+            &positions.data,
+            &f,
+            rows,
+            cols,
+            head_dim,
+            rot,
+        )
+        .map_err(dev)
+    }
+
+    fn mul_sigmoid(&self, x: &CudaBuf, gate: &CudaBuf) -> Result<CudaBuf> {
+        self.binary("mul_sigmoid", x, gate)
+    }
+
+    /// The catalogue's `route` kernel (optimized where the shape has one).
+    fn route(&self, logits: &CudaBuf, k: usize) -> Result<CudaRoutes> {
+        if k == 0 || k > logits.cols {
+            return Err(shape(
+                "route",
+                format!("top {k} of {} experts", logits.cols),
+            ));
+        }
+        let n = logits.rows;
+        let mut ids = self.gpu.zeros::<i32>(n * k).map_err(dev)?;
+        let mut wts = self.alloc(n * k)?;
+        if n > 0 {
+            ops::route(
+                &self.gpu,
+                "optimized",
+                &logits.data,
+                &mut ids,
+                &mut wts,
+                n,
+                logits.cols,
+                k,
+            )
+            .map_err(dev)?;
+        }
+        Ok(CudaRoutes {
+            rows: n,
+            k,
+            ids,
+            wts,
+        })
+    }
+
+    fn moe_experts(
+        &self,
+        ex: &ExpertWeights<'_, CudaWeight>,
+        x: &CudaBuf,
+        routes: &CudaRoutes,
+    ) -> Result<CudaBuf> {
+        let h = x.cols;
+        if routes.rows != x.rows
+            || ex.gate.row_len() != h
+            || ex.up.row_len() != h
+            || ex.down.n_rows2() != h
+            || ex.down.row_len() != ex.gate.n_rows2()
+        {
+            return Err(shape(
+                "moe_experts",
+                format!(
+                    "{} rows of {h} for experts {:?}/{:?}/{:?}",
+                    x.rows, ex.gate.info.dims, ex.up.info.dims, ex.down.info.dims
+                ),
+            ));
+        }
+        let mut out = self.buf(x.rows, h)?;
+        if x.rows == 0 {
+            return Ok(out);
+        }
+        if [ex.gate, ex.up, ex.down].iter().any(|w| Self::odd_float(w)) {
+            return self.moe_experts_odd(ex, x, routes, out);
+        }
+        let devs = model::ExpertsDev {
+            gate: &ex.gate.dev,
+            up: &ex.up.dev,
+            down: &ex.down.dev,
+        };
+        let mut s = model::MoeScratch::new(&self.gpu, &devs, x.rows, routes.k).map_err(dev)?;
+        let mut err = self.err_word();
+        model::moe_experts(
+            &self.gpu,
+            &devs,
+            &x.data,
+            &routes.ids,
+            &routes.wts,
+            &mut s,
+            x.rows > MOE_GROUPED_ABOVE,
+            &mut out.data,
+            &mut err,
+        )
+        .map_err(dev)?;
+        Ok(out)
+    }
+
+    fn swiglu(&self, g: &CudaBuf, u: &CudaBuf) -> Result<CudaBuf> {
+        self.binary("swiglu", g, u)
+    }
+
+    fn add_sigmoid_gated(&self, y: &mut CudaBuf, x: &CudaBuf, gate: &CudaBuf) -> Result<()> {
+        Self::same_shape("add_sigmoid_gated", y, x)?;
+        if gate.rows != y.rows || gate.cols != 1 {
+            return Err(shape(
+                "add_sigmoid_gated",
+                format!("gate {}×{}", gate.rows, gate.cols),
+            ));
+        }
+        let (rows, cols) = (y.rows, y.cols);
+        if rows * cols == 0 {
+            return Ok(());
+        }
+        model::add_sigmoid_gated(&self.gpu, &mut y.data, &x.data, &gate.data, rows, cols)
+            .map_err(dev)
+    }
+
+    fn add_bias(&self, x: &mut CudaBuf, b: &CudaWeight) -> Result<()> {
+        let bv = self.values(b)?;
+        let (rows, cols) = (x.rows, x.cols);
+        if rows == 0 {
+            return Ok(());
+        }
+        model::add_bias(&self.gpu, &mut x.data, bv, rows, cols).map_err(dev)
+    }
+
+    fn attend_causal(
+        &self,
+        q: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        positions: &CudaIds,
+        dims: AttnDims,
+        kv: KvType,
+    ) -> Result<CudaBuf> {
+        self.attend_over(
+            q,
+            k_cache,
+            v_cache,
+            &positions.data,
+            positions.len,
+            None,
+            dims,
+            kv,
+        )
+    }
+}
+
+impl CudaBackend {
+    /// One expert product over every (row, slot) pair by the generic float kernel.
+    fn moe_pairs_odd(
+        &self,
+        w: &CudaWeight,
+        x: &CudaBuf,
+        x_per_slot: bool,
+        routes: &CudaRoutes,
+    ) -> Result<CudaBuf> {
+        let pairs = routes.rows * routes.k;
+        let rows = w.n_rows2();
+        let mut y = self.buf(pairs, rows)?;
+        let slab = (rows * w.row_len()) as u64;
+        let (ne, xps, ks) = (w.info.ne(2) as i32, x_per_slot as i32, routes.k as i32);
+        let (ri, ki, ti) = (
+            rows as i32,
+            w.row_len() as i32,
+            (w.ty == GgmlType::BF16) as i32,
+        );
+        let grid = cudarc::driver::LaunchConfig {
+            grid_dim: (rows.div_ceil(8) as u32, pairs as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut err = self.err_word();
+        kernel!(
+            self.gpu,
+            "elem",
+            "moe_float_any",
+            grid,
+            [
+                &w.dev.bytes,
+                &slab,
+                &routes.ids,
+                &ne,
+                &x.data,
+                &xps,
+                &ks,
+                &mut y.data,
+                &ri,
+                &ki,
+                &ti,
+                &mut *err
+            ]
+        )
+        .map_err(dev)?;
+        Ok(y)
+    }
+
+    /// Routed experts whose float rows are not whole units: gate/up/down by the generic
+    /// kernel, the same combine.
+    fn moe_experts_odd(
+        &self,
+        ex: &ExpertWeights<'_, CudaWeight>,
+        x: &CudaBuf,
+        routes: &CudaRoutes,
+        mut out: CudaBuf,
+    ) -> Result<CudaBuf> {
+        if [ex.gate, ex.up, ex.down]
+            .iter()
+            .any(|w| !matches!(w.ty, GgmlType::F32 | GgmlType::BF16))
+        {
+            return Err(shape(
+                "moe_experts",
+                format!(
+                    "{}: float and block-quantized experts mixed with rows of {}",
+                    ex.gate.info.name,
+                    ex.gate.row_len()
+                ),
+            ));
+        }
+        let g = self.moe_pairs_odd(ex.gate, x, false, routes)?;
+        let u = self.moe_pairs_odd(ex.up, x, false, routes)?;
+        let act = self.swiglu(&g, &u)?;
+        let y = self.moe_pairs_odd(ex.down, &act, true, routes)?;
+        model::moe_combine(
+            &self.gpu,
+            &y.data,
+            &routes.wts,
+            &mut out.data,
+            routes.rows,
+            routes.k,
+            x.cols,
+        )
+        .map_err(dev)?;
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attend_over(
+        &self,
+        q: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        pos: &CudaSlice<u32>,
+        n_pos: usize,
+        sel: Option<&model::Selection>,
+        dims: AttnDims,
+        kv: KvType,
+    ) -> Result<CudaBuf> {
+        let kvc = dims.n_head_kv * dims.head_dim;
+        if q.cols != dims.n_head * dims.head_dim
+            || k_cache.cols != kvc
+            || v_cache.cols != kvc
+            || k_cache.rows != v_cache.rows
+            || n_pos != q.rows
+        {
+            return Err(shape(
+                "attend",
+                format!(
+                    "q {}×{}, caches {}×{} / {}×{}, {n_pos} positions, {dims:?}",
+                    q.rows, q.cols, k_cache.rows, k_cache.cols, v_cache.rows, v_cache.cols
+                ),
+            ));
+        }
+        let mut out = self.buf(q.rows, q.cols)?;
+        if q.rows == 0 {
+            return Ok(out);
+        }
+        let cap = k_cache.rows;
+        let per_row = dims.n_head * cap;
+        let rows_fit = (ATTN_SCRATCH_FLOATS / per_row.max(1)).clamp(1, q.rows);
+        let mut scratch = self.alloc(rows_fit * per_row)?;
+        let mut err = self.err_word();
+        model::attend(
+            &self.gpu,
+            &q.data,
+            &k_cache.data,
+            &v_cache.data,
+            cap,
+            sel,
+            pos,
+            q.rows,
+            dims,
+            kv == KvType::F16,
+            &mut out.data,
+            &mut scratch,
+            &mut err,
+        )
+        .map_err(dev)?;
+        Ok(out)
+    }
+}
+
+impl Qwen4expOps for CudaBackend {
+    type Selection = CudaSelection;
+
+    fn hc_mix(
+        &self,
+        hc: &HcWeights<'_, CudaWeight>,
+        x: &CudaBuf,
+    ) -> Result<(CudaBuf, Option<CudaBuf>)> {
+        let s = hc.streams;
+        if s == 0 || !x.cols.is_multiple_of(s) {
+            return Err(shape(
+                "hc_mix",
+                format!("rows of {} in {s} streams", x.cols),
+            ));
+        }
+        let h = x.cols / s;
+        // The fused launcher takes a BF16 up weight (its activation rounding is fused), an
+        // inject weight sharing the down weight's activation image, and whole-unit rows.
+        let fused = hc.up.ty == GgmlType::BF16
+            && hc
+                .inject
+                .is_none_or(|wi| wi.dev.act().ok() == hc.down.dev.act().ok())
+            && [Some(hc.down), Some(hc.up), hc.inject]
+                .into_iter()
+                .flatten()
+                .all(|w| !Self::odd_float(w) && w.info.dims.len() == 2);
+        if !fused {
+            return self.hc_mix_composed(hc, x, h);
+        }
+        let norm = self.values(hc.norm)?;
+        let devs = model::HcDev {
+            norm,
+            down: &hc.down.dev,
+            up: &hc.up.dev,
+            inject: hc.inject.map(|w| &w.dev),
+            streams: s,
+            h,
+            eps: hc.eps,
+        };
+        let mut u = self.buf(x.rows, h)?;
+        let mut inj = match hc.inject {
+            Some(_) => Some(self.buf(x.rows, s)?),
+            None => None,
+        };
+        if x.rows > 0 {
+            let mut scratch = model::HcScratch::new(&self.gpu, &devs, x.rows).map_err(dev)?;
+            model::hc_mix(
+                &self.gpu,
+                &devs,
+                &x.data,
+                x.rows,
+                &mut scratch,
+                &mut u.data,
+                inj.as_mut().map(|b| &mut b.data),
+            )
+            .map_err(dev)?;
+        }
+        Ok((u, inj))
+    }
+
+    fn hc_combine(&self, x: &mut CudaBuf, y: &CudaBuf, inj: Option<&CudaBuf>) -> Result<()> {
+        let h = y.cols;
+        if h == 0 || !x.cols.is_multiple_of(h) || x.rows != y.rows {
+            return Err(shape(
+                "hc_combine",
+                format!("x {}×{}, y {}×{}", x.rows, x.cols, y.rows, y.cols),
+            ));
+        }
+        let streams = x.cols / h;
+        let rows = x.rows;
+        if rows == 0 {
+            return Ok(());
+        }
+        match inj {
+            Some(inj) => {
+                if inj.rows != rows || inj.cols != streams {
+                    return Err(shape(
+                        "hc_combine",
+                        format!(
+                            "{}×{} stream weights for {streams} streams",
+                            inj.rows, inj.cols
+                        ),
+                    ));
+                }
+                model::hc_combine(&self.gpu, &mut x.data, &y.data, &inj.data, rows, h, streams)
+                    .map_err(dev)
+            }
+            None => {
+                // Unit weights: X_s += y for every stream (the MTP head's combine).
+                let mut rep = self.alloc(rows * streams * h)?;
+                model::repeat_rows(&self.gpu, &y.data, &mut rep, rows, h, streams).map_err(dev)?;
+                model::add_assign(&self.gpu, &mut x.data, &rep, rows * streams * h).map_err(dev)
+            }
+        }
+    }
+
+    fn conv1d_silu(
+        &self,
+        x: &CudaBuf,
+        w: &CudaWeight,
+        history: &mut CudaBuf,
+        dilation: usize,
+    ) -> Result<CudaBuf> {
+        let c = x.cols;
+        let k = w.row_len();
+        if w.n_rows2() != c || history.cols != c || history.rows != (k.max(1) - 1) * dilation {
+            return Err(shape(
+                "conv1d_silu",
+                format!(
+                    "{}: kernel {:?} for rows of {c}, history {}×{} (dilation {dilation})",
+                    w.info.name, w.info.dims, history.rows, history.cols
+                ),
+            ));
+        }
+        let wv = self.values(w)?;
+        let mut out = self.buf(x.rows, c)?;
+        if x.rows == 0 {
+            return Ok(out);
+        }
+        model::conv1d_silu(
+            &self.gpu,
+            &x.data,
+            wv,
+            &mut history.data,
+            &mut out.data,
+            x.rows,
+            c,
+            k,
+            dilation,
+        )
+        .map_err(dev)?;
+        Ok(out)
+    }
+
+    fn gdn_step(
+        &self,
+        p: &GdnParams<'_, CudaWeight>,
+        qkv: &CudaBuf,
+        z: &CudaBuf,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        state: &mut CudaBuf,
+    ) -> Result<CudaBuf> {
+        let d = p.dims;
+        let n = qkv.rows;
+        if qkv.cols != d.conv_dim()
+            || z.cols != d.value_dim()
+            || a.cols != d.n_v_heads
+            || b.cols != d.n_v_heads
+            || z.rows != n
+            || a.rows != n
+            || b.rows != n
+        {
+            return Err(shape(
+                "gdn_step",
+                format!(
+                    "qkv {}×{}, z {}×{}, a {}×{}, b {}×{} for {d:?}",
+                    qkv.rows, qkv.cols, z.rows, z.cols, a.rows, a.cols, b.rows, b.cols
+                ),
+            ));
+        }
+        let devs = model::GdnDev {
+            ssm_a: self.values(p.a)?,
+            dt_bias: self.values(p.dt_bias)?,
+            norm: self.values(p.norm)?,
+            dims: d,
+            eps: p.eps,
+        };
+        let mut out = self.buf(n, d.value_dim())?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let scan =
+            matches!(d.head_k, 32 | 64 | 128) && d.head_v.is_multiple_of(32) && d.head_v <= 256;
+        if n > GDN_SCAN_ABOVE && scan {
+            let mut s = model::GdnScratch::new(&self.gpu, d, n).map_err(dev)?;
+            model::gdn_step_scan(
+                &self.gpu,
+                &devs,
+                &qkv.data,
+                &z.data,
+                &a.data,
+                &b.data,
+                &mut state.data,
+                &mut out.data,
+                n,
+                &mut s,
+            )
+            .map_err(dev)?;
+        } else {
+            model::gdn_step(
+                &self.gpu,
+                &devs,
+                &qkv.data,
+                &z.data,
+                &a.data,
+                &b.data,
+                &mut state.data,
+                &mut out.data,
+                n,
+            )
+            .map_err(dev)?;
+        }
+        Ok(out)
+    }
+
+    fn qsa_pool_blocks(
+        &self,
+        kraw: &CudaBuf,
+        positions: &CudaIds,
+        ratio: usize,
+    ) -> Result<CudaBuf> {
+        if ratio == 0 {
+            return Err(shape("qsa_pool_blocks", "block size 0".into()));
+        }
+        let d = kraw.cols;
+        let n = positions.len;
+        let mut out = self.buf(n, d)?;
+        let nn = (n * d) as u64;
+        if nn > 0 {
+            let (cap, di, ri) = (kraw.rows as u32, d as i32, ratio as i32);
+            let mut err = self.err_word();
+            kernel!(
+                self.gpu,
+                "elem",
+                "qsa_mean_f32",
+                cfg((nn as usize).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
+                [
+                    &kraw.data,
+                    &cap,
+                    &positions.data,
+                    &mut out.data,
+                    &nn,
+                    &di,
+                    &ri,
+                    &mut *err
+                ]
+            )
+            .map_err(dev)?;
+        }
+        Ok(out)
+    }
+
+    fn qsa_select(
+        &self,
+        qi: &CudaBuf,
+        blocks: &CudaBuf,
+        positions: &CudaIds,
+        sel: QsaSelect,
+    ) -> Result<CudaSelection> {
+        let d = blocks.cols;
+        if d == 0 || !qi.cols.is_multiple_of(d) || positions.len != qi.rows || sel.ratio == 0 {
+            return Err(shape(
+                "qsa_select",
+                format!(
+                    "queries {}×{}, blocks of {d}, {} positions, ratio {}",
+                    qi.rows, qi.cols, positions.len, sel.ratio
+                ),
+            ));
+        }
+        let n = qi.rows;
+        // The token capacity the selection indexes: the pooled store is made with as many rows
+        // as the token stores (qwen4exp::state::AttnCache), so its row count is that capacity.
+        let cap = blocks.rows;
+        let mut s = model::Selection::new(&self.gpu, n.max(1), cap, sel).map_err(dev)?;
+        if n > 0 {
+            let mut err = self.err_word();
+            model::qsa_select(
+                &self.gpu,
+                &qi.data,
+                &blocks.data,
+                &positions.data,
+                n,
+                qi.cols / d,
+                d,
+                sel,
+                &mut s,
+                &mut err,
+            )
+            .map_err(dev)?;
+        }
+        Ok(CudaSelection {
+            rows: n,
+            pos: self.copy_ids(&positions.data, 0, n)?,
+            sparse: Some(s),
+        })
+    }
+
+    fn select_causal(&self, positions: &CudaIds) -> Result<CudaSelection> {
+        Ok(CudaSelection {
+            rows: positions.len,
+            pos: self.copy_ids(&positions.data, 0, positions.len)?,
+            sparse: None,
+        })
+    }
+
+    fn attend(
+        &self,
+        q: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        sel: &CudaSelection,
+        dims: AttnDims,
+        kv: KvType,
+    ) -> Result<CudaBuf> {
+        if let Some(s) = &sel.sparse {
+            if s.cap > k_cache.rows {
+                return Err(shape(
+                    "attend",
+                    format!(
+                        "a selection over {} tokens for caches of {}",
+                        s.cap, k_cache.rows
+                    ),
+                ));
+            }
+        }
+        self.attend_over(
+            q,
+            k_cache,
+            v_cache,
+            &sel.pos,
+            sel.rows,
+            sel.sparse.as_ref(),
+            dims,
+            kv,
+        )
+    }
+
+    fn ple_gate(&self, k: &CudaBuf, q: &CudaBuf, v: &CudaBuf, streams: usize) -> Result<CudaBuf> {
+        let h = v.cols;
+        if k.rows != v.rows || q.rows != v.rows || k.cols != streams * h || q.cols != streams * h {
+            return Err(shape(
+                "ple_gate",
+                format!(
+                    "k {}×{}, q {}×{}, v {}×{} for {streams} streams",
+                    k.rows, k.cols, q.rows, q.cols, v.rows, v.cols
+                ),
+            ));
+        }
+        let mut out = self.buf(v.rows, streams * h)?;
+        if v.rows == 0 {
+            return Ok(out);
+        }
+        model::ple_gate(
+            &self.gpu,
+            &k.data,
+            &q.data,
+            &v.data,
+            &mut out.data,
+            v.rows,
+            h,
+            streams,
+        )
+        .map_err(dev)?;
+        Ok(out)
+    }
+}
