@@ -18,13 +18,6 @@ use strata_quant::synth::SplitMix64;
 use crate::args::model::ModelArgs;
 use crate::load::{self, Loaded};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum BackendArg {
-    Cpu,
-    Cuda,
-    Auto,
-}
-
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
@@ -44,9 +37,6 @@ pub struct Args {
     /// Tokens per forward call in prompts and depth fills (llama-bench's ubatch)
     #[arg(short = 'u', long, default_value_t = 512)]
     pub ubatch: usize,
-    /// Backend (only the CPU backend exists in this build)
-    #[arg(long, value_enum, default_value = "cpu")]
-    pub backend: BackendArg,
     /// Per-kernel decode profile (needs a GPU backend)
     #[arg(long)]
     pub profile: bool,
@@ -154,17 +144,10 @@ fn once(loaded: &Loaded, t: Test, ubatch: usize, rng: &mut SplitMix64) -> Result
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    match a.backend {
-        BackendArg::Cpu => {}
-        BackendArg::Auto => eprintln!("--backend auto: CPU (this build has no GPU model backend)"),
-        BackendArg::Cuda => {
-            bail!("--backend cuda: this build has no CUDA model backend yet; use --backend cpu")
-        }
-    }
     if a.profile {
         bail!(
-            "--profile needs a GPU backend (it reports per-kernel times per decode token); it is \
-             not available on the CPU backend yet"
+            "--profile (per-kernel times per decode token) is not available yet: neither the \
+             CPU backend nor the CUDA backend reports per-kernel times"
         );
     }
     if a.repetitions == 0 {
@@ -206,9 +189,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
         choice.kv_type,
         None,
         choice.ctx_size,
+        &choice.backend,
     )?;
     let load_s = t_load.elapsed().as_secs_f64();
-    let threads = loaded.threads();
+    if !a.json {
+        eprintln!("backend: {}", loaded.backend_note);
+    }
+    let backend = loaded.backend_name().to_uppercase();
+    let n_threads = loaded.threads();
+    let threads = n_threads.map_or("-".to_string(), |t| t.to_string());
     // Positions a sequence may hold (qwen4exp: the capacity its caches were made with).
     let n_ctx = loaded.n_ctx_model();
     if let Some(t) = tests.iter().find(|t| t.depth + t.n > n_ctx) {
@@ -264,8 +253,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
                     "model_type": model_type,
                     "model_size": size,
                     "model_n_params": params,
-                    "backends": "CPU",
-                    "n_threads": threads,
+                    "backends": backend,
+                    "n_threads": n_threads,
                     "n_ubatch": a.ubatch,
                     "type_k": format!("{:?}", a.model.kv_type).to_lowercase(),
                     "test": r.test.name(),
@@ -296,7 +285,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             let best = ts.iter().copied().fold(0.0, f64::max);
             let cpu_min = r.cpu_ns.iter().copied().min().unwrap_or(0);
             println!(
-                "| {model_type} | {:.2} GiB | {:.2} B | CPU | {threads} | {} | {m:.2} ± {sd:.2} | {best:.2} | {:.2} |",
+                "| {model_type} | {:.2} GiB | {:.2} B | {backend} | {threads} | {} | {m:.2} ± {sd:.2} | {best:.2} | {:.2} |",
                 size as f64 / (1u64 << 30) as f64,
                 params as f64 / 1e9,
                 r.test.name(),

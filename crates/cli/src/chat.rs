@@ -143,7 +143,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         };
         match chat.turn(msg) {
             Ok(Some(g)) if args.verbose => {
-                report::verbose(load_time, &g.generation, model.threads(), &chat.sampler);
+                report::verbose(load_time, &g.generation, &model.backend_note, &chat.sampler);
                 report::slop(&g);
             }
             Ok(_) => {}

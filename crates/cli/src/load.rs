@@ -1,24 +1,101 @@
 //! Loading a model for `run`, `chat` and `logits`: opening the GGUF, the checks a damaged file
 //! must fail at load rather than mid-generation (an end-of-generation id outside the
-//! vocabulary, a NaN in a norm weight), binding it by architecture on the CPU backend, and the
-//! context limit every command applies the same way.
+//! vocabulary, a NaN in a norm weight), binding it by architecture on the backend `--backend`
+//! chooses, and the context limit every command applies the same way.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use strata_cuda::CudaBackend;
 use strata_engine::generate::{Qwen2Session, Qwen4expSession, Session};
-use strata_engine::{qwen2, qwen4exp, CpuBackend, KvType};
+use strata_engine::{qwen2, qwen4exp, CpuBackend, KvType, Qwen4expOps};
+
+use crate::args::backend::{BackendChoice, BackendKind};
 use strata_gguf::GgufFile;
 use strata_tokenizer::Tokenizer;
 
 /// The architectures strata runs, for error messages.
 pub const SUPPORTED: &str = "qwen2 or qwen4exp";
 
-/// A loaded model of any supported architecture, on the CPU backend.
-pub enum Loaded {
+/// A loaded model of any supported architecture on either backend, and what was chosen.
+pub struct Loaded {
+    pub model: Bound,
+    /// Which backend runs it and why (`-v` prints it).
+    pub backend_note: String,
+}
+
+/// A model bound to a backend.
+pub enum Bound {
     Qwen2(Box<qwen2::Model<CpuBackend>>),
     Qwen4exp(Box<qwen4exp::Model<CpuBackend>>),
+    Qwen2Cuda(Box<qwen2::Model<CudaBackend>>),
+    Qwen4expCuda(Box<qwen4exp::Model<CudaBackend>>),
+}
+
+/// `$body` with `$m` bound to the model of any [`Bound`] variant (the commands are generic over
+/// the backend; this is the one place the variants are listed).
+macro_rules! each_model {
+    ($bound:expr, $m:ident => $body:expr) => {
+        match $bound {
+            $crate::load::Bound::Qwen2($m) => $body,
+            $crate::load::Bound::Qwen4exp($m) => $body,
+            $crate::load::Bound::Qwen2Cuda($m) => $body,
+            $crate::load::Bound::Qwen4expCuda($m) => $body,
+        }
+    };
+}
+
+/// A backend, opened as `--backend` and `--device` say.
+pub enum Chosen {
+    Cpu(CpuBackend),
+    Cuda(CudaBackend),
+}
+
+/// Opens the backend `b` asks for; with `auto`, CUDA when it opens, else the CPU (the note
+/// says why). `--backend cuda` without a usable GPU is an error naming what is missing.
+pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String)> {
+    let cpu = |why: String| -> Result<(Chosen, String)> {
+        let c = CpuBackend::new(threads)?;
+        let note = format!("cpu ({} threads, {:?}){why}", c.threads(), c.isa());
+        Ok((Chosen::Cpu(c), note))
+    };
+    match b.kind {
+        BackendKind::Cpu => cpu(String::new()),
+        BackendKind::Cuda => match CudaBackend::new(b.device) {
+            Ok(c) => {
+                let note = cuda_note(&c);
+                Ok((Chosen::Cuda(c), note))
+            }
+            Err(e) => bail!(
+                "--backend cuda: {e}{}",
+                match e {
+                    strata_cuda::CudaError::DriverMissing(_) =>
+                        "\n(use --backend cpu, or run on a machine with an NVIDIA GPU and its driver)",
+                    _ => "",
+                }
+            ),
+        },
+        BackendKind::Auto => match CudaBackend::new(b.device) {
+            Ok(c) => {
+                let note = format!("{} (auto)", cuda_note(&c));
+                Ok((Chosen::Cuda(c), note))
+            }
+            Err(e) => cpu(format!(" (auto: no usable GPU: {e})")),
+        },
+    }
+}
+
+fn cuda_note(c: &CudaBackend) -> String {
+    let g = c.gpu();
+    format!(
+        "cuda:{} ({}, sm_{}{}, {} SMs)",
+        c.ordinal(),
+        g.name,
+        g.arch.0,
+        g.arch.1,
+        g.sms
+    )
 }
 
 /// An opened model file that passed the load-time checks.
@@ -112,13 +189,16 @@ pub fn model(path: &Path, choice: &crate::args::model::ModelChoice) -> Result<(L
         choice.kv_type,
         None,
         choice.ctx_size,
+        &choice.backend,
     )?;
     let tok = tokenizer(&opened.file, path, loaded.n_vocab())?;
     Ok((loaded, tok))
 }
 
 impl Loaded {
-    /// Binds an opened file; `mtp` loads an MTP head beside a qwen4exp trunk.
+    /// Binds an opened file on the backend `backend` chooses; `mtp` loads an MTP head beside a
+    /// qwen4exp trunk. With `auto`, a file whose formats the GPU cannot run falls back to the
+    /// CPU (the note says so).
     pub fn bind(
         o: &Opened,
         path: &Path,
@@ -126,101 +206,211 @@ impl Loaded {
         kv_type: KvType,
         mtp: Option<&Path>,
         ctx_size: Option<usize>,
+        backend: &BackendChoice,
     ) -> Result<Loaded> {
-        let backend = CpuBackend::new(threads)?;
-        Ok(match o.arch.as_str() {
-            qwen2::ARCH => {
-                if mtp.is_some() {
-                    bail!(
-                        "MTP speculation needs a qwen4exp model; {} is qwen2",
-                        path.display()
-                    );
-                }
-                Loaded::Qwen2(Box::new(
-                    qwen2::Model::from_file(
-                        o.file.clone(),
-                        backend,
-                        &qwen2::LoadOptions { kv_type },
-                    )
-                    .with_context(|| format!("loading {}", path.display()))?,
-                ))
-            }
-            _ => {
-                // qwen4exp caches are sized at load: `--ctx-size` sets their capacity.
-                let opts = qwen4exp::LoadOptions {
+        let (chosen, note) = open_backend(backend, threads)?;
+        match chosen {
+            Chosen::Cpu(b) => Ok(Loaded {
+                model: bind_on(
+                    o,
+                    path,
+                    b,
                     kv_type,
-                    ctx: ctx_size,
-                    ..Default::default()
-                };
-                let mut model = qwen4exp::Model::from_file(o.file.clone(), backend, &opts)
-                    .with_context(|| format!("loading {}", path.display()))?;
-                for w in model.warnings() {
-                    eprintln!("warning: {w}");
+                    mtp,
+                    ctx_size,
+                    Bound::Qwen2,
+                    Bound::Qwen4exp,
+                )?,
+                backend_note: note,
+            }),
+            Chosen::Cuda(b) => {
+                let mem0 = b.mem_info().ok();
+                match bind_on(
+                    o,
+                    path,
+                    b,
+                    kv_type,
+                    mtp,
+                    ctx_size,
+                    Bound::Qwen2Cuda,
+                    Bound::Qwen4expCuda,
+                ) {
+                    Ok(model) => {
+                        let note = format!("{note}; {}", vram_note(&model, mem0));
+                        Ok(Loaded {
+                            model,
+                            backend_note: note,
+                        })
+                    }
+                    Err(e)
+                        if backend.kind == BackendKind::Auto
+                            && e.chain().any(|c| {
+                                matches!(
+                                    c.downcast_ref::<strata_engine::EngineError>(),
+                                    Some(strata_engine::EngineError::UnsupportedType { .. })
+                                )
+                            }) =>
+                    {
+                        let cpu = CpuBackend::new(threads)?;
+                        let why = format!(
+                            "cpu ({} threads, {:?}) (auto: the GPU cannot run this file: {e:#})",
+                            cpu.threads(),
+                            cpu.isa()
+                        );
+                        Ok(Loaded {
+                            model: bind_on(
+                                o,
+                                path,
+                                cpu,
+                                kv_type,
+                                mtp,
+                                ctx_size,
+                                Bound::Qwen2,
+                                Bound::Qwen4exp,
+                            )?,
+                            backend_note: why,
+                        })
+                    }
+                    Err(e) => Err(e),
                 }
-                if let Some(p) = mtp {
-                    model
-                        .load_mtp(p)
-                        .with_context(|| format!("loading the MTP head {}", p.display()))?;
-                }
-                Loaded::Qwen4exp(Box::new(model))
             }
-        })
+        }
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        each_model!(&self.model, m => strata_engine::Backend::name(m.backend()))
+    }
+
+    /// The CPU backend's thread count (None on a GPU).
+    pub fn threads(&self) -> Option<usize> {
+        match &self.model {
+            Bound::Qwen2(m) => Some(m.backend().threads()),
+            Bound::Qwen4exp(m) => Some(m.backend().threads()),
+            _ => None,
+        }
     }
 
     pub fn n_vocab(&self) -> usize {
-        match self {
-            Loaded::Qwen2(m) => m.config().n_vocab,
-            Loaded::Qwen4exp(m) => m.config().n_vocab,
-        }
+        each_model!(&self.model, m => m.config().n_vocab)
     }
 
     /// The model's context: qwen2's trained length; for qwen4exp the capacity its caches were
     /// made with (`--ctx-size`, else the file's `context_length`, else 262,144).
     pub fn n_ctx_model(&self) -> usize {
-        match self {
-            Loaded::Qwen2(m) => m.config().n_ctx_train,
-            Loaded::Qwen4exp(m) => m.config().n_ctx,
+        match &self.model {
+            Bound::Qwen2(m) => m.config().n_ctx_train,
+            Bound::Qwen2Cuda(m) => m.config().n_ctx_train,
+            Bound::Qwen4exp(m) => m.config().n_ctx,
+            Bound::Qwen4expCuda(m) => m.config().n_ctx,
         }
     }
 
     pub fn session(&self, n_ctx: usize) -> Result<Box<dyn Session + '_>> {
-        let inner: Box<dyn Session + '_> = match self {
-            Loaded::Qwen2(m) => Box::new(Qwen2Session::new(m)?),
-            Loaded::Qwen4exp(m) => Box::new(Qwen4expSession::new(m)?),
+        let inner: Box<dyn Session + '_> = match &self.model {
+            Bound::Qwen2(m) => Box::new(Qwen2Session::new(m)?),
+            Bound::Qwen4exp(m) => Box::new(Qwen4expSession::new(m)?),
+            Bound::Qwen2Cuda(m) => Box::new(Qwen2Session::new(m)?),
+            Bound::Qwen4expCuda(m) => Box::new(Qwen4expSession::new(m)?),
         };
         Ok(Box::new(Limited { inner, n_ctx }))
     }
 
     pub fn describe(&self) -> String {
-        match self {
-            Loaded::Qwen2(m) => {
-                let c = m.config();
-                format!(
-                    "qwen2, {} layers, {} embd, {} heads / {} kv heads, vocab {}{}",
-                    c.n_layer,
-                    c.n_embd,
-                    c.attn.n_head,
-                    c.attn.n_head_kv,
-                    c.n_vocab,
-                    if m.tied_output() { ", tied head" } else { "" }
-                )
-            }
-            Loaded::Qwen4exp(m) => {
-                let c = m.config();
-                format!(
-                    "qwen4exp, {} layers, {} embd, vocab {}",
-                    c.n_layer, c.n_embd, c.n_vocab
-                )
-            }
+        match &self.model {
+            Bound::Qwen2(m) => describe_qwen2(m),
+            Bound::Qwen2Cuda(m) => describe_qwen2(m),
+            Bound::Qwen4exp(m) => describe_qwen4exp(m),
+            Bound::Qwen4expCuda(m) => describe_qwen4exp(m),
         }
     }
+}
 
-    pub fn threads(&self) -> usize {
-        match self {
-            Loaded::Qwen2(m) => m.backend().threads(),
-            Loaded::Qwen4exp(m) => m.backend().threads(),
-        }
+fn describe_qwen2<B: strata_engine::Backend>(m: &qwen2::Model<B>) -> String {
+    let c = m.config();
+    format!(
+        "qwen2, {} layers, {} embd, {} heads / {} kv heads, vocab {}{}",
+        c.n_layer,
+        c.n_embd,
+        c.attn.n_head,
+        c.attn.n_head_kv,
+        c.n_vocab,
+        if m.tied_output() { ", tied head" } else { "" }
+    )
+}
+
+fn describe_qwen4exp<B: Qwen4expOps>(m: &qwen4exp::Model<B>) -> String {
+    let c = m.config();
+    format!(
+        "qwen4exp, {} layers, {} embd, vocab {}",
+        c.n_layer, c.n_embd, c.n_vocab
+    )
+}
+
+/// What a CUDA model holds on the device: its weights, and what the load took of the memory.
+fn vram_note(model: &Bound, before: Option<(usize, usize)>) -> String {
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let (weights, after) = match model {
+        Bound::Qwen2Cuda(m) => (m.backend().weight_bytes(), m.backend().mem_info().ok()),
+        Bound::Qwen4expCuda(m) => (m.backend().weight_bytes(), m.backend().mem_info().ok()),
+        _ => return String::new(),
+    };
+    match (before, after) {
+        (Some((f0, total)), Some((f1, _))) => format!(
+            "weights {:.2} GiB on the device (the load took {:.2} GiB; {:.1} of {:.1} GiB free)",
+            gib(weights),
+            gib(f0.saturating_sub(f1)),
+            gib(f1),
+            gib(total)
+        ),
+        _ => format!("weights {:.2} GiB on the device", gib(weights)),
     }
+}
+
+/// Binds `o` on backend `b` as its architecture says (`q2`/`q4` wrap the model).
+#[allow(clippy::too_many_arguments)]
+fn bind_on<B: Qwen4expOps>(
+    o: &Opened,
+    path: &Path,
+    backend: B,
+    kv_type: KvType,
+    mtp: Option<&Path>,
+    ctx_size: Option<usize>,
+    q2: impl FnOnce(Box<qwen2::Model<B>>) -> Bound,
+    q4: impl FnOnce(Box<qwen4exp::Model<B>>) -> Bound,
+) -> Result<Bound> {
+    Ok(match o.arch.as_str() {
+        qwen2::ARCH => {
+            if mtp.is_some() {
+                bail!(
+                    "MTP speculation needs a qwen4exp model; {} is qwen2",
+                    path.display()
+                );
+            }
+            q2(Box::new(
+                qwen2::Model::from_file(o.file.clone(), backend, &qwen2::LoadOptions { kv_type })
+                    .with_context(|| format!("loading {}", path.display()))?,
+            ))
+        }
+        _ => {
+            // qwen4exp caches are sized at load: `--ctx-size` sets their capacity.
+            let opts = qwen4exp::LoadOptions {
+                kv_type,
+                ctx: ctx_size,
+                ..Default::default()
+            };
+            let mut model = qwen4exp::Model::from_file(o.file.clone(), backend, &opts)
+                .with_context(|| format!("loading {}", path.display()))?;
+            for w in model.warnings() {
+                eprintln!("warning: {w}");
+            }
+            if let Some(p) = mtp {
+                model
+                    .load_mtp(p)
+                    .with_context(|| format!("loading the MTP head {}", p.display()))?;
+            }
+            q4(Box::new(model))
+        }
+    })
 }
 
 /// A session whose context is `--ctx-size` (at most the model's): the generation loop stops

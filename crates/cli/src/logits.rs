@@ -6,13 +6,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use strata_engine::qwen4exp::{LoadOptions, Model};
-use strata_engine::{qwen2, CpuBackend, FloatActivations, KvType, QsaRule};
+use strata_engine::{qwen2, FloatActivations, KvType, QsaRule, Qwen4expOps};
 
 use crate::load;
 use crate::output::{check_outputs, OutputFile};
@@ -53,6 +53,8 @@ pub struct Args {
     /// trunk's state at p and token p + 1) to this safetensors file
     #[arg(long, value_name = "OUT.safetensors")]
     pub mtp_out: Option<PathBuf>,
+    #[command(flatten)]
+    pub backend: crate::args::backend::BackendArgs,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -90,62 +92,24 @@ pub fn run(args: Args) -> Result<ExitCode> {
     } else {
         FloatActivations::Paired
     };
-    let backend = CpuBackend::new(threads)?.with_float_activations(mode);
+    let (chosen, note) = load::open_backend(&args.backend.resolve()?, threads)?;
     let t0 = Instant::now();
-    // (logits, n_vocab, threads, time of the forward pass)
-    let (out_logits, n_vocab, threads, loaded, ran) = if is_qwen2 {
-        let opts = qwen2::LoadOptions {
-            kv_type: args.kv_type,
-        };
-        let model = qwen2::Model::from_file(opened.file, backend, &opts)
-            .with_context(|| format!("loading {}", args.model.display()))?;
-        check_tokens(&tokens, model.config().n_vocab, model.config().n_ctx_train)?;
-        let loaded = t0.elapsed();
-        let mut state = model.new_state()?;
-        let t1 = Instant::now();
-        let out = model.forward(&mut state, &tokens)?;
-        let threads = model.backend().threads();
-        (out.logits, out.n_vocab, threads, loaded, t1.elapsed())
-    } else {
-        let opts = LoadOptions {
-            qsa_rule: args.qsa_rule,
-            qsa_ratio: args.qsa_ratio,
-            kv_type: args.kv_type,
-            ..LoadOptions::default()
-        };
-        let mut model = Model::from_file(opened.file, backend, &opts)
-            .with_context(|| format!("loading {}", args.model.display()))?;
-        for w in model.warnings() {
-            eprintln!("warning: {w}");
+    // (logits, n_vocab, time to load, time of the forward pass)
+    let (out_logits, n_vocab, loaded, ran) = match chosen {
+        load::Chosen::Cpu(b) => forward_file(
+            &args,
+            opened,
+            &tokens,
+            is_qwen2,
+            b.with_float_activations(mode),
+            t0,
+        )?,
+        load::Chosen::Cuda(b) => {
+            if args.f32_activations {
+                bail!("--f32-activations is a CPU mode; use --backend cpu with it");
+            }
+            forward_file(&args, opened, &tokens, is_qwen2, b, t0)?
         }
-        if let Some(p) = &args.mtp {
-            model
-                .load_mtp(p)
-                .with_context(|| format!("loading the MTP head {}", p.display()))?;
-        }
-        check_tokens(&tokens, model.config().n_vocab, u32::MAX as usize)?;
-        if args.mtp_out.is_some() && tokens.len() < 2 {
-            bail!("--mtp-out needs at least two tokens (row p pairs position p with token p + 1)");
-        }
-        if args.mtp_out.is_some() && !model.has_mtp() {
-            bail!(
-                "--mtp-out needs an MTP head: {} carries no mtp.* tensors; give one with --mtp",
-                args.model.display()
-            );
-        }
-        let loaded = t0.elapsed();
-        let mut state = model.new_state()?;
-        let t1 = Instant::now();
-        let want = strata_engine::qwen4exp::Want {
-            hidden: args.mtp_out.is_some(),
-            ..Default::default()
-        };
-        let out = model.forward_with(&mut state, &tokens, want)?;
-        if let (Some(path), Some(hidden)) = (&args.mtp_out, &out.hidden) {
-            write_mtp_logits(&model, &tokens, hidden, path)?;
-        }
-        let threads = model.backend().threads();
-        (out.logits, out.n_vocab, threads, loaded, t1.elapsed())
     };
     let rows = out_logits.len() / n_vocab.max(1);
 
@@ -166,16 +130,79 @@ pub fn run(args: Args) -> Result<ExitCode> {
     ];
     write_safetensors(views, &args.out)?;
     eprintln!(
-        "wrote {}: logits [{}, {}] (load {:.2?}, forward {:.2?} on {} threads, {:.1} tokens/s)",
+        "wrote {}: logits [{}, {}] (load {:.2?}, forward {:.2?} on {note}, {:.1} tokens/s)",
         args.out.display(),
         rows,
         n_vocab,
         loaded,
         ran,
-        threads,
         tokens.len() as f64 / ran.as_secs_f64().max(1e-9)
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Loads the file on backend `b` and runs the prompt: (logits, n_vocab, load time, forward
+/// time); writes `--mtp-out` on the way.
+fn forward_file<B: Qwen4expOps>(
+    args: &Args,
+    opened: load::Opened,
+    tokens: &[u32],
+    is_qwen2: bool,
+    backend: B,
+    t0: Instant,
+) -> Result<(Vec<f32>, usize, Duration, Duration)> {
+    if is_qwen2 {
+        let opts = qwen2::LoadOptions {
+            kv_type: args.kv_type,
+        };
+        let model = qwen2::Model::from_file(opened.file, backend, &opts)
+            .with_context(|| format!("loading {}", args.model.display()))?;
+        check_tokens(tokens, model.config().n_vocab, model.config().n_ctx_train)?;
+        let loaded = t0.elapsed();
+        let mut state = model.new_state()?;
+        let t1 = Instant::now();
+        let out = model.forward(&mut state, tokens)?;
+        return Ok((out.logits, out.n_vocab, loaded, t1.elapsed()));
+    }
+    let opts = LoadOptions {
+        qsa_rule: args.qsa_rule,
+        qsa_ratio: args.qsa_ratio,
+        kv_type: args.kv_type,
+        ..LoadOptions::default()
+    };
+    let mut model = Model::from_file(opened.file, backend, &opts)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    for w in model.warnings() {
+        eprintln!("warning: {w}");
+    }
+    if let Some(p) = &args.mtp {
+        model
+            .load_mtp(p)
+            .with_context(|| format!("loading the MTP head {}", p.display()))?;
+    }
+    check_tokens(tokens, model.config().n_vocab, u32::MAX as usize)?;
+    if args.mtp_out.is_some() && tokens.len() < 2 {
+        bail!("--mtp-out needs at least two tokens (row p pairs position p with token p + 1)");
+    }
+    if args.mtp_out.is_some() && !model.has_mtp() {
+        bail!(
+            "--mtp-out needs an MTP head: {} carries no mtp.* tensors; give one with --mtp",
+            args.model.display()
+        );
+    }
+    let loaded = t0.elapsed();
+    let mut state = model.new_state()?;
+    let t1 = Instant::now();
+    let want = strata_engine::qwen4exp::Want {
+        hidden: args.mtp_out.is_some(),
+        ..Default::default()
+    };
+    let out = model.forward_with(&mut state, tokens, want)?;
+    let ran = t1.elapsed();
+    if let (Some(path), Some(hidden)) = (&args.mtp_out, &out.hidden) {
+        write_mtp_logits(&model, tokens, hidden, path)?;
+    }
+    Ok((out.logits, out.n_vocab, loaded, ran))
 }
 
 /// Token ids inside the vocabulary, and as many as `run` would take (`load::check_context`).
@@ -199,8 +226,8 @@ fn write_safetensors<'a>(
 
 /// `--mtp-out`: the MTP head's logits for every position but the last, in the goldens'
 /// convention: row `p` from the trunk's pre-mixer state at `p` and token `p + 1`.
-fn write_mtp_logits(
-    model: &Model<CpuBackend>,
+fn write_mtp_logits<B: Qwen4expOps>(
+    model: &Model<B>,
     tokens: &[u32],
     hidden: &[f32],
     out: &Path,

@@ -29,7 +29,7 @@ pub fn context_full(n_ctx: usize) {
 }
 
 /// The `--verbose` report.
-pub fn verbose(load: Duration, g: &Generation, threads: usize, sampler: &Sampler) {
+pub fn verbose(load: Duration, g: &Generation, backend: &str, sampler: &Sampler) {
     let t = &g.timings;
     eprintln!(
         "prompt: {} tokens in {:.3} s ({:.2} tokens/s){}",
@@ -52,7 +52,7 @@ pub fn verbose(load: Duration, g: &Generation, threads: usize, sampler: &Sampler
         t.sampled_tokens
     );
     eprintln!(
-        "load {:.2} s, {threads} threads; stop: {}; sampler {}",
+        "load {:.2} s on {backend}; stop: {}; sampler {}",
         load.as_secs_f64(),
         stop_text(GuardStop::Plain(g.stop)),
         sampler.config().to_json()

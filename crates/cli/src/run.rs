@@ -17,13 +17,13 @@ use strata_engine::qwen4exp;
 use strata_engine::sampler::guard::GuardStop;
 use strata_engine::sampler::Sampler;
 use strata_engine::speculative::{self, DraftVocab, SpecConfig, SpecDecoder};
-use strata_engine::CpuBackend;
+use strata_engine::Qwen4expOps;
 use strata_tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::args::model::ModelArgs;
 use crate::args::sampling::{self, SampleArgs};
 use crate::args::spec::{SpecArgs, SpecChoice};
-use crate::load::{self, Loaded};
+use crate::load::{self, Bound, Loaded};
 use crate::output::Stream;
 use crate::report;
 
@@ -58,9 +58,9 @@ pub struct Args {
 }
 
 /// The speculative settings bound to the model.
-fn spec_config(
+fn spec_config<B: Qwen4expOps>(
     s: &SpecChoice,
-    model: &qwen4exp::Model<CpuBackend>,
+    model: &qwen4exp::Model<B>,
     path: &std::path::Path,
 ) -> Result<SpecConfig> {
     let window = s.window();
@@ -120,11 +120,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
         choice.kv_type,
         mtp,
         choice.ctx_size,
+        &choice.backend,
     )?;
     let tok = load::tokenizer(&opened.file, &path, model.n_vocab())?;
     let load_time = t0.elapsed();
     if args.verbose {
         eprintln!("model: {} ({})", path.display(), model.describe());
+        eprintln!("backend: {}", model.backend_note);
     }
     let mut sampler = sampling::build(&sampler_cfg, &tok)?;
     let prompt = tok
@@ -142,11 +144,16 @@ pub fn run(args: Args) -> Result<ExitCode> {
         verbose: args.verbose,
         load_time,
     };
-    match (&model, &spec) {
-        (Loaded::Qwen4exp(m), Some(s)) => {
+    match (&model.model, &spec) {
+        (Bound::Qwen4exp(m), Some(s)) => {
             let cfg = spec_config(s, m, &path)?;
             let dec = SpecDecoder::new(m, cfg)?;
-            run.speculative(m, dec, &mut sampler)
+            run.speculative(&model.backend_note, dec, &mut sampler)
+        }
+        (Bound::Qwen4expCuda(m), Some(s)) => {
+            let cfg = spec_config(s, m, &path)?;
+            let dec = SpecDecoder::new(m, cfg)?;
+            run.speculative(&model.backend_note, dec, &mut sampler)
         }
         _ => run.plain(&model, &mut sampler),
     }
@@ -212,7 +219,7 @@ impl Plan<'_> {
             report::context_full(self.n_ctx);
         }
         if self.verbose {
-            report::verbose(self.load_time, &gg.generation, model.threads(), sampler);
+            report::verbose(self.load_time, &gg.generation, &model.backend_note, sampler);
             report::slop(&gg);
         }
         Ok(ExitCode::SUCCESS)
@@ -221,10 +228,10 @@ impl Plan<'_> {
     /// Through the speculative controller, with the guarded loop's semantics: penalties and
     /// slop (modes 1 and 2, with phrase rewinds and held-back streaming) on the verify rows and
     /// on the drafts.
-    fn speculative(
+    fn speculative<B: Qwen4expOps>(
         &self,
-        model: &qwen4exp::Model<CpuBackend>,
-        mut dec: SpecDecoder<'_, CpuBackend>,
+        backend: &str,
+        mut dec: SpecDecoder<'_, B>,
         sampler: &mut Sampler,
     ) -> Result<ExitCode> {
         // The controller knows no context limit of its own: the budget stops at it.
@@ -266,13 +273,13 @@ impl Plan<'_> {
             let n = generated.tokens.len().saturating_sub(1);
             let decode = total.saturating_sub(s.prefill_time);
             eprintln!(
-                "prompt: {} tokens in {:.3} s; decode: {n} tokens in {:.3} s ({:.2} tokens/s); load {:.2} s, {} threads",
+                "prompt: {} tokens in {:.3} s; decode: {n} tokens in {:.3} s ({:.2} tokens/s); load {:.2} s on {}",
                 self.prompt.len(),
                 s.prefill_time.as_secs_f64(),
                 decode.as_secs_f64(),
                 n as f64 / decode.as_secs_f64().max(1e-9),
                 self.load_time.as_secs_f64(),
-                model.backend().threads()
+                backend
             );
             eprintln!("{}", s.report());
             eprintln!(

@@ -9,8 +9,9 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use strata_server::{ModelHandle, ServerConfig};
 
+use crate::args::backend::BackendKind;
 use crate::args::model::ModelArgs;
-use crate::load::{self, Loaded};
+use crate::load::{self, Bound};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -121,13 +122,22 @@ pub fn run(args: Args) -> Result<ExitCode> {
         chat_template,
         handle_signals: true,
     };
-    let choice = args.model.resolve()?;
+    let mut choice = args.model.resolve()?;
+    // The server's sessions run on the CPU backend until its model handle takes a GPU one.
+    match choice.backend.kind {
+        BackendKind::Cuda => {
+            bail!("strata serve --backend cuda: not available yet; use --backend cpu")
+        }
+        BackendKind::Auto => choice.backend.kind = BackendKind::Cpu,
+        BackendKind::Cpu => {}
+    }
     let loader = Box::new(move || {
         let path = choice.path()?;
         let (loaded, tok) = load::model(&path, &choice)?;
-        let model = match loaded {
-            Loaded::Qwen2(m) => ModelHandle::Qwen2(m),
-            Loaded::Qwen4exp(m) => ModelHandle::Qwen4exp(m),
+        let model = match loaded.model {
+            Bound::Qwen2(m) => ModelHandle::Qwen2(m),
+            Bound::Qwen4exp(m) => ModelHandle::Qwen4exp(m),
+            _ => bail!("strata serve: the model was bound on a GPU backend"),
         };
         Ok((model, tok))
     });

@@ -476,7 +476,7 @@ fn threads_beyond_the_cores_are_capped_with_a_warning() {
         )),
         "{err}"
     );
-    assert!(err.contains(&format!(", {cores} threads;")), "{err}");
+    assert!(err.contains(&format!("on cpu ({cores} threads")), "{err}");
 }
 
 // 9. Clear errors.

@@ -4,6 +4,7 @@
 //! Commands depend on this module and on the support modules (`load`, `output`,
 //! `model_cache`), never on each other. The ranges are documented in docs/SAMPLING.md.
 
+pub mod backend;
 pub mod model;
 pub mod sampling;
 pub mod spec;

@@ -1,5 +1,5 @@
 //! Which model to load and how: `-m` (or the default model, fetched on first use), threads,
-//! the K/V precision and the context size.
+//! the K/V precision, the context size and the backend.
 
 use std::path::PathBuf;
 
@@ -20,6 +20,8 @@ pub struct ModelArgs {
     /// Context size in tokens (prompt and reply); default and upper bound: the model's own
     #[arg(short = 'c', long, value_name = "N")]
     pub ctx_size: Option<usize>,
+    #[command(flatten)]
+    pub backend: super::backend::BackendArgs,
 }
 
 /// A validated [`ModelArgs`].
@@ -30,6 +32,7 @@ pub struct ModelChoice {
     pub threads: usize,
     pub kv_type: KvType,
     pub ctx_size: Option<usize>,
+    pub backend: super::backend::BackendChoice,
 }
 
 impl ModelArgs {
@@ -45,6 +48,7 @@ impl ModelArgs {
             threads: self.threads.resolve(),
             kv_type: self.kv_type,
             ctx_size: self.ctx_size,
+            backend: self.backend.resolve()?,
         })
     }
 }

@@ -40,11 +40,16 @@ fn load_trunk(
         LoadOptions::default().kv_type,
         mtp,
         None,
+        // The CPU speculation bench (the GPU's is the CUDA MTP issue's).
+        &crate::args::backend::BackendChoice {
+            kind: crate::args::backend::BackendKind::Cpu,
+            device: 0,
+        },
     )?;
     let tok = load::tokenizer(&opened.file, path, model.n_vocab())?;
-    match model {
-        Loaded::Qwen4exp(m) => Ok((*m, tok)),
-        Loaded::Qwen2(_) => bail!("{}: not a qwen4exp model", path.display()),
+    match model.model {
+        load::Bound::Qwen4exp(m) => Ok((*m, tok)),
+        _ => bail!("{}: not a qwen4exp model", path.display()),
     }
 }
 

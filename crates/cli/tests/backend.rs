@@ -1,0 +1,115 @@
+//! `--backend cpu|cuda|auto` and `--device N`: `auto` takes the CPU where no usable GPU exists
+//! and says why with -v; `--backend cuda` without one is an error naming what is missing,
+//! before any output and without a panic. (On a machine with a GPU the CUDA runs are checked by
+//! crates/cuda/tests/model_gpu.rs; here the refusal is checked only where the driver is absent.)
+
+mod common;
+
+use common::{stderr, strata, tiny};
+
+fn has_gpu() -> bool {
+    strata_cuda::ensure_driver().is_ok()
+}
+
+#[test]
+fn cuda_without_a_gpu_is_a_named_error_before_any_output() {
+    if has_gpu() {
+        eprintln!("SKIP: this machine has a CUDA driver; the refusal is for machines without one");
+        return;
+    }
+    let m = tiny();
+    let m = m.to_str().unwrap();
+    for args in [
+        vec!["run", "-m", m, "-p", "hi", "-n", "2", "--backend", "cuda"],
+        vec![
+            "bench",
+            "model",
+            "-m",
+            m,
+            "-p",
+            "8",
+            "-n",
+            "2",
+            "--backend",
+            "cuda",
+        ],
+        vec![
+            "logits",
+            "-m",
+            m,
+            "--tokens",
+            "1,2",
+            "--out",
+            "/tmp/strata-x.safetensors",
+            "--backend",
+            "cuda",
+        ],
+    ] {
+        let o = strata(&args, None);
+        let e = stderr(&o);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(o.stdout.is_empty(), "{args:?} wrote to stdout");
+        assert!(
+            e.contains("--backend cuda") && e.contains("driver") && !e.contains("panicked"),
+            "{args:?}: {e}"
+        );
+    }
+}
+
+#[test]
+fn auto_takes_the_cpu_without_a_gpu_and_says_so() {
+    if has_gpu() {
+        eprintln!("SKIP: this machine has a CUDA driver (auto would take it)");
+        return;
+    }
+    let m = tiny();
+    let o = strata(
+        &[
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "-p",
+            "hi",
+            "-n",
+            "3",
+            "-v",
+            "--temp",
+            "0",
+        ],
+        None,
+    );
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(
+        e.contains("backend: cpu") && e.contains("auto: no usable GPU"),
+        "{e}"
+    );
+    let cpu = strata(
+        &[
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "-p",
+            "hi",
+            "-n",
+            "3",
+            "--temp",
+            "0",
+            "--backend",
+            "cpu",
+        ],
+        None,
+    );
+    assert_eq!(
+        o.stdout, cpu.stdout,
+        "auto (CPU) and --backend cpu give the same text"
+    );
+}
+
+#[test]
+fn an_unknown_backend_is_refused_by_clap() {
+    let o = strata(&["run", "-p", "x", "--backend", "metal"], None);
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    assert!(e.contains("--backend") && e.contains("metal"), "{e}");
+}
