@@ -38,6 +38,9 @@ use crate::CudaError;
 /// chunks of what this holds.
 const ATTN_SCRATCH_FLOATS: usize = 64 << 20;
 
+/// Scratch for batches of at most this many rows is kept between steps.
+const SCRATCH_CACHE_ROWS: usize = 8;
+
 /// Batches above this many rows run the routed experts grouped by expert (prefill); at most
 /// this many, one (row, slot) pair a block (decode, verify windows). Both give the same bits.
 const MOE_GROUPED_ABOVE: usize = 8;
@@ -161,6 +164,11 @@ pub struct CudaBackend {
     freqs: Mutex<Vec<(FreqKey, Arc<CudaSlice<f64>>)>>,
     /// Bytes of weights uploaded.
     weight_bytes: Mutex<usize>,
+    /// Scratch kept between steps for the decode and verify shapes (one stream runs the
+    /// operations in order, so one scratch serves every layer).
+    hc_scratch: Mutex<Vec<(Vec<usize>, model::HcScratch)>>,
+    moe_scratch: Mutex<Vec<(Vec<usize>, model::MoeScratch)>>,
+    attn_scratch: Mutex<Vec<(Vec<usize>, CudaSlice<f32>)>>,
 }
 
 impl CudaBackend {
@@ -175,6 +183,9 @@ impl CudaBackend {
             err: Mutex::new(err),
             freqs: Mutex::new(Vec::new()),
             weight_bytes: Mutex::new(0),
+            hc_scratch: Mutex::new(Vec::new()),
+            moe_scratch: Mutex::new(Vec::new()),
+            attn_scratch: Mutex::new(Vec::new()),
         })
     }
 
@@ -226,12 +237,49 @@ impl CudaBackend {
         )))
     }
 
+    /// An output buffer: every operation's kernels write all of it before it is read.
     fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
-        self.gpu.zeros::<f32>(n).map_err(|e| self.oom(n * 4, e))
+        self.gpu.alloc_uninit::<f32>(n).map_err(|e| self.oom(n * 4, e))
     }
 
     fn alloc_u8(&self, n: usize) -> Result<CudaSlice<u8>> {
-        self.gpu.zeros::<u8>(n).map_err(|e| self.oom(n, e))
+        self.gpu.alloc_uninit::<u8>(n).map_err(|e| self.oom(n, e))
+    }
+
+    /// A zeroed buffer (recurrent states start at zero; stores are read only where written,
+    /// but zeroed all the same so a stray read sees zeros, not old data).
+    fn zeroed(&self, rows: usize, cols: usize) -> Result<CudaBuf> {
+        Ok(CudaBuf {
+            rows,
+            cols,
+            data: self
+                .gpu
+                .zeros::<f32>(rows * cols)
+                .map_err(|e| self.oom(rows * cols * 4, e))?,
+        })
+    }
+
+    /// A scratch of `T` for `key` from the cache (decode and verify shapes only: a prefill's
+    /// scratch is large and its shapes vary), or a new one.
+    fn take_scratch<T>(
+        list: &Mutex<Vec<(Vec<usize>, T)>>,
+        key: &[usize],
+        make: impl FnOnce() -> std::result::Result<T, CudaError>,
+    ) -> Result<T> {
+        let mut l = list.lock().unwrap_or_else(|p| p.into_inner());
+        match l.iter().position(|(k, _)| k == key) {
+            Some(i) => Ok(l.swap_remove(i).1),
+            None => {
+                drop(l);
+                make().map_err(dev)
+            }
+        }
+    }
+
+    fn put_scratch<T>(list: &Mutex<Vec<(Vec<usize>, T)>>, key: Vec<usize>, rows: usize, s: T) {
+        if rows <= SCRATCH_CACHE_ROWS {
+            list.lock().unwrap_or_else(|p| p.into_inner()).push((key, s));
+        }
     }
 
     fn oom(&self, bytes: usize, e: CudaError) -> EngineError {
@@ -508,7 +556,7 @@ impl Backend for CudaBackend {
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<CudaBuf> {
-        self.buf(rows, cols)
+        self.zeroed(rows, cols)
     }
 
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaBuf> {
@@ -667,7 +715,7 @@ impl Backend for CudaBackend {
     }
 
     fn store(&self, cap: usize, cols: usize) -> Result<CudaBuf> {
-        self.buf(cap, cols)
+        self.zeroed(cap, cols)
     }
 
     fn write_rows(&self, store: &mut CudaBuf, x: &CudaBuf, at: &CudaIds) -> Result<()> {
@@ -943,7 +991,20 @@ impl Backend for CudaBackend {
             up: &ex.up.dev,
             down: &ex.down.dev,
         };
-        let mut s = model::MoeScratch::new(&self.gpu, &devs, x.rows, routes.k).map_err(dev)?;
+        let key = vec![
+            x.rows,
+            routes.k,
+            ex.gate.dev.rows,
+            ex.gate.dev.k,
+            ex.down.dev.rows,
+            ex.gate.dev.n_expert,
+            ex.gate.dev.act_row_bytes().map_err(dev)?,
+            ex.up.dev.act_row_bytes().map_err(dev)?,
+            ex.down.dev.act_row_bytes().map_err(dev)?,
+        ];
+        let mut s = Self::take_scratch(&self.moe_scratch, &key, || {
+            model::MoeScratch::new(&self.gpu, &devs, x.rows, routes.k)
+        })?;
         let mut err = self.err_word();
         model::moe_experts(
             &self.gpu,
@@ -957,6 +1018,8 @@ impl Backend for CudaBackend {
             &mut err,
         )
         .map_err(dev)?;
+        drop(err);
+        Self::put_scratch(&self.moe_scratch, key, x.rows, s);
         Ok(out)
     }
 
@@ -1133,7 +1196,10 @@ impl CudaBackend {
         let cap = k_cache.rows;
         let per_row = dims.n_head * cap;
         let rows_fit = (ATTN_SCRATCH_FLOATS / per_row.max(1)).clamp(1, q.rows);
-        let mut scratch = self.alloc(rows_fit * per_row)?;
+        let key = vec![rows_fit * per_row];
+        let mut scratch = Self::take_scratch(&self.attn_scratch, &key, || {
+            self.gpu.alloc_uninit::<f32>(rows_fit * per_row)
+        })?;
         let mut err = self.err_word();
         model::attend(
             &self.gpu,
@@ -1151,6 +1217,8 @@ impl CudaBackend {
             &mut err,
         )
         .map_err(dev)?;
+        drop(err);
+        Self::put_scratch(&self.attn_scratch, key, q.rows, scratch);
         Ok(out)
     }
 }
@@ -1200,7 +1268,16 @@ impl Qwen4expOps for CudaBackend {
             None => None,
         };
         if x.rows > 0 {
-            let mut scratch = model::HcScratch::new(&self.gpu, &devs, x.rows).map_err(dev)?;
+            let key = vec![
+                x.rows,
+                x.cols,
+                hc.down.dev.rows,
+                hc.down.dev.act_row_bytes().map_err(dev)?,
+                hc.up.dev.act_row_bytes().map_err(dev)?,
+            ];
+            let mut scratch = Self::take_scratch(&self.hc_scratch, &key, || {
+                model::HcScratch::new(&self.gpu, &devs, x.rows)
+            })?;
             model::hc_mix(
                 &self.gpu,
                 &devs,
@@ -1211,6 +1288,7 @@ impl Qwen4expOps for CudaBackend {
                 inj.as_mut().map(|b| &mut b.data),
             )
             .map_err(dev)?;
+            Self::put_scratch(&self.hc_scratch, key, x.rows, scratch);
         }
         Ok((u, inj))
     }

@@ -168,6 +168,14 @@ impl Gpu {
         self.stream.alloc_zeros(n.max(1)).map_err(drv("cuMemAlloc"))
     }
 
+    /// A buffer whose contents are left as the allocator hands them out: for outputs a kernel
+    /// writes entirely before anything reads them (one driver call instead of two).
+    pub fn alloc_uninit<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>, CudaError> {
+        // SAFETY: device memory is never read as T on the host before a kernel has written it
+        // (the callers' contract); the allocation itself is sound for any length.
+        unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(drv("cuMemAllocAsync"))
+    }
+
     pub fn write<T: DeviceRepr>(
         &self,
         dst: &mut CudaSlice<T>,
