@@ -37,7 +37,7 @@ pub struct Args {
     /// Tokens per forward call in prompts and depth fills (llama-bench's ubatch)
     #[arg(short = 'u', long, default_value_t = 512)]
     pub ubatch: usize,
-    /// Per-kernel decode profile (needs a GPU backend)
+    /// Per-kernel device time per decode token at each depth (CUDA backend), on stderr
     #[arg(long)]
     pub profile: bool,
     /// Skip the untimed warm-up run
@@ -144,12 +144,6 @@ fn once(loaded: &Loaded, t: Test, ubatch: usize, rng: &mut SplitMix64) -> Result
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    if a.profile {
-        bail!(
-            "--profile (per-kernel times per decode token) is not available yet: neither the \
-             CPU backend nor the CUDA backend reports per-kernel times"
-        );
-    }
     if a.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }
@@ -195,6 +189,17 @@ pub fn run(a: Args) -> Result<ExitCode> {
     if !a.json {
         eprintln!("backend: {}", loaded.backend_note);
     }
+    let profiler = match &loaded.model {
+        load::Bound::Qwen2Cuda(m) => Some(m.backend().gpu()),
+        load::Bound::Qwen4expCuda(m) => Some(m.backend().gpu()),
+        _ => None,
+    };
+    if a.profile && profiler.is_none() {
+        bail!(
+            "--profile (per-kernel device times per decode token) needs the CUDA backend; the \
+             CPU backend reports no per-kernel times"
+        );
+    }
     let backend = loaded.backend_name().to_uppercase();
     let n_threads = loaded.threads();
     let threads = n_threads.map_or("-".to_string(), |t| t.to_string());
@@ -232,6 +237,40 @@ pub fn run(a: Args) -> Result<ExitCode> {
             eprintln!("{}: done", t.name());
         }
         results.push(r);
+    }
+
+    if let (true, Some(gpu)) = (a.profile, profiler) {
+        // Decode tokens at each depth with events around every launch: device time per kernel
+        // per token. (The events cost host time, so the timed tests above ran without them.)
+        let n = a.n_gen.iter().copied().max().unwrap_or(0).max(8);
+        for &d in &a.n_depth {
+            let mut s = loaded.session(n_ctx)?;
+            feed(s.as_mut(), &mut rng, d, a.ubatch)?;
+            feed(s.as_mut(), &mut rng, 1, 1)?;
+            gpu.profile_start();
+            let w0 = Instant::now();
+            feed(s.as_mut(), &mut rng, n, 1)?;
+            let wall = w0.elapsed().as_secs_f64() * 1e6 / n as f64;
+            let ks = gpu.profile_stop()?;
+            let total: f64 = ks.iter().map(|k| k.us).sum::<f64>() / n as f64;
+            let launches: usize = ks.iter().map(|k| k.launches).sum::<usize>() / n;
+            eprintln!(
+                "profile, decode at depth {d} ({n} tokens): {launches} launches and {total:.0} µs \
+                 of kernel time per token; {wall:.0} µs wall per token with the events on (the \
+                 rest is host time and launch gaps)"
+            );
+            eprintln!("| kernel | launches/token | µs/token | share |");
+            eprintln!("| --- | ---: | ---: | ---: |");
+            for k in ks.iter().take(15) {
+                eprintln!(
+                    "| {} | {:.1} | {:.1} | {:.1} % |",
+                    k.name,
+                    k.launches as f64 / n as f64,
+                    k.us / n as f64,
+                    100.0 * k.us / n as f64 / total.max(1e-9)
+                );
+            }
+        }
     }
 
     let model_type = format!("{arch} {:.2} B", params as f64 / 1e9);

@@ -9,7 +9,7 @@ use cudarc::driver::sys::{
     CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
     LaunchConfig, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -56,6 +56,16 @@ pub struct Gpu {
     pub loads: Vec<ModuleLoad>,
     modules: HashMap<&'static str, Arc<CudaModule>>,
     funcs: Mutex<HashMap<String, CudaFunction>>,
+    /// Per-launch timing (events around every launch) while profiling is on.
+    profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
+}
+
+/// One kernel's share of a profiled run: launches and device time.
+#[derive(Clone, Debug)]
+pub struct KernelTime {
+    pub name: String,
+    pub launches: usize,
+    pub us: f64,
 }
 
 impl Gpu {
@@ -132,11 +142,61 @@ impl Gpu {
             loads,
             modules,
             funcs: Mutex::new(HashMap::new()),
+            profile: Mutex::new(None),
         })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Starts timing every launch (events around each; costs host time, so only for profiles).
+    pub fn profile_start(&self) {
+        *self.profile.lock().unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+    }
+
+    /// Stops timing and sums the device time per kernel, costliest first.
+    pub fn profile_stop(&self) -> Result<Vec<KernelTime>, CudaError> {
+        let recs = self
+            .profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .unwrap_or_default();
+        self.sync()?;
+        let mut by: HashMap<String, KernelTime> = HashMap::new();
+        for (name, a, b) in recs {
+            let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?;
+            let e = by.entry(name.clone()).or_insert(KernelTime {
+                name,
+                launches: 0,
+                us: 0.0,
+            });
+            e.launches += 1;
+            e.us += ms as f64 * 1000.0;
+        }
+        let mut v: Vec<KernelTime> = by.into_values().collect();
+        v.sort_by(|a, b| b.us.total_cmp(&a.us));
+        Ok(v)
+    }
+
+    /// Runs `launch` between two events when profiling (the launch! macro's hook).
+    pub fn timed(
+        &self,
+        name: &str,
+        launch: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        let mut p = self.profile.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(recs) = p.as_mut() else {
+            drop(p);
+            return launch();
+        };
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let a = self.stream.record_event(flags).map_err(drv("cuEventRecord"))?;
+        launch()?;
+        let b = self.stream.record_event(flags).map_err(drv("cuEventRecord"))?;
+        recs.push((name.to_string(), a, b));
+        Ok(())
     }
 
     /// The kernel `name` of module `module` (looked up once, then cached).

@@ -36,4 +36,4 @@ pub mod model;
 pub mod ops;
 
 pub use backend::CudaBackend;
-pub use device::{ensure_driver, Gpu, Graph, ModuleLoad};
+pub use device::{ensure_driver, Gpu, Graph, KernelTime, ModuleLoad};

@@ -66,9 +66,13 @@ macro_rules! launch {
         let f = $gpu.func($module, name)?;
         let mut b = $gpu.stream().launch_builder(&f);
         $( b.arg($arg); )*
-        // SAFETY: the argument list matches the kernel's parameter list in kernels/*.cu, and
-        // the caller checked that every buffer covers what the launch reads and writes.
-        unsafe { b.launch($cfg) }.map_err(|e| CudaError::Launch { kernel: name.to_string(), what: e.to_string() })?;
+        $gpu.timed(name, || {
+            // SAFETY: the argument list matches the kernel's parameter list in kernels/*.cu,
+            // and the caller checked that every buffer covers what the launch reads and writes.
+            unsafe { b.launch($cfg) }
+                .map(|_| ())
+                .map_err(|e| CudaError::Launch { kernel: name.to_string(), what: e.to_string() })
+        })?;
         Ok::<(), CudaError>(())
     }};
 }
