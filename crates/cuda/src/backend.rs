@@ -168,7 +168,7 @@ pub struct CudaBackend {
     /// operations in order, so one scratch serves every layer).
     hc_scratch: Mutex<Vec<(Vec<usize>, model::HcScratch)>>,
     moe_scratch: Mutex<Vec<(Vec<usize>, model::MoeScratch)>>,
-    attn_scratch: Mutex<Vec<(Vec<usize>, CudaSlice<f32>)>>,
+    attn_scratch: Mutex<Vec<(Vec<usize>, model::AttnSplitScratch)>>,
 }
 
 impl CudaBackend {
@@ -239,7 +239,9 @@ impl CudaBackend {
 
     /// An output buffer: every operation's kernels write all of it before it is read.
     fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
-        self.gpu.alloc_uninit::<f32>(n).map_err(|e| self.oom(n * 4, e))
+        self.gpu
+            .alloc_uninit::<f32>(n)
+            .map_err(|e| self.oom(n * 4, e))
     }
 
     fn alloc_u8(&self, n: usize) -> Result<CudaSlice<u8>> {
@@ -278,7 +280,9 @@ impl CudaBackend {
 
     fn put_scratch<T>(list: &Mutex<Vec<(Vec<usize>, T)>>, key: Vec<usize>, rows: usize, s: T) {
         if rows <= SCRATCH_CACHE_ROWS {
-            list.lock().unwrap_or_else(|p| p.into_inner()).push((key, s));
+            list.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((key, s));
         }
     }
 
@@ -1194,14 +1198,18 @@ impl CudaBackend {
             return Ok(out);
         }
         let cap = k_cache.rows;
-        let per_row = dims.n_head * cap;
+        // The split-K form (one block per row, head and 256 tokens) keeps the GPU busy at one
+        // row over a long context; it runs for every row count, so a prefill's rows stay the
+        // bits of single steps.
+        let max_chunks = cap.div_ceil(256).max(1);
+        let per_row = dims.n_head * (cap + max_chunks * (2 + dims.head_dim));
         let rows_fit = (ATTN_SCRATCH_FLOATS / per_row.max(1)).clamp(1, q.rows);
-        let key = vec![rows_fit * per_row];
+        let key = vec![rows_fit, dims.n_head, dims.head_dim, cap];
         let mut scratch = Self::take_scratch(&self.attn_scratch, &key, || {
-            self.gpu.alloc_uninit::<f32>(rows_fit * per_row)
+            model::AttnSplitScratch::new(&self.gpu, rows_fit, dims, cap)
         })?;
         let mut err = self.err_word();
-        model::attend(
+        model::attend_split(
             &self.gpu,
             &q.data,
             &k_cache.data,

@@ -9,8 +9,8 @@ use cudarc::driver::sys::{
     CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
-    LaunchConfig, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr,
+    DriverError, LaunchConfig, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -192,9 +192,15 @@ impl Gpu {
             return launch();
         };
         let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let a = self.stream.record_event(flags).map_err(drv("cuEventRecord"))?;
+        let a = self
+            .stream
+            .record_event(flags)
+            .map_err(drv("cuEventRecord"))?;
         launch()?;
-        let b = self.stream.record_event(flags).map_err(drv("cuEventRecord"))?;
+        let b = self
+            .stream
+            .record_event(flags)
+            .map_err(drv("cuEventRecord"))?;
         recs.push((name.to_string(), a, b));
         Ok(())
     }

@@ -1292,7 +1292,8 @@ impl AttnSplitScratch {
     }
 }
 
-/// [`attend`] with the tokens split into chunks of 256, one block per (row, head, chunk): the
+/// [`attend`] with the tokens split into chunks of 256, one block per (row, head, chunk) (rows
+/// beyond the scratch's run in chunks of its rows): the
 /// same scores and per-token weights, `z` and the output summed over chunks (another order
 /// than the CPU's, within the same bound). Three launches; grids sized by the capacity.
 #[allow(clippy::too_many_arguments)]
@@ -1320,7 +1321,7 @@ pub fn attend_split(
     if n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) || head_dim == 0 || head_dim > 512 {
         return Err(bad(k, format!("{dims:?} (head_dim ≤ 512)")));
     }
-    if n > s.rows || s.n_head != n_head || s.head_dim != head_dim || s.cap != cap {
+    if s.n_head != n_head || s.head_dim != head_dim || s.cap != cap {
         return Err(bad(k, "scratch made for another shape".into()));
     }
     let kvc = n_head_kv * head_dim;
@@ -1354,65 +1355,77 @@ pub fn attend_split(
         }
         None => (s.max_chunks, 0, 1),
     };
-    let (lst, cnt) = match sel {
-        Some(se) => (&se.sel, &se.cnt),
-        None => (pos, pos),
-    };
-    let c2 = cfg2((n * n_head) as u32, chunks as u32, 256);
-    launch!(
-        gpu,
-        "attn",
-        "attend_split_scores",
-        c2,
-        [
-            q,
-            k_cache,
-            lst,
-            cnt,
-            pos,
-            &mut s.scores,
-            &mut s.stats,
-            &capu,
-            &nh,
-            &nkv,
-            &hd,
-            &st,
-            &causal,
-            &fi,
-            &mc,
-            err
-        ]
-    )?;
-    launch!(
-        gpu,
-        "attn",
-        "attend_split_out",
-        c2,
-        [
-            v_cache,
-            lst,
-            cnt,
-            pos,
-            &s.scores,
-            &s.stats,
-            &mut s.part,
-            &capu,
-            &nh,
-            &nkv,
-            &hd,
-            &st,
-            &causal,
-            &fi,
-            &mc
-        ]
-    )?;
-    launch!(
-        gpu,
-        "attn",
-        "attend_split_sum",
-        cfg((n * n_head) as u32, 256),
-        [&s.part, cnt, pos, out, &capu, &nh, &hd, &causal, &mc]
-    )
+    // Rows run in chunks of the scratch's rows (each row's result does not depend on it).
+    let qc = n_head * head_dim;
+    for r0 in (0..n).step_by(s.rows.max(1)) {
+        let m = s.rows.min(n - r0);
+        let qv = q.slice(r0 * qc..(r0 + m) * qc);
+        let pv = pos.slice(r0..r0 + m);
+        let mut ov = out.slice_mut(r0 * qc..(r0 + m) * qc);
+        let (lst, cnt) = match sel {
+            Some(se) => (
+                se.sel.slice(r0 * se.stride..(r0 + m) * se.stride),
+                se.cnt.slice(r0..r0 + m),
+            ),
+            None => (pos.slice(r0..r0 + m), pos.slice(r0..r0 + m)),
+        };
+        let c2 = cfg2((m * n_head) as u32, chunks as u32, 256);
+        launch!(
+            gpu,
+            "attn",
+            "attend_split_scores",
+            c2,
+            [
+                &qv,
+                k_cache,
+                &lst,
+                &cnt,
+                &pv,
+                &mut s.scores,
+                &mut s.stats,
+                &capu,
+                &nh,
+                &nkv,
+                &hd,
+                &st,
+                &causal,
+                &fi,
+                &mc,
+                &mut *err
+            ]
+        )?;
+        launch!(
+            gpu,
+            "attn",
+            "attend_split_out",
+            c2,
+            [
+                v_cache,
+                &lst,
+                &cnt,
+                &pv,
+                &s.scores,
+                &s.stats,
+                &mut s.part,
+                &capu,
+                &nh,
+                &nkv,
+                &hd,
+                &st,
+                &causal,
+                &fi,
+                &mc
+            ]
+        )?;
+        launch!(
+            gpu,
+            "attn",
+            "attend_split_sum",
+            cfg((m * n_head) as u32, 256),
+            [&s.part, &cnt, &pv, &mut ov, &capu, &nh, &hd, &causal, &mc]
+        )?;
+    }
+    Ok(())
 }
 
 // ---- routed experts -------------------------------------------------------------------------
