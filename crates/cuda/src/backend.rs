@@ -17,11 +17,14 @@
 //! `tests/model_ops.rs` (sums run in another order), and every row of a batch gets the bits it
 //! gets alone (prefill = steps, window rows = single rows).
 
+use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
 use strata_engine::backend::{
-    AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, Usage,
+    AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, StepKey, Usage,
 };
 use strata_engine::kernels::ActFmt;
 use strata_engine::qwen4exp::ops::{GdnParams, HcWeights, QsaSelect, Qwen4expOps};
@@ -32,6 +35,7 @@ use strata_quant::GgmlType;
 use crate::device::{cfg, Gpu};
 use crate::model::{self, DevWeight, ERR_CAPACITY, ERR_EXPERT};
 use crate::ops;
+use crate::record;
 use crate::CudaError;
 
 /// Attention scratch budget (floats): a long prefill over a large capacity runs its rows in
@@ -64,17 +68,191 @@ fn shape(op: &'static str, what: String) -> EngineError {
     EngineError::Shape { op, what }
 }
 
+/// A device buffer the backend hands out: owned (freed when dropped), or a view into a recorded
+/// step's arena block (the block lives as long as any view of it; the view frees nothing).
+pub struct Mem<T> {
+    s: ManuallyDrop<CudaSlice<T>>,
+    arena: Option<Arc<ArenaBlock>>,
+}
+
+impl<T> Mem<T> {
+    fn owned(s: CudaSlice<T>) -> Mem<T> {
+        Mem {
+            s: ManuallyDrop::new(s),
+            arena: None,
+        }
+    }
+}
+
+impl<T> Deref for Mem<T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.s
+    }
+}
+
+impl<T> DerefMut for Mem<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.s
+    }
+}
+
+impl<T> Drop for Mem<T> {
+    fn drop(&mut self) {
+        // SAFETY: `s` is taken once, here.
+        let s = unsafe { ManuallyDrop::take(&mut self.s) };
+        if self.arena.is_some() {
+            // A view: the memory belongs to the arena block.
+            let _ = s.leak();
+        }
+    }
+}
+
+/// One block of a step's arena.
+pub struct ArenaBlock {
+    mem: CudaSlice<u8>,
+    base: u64,
+}
+
+/// A step's temporaries, handed out in the same order (so at the same addresses) every time
+/// the step runs: recorded ops, and the graphs made from them, stay valid from step to step.
+#[derive(Default)]
+struct Arena {
+    blocks: Vec<Arc<ArenaBlock>>,
+    at: usize,
+    off: usize,
+}
+
+const ARENA_BLOCK: usize = 64 << 20;
+
+impl Arena {
+    fn take(
+        &mut self,
+        gpu: &Gpu,
+        bytes: usize,
+    ) -> std::result::Result<(Arc<ArenaBlock>, u64), CudaError> {
+        let bytes = bytes.max(1).div_ceil(256) * 256;
+        loop {
+            if let Some(b) = self.blocks.get(self.at) {
+                if self.off + bytes <= b.mem.len() {
+                    let ptr = b.base + self.off as u64;
+                    self.off += bytes;
+                    return Ok((Arc::clone(b), ptr));
+                }
+                self.at += 1;
+                self.off = 0;
+                continue;
+            }
+            let mem = gpu.alloc_uninit::<u8>(bytes.max(ARENA_BLOCK))?;
+            let base = record::addr(&mem, gpu.stream());
+            self.blocks.push(Arc::new(ArenaBlock { mem, base }));
+        }
+    }
+
+    fn reset(&mut self) {
+        self.at = 0;
+        self.off = 0;
+    }
+}
+
+/// Pinned host staging for a recorded step's inputs, handed out in order like the arena: the
+/// copy ops read it when the step's graph runs.
+#[derive(Default)]
+struct Staging {
+    blocks: Vec<(cudarc::driver::PinnedHostSlice<u8>, *mut u8)>,
+    at: usize,
+    off: usize,
+}
+
+// SAFETY: the raw pointers point into the pinned blocks owned alongside them.
+unsafe impl Send for Staging {}
+
+const STAGING_BLOCK: usize = 1 << 20;
+
+impl Staging {
+    fn take(&mut self, gpu: &Gpu, bytes: usize) -> std::result::Result<*mut u8, CudaError> {
+        let bytes = bytes.max(1).div_ceil(64) * 64;
+        loop {
+            if let Some((b, ptr)) = self.blocks.get(self.at) {
+                if self.off + bytes <= b.len() {
+                    // SAFETY: within the block.
+                    let p = unsafe { ptr.add(self.off) };
+                    self.off += bytes;
+                    return Ok(p);
+                }
+                self.at += 1;
+                self.off = 0;
+                continue;
+            }
+            let mut b = gpu.alloc_pinned(bytes.max(STAGING_BLOCK))?;
+            let ptr = b
+                .as_mut_ptr()
+                .map_err(crate::device::drv("cuMemHostAlloc"))?;
+            self.blocks.push((b, ptr));
+        }
+    }
+
+    fn reset(&mut self) {
+        self.at = 0;
+        self.off = 0;
+    }
+}
+
+/// What the backend keeps per step key: its arena and staging, the graphs captured from its
+/// recorded ops (by fingerprint), and the event of its last run.
+#[derive(Default)]
+struct KeyState {
+    arena: Arena,
+    staging: Staging,
+    graphs: Vec<(u64, crate::Graph)>,
+    last: Option<cudarc::driver::CudaEvent>,
+    /// A run read device data back inside the step: later runs go eagerly.
+    uncapturable: bool,
+    used: u64,
+}
+
+/// The step being recorded.
+struct StepRun {
+    arena: Arena,
+    staging: Staging,
+    /// The recording was cut short (a host read inside the step): its ops were issued.
+    flushed: bool,
+}
+
+thread_local! {
+    /// Whether this thread is inside a [`Backend::step`] of the CUDA backend.
+    static IN_STEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Clears [`IN_STEP`] when a step ends (also by an early return).
+struct InStep;
+
+impl Drop for InStep {
+    fn drop(&mut self) {
+        IN_STEP.with(|s| s.set(false));
+    }
+}
+
+/// Steps of at most this many rows are recorded and replayed as graphs (decode, verify
+/// windows, drafts, catch-ups); larger ones (prefill chunks) run eagerly.
+const GRAPH_ROWS: usize = 8;
+/// Step keys (shape × sequence) whose arenas and graphs are kept.
+const GRAPH_KEYS: usize = 48;
+/// Graphs kept per key (one per distinct op list: another sequence's buffers, another source
+/// of a step's input buffers).
+const GRAPHS_PER_KEY: usize = 4;
+
 /// A row-major f32 buffer on the device; `data` may hold more than `rows · cols` values (a
 /// truncated temporary keeps its allocation).
 pub struct CudaBuf {
     rows: usize,
     cols: usize,
-    data: CudaSlice<f32>,
+    data: Mem<f32>,
 }
 
 impl CudaBuf {
     pub fn data(&self) -> &CudaSlice<f32> {
-        &self.data
+        &*self.data
     }
     fn len(&self) -> usize {
         self.rows * self.cols
@@ -93,7 +271,7 @@ impl DeviceBuf for CudaBuf {
 /// A step's u32 inputs on the device.
 pub struct CudaIds {
     len: usize,
-    data: CudaSlice<u32>,
+    data: Mem<u32>,
 }
 
 impl DeviceIds for CudaIds {
@@ -139,16 +317,30 @@ impl DeviceWeight for CudaWeight {
 pub struct CudaRoutes {
     rows: usize,
     k: usize,
-    ids: CudaSlice<i32>,
-    wts: CudaSlice<f32>,
+    ids: Mem<i32>,
+    wts: Mem<f32>,
 }
 
 /// QSA decisions on the device: the query rows' positions and, for an indexed layer, the
 /// selected token lists.
 pub struct CudaSelection {
     rows: usize,
-    pos: CudaSlice<u32>,
+    pos: Mem<u32>,
     sparse: Option<model::Selection>,
+    /// Where the selection buffers go back when dropped (kept for decode shapes).
+    cache: Option<(Arc<Mutex<ScratchList<model::Selection>>>, Vec<usize>)>,
+}
+
+type ScratchList<T> = Vec<(Vec<usize>, T)>;
+
+impl Drop for CudaSelection {
+    fn drop(&mut self) {
+        if let (Some((list, key)), Some(s)) = (self.cache.take(), self.sparse.take()) {
+            list.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((key, s));
+        }
+    }
 }
 
 /// (rotated dims, θ bits).
@@ -169,6 +361,13 @@ pub struct CudaBackend {
     hc_scratch: Mutex<Vec<(Vec<usize>, model::HcScratch)>>,
     moe_scratch: Mutex<Vec<(Vec<usize>, model::MoeScratch)>>,
     attn_scratch: Mutex<Vec<(Vec<usize>, model::AttnSplitScratch)>>,
+    sel_scratch: Arc<Mutex<ScratchList<model::Selection>>>,
+    /// Recorded steps: per key, arena, staging and graphs; the step being recorded.
+    steps: Mutex<HashMap<StepKey, KeyState>>,
+    cur: Mutex<Option<StepRun>>,
+    tick: std::sync::atomic::AtomicU64,
+    /// One step at a time (a step's recording is the backend's state).
+    step_lock: Mutex<()>,
 }
 
 impl CudaBackend {
@@ -186,6 +385,11 @@ impl CudaBackend {
             hc_scratch: Mutex::new(Vec::new()),
             moe_scratch: Mutex::new(Vec::new()),
             attn_scratch: Mutex::new(Vec::new()),
+            sel_scratch: Arc::new(Mutex::new(Vec::new())),
+            steps: Mutex::new(HashMap::new()),
+            cur: Mutex::new(None),
+            tick: std::sync::atomic::AtomicU64::new(0),
+            step_lock: Mutex::new(()),
         })
     }
 
@@ -214,6 +418,7 @@ impl CudaBackend {
 
     /// Reads (and clears) the error word: a set bit is an error naming what went wrong.
     fn check_err(&self) -> Result<()> {
+        self.flush()?;
         let mut e = self.err_word();
         let v = self.gpu.download(&*e).map_err(dev)?;
         if v.first().copied().unwrap_or(0) == 0 {
@@ -237,15 +442,126 @@ impl CudaBackend {
         )))
     }
 
-    /// An output buffer: every operation's kernels write all of it before it is read.
-    fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
-        self.gpu
-            .alloc_uninit::<f32>(n)
-            .map_err(|e| self.oom(n * 4, e))
+    /// An output buffer of `n` values: from the step's arena while a step is recorded, else
+    /// owned. Every operation's kernels write all of it before it is read.
+    fn mem<T: DeviceRepr>(&self, n: usize) -> Result<Mem<T>> {
+        let bytes = n.max(1) * std::mem::size_of::<T>();
+        let mut cur = self.cur.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(run) = cur.as_mut() {
+            let (block, ptr) = run
+                .arena
+                .take(&self.gpu, bytes)
+                .map_err(|e| self.oom(bytes, e))?;
+            // SAFETY: `ptr` is `bytes` of the arena block, which the view keeps alive.
+            let s = unsafe { self.gpu.stream().upgrade_device_ptr::<T>(ptr, n.max(1)) };
+            return Ok(Mem {
+                s: ManuallyDrop::new(s),
+                arena: Some(block),
+            });
+        }
+        drop(cur);
+        Ok(Mem::owned(
+            self.gpu
+                .alloc_uninit::<T>(n)
+                .map_err(|e| self.oom(bytes, e))?,
+        ))
     }
 
-    fn alloc_u8(&self, n: usize) -> Result<CudaSlice<u8>> {
-        self.gpu.alloc_uninit::<u8>(n).map_err(|e| self.oom(n, e))
+    fn alloc(&self, n: usize) -> Result<Mem<f32>> {
+        self.mem::<f32>(n)
+    }
+
+    fn alloc_u8(&self, n: usize) -> Result<Mem<u8>> {
+        self.mem::<u8>(n)
+    }
+
+    /// A zeroed buffer of `n` values (a recorded memset inside a recorded step).
+    fn mem_zeroed<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<Mem<T>> {
+        if self.cur.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+            return Ok(Mem::owned(
+                self.gpu
+                    .zeros::<T>(n)
+                    .map_err(|e| self.oom(n * std::mem::size_of::<T>(), e))?,
+            ));
+        }
+        let mut m = self.mem::<T>(n)?;
+        let bytes = n.max(1) * std::mem::size_of::<T>();
+        let dst = record::addr_mut(&mut m, self.gpu.stream());
+        if let Some(op) = self.gpu.record(record::Op::Zero { dst, bytes }) {
+            record::issue(&[op], self.gpu.stream()).map_err(dev)?;
+        }
+        Ok(m)
+    }
+
+    /// `bytes` bytes from `src` to `dst` on the device (a recorded copy inside a recorded step).
+    fn copy_dev(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        if let Some(op) = self.gpu.record(record::Op::CopyDtoD { dst, src, bytes }) {
+            record::issue(&[op], self.gpu.stream()).map_err(dev)?;
+        }
+        Ok(())
+    }
+
+    /// Host values to a new device buffer: through the step's pinned staging while a step is
+    /// recorded (the copy is one of the step's ops), else a plain copy.
+    fn upload_mem<T: DeviceRepr + Copy>(&self, data: &[T]) -> Result<Mem<T>> {
+        let bytes = std::mem::size_of_val(data);
+        let recording = self.gpu.recording();
+        let in_step = self.cur.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+        if !in_step {
+            let s = if data.is_empty() {
+                self.gpu.alloc_uninit::<T>(1)
+            } else {
+                self.gpu.upload(data)
+            }
+            .map_err(|e| self.oom(bytes, e))?;
+            return Ok(Mem::owned(s));
+        }
+        let mut m = self.mem::<T>(data.len())?;
+        if bytes == 0 {
+            return Ok(m);
+        }
+        if recording {
+            let host = {
+                let mut cur = self.cur.lock().unwrap_or_else(|p| p.into_inner());
+                let run = cur
+                    .as_mut()
+                    .ok_or_else(|| EngineError::Input("CUDA: no step".into()))?;
+                run.staging.take(&self.gpu, bytes).map_err(dev)?
+            };
+            // SAFETY: `host` holds `bytes` bytes of pinned staging that no copy is reading
+            // (the step waited for its previous run before recording).
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, host, bytes) };
+            let dst = record::addr_mut(&mut m, self.gpu.stream());
+            let op = record::Op::CopyHtoD {
+                dst,
+                src: host,
+                bytes,
+            };
+            if let Some(op) = self.gpu.record(op) {
+                record::issue(&[op], self.gpu.stream()).map_err(dev)?;
+            }
+        } else {
+            self.gpu.write(&mut m, data).map_err(dev)?;
+        }
+        Ok(m)
+    }
+
+    /// A host read inside a recorded step: the ops so far are issued, the rest of the step runs
+    /// eagerly, and the key is not recorded again.
+    fn flush(&self) -> Result<()> {
+        if let Some(ops) = self.gpu.take_recording() {
+            record::issue(&ops, self.gpu.stream()).map_err(dev)?;
+            if let Some(run) = self.cur.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                run.flushed = true;
+            }
+        }
+        Ok(())
     }
 
     /// A zeroed buffer (recurrent states start at zero; stores are read only where written,
@@ -254,10 +570,7 @@ impl CudaBackend {
         Ok(CudaBuf {
             rows,
             cols,
-            data: self
-                .gpu
-                .zeros::<f32>(rows * cols)
-                .map_err(|e| self.oom(rows * cols * 4, e))?,
+            data: self.mem_zeroed::<f32>(rows * cols)?,
         })
     }
 
@@ -313,6 +626,7 @@ impl CudaBackend {
         if let Some((_, s)) = f.iter().find(|(k, _)| *k == key) {
             return Ok(Arc::clone(s));
         }
+        self.flush()?;
         let s = Arc::new(
             self.gpu
                 .upload(&model::rope_freqs(rot, theta))
@@ -329,6 +643,7 @@ impl CudaBackend {
         }
         let n = usize::try_from(w.info.n_elements)
             .map_err(|_| shape("weight", format!("{}: too many elements", w.info.name)))?;
+        self.flush()?;
         let mut host = vec![0f32; n];
         strata_quant::dequantize(w.ty, w.file.tensor_data(&w.info)?, &mut host)?;
         let d = self.gpu.upload(&host).map_err(|e| self.oom(n * 4, e))?;
@@ -360,11 +675,11 @@ impl CudaBackend {
     }
 
     /// `x`'s rows in `w`'s paired activation format.
-    fn prepare(&self, w: &CudaWeight, x: &CudaBuf) -> Result<CudaSlice<u8>> {
+    fn prepare(&self, w: &CudaWeight, x: &CudaBuf) -> Result<Mem<u8>> {
         let rb = w.dev.act_row_bytes().map_err(dev)?;
         let mut out = self.alloc_u8(x.rows * rb)?;
         if x.rows > 0 {
-            model::prepare(&self.gpu, &w.dev, &x.data, x.rows, &mut out).map_err(dev)?;
+            model::prepare(&self.gpu, &w.dev, &*x.data, x.rows, &mut out).map_err(dev)?;
         }
         Ok(out)
     }
@@ -396,7 +711,7 @@ impl CudaBackend {
             "elem",
             "matmul_float_any",
             grid,
-            [&w.dev.bytes, &x.data, &mut y.data, &ri, &ki, &ti]
+            [&w.dev.bytes, &*x.data, &mut *y.data, &ri, &ki, &ti]
         )
         .map_err(dev)?;
         Ok(y)
@@ -405,7 +720,7 @@ impl CudaBackend {
     fn product(&self, w: &CudaWeight, xq: &CudaSlice<u8>, rows: usize) -> Result<CudaBuf> {
         let mut y = self.buf(rows, w.n_rows2())?;
         if rows > 0 {
-            model::product(&self.gpu, &w.dev, xq, rows, &mut y.data).map_err(dev)?;
+            model::product(&self.gpu, &w.dev, xq, rows, &mut *y.data).map_err(dev)?;
         }
         Ok(y)
     }
@@ -413,21 +728,15 @@ impl CudaBackend {
     fn ids_of(&self, ids: &[u32]) -> Result<CudaIds> {
         Ok(CudaIds {
             len: ids.len(),
-            data: self
-                .gpu
-                .upload(if ids.is_empty() { &[0] } else { ids })
-                .map_err(dev)?,
+            data: self.upload_mem(ids)?,
         })
     }
 
-    fn copy_ids(&self, ids: &CudaSlice<u32>, start: usize, len: usize) -> Result<CudaSlice<u32>> {
-        let mut out = self.gpu.zeros::<u32>(len).map_err(dev)?;
-        if len > 0 {
-            self.gpu
-                .stream()
-                .memcpy_dtod(&ids.slice(start..start + len), &mut out)
-                .map_err(|e| dev(crate::device::drv("cuMemcpyDtoD")(e)))?;
-        }
+    fn copy_ids(&self, ids: &CudaSlice<u32>, start: usize, len: usize) -> Result<Mem<u32>> {
+        let mut out = self.mem::<u32>(len)?;
+        let st = self.gpu.stream();
+        let (dst, src) = (record::addr_mut(&mut out, st), record::addr(ids, st));
+        self.copy_dev(dst, src + 4 * start as u64, 4 * len)?;
         Ok(out)
     }
 
@@ -437,8 +746,8 @@ impl CudaBackend {
         let mut out = self.buf(a.rows, a.cols)?;
         let n = a.len();
         match kernel {
-            "swiglu" => model::swiglu(&self.gpu, &a.data, &b.data, &mut out.data, n),
-            _ => model::mul_sigmoid(&self.gpu, &a.data, &b.data, &mut out.data, n),
+            "swiglu" => model::swiglu(&self.gpu, &*a.data, &*b.data, &mut *out.data, n),
+            _ => model::mul_sigmoid(&self.gpu, &*a.data, &*b.data, &mut *out.data, n),
         }
         .map_err(dev)?;
         Ok(out)
@@ -463,7 +772,7 @@ impl CudaBackend {
                 "elem",
                 "hc_act_f32",
                 cfg((a.len().div_ceil(256)).clamp(1, 1 << 16) as u32, 256),
-                [&a.data, &mut act.data, &n, &inv_s]
+                [&*a.data, &mut *act.data, &n, &inv_s]
             )
             .map_err(dev)?;
         }
@@ -477,7 +786,7 @@ impl CudaBackend {
                 "elem",
                 "hc_u_f32",
                 cfg((x.rows * h).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
-                [&g.data, &xn.data, &mut u.data, &ri, &hi, &si, &inv_s]
+                [&*g.data, &*xn.data, &mut *u.data, &ri, &hi, &si, &inv_s]
             )
             .map_err(dev)?;
         }
@@ -501,7 +810,7 @@ impl CudaBackend {
                         "elem",
                         "hc_inj_f32",
                         grid,
-                        [&mut inj.data, &ni, &inv_s]
+                        [&mut *inj.data, &ni, &inv_s]
                     )
                     .map_err(dev)?;
                 }
@@ -559,6 +868,95 @@ impl Backend for CudaBackend {
         })
     }
 
+    /// Steps of up to [`GRAPH_ROWS`] rows are recorded: their launches, copies and input
+    /// uploads become an op list (temporaries from the key's arena, inputs through its pinned
+    /// staging), which replays a graph captured earlier from the same list or is captured now.
+    /// Larger steps, nested steps and keys that read device data inside run eagerly.
+    fn step<R: Send>(&self, key: StepKey, f: impl FnOnce() -> Result<R> + Send) -> Result<R> {
+        if key.rows > GRAPH_ROWS
+            || IN_STEP.with(|s| s.get())
+            || self.gpu.profiling()
+            || std::env::var_os("STRATA_CUDA_GRAPHS").is_some_and(|v| v == "0")
+        {
+            // Prefill chunks, a step inside a step (recorded into the outer one when it is
+            // recorded), profiles (events around every launch) and STRATA_CUDA_GRAPHS=0 run
+            // eagerly.
+            return f();
+        }
+        // Steps from several threads take turns: a step's recording is the backend's state.
+        let _one = self.step_lock.lock().unwrap_or_else(|p| p.into_inner());
+        IN_STEP.with(|s| s.set(true));
+        let _reset = InStep;
+        let mut st = {
+            let mut steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+            if steps.get(&key).is_some_and(|k| k.uncapturable) {
+                drop(steps);
+                return f();
+            }
+            if !steps.contains_key(&key) && steps.len() >= GRAPH_KEYS {
+                // The least recently used key goes (views of its arena keep their blocks).
+                if let Some(old) = steps.iter().min_by_key(|(_, v)| v.used).map(|(k, _)| *k) {
+                    steps.remove(&old);
+                }
+            }
+            steps.remove(&key).unwrap_or_default()
+        };
+        st.used = self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The staging is rewritten below: the key's last run must have read it.
+        if let Some(e) = st.last.take() {
+            e.synchronize()
+                .map_err(|e| dev(crate::device::drv("cuEventSynchronize")(e)))?;
+        }
+        st.arena.reset();
+        st.staging.reset();
+        *self.cur.lock().unwrap_or_else(|p| p.into_inner()) = Some(StepRun {
+            arena: std::mem::take(&mut st.arena),
+            staging: std::mem::take(&mut st.staging),
+            flushed: false,
+        });
+        self.gpu.start_recording();
+        let r = f();
+        let ops = self.gpu.take_recording();
+        let run = self.cur.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(run) = run {
+            st.arena = run.arena;
+            st.staging = run.staging;
+            st.uncapturable |= run.flushed;
+        }
+        let done = match (&r, ops) {
+            // A failed body issues nothing more: its recorded ops are dropped.
+            (Err(_), _) | (_, None) => Ok(()),
+            (Ok(_), Some(ops)) => {
+                let fp = record::fingerprint(&ops);
+                match st.graphs.iter().position(|(k, _)| *k == fp) {
+                    Some(i) => st.graphs[i].1.launch().map_err(dev),
+                    None => match self.gpu.capture_ops(&ops) {
+                        Ok(g) => {
+                            let out = g.launch().map_err(dev);
+                            if st.graphs.len() >= GRAPHS_PER_KEY {
+                                st.graphs.remove(0);
+                            }
+                            st.graphs.push((fp, g));
+                            out
+                        }
+                        // A list the driver would not capture still runs, op by op.
+                        Err(_) => {
+                            st.uncapturable = true;
+                            record::issue(&ops, self.gpu.stream()).map_err(dev)
+                        }
+                    },
+                }
+            }
+        };
+        st.last = self.gpu.event().ok();
+        self.steps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, st);
+        done?;
+        r
+    }
+
     fn zeros(&self, rows: usize, cols: usize) -> Result<CudaBuf> {
         self.zeroed(rows, cols)
     }
@@ -570,13 +968,7 @@ impl Backend for CudaBackend {
                 format!("{} values for {rows}×{cols}", data.len()),
             ));
         }
-        let data = if data.is_empty() {
-            self.alloc(1)?
-        } else {
-            self.gpu
-                .upload(data)
-                .map_err(|e| self.oom(data.len() * 4, e))?
-        };
+        let data = self.upload_mem(data)?;
         Ok(CudaBuf { rows, cols, data })
     }
 
@@ -593,11 +985,12 @@ impl Backend for CudaBackend {
         }
         Ok(CudaIds {
             len,
-            data: self.copy_ids(&ids.data, start, len)?,
+            data: self.copy_ids(&*ids.data, start, len)?,
         })
     }
 
     fn download(&self, x: &CudaBuf) -> Result<Vec<f32>> {
+        self.flush()?;
         let n = x.len();
         let v = if n == 0 {
             Vec::new()
@@ -612,6 +1005,7 @@ impl Backend for CudaBackend {
     }
 
     fn download_ids(&self, ids: &CudaIds) -> Result<Vec<u32>> {
+        self.flush()?;
         let v = if ids.len == 0 {
             Vec::new()
         } else {
@@ -632,14 +1026,12 @@ impl Backend for CudaBackend {
 
     fn copy_into(&self, dst: &mut CudaBuf, src: &CudaBuf) -> Result<()> {
         Self::same_shape("copy_into", dst, src)?;
-        let n = src.len();
-        if n > 0 {
-            self.gpu
-                .stream()
-                .memcpy_dtod(&src.data.slice(0..n), &mut dst.data.slice_mut(0..n))
-                .map_err(|e| dev(crate::device::drv("cuMemcpyDtoD")(e)))?;
-        }
-        Ok(())
+        let st = self.gpu.stream();
+        let (d, s) = (
+            record::addr_mut(&mut *dst.data, st),
+            record::addr(&*src.data, st),
+        );
+        self.copy_dev(d, s, 4 * src.len())
     }
 
     fn reshape(&self, x: CudaBuf, rows: usize, cols: usize) -> Result<CudaBuf> {
@@ -649,11 +1041,10 @@ impl Backend for CudaBackend {
                 format!("{}×{} as {rows}×{cols}", x.rows, x.cols),
             ));
         }
-        Ok(CudaBuf {
-            rows,
-            cols,
-            data: x.data,
-        })
+        let mut x = x;
+        x.rows = rows;
+        x.cols = cols;
+        Ok(x)
     }
 
     fn truncate_rows(&self, dst: &mut CudaBuf, rows: usize) -> Result<()> {
@@ -683,7 +1074,7 @@ impl Backend for CudaBackend {
                 "elem",
                 "slice_cols_f32",
                 cfg((n as usize).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
-                [&x.data, &mut out.data, &n, &c, &s, &l]
+                [&*x.data, &mut *out.data, &n, &c, &s, &l]
             )
             .map_err(dev)?;
         }
@@ -700,19 +1091,16 @@ impl Backend for CudaBackend {
         let n = x.len();
         let mut all = self.alloc(n)?;
         if n > 0 {
-            model::deinterleave(&self.gpu, &x.data, &mut all, x.rows, x.cols, chunk, parts)
+            model::deinterleave(&self.gpu, &*x.data, &mut all, x.rows, x.cols, chunk, parts)
                 .map_err(dev)?;
         }
         let part = n / parts;
         let mut outs = Vec::with_capacity(parts);
+        let base = record::addr(&all, self.gpu.stream());
         for p in 0..parts {
             let mut o = self.buf(x.rows, x.cols / parts)?;
-            if part > 0 {
-                self.gpu
-                    .stream()
-                    .memcpy_dtod(&all.slice(p * part..(p + 1) * part), &mut o.data)
-                    .map_err(|e| dev(crate::device::drv("cuMemcpyDtoD")(e)))?;
-            }
+            let dst = record::addr_mut(&mut *o.data, self.gpu.stream());
+            self.copy_dev(dst, base + (4 * p * part) as u64, 4 * part)?;
             outs.push(o);
         }
         Ok(outs)
@@ -747,10 +1135,10 @@ impl Backend for CudaBackend {
             "store_rows_f32",
             cfg(x.rows as u32, 256),
             [
-                &mut cache.data,
+                &mut *cache.data,
                 &cap,
-                &x.data,
-                &at.data,
+                &*x.data,
+                &*at.data,
                 &ci,
                 &fi,
                 &mut *err
@@ -763,7 +1151,7 @@ impl Backend for CudaBackend {
         Self::same_shape("add_assign", x, y)?;
         let n = x.len();
         if n > 0 {
-            model::add_assign(&self.gpu, &mut x.data, &y.data, n).map_err(dev)?;
+            model::add_assign(&self.gpu, &mut *x.data, &*y.data, n).map_err(dev)?;
         }
         Ok(())
     }
@@ -784,21 +1172,24 @@ impl Backend for CudaBackend {
             } else {
                 Some(self.alloc(n * k)?)
             };
-            let dst = e.as_mut().unwrap_or(&mut out.data);
+            let dst: &mut CudaSlice<f32> = match e.as_mut() {
+                Some(e) => e,
+                None => &mut out.data,
+            };
             ops::embed(
                 &self.gpu,
                 "optimized",
                 table.ty,
                 &table.dev.bytes,
                 rows,
-                &ids.data,
+                &*ids.data,
                 n,
                 dst,
                 k,
             )
             .map_err(dev)?;
             if let Some(e) = e {
-                model::repeat_rows(&self.gpu, &e, &mut out.data, n, k, copies).map_err(dev)?;
+                model::repeat_rows(&self.gpu, &e, &mut *out.data, n, k, copies).map_err(dev)?;
             }
         } else {
             let t = self.values(table)?;
@@ -813,7 +1204,7 @@ impl Backend for CudaBackend {
                 "elem",
                 "gather_rows_f32",
                 cfg((nn as usize).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
-                [t, &nr, &ids.data, &mut out.data, &nn, &c, &cp]
+                [t, &nr, &*ids.data, &mut *out.data, &nn, &c, &cp]
             )
             .map_err(dev)?;
         }
@@ -831,7 +1222,7 @@ impl Backend for CudaBackend {
 
     /// One activation image per format for all the products of `x`.
     fn matmuls<const N: usize>(&self, ws: [&CudaWeight; N], x: &CudaBuf) -> Result<[CudaBuf; N]> {
-        let mut prepared: Vec<(ActFmt, CudaSlice<u8>)> = Vec::new();
+        let mut prepared: Vec<(ActFmt, Mem<u8>)> = Vec::new();
         let mut ys = Vec::with_capacity(N);
         for w in ws {
             Self::check_matmul(w, x)?;
@@ -866,7 +1257,7 @@ impl Backend for CudaBackend {
                 "elem",
                 "gather_cols_f32",
                 cfg((n as usize).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
-                [&y.data, &rows.data, &mut out.data, &n, &c, &m, &mut *err]
+                [&*y.data, &*rows.data, &mut *out.data, &n, &c, &m, &mut *err]
             )
             .map_err(dev)?;
         }
@@ -882,9 +1273,9 @@ impl Backend for CudaBackend {
         // The weight's image holds exactly its elements (the launcher checks the count).
         model::rms_norm(
             &self.gpu,
-            &x.data,
+            &*x.data,
             wv,
-            &mut out.data,
+            &mut *out.data,
             x.rows,
             x.cols,
             group,
@@ -915,8 +1306,8 @@ impl Backend for CudaBackend {
         let (rows, cols) = (x.rows, x.cols);
         model::rope_neox(
             &self.gpu,
-            &mut x.data,
-            &positions.data,
+            &mut *x.data,
+            &*positions.data,
             &f,
             rows,
             cols,
@@ -939,13 +1330,13 @@ impl Backend for CudaBackend {
             ));
         }
         let n = logits.rows;
-        let mut ids = self.gpu.zeros::<i32>(n * k).map_err(dev)?;
+        let mut ids = self.mem::<i32>(n * k)?;
         let mut wts = self.alloc(n * k)?;
         if n > 0 {
             ops::route(
                 &self.gpu,
                 "optimized",
-                &logits.data,
+                &*logits.data,
                 &mut ids,
                 &mut wts,
                 n,
@@ -1013,12 +1404,12 @@ impl Backend for CudaBackend {
         model::moe_experts(
             &self.gpu,
             &devs,
-            &x.data,
-            &routes.ids,
-            &routes.wts,
+            &*x.data,
+            &*routes.ids,
+            &*routes.wts,
             &mut s,
             x.rows > MOE_GROUPED_ABOVE,
-            &mut out.data,
+            &mut *out.data,
             &mut err,
         )
         .map_err(dev)?;
@@ -1043,7 +1434,7 @@ impl Backend for CudaBackend {
         if rows * cols == 0 {
             return Ok(());
         }
-        model::add_sigmoid_gated(&self.gpu, &mut y.data, &x.data, &gate.data, rows, cols)
+        model::add_sigmoid_gated(&self.gpu, &mut *y.data, &*x.data, &*gate.data, rows, cols)
             .map_err(dev)
     }
 
@@ -1053,7 +1444,7 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        model::add_bias(&self.gpu, &mut x.data, bv, rows, cols).map_err(dev)
+        model::add_bias(&self.gpu, &mut *x.data, bv, rows, cols).map_err(dev)
     }
 
     fn attend_causal(
@@ -1069,7 +1460,7 @@ impl Backend for CudaBackend {
             q,
             k_cache,
             v_cache,
-            &positions.data,
+            &*positions.data,
             positions.len,
             None,
             dims,
@@ -1111,12 +1502,12 @@ impl CudaBackend {
             [
                 &w.dev.bytes,
                 &slab,
-                &routes.ids,
+                &*routes.ids,
                 &ne,
-                &x.data,
+                &*x.data,
                 &xps,
                 &ks,
-                &mut y.data,
+                &mut *y.data,
                 &ri,
                 &ki,
                 &ti,
@@ -1155,9 +1546,9 @@ impl CudaBackend {
         let y = self.moe_pairs_odd(ex.down, &act, true, routes)?;
         model::moe_combine(
             &self.gpu,
-            &y.data,
-            &routes.wts,
-            &mut out.data,
+            &*y.data,
+            &*routes.wts,
+            &mut *out.data,
             routes.rows,
             routes.k,
             x.cols,
@@ -1211,16 +1602,16 @@ impl CudaBackend {
         let mut err = self.err_word();
         model::attend_split(
             &self.gpu,
-            &q.data,
-            &k_cache.data,
-            &v_cache.data,
+            &*q.data,
+            &*k_cache.data,
+            &*v_cache.data,
             cap,
             sel,
             pos,
             q.rows,
             dims,
             kv == KvType::F16,
-            &mut out.data,
+            &mut *out.data,
             &mut scratch,
             &mut err,
         )
@@ -1289,11 +1680,11 @@ impl Qwen4expOps for CudaBackend {
             model::hc_mix(
                 &self.gpu,
                 &devs,
-                &x.data,
+                &*x.data,
                 x.rows,
                 &mut scratch,
-                &mut u.data,
-                inj.as_mut().map(|b| &mut b.data),
+                &mut *u.data,
+                inj.as_mut().map(|b| &mut *b.data),
             )
             .map_err(dev)?;
             Self::put_scratch(&self.hc_scratch, key, x.rows, scratch);
@@ -1325,14 +1716,22 @@ impl Qwen4expOps for CudaBackend {
                         ),
                     ));
                 }
-                model::hc_combine(&self.gpu, &mut x.data, &y.data, &inj.data, rows, h, streams)
-                    .map_err(dev)
+                model::hc_combine(
+                    &self.gpu,
+                    &mut *x.data,
+                    &*y.data,
+                    &*inj.data,
+                    rows,
+                    h,
+                    streams,
+                )
+                .map_err(dev)
             }
             None => {
                 // Unit weights: X_s += y for every stream (the MTP head's combine).
                 let mut rep = self.alloc(rows * streams * h)?;
-                model::repeat_rows(&self.gpu, &y.data, &mut rep, rows, h, streams).map_err(dev)?;
-                model::add_assign(&self.gpu, &mut x.data, &rep, rows * streams * h).map_err(dev)
+                model::repeat_rows(&self.gpu, &*y.data, &mut rep, rows, h, streams).map_err(dev)?;
+                model::add_assign(&self.gpu, &mut *x.data, &rep, rows * streams * h).map_err(dev)
             }
         }
     }
@@ -1362,10 +1761,10 @@ impl Qwen4expOps for CudaBackend {
         }
         model::conv1d_silu(
             &self.gpu,
-            &x.data,
+            &*x.data,
             wv,
-            &mut history.data,
-            &mut out.data,
+            &mut *history.data,
+            &mut *out.data,
             x.rows,
             c,
             k,
@@ -1420,12 +1819,12 @@ impl Qwen4expOps for CudaBackend {
             model::gdn_step_scan(
                 &self.gpu,
                 &devs,
-                &qkv.data,
-                &z.data,
-                &a.data,
-                &b.data,
-                &mut state.data,
-                &mut out.data,
+                &*qkv.data,
+                &*z.data,
+                &*a.data,
+                &*b.data,
+                &mut *state.data,
+                &mut *out.data,
                 n,
                 &mut s,
             )
@@ -1434,12 +1833,12 @@ impl Qwen4expOps for CudaBackend {
             model::gdn_step(
                 &self.gpu,
                 &devs,
-                &qkv.data,
-                &z.data,
-                &a.data,
-                &b.data,
-                &mut state.data,
-                &mut out.data,
+                &*qkv.data,
+                &*z.data,
+                &*a.data,
+                &*b.data,
+                &mut *state.data,
+                &mut *out.data,
                 n,
             )
             .map_err(dev)?;
@@ -1469,10 +1868,10 @@ impl Qwen4expOps for CudaBackend {
                 "qsa_mean_f32",
                 cfg((nn as usize).div_ceil(256).clamp(1, 1 << 16) as u32, 256),
                 [
-                    &kraw.data,
+                    &*kraw.data,
                     &cap,
-                    &positions.data,
-                    &mut out.data,
+                    &*positions.data,
+                    &mut *out.data,
                     &nn,
                     &di,
                     &ri,
@@ -1505,14 +1904,23 @@ impl Qwen4expOps for CudaBackend {
         // The token capacity the selection indexes: the pooled store is made with as many rows
         // as the token stores (qwen4exp::state::AttnCache), so its row count is that capacity.
         let cap = blocks.rows;
-        let mut s = model::Selection::new(&self.gpu, n.max(1), cap, sel).map_err(dev)?;
+        let skey = vec![
+            n.max(1),
+            cap,
+            sel.ratio,
+            sel.budget,
+            (sel.rule == strata_engine::QsaRule::LlamaCpp) as usize,
+        ];
+        let mut s = Self::take_scratch(&self.sel_scratch, &skey, || {
+            model::Selection::new(&self.gpu, n.max(1), cap, sel)
+        })?;
         if n > 0 {
             let mut err = self.err_word();
             model::qsa_select(
                 &self.gpu,
-                &qi.data,
-                &blocks.data,
-                &positions.data,
+                &*qi.data,
+                &*blocks.data,
+                &*positions.data,
                 n,
                 qi.cols / d,
                 d,
@@ -1524,16 +1932,18 @@ impl Qwen4expOps for CudaBackend {
         }
         Ok(CudaSelection {
             rows: n,
-            pos: self.copy_ids(&positions.data, 0, n)?,
+            pos: self.copy_ids(&*positions.data, 0, n)?,
             sparse: Some(s),
+            cache: (n <= SCRATCH_CACHE_ROWS).then(|| (Arc::clone(&self.sel_scratch), skey)),
         })
     }
 
     fn select_causal(&self, positions: &CudaIds) -> Result<CudaSelection> {
         Ok(CudaSelection {
             rows: positions.len,
-            pos: self.copy_ids(&positions.data, 0, positions.len)?,
+            pos: self.copy_ids(&*positions.data, 0, positions.len)?,
             sparse: None,
+            cache: None,
         })
     }
 
@@ -1586,10 +1996,10 @@ impl Qwen4expOps for CudaBackend {
         }
         model::ple_gate(
             &self.gpu,
-            &k.data,
-            &q.data,
-            &v.data,
-            &mut out.data,
+            &*k.data,
+            &*q.data,
+            &*v.data,
+            &mut *out.data,
             v.rows,
             h,
             streams,

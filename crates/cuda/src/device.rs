@@ -58,6 +58,8 @@ pub struct Gpu {
     funcs: Mutex<HashMap<String, CudaFunction>>,
     /// Per-launch timing (events around every launch) while profiling is on.
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
+    /// The ops of the step being recorded (record mode: launches are kept, not issued).
+    rec: Mutex<Option<Vec<crate::record::Op>>>,
 }
 
 /// One kernel's share of a profiled run: launches and device time.
@@ -143,11 +145,46 @@ impl Gpu {
             modules,
             funcs: Mutex::new(HashMap::new()),
             profile: Mutex::new(None),
+            rec: Mutex::new(None),
         })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Whether launches are being recorded (see [`crate::record`]).
+    pub fn recording(&self) -> bool {
+        self.rec.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// Starts recording: launches, copies and memsets are kept instead of issued.
+    pub fn start_recording(&self) {
+        *self.rec.lock().unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+    }
+
+    /// Stops recording and returns the ops (None when recording was not on).
+    pub fn take_recording(&self) -> Option<Vec<crate::record::Op>> {
+        self.rec.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Keeps `op` when recording; false (the caller issues it) when not.
+    pub fn record(&self, op: crate::record::Op) -> Option<crate::record::Op> {
+        match self.rec.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            Some(v) => {
+                v.push(op);
+                None
+            }
+            None => Some(op),
+        }
+    }
+
+    /// Whether launches are being timed.
+    pub fn profiling(&self) -> bool {
+        self.profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
     }
 
     /// Starts timing every launch (events around each; costs host time, so only for profiles).
@@ -227,6 +264,8 @@ impl Gpu {
         self.stream.clone_htod(data).map_err(drv("cuMemcpyHtoD"))
     }
 
+    /// A zeroed buffer. In record mode the memset is issued at once (the buffer is new, so no
+    /// recorded op can depend on it yet).
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
         &self,
         n: usize,
@@ -240,6 +279,24 @@ impl Gpu {
         // SAFETY: device memory is never read as T on the host before a kernel has written it
         // (the callers' contract); the allocation itself is sound for any length.
         unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(drv("cuMemAllocAsync"))
+    }
+
+    /// Page-locked host memory (write-combined: the host only writes it).
+    pub fn alloc_pinned(&self, n: usize) -> Result<cudarc::driver::PinnedHostSlice<u8>, CudaError> {
+        // SAFETY: the bytes are written before any copy reads them (the staging's contract).
+        unsafe { self.ctx.alloc_pinned::<u8>(n.max(1)) }.map_err(drv("cuMemHostAlloc"))
+    }
+
+    /// An event recorded on the stream now (to wait for the work issued so far).
+    pub fn event(&self) -> Result<CudaEvent, CudaError> {
+        self.stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(drv("cuEventRecord"))
+    }
+
+    /// Captures the already-recorded `ops` into a graph (issuing them inside a stream capture).
+    pub fn capture_ops(&self, ops: &[crate::record::Op]) -> Result<Graph, CudaError> {
+        self.capture(&mut || crate::record::issue(ops, &self.stream))
     }
 
     pub fn write<T: DeviceRepr>(
@@ -325,6 +382,11 @@ impl Gpu {
 pub struct Graph {
     g: cudarc::driver::CudaGraph,
 }
+
+// SAFETY: a CUDA graph handle may be used from any thread; the backend launches it from one
+// thread at a time (its step lock).
+unsafe impl Send for Graph {}
+unsafe impl Sync for Graph {}
 
 impl Graph {
     pub fn launch(&self) -> Result<(), CudaError> {

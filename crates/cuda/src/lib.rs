@@ -34,6 +34,7 @@ pub mod backend;
 pub mod device;
 pub mod model;
 pub mod ops;
+pub mod record;
 
 pub use backend::CudaBackend;
 pub use device::{ensure_driver, Gpu, Graph, KernelTime, ModuleLoad};

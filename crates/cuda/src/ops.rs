@@ -64,15 +64,23 @@ macro_rules! launch {
     ($gpu:expr, $module:expr, $name:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
         let name: &str = &$name;
         let f = $gpu.func($module, name)?;
-        let mut b = $gpu.stream().launch_builder(&f);
-        $( b.arg($arg); )*
-        $gpu.timed(name, || {
-            // SAFETY: the argument list matches the kernel's parameter list in kernels/*.cu,
-            // and the caller checked that every buffer covers what the launch reads and writes.
-            unsafe { b.launch($cfg) }
-                .map(|_| ())
-                .map_err(|e| CudaError::Launch { kernel: name.to_string(), what: e.to_string() })
-        })?;
+        if $gpu.recording() {
+            #[allow(unused_imports)]
+            use $crate::record::KArg as _;
+            let args = vec![$( ($arg).karg($gpu.stream()) ),*];
+            let _ = $gpu.record($crate::record::Op::Launch { func: f, cfg: $cfg, args });
+        } else {
+            let mut b = $gpu.stream().launch_builder(&f);
+            $( b.arg($arg); )*
+            $gpu.timed(name, || {
+                // SAFETY: the argument list matches the kernel's parameter list in
+                // kernels/*.cu, and the caller checked that every buffer covers what the launch
+                // reads and writes.
+                unsafe { b.launch($cfg) }
+                    .map(|_| ())
+                    .map_err(|e| CudaError::Launch { kernel: name.to_string(), what: e.to_string() })
+            })?;
+        }
         Ok::<(), CudaError>(())
     }};
 }

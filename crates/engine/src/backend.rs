@@ -55,6 +55,16 @@ pub struct StepKey {
     /// What the step returns or keeps besides its state updates (a model-defined bit set: the
     /// same rows with other outputs run different operations).
     pub outputs: u32,
+    /// The sequence state the step updates ([`sequence_id`]): buffers a step returns (hidden
+    /// states, replay logs) may outlive it, so a backend that reuses a step's temporaries keeps
+    /// them apart per sequence.
+    pub seq: u64,
+}
+
+/// A fresh id for a sequence state (unique in the process).
+pub fn sequence_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -364,7 +374,10 @@ pub trait Backend: Send + Sync {
     /// shape. The CPU runs it inside its thread pool (the operations inside do not each hand
     /// their work to the pool and sleep until it is done); a capturing backend records the body
     /// once per key and replays it; a re-encoding backend encodes it into one command stream.
-    fn step<R: Send>(&self, key: StepKey, f: impl FnOnce() -> R + Send) -> R {
+    ///
+    /// Step inputs (token ids, positions, n-gram rows) are uploaded inside the body, so a
+    /// backend that replays a step knows them as the step's own.
+    fn step<R: Send>(&self, key: StepKey, f: impl FnOnce() -> Result<R> + Send) -> Result<R> {
         let _ = key;
         f()
     }

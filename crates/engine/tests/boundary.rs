@@ -152,7 +152,7 @@ impl Backend for Recording {
         self.buf("write_kv", x);
         self.cpu.write_kv(cache, x, at, kv)
     }
-    fn step<T: Send>(&self, key: StepKey, f: impl FnOnce() -> T + Send) -> T {
+    fn step<T: Send>(&self, key: StepKey, f: impl FnOnce() -> R<T> + Send) -> R<T> {
         {
             let mut l = self.log.lock().unwrap();
             assert!(!l.in_step, "steps do not nest");

@@ -375,7 +375,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn step<R: Send>(&self, _key: StepKey, f: impl FnOnce() -> R + Send) -> R {
+    fn step<R: Send>(&self, _key: StepKey, f: impl FnOnce() -> Result<R> + Send) -> Result<R> {
         self.pool.install(f)
     }
 

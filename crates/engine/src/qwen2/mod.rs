@@ -44,6 +44,8 @@ struct KvCache<B: Backend> {
 /// One sequence's state: create with [`Model::new_state`], advance with [`Model::forward`],
 /// roll back with [`Model::truncate`] (a dense model's state is only its caches).
 pub struct State<B: Backend> {
+    /// The sequence's id in step keys (`backend::sequence_id`).
+    id: u64,
     pos: usize,
     tokens: Vec<u32>,
     layers: Vec<KvCache<B>>,
@@ -142,6 +144,7 @@ impl<B: Backend> Model<B> {
             })
             .collect::<Result<_>>()?;
         Ok(State {
+            id: crate::backend::sequence_id(),
             pos: 0,
             tokens: Vec::new(),
             layers,
@@ -198,13 +201,15 @@ impl<B: Backend> Model<B> {
                 n, st.pos, c.n_ctx_train
             )));
         }
-        let inputs = StepInputs::new(b, tokens, st.pos, &[])?;
+        let start = st.pos;
         let key = StepKey {
             kind: StepKind::Forward,
             rows: n,
             outputs: last_only as u32,
+            seq: st.id,
         };
         let logits = b.step(key, || {
+            let inputs = StepInputs::new(b, tokens, start, &[])?;
             self.layers_and_head(&mut st.layers, &inputs, last_only)
         })?;
         let logits = b.download(&logits)?;

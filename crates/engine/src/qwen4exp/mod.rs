@@ -202,6 +202,7 @@ impl<B: Qwen4expOps> Model<B> {
             None => None,
         };
         Ok(State {
+            id: crate::backend::sequence_id(),
             pos: 0,
             tokens: Vec::new(),
             layers,
@@ -330,6 +331,7 @@ impl<B: Qwen4expOps> Model<B> {
             kind: StepKind::Replay,
             rows: keep,
             outputs: 0,
+            seq: st.id,
         };
         self.backend
             .step(key, || self.rollback_body(st, cp, log, keep))
@@ -474,12 +476,14 @@ impl<B: Qwen4expOps> Model<B> {
         let n = tokens.len();
         let end = st.pos + n;
         self.check_room(st, end)?;
-        // The step's inputs, uploaded once: ids, positions, the blocks they complete, n-gram rows.
-        let inputs = StepInputs::new(b, tokens, st.pos, &self.qsa_ratios())?;
-        let ple_rows = match &c.ple {
-            Some(p) => Some(b.upload_ids(&ngram::row_ids(p, &st.tokens, tokens)?)?),
+        // The step's inputs (ids, positions, the blocks they complete, n-gram rows), computed
+        // on the host and uploaded once, inside the step.
+        let ratios = self.qsa_ratios();
+        let ple_ids = match &c.ple {
+            Some(p) => Some(ngram::row_ids(p, &st.tokens, tokens)?),
             None => None,
         };
+        let start = st.pos;
 
         if let Some(log) = log.as_deref_mut() {
             log.reset(c.n_layer);
@@ -491,8 +495,11 @@ impl<B: Qwen4expOps> Model<B> {
                 | ((want.hidden as u32) * OUT_HIDDEN)
                 | ((want.layer_out as u32) * OUT_LAYERS)
                 | ((log.is_some() as u32) * OUT_LOGGED),
+            seq: st.id,
         };
         let out = b.step(key, || {
+            let inputs = StepInputs::new(b, tokens, start, &ratios)?;
+            let ple_rows = ple_ids.as_ref().map(|r| b.upload_ids(r)).transpose()?;
             self.layers_and_head(st, &inputs, ple_rows.as_ref(), want, log)
         })?;
         for (layer, kind) in st.layers.iter_mut().zip(&c.layers) {

@@ -61,6 +61,8 @@ pub struct MtpHead<W> {
 
 /// One sequence's MTP state: the MTP layer's caches, position = rows cached.
 pub struct MtpState<B: Backend> {
+    /// The head's sequence id in step keys (`backend::sequence_id`).
+    pub(crate) id: u64,
     pub(crate) pos: usize,
     pub(crate) layer: LayerState<B>,
 }
@@ -228,6 +230,7 @@ impl<B: Qwen4expOps> Model<B> {
         let c = &self.config;
         let kv = c.attn.n_head_kv * c.attn.head_dim;
         Ok(MtpState {
+            id: crate::backend::sequence_id(),
             pos: 0,
             layer: LayerState::Attn(AttnCache::new(b, c.n_ctx, kv, c.indexer.head_dim)?),
         })
@@ -329,18 +332,16 @@ impl<B: Qwen4expOps> Model<B> {
         };
         cache.check_room(end)?;
         let b = &self.backend;
-        let inputs = StepInputs::new(
-            b,
-            next_tokens,
-            st.pos,
-            &ratio.into_iter().collect::<Vec<_>>(),
-        )?;
+        let ratios: Vec<usize> = ratio.into_iter().collect();
+        let start = st.pos;
         let key = StepKey {
             kind: StepKind::Draft,
             rows: n,
             outputs: (last_only as u32) | ((rows.is_some() as u32) << 1),
+            seq: st.id,
         };
         let out = b.step(key, || {
+            let inputs = StepInputs::new(b, next_tokens, start, &ratios)?;
             self.mtp_body(head, st, hidden, &inputs, last_only, rows)
         })?;
         if let LayerState::Attn(cache) = &mut st.layer {

@@ -58,6 +58,8 @@ pub(crate) enum LayerState<B: Backend> {
 
 /// One sequence's state: create with `Model::new_state`, advance with `Model::forward`.
 pub struct State<B: Backend> {
+    /// The sequence's id in step keys (`backend::sequence_id`).
+    pub(crate) id: u64,
     pub(crate) pos: usize,
     pub(crate) tokens: Vec<u32>,
     pub(crate) layers: Vec<LayerState<B>>,

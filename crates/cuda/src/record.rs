@@ -1,0 +1,178 @@
+//! Recorded steps: while a step body runs in record mode, its kernel launches, device copies,
+//! memsets and input uploads are kept as [`Op`]s instead of being issued. At the end of the
+//! step the backend either replays a CUDA graph captured earlier from the same op list (its
+//! [`fingerprint`]: kernels, launch shapes, every pointer and scalar argument) or captures one
+//! now by issuing the ops inside a stream capture. The inputs' values change from step to step
+//! without changing the ops: they are written into pinned host staging that the graph's copy
+//! nodes read when it runs.
+
+use std::ffi::c_void;
+use std::hash::{Hash, Hasher};
+
+use cudarc::driver::{
+    result, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    LaunchConfig,
+};
+
+use crate::device::drv;
+use crate::CudaError;
+
+/// One scalar or pointer kernel argument, as the kernel's parameter bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arg {
+    B4(u32),
+    B8(u64),
+}
+
+/// A device operation of a recorded step.
+pub enum Op {
+    Launch {
+        func: CudaFunction,
+        cfg: LaunchConfig,
+        args: Vec<Arg>,
+    },
+    CopyDtoD {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    Zero {
+        dst: u64,
+        bytes: usize,
+    },
+    /// From pinned host staging (stable address; its contents are the step's inputs).
+    CopyHtoD {
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+    },
+}
+
+// SAFETY: the host pointer of CopyHtoD points into pinned staging owned by the backend, which
+// outlives the ops; it is only read by the copy.
+unsafe impl Send for Op {}
+unsafe impl Sync for Op {}
+
+/// A kernel argument's parameter bytes (pointers of device buffers, values of scalars).
+pub trait KArg {
+    fn karg(&self, stream: &CudaStream) -> Arg;
+}
+
+macro_rules! scalar {
+    ($t:ty, $v:ident => $e:expr) => {
+        impl KArg for &$t {
+            fn karg(&self, _: &CudaStream) -> Arg {
+                let $v = **self;
+                $e
+            }
+        }
+    };
+}
+scalar!(i32, v => Arg::B4(v as u32));
+scalar!(u32, v => Arg::B4(v));
+scalar!(f32, v => Arg::B4(v.to_bits()));
+scalar!(u64, v => Arg::B8(v));
+scalar!(f64, v => Arg::B8(v.to_bits()));
+
+impl<T> KArg for &CudaSlice<T> {
+    fn karg(&self, s: &CudaStream) -> Arg {
+        Arg::B8(self.device_ptr(s).0)
+    }
+}
+impl<T> KArg for &mut CudaSlice<T> {
+    fn karg(&self, s: &CudaStream) -> Arg {
+        Arg::B8((**self).device_ptr(s).0)
+    }
+}
+impl<T> KArg for &CudaView<'_, T> {
+    fn karg(&self, s: &CudaStream) -> Arg {
+        Arg::B8(self.device_ptr(s).0)
+    }
+}
+impl<T> KArg for &mut CudaViewMut<'_, T> {
+    fn karg(&self, s: &CudaStream) -> Arg {
+        Arg::B8((**self).device_ptr(s).0)
+    }
+}
+
+/// The device address of a slice (for recorded copies).
+pub fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    s.device_ptr(stream).0
+}
+
+pub fn addr_mut<T>(s: &mut CudaSlice<T>, stream: &CudaStream) -> u64 {
+    s.device_ptr_mut(stream).0
+}
+
+/// What identifies a recorded op list: equal fingerprints replay the same graph.
+pub fn fingerprint(ops: &[Op]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ops.len().hash(&mut h);
+    for op in ops {
+        match op {
+            Op::Launch { func, cfg, args } => {
+                0u8.hash(&mut h);
+                (func.cu_function() as usize).hash(&mut h);
+                cfg.grid_dim.hash(&mut h);
+                cfg.block_dim.hash(&mut h);
+                cfg.shared_mem_bytes.hash(&mut h);
+                args.hash(&mut h);
+            }
+            Op::CopyDtoD { dst, src, bytes } => (1u8, dst, src, bytes).hash(&mut h),
+            Op::Zero { dst, bytes } => (2u8, dst, bytes).hash(&mut h),
+            Op::CopyHtoD { dst, src, bytes } => (3u8, dst, *src as usize, bytes).hash(&mut h),
+        }
+    }
+    h.finish()
+}
+
+/// Issues the ops on `stream` in order (eagerly, or inside a stream capture).
+pub fn issue(ops: &[Op], stream: &CudaStream) -> Result<(), CudaError> {
+    let cs = stream.cu_stream();
+    let mut slots: Vec<u64> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Launch { func, cfg, args } => {
+                slots.clear();
+                slots.extend(args.iter().map(|a| match *a {
+                    Arg::B4(v) => v as u64,
+                    Arg::B8(v) => v,
+                }));
+                // Each parameter points at its slot; a 4-byte parameter reads the slot's low
+                // bytes (little-endian).
+                let mut params: Vec<*mut c_void> = slots
+                    .iter_mut()
+                    .map(|s| s as *mut u64 as *mut c_void)
+                    .collect();
+                // SAFETY: the args were recorded from a launch of this function with the same
+                // parameter list; every pointer argument is a live arena, state or scratch
+                // buffer (the backend keeps them until the step's ops have run).
+                unsafe {
+                    result::launch_kernel(
+                        func.cu_function(),
+                        cfg.grid_dim,
+                        cfg.block_dim,
+                        cfg.shared_mem_bytes,
+                        cs,
+                        &mut params,
+                    )
+                }
+                .map_err(drv("cuLaunchKernel (recorded)"))?;
+            }
+            // SAFETY (the three copies): addresses and sizes were taken from live buffers when
+            // the op was recorded; the backend keeps them alive until the ops have run.
+            Op::CopyDtoD { dst, src, bytes } => {
+                unsafe { result::memcpy_dtod_async(*dst, *src, *bytes, cs) }
+                    .map_err(drv("cuMemcpyDtoDAsync (recorded)"))?
+            }
+            Op::Zero { dst, bytes } => unsafe { result::memset_d8_async(*dst, 0, *bytes, cs) }
+                .map_err(drv("cuMemsetD8Async (recorded)"))?,
+            Op::CopyHtoD { dst, src, bytes } => {
+                let host = unsafe { std::slice::from_raw_parts(*src, *bytes) };
+                unsafe { result::memcpy_htod_async(*dst, host, cs) }
+                    .map_err(drv("cuMemcpyHtoDAsync (recorded)"))?
+            }
+        }
+    }
+    Ok(())
+}
