@@ -252,7 +252,7 @@ pub struct CudaBuf {
 
 impl CudaBuf {
     pub fn data(&self) -> &CudaSlice<f32> {
-        &*self.data
+        &self.data
     }
     fn len(&self) -> usize {
         self.rows * self.cols
@@ -328,10 +328,11 @@ pub struct CudaSelection {
     pos: Mem<u32>,
     sparse: Option<model::Selection>,
     /// Where the selection buffers go back when dropped (kept for decode shapes).
-    cache: Option<(Arc<Mutex<ScratchList<model::Selection>>>, Vec<usize>)>,
+    cache: Option<(SelectionCache, Vec<usize>)>,
 }
 
 type ScratchList<T> = Vec<(Vec<usize>, T)>;
+type SelectionCache = Arc<Mutex<ScratchList<model::Selection>>>;
 
 impl Drop for CudaSelection {
     fn drop(&mut self) {
@@ -679,7 +680,7 @@ impl CudaBackend {
         let rb = w.dev.act_row_bytes().map_err(dev)?;
         let mut out = self.alloc_u8(x.rows * rb)?;
         if x.rows > 0 {
-            model::prepare(&self.gpu, &w.dev, &*x.data, x.rows, &mut out).map_err(dev)?;
+            model::prepare(&self.gpu, &w.dev, &x.data, x.rows, &mut out).map_err(dev)?;
         }
         Ok(out)
     }
@@ -720,7 +721,7 @@ impl CudaBackend {
     fn product(&self, w: &CudaWeight, xq: &CudaSlice<u8>, rows: usize) -> Result<CudaBuf> {
         let mut y = self.buf(rows, w.n_rows2())?;
         if rows > 0 {
-            model::product(&self.gpu, &w.dev, xq, rows, &mut *y.data).map_err(dev)?;
+            model::product(&self.gpu, &w.dev, xq, rows, &mut y.data).map_err(dev)?;
         }
         Ok(y)
     }
@@ -746,8 +747,8 @@ impl CudaBackend {
         let mut out = self.buf(a.rows, a.cols)?;
         let n = a.len();
         match kernel {
-            "swiglu" => model::swiglu(&self.gpu, &*a.data, &*b.data, &mut *out.data, n),
-            _ => model::mul_sigmoid(&self.gpu, &*a.data, &*b.data, &mut *out.data, n),
+            "swiglu" => model::swiglu(&self.gpu, &a.data, &b.data, &mut out.data, n),
+            _ => model::mul_sigmoid(&self.gpu, &a.data, &b.data, &mut out.data, n),
         }
         .map_err(dev)?;
         Ok(out)
@@ -985,7 +986,7 @@ impl Backend for CudaBackend {
         }
         Ok(CudaIds {
             len,
-            data: self.copy_ids(&*ids.data, start, len)?,
+            data: self.copy_ids(&ids.data, start, len)?,
         })
     }
 
@@ -1091,7 +1092,7 @@ impl Backend for CudaBackend {
         let n = x.len();
         let mut all = self.alloc(n)?;
         if n > 0 {
-            model::deinterleave(&self.gpu, &*x.data, &mut all, x.rows, x.cols, chunk, parts)
+            model::deinterleave(&self.gpu, &x.data, &mut all, x.rows, x.cols, chunk, parts)
                 .map_err(dev)?;
         }
         let part = n / parts;
@@ -1151,7 +1152,7 @@ impl Backend for CudaBackend {
         Self::same_shape("add_assign", x, y)?;
         let n = x.len();
         if n > 0 {
-            model::add_assign(&self.gpu, &mut *x.data, &*y.data, n).map_err(dev)?;
+            model::add_assign(&self.gpu, &mut x.data, &y.data, n).map_err(dev)?;
         }
         Ok(())
     }
@@ -1182,14 +1183,14 @@ impl Backend for CudaBackend {
                 table.ty,
                 &table.dev.bytes,
                 rows,
-                &*ids.data,
+                &ids.data,
                 n,
                 dst,
                 k,
             )
             .map_err(dev)?;
             if let Some(e) = e {
-                model::repeat_rows(&self.gpu, &e, &mut *out.data, n, k, copies).map_err(dev)?;
+                model::repeat_rows(&self.gpu, &e, &mut out.data, n, k, copies).map_err(dev)?;
             }
         } else {
             let t = self.values(table)?;
@@ -1273,9 +1274,9 @@ impl Backend for CudaBackend {
         // The weight's image holds exactly its elements (the launcher checks the count).
         model::rms_norm(
             &self.gpu,
-            &*x.data,
+            &x.data,
             wv,
-            &mut *out.data,
+            &mut out.data,
             x.rows,
             x.cols,
             group,
@@ -1306,8 +1307,8 @@ impl Backend for CudaBackend {
         let (rows, cols) = (x.rows, x.cols);
         model::rope_neox(
             &self.gpu,
-            &mut *x.data,
-            &*positions.data,
+            &mut x.data,
+            &positions.data,
             &f,
             rows,
             cols,
@@ -1336,7 +1337,7 @@ impl Backend for CudaBackend {
             ops::route(
                 &self.gpu,
                 "optimized",
-                &*logits.data,
+                &logits.data,
                 &mut ids,
                 &mut wts,
                 n,
@@ -1404,12 +1405,12 @@ impl Backend for CudaBackend {
         model::moe_experts(
             &self.gpu,
             &devs,
-            &*x.data,
-            &*routes.ids,
-            &*routes.wts,
+            &x.data,
+            &routes.ids,
+            &routes.wts,
             &mut s,
             x.rows > MOE_GROUPED_ABOVE,
-            &mut *out.data,
+            &mut out.data,
             &mut err,
         )
         .map_err(dev)?;
@@ -1434,7 +1435,7 @@ impl Backend for CudaBackend {
         if rows * cols == 0 {
             return Ok(());
         }
-        model::add_sigmoid_gated(&self.gpu, &mut *y.data, &*x.data, &*gate.data, rows, cols)
+        model::add_sigmoid_gated(&self.gpu, &mut y.data, &x.data, &gate.data, rows, cols)
             .map_err(dev)
     }
 
@@ -1444,7 +1445,7 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        model::add_bias(&self.gpu, &mut *x.data, bv, rows, cols).map_err(dev)
+        model::add_bias(&self.gpu, &mut x.data, bv, rows, cols).map_err(dev)
     }
 
     fn attend_causal(
@@ -1460,7 +1461,7 @@ impl Backend for CudaBackend {
             q,
             k_cache,
             v_cache,
-            &*positions.data,
+            &positions.data,
             positions.len,
             None,
             dims,
@@ -1546,9 +1547,9 @@ impl CudaBackend {
         let y = self.moe_pairs_odd(ex.down, &act, true, routes)?;
         model::moe_combine(
             &self.gpu,
-            &*y.data,
-            &*routes.wts,
-            &mut *out.data,
+            &y.data,
+            &routes.wts,
+            &mut out.data,
             routes.rows,
             routes.k,
             x.cols,
@@ -1602,16 +1603,16 @@ impl CudaBackend {
         let mut err = self.err_word();
         model::attend_split(
             &self.gpu,
-            &*q.data,
-            &*k_cache.data,
-            &*v_cache.data,
+            &q.data,
+            &k_cache.data,
+            &v_cache.data,
             cap,
             sel,
             pos,
             q.rows,
             dims,
             kv == KvType::F16,
-            &mut *out.data,
+            &mut out.data,
             &mut scratch,
             &mut err,
         )
@@ -1680,10 +1681,10 @@ impl Qwen4expOps for CudaBackend {
             model::hc_mix(
                 &self.gpu,
                 &devs,
-                &*x.data,
+                &x.data,
                 x.rows,
                 &mut scratch,
-                &mut *u.data,
+                &mut u.data,
                 inj.as_mut().map(|b| &mut *b.data),
             )
             .map_err(dev)?;
@@ -1716,22 +1717,14 @@ impl Qwen4expOps for CudaBackend {
                         ),
                     ));
                 }
-                model::hc_combine(
-                    &self.gpu,
-                    &mut *x.data,
-                    &*y.data,
-                    &*inj.data,
-                    rows,
-                    h,
-                    streams,
-                )
-                .map_err(dev)
+                model::hc_combine(&self.gpu, &mut x.data, &y.data, &inj.data, rows, h, streams)
+                    .map_err(dev)
             }
             None => {
                 // Unit weights: X_s += y for every stream (the MTP head's combine).
                 let mut rep = self.alloc(rows * streams * h)?;
-                model::repeat_rows(&self.gpu, &*y.data, &mut rep, rows, h, streams).map_err(dev)?;
-                model::add_assign(&self.gpu, &mut *x.data, &rep, rows * streams * h).map_err(dev)
+                model::repeat_rows(&self.gpu, &y.data, &mut rep, rows, h, streams).map_err(dev)?;
+                model::add_assign(&self.gpu, &mut x.data, &rep, rows * streams * h).map_err(dev)
             }
         }
     }
@@ -1761,10 +1754,10 @@ impl Qwen4expOps for CudaBackend {
         }
         model::conv1d_silu(
             &self.gpu,
-            &*x.data,
+            &x.data,
             wv,
-            &mut *history.data,
-            &mut *out.data,
+            &mut history.data,
+            &mut out.data,
             x.rows,
             c,
             k,
@@ -1819,12 +1812,12 @@ impl Qwen4expOps for CudaBackend {
             model::gdn_step_scan(
                 &self.gpu,
                 &devs,
-                &*qkv.data,
-                &*z.data,
-                &*a.data,
-                &*b.data,
-                &mut *state.data,
-                &mut *out.data,
+                &qkv.data,
+                &z.data,
+                &a.data,
+                &b.data,
+                &mut state.data,
+                &mut out.data,
                 n,
                 &mut s,
             )
@@ -1833,12 +1826,12 @@ impl Qwen4expOps for CudaBackend {
             model::gdn_step(
                 &self.gpu,
                 &devs,
-                &*qkv.data,
-                &*z.data,
-                &*a.data,
-                &*b.data,
-                &mut *state.data,
-                &mut *out.data,
+                &qkv.data,
+                &z.data,
+                &a.data,
+                &b.data,
+                &mut state.data,
+                &mut out.data,
                 n,
             )
             .map_err(dev)?;
@@ -1918,9 +1911,9 @@ impl Qwen4expOps for CudaBackend {
             let mut err = self.err_word();
             model::qsa_select(
                 &self.gpu,
-                &*qi.data,
-                &*blocks.data,
-                &*positions.data,
+                &qi.data,
+                &blocks.data,
+                &positions.data,
                 n,
                 qi.cols / d,
                 d,
@@ -1932,7 +1925,7 @@ impl Qwen4expOps for CudaBackend {
         }
         Ok(CudaSelection {
             rows: n,
-            pos: self.copy_ids(&*positions.data, 0, n)?,
+            pos: self.copy_ids(&positions.data, 0, n)?,
             sparse: Some(s),
             cache: (n <= SCRATCH_CACHE_ROWS).then(|| (Arc::clone(&self.sel_scratch), skey)),
         })
@@ -1941,7 +1934,7 @@ impl Qwen4expOps for CudaBackend {
     fn select_causal(&self, positions: &CudaIds) -> Result<CudaSelection> {
         Ok(CudaSelection {
             rows: positions.len,
-            pos: self.copy_ids(&*positions.data, 0, positions.len)?,
+            pos: self.copy_ids(&positions.data, 0, positions.len)?,
             sparse: None,
             cache: None,
         })
@@ -1996,10 +1989,10 @@ impl Qwen4expOps for CudaBackend {
         }
         model::ple_gate(
             &self.gpu,
-            &*k.data,
-            &*q.data,
-            &*v.data,
-            &mut *out.data,
+            &k.data,
+            &q.data,
+            &v.data,
+            &mut out.data,
             v.rows,
             h,
             streams,
