@@ -49,7 +49,7 @@ macro_rules! each_model {
 /// A backend, opened as `--backend` and `--device` say.
 pub enum Chosen {
     Cpu(CpuBackend),
-    Cuda(CudaBackend),
+    Cuda(Box<CudaBackend>),
 }
 
 /// Opens the backend `b` asks for; with `auto`, CUDA when it opens, else the CPU (the note
@@ -65,7 +65,7 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
         BackendKind::Cuda => match CudaBackend::new(b.device) {
             Ok(c) => {
                 let note = cuda_note(&c);
-                Ok((Chosen::Cuda(c), note))
+                Ok((Chosen::Cuda(Box::new(c)), note))
             }
             Err(e) => bail!(
                 "--backend cuda: {e}{}",
@@ -79,7 +79,7 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
         BackendKind::Auto => match CudaBackend::new(b.device) {
             Ok(c) => {
                 let note = format!("{} (auto)", cuda_note(&c));
-                Ok((Chosen::Cuda(c), note))
+                Ok((Chosen::Cuda(Box::new(c)), note))
             }
             Err(e) => cpu(format!(" (auto: no usable GPU: {e})")),
         },
@@ -228,7 +228,7 @@ impl Loaded {
                 match bind_on(
                     o,
                     path,
-                    b,
+                    *b,
                     kv_type,
                     mtp,
                     ctx_size,

@@ -108,7 +108,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             if args.f32_activations {
                 bail!("--f32-activations is a CPU mode; use --backend cpu with it");
             }
-            forward_file(&args, opened, &tokens, is_qwen2, b, t0)?
+            forward_file(&args, opened, &tokens, is_qwen2, *b, t0)?
         }
     };
     let rows = out_logits.len() / n_vocab.max(1);
