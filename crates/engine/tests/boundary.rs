@@ -1,6 +1,6 @@
 //! The backend boundary's promises, checked on the CPU (issue "Boundary", DESIGN.md §2.1):
-//! - a step is capturable: inside `Backend::step` nothing is read back to the host or uploaded,
-//!   and the operations a step runs (and the shapes of the buffers they return) depend only on
+//! - a step is capturable: inside `Backend::step` nothing is read back to the host and only the
+//!   step's id inputs are uploaded (first thing, as part of its trace), and the operations a step runs (and the shapes of the buffers they return) depend only on
 //!   the step's key — the same key at other positions, with other tokens, crossing a QSA block
 //!   boundary or not, gives the same trace, so a GPU backend may capture it once and replay it;
 //! - caches are fixed-capacity stores: a step past the capacity is refused before it runs;
@@ -105,7 +105,9 @@ impl Backend for Recording {
         self.cpu.upload(rows, cols, data)
     }
     fn upload_ids(&self, ids: &[u32]) -> R<CpuIds> {
-        self.host("upload_ids");
+        // The step's inputs are uploaded inside it (a replaying backend writes them into its
+        // staging): part of the trace, whose length per key must repeat.
+        self.op("upload_ids", ids.len(), 1);
         self.cpu.upload_ids(ids)
     }
     fn ids_range(&self, ids: &CpuIds, start: usize, len: usize) -> R<CpuIds> {
