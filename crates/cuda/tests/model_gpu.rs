@@ -403,3 +403,103 @@ fn greedy_speculative_decoding_equals_plain_on_cuda() {
         assert_eq!(got, oracle, "window {window}");
     }
 }
+
+/// A random qwen2 model in the default model's formats (Q5_0 embedding and matrices, Q8_0
+/// head and V, Q6_K and Q4_K feed-forward, F32 norms and biases), written in memory.
+fn qwen2_mixed() -> Arc<GgufFile> {
+    use strata_gguf::{GgufWriter, Value};
+    use strata_quant::GgmlType as T;
+    let (h, ff, nh, nkv, vocab, layers) = (256usize, 512usize, 4usize, 2usize, 1024usize, 2);
+    let hd = h / nh;
+    let mut seed = 0x9e3779b97f4a7c15u64;
+    let mut rnd = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+            })
+            .collect()
+    };
+    let mut w = GgufWriter::new();
+    let a = "qwen2";
+    w.add_kv("general.architecture", Value::String(a.into()))
+        .add_kv(format!("{a}.embedding_length"), Value::U32(h as u32))
+        .add_kv(format!("{a}.block_count"), Value::U32(layers as u32))
+        .add_kv(format!("{a}.feed_forward_length"), Value::U32(ff as u32))
+        .add_kv(format!("{a}.attention.head_count"), Value::U32(nh as u32))
+        .add_kv(format!("{a}.attention.head_count_kv"), Value::U32(nkv as u32))
+        .add_kv(format!("{a}.rope.freq_base"), Value::F32(1e6))
+        .add_kv(format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6))
+        .add_kv(format!("{a}.context_length"), Value::U32(512));
+    let mut add = |name: &str, dims: &[usize], ty: T, v: Vec<f32>| {
+        let mut bytes = vec![0u8; ty.row_bytes(dims[0]).unwrap() * v.len() / dims[0]];
+        if ty == T::F32 {
+            bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        } else {
+            strata_quant::quantize(ty, &v, &mut bytes).unwrap();
+        }
+        let d: Vec<u64> = dims.iter().map(|&x| x as u64).collect();
+        w.add_tensor_owned(name, &d, ty, bytes).unwrap();
+    };
+    add("token_embd.weight", &[h, vocab], T::Q5_0, rnd(h * vocab, 2.0));
+    add("output.weight", &[h, vocab], T::Q8_0, rnd(h * vocab, 0.5));
+    add("output_norm.weight", &[h], T::F32, rnd(h, 0.2).iter().map(|x| x + 1.0).collect());
+    for l in 0..layers {
+        let p = |n: &str| format!("blk.{l}.{n}");
+        let norm = |r: Vec<f32>| r.iter().map(|x| x + 1.0).collect::<Vec<f32>>();
+        add(&p("attn_norm.weight"), &[h], T::F32, norm(rnd(h, 0.2)));
+        add(&p("attn_q.weight"), &[h, h], T::Q5_0, rnd(h * h, 0.3));
+        add(&p("attn_k.weight"), &[h, nkv * hd], T::Q5_0, rnd(h * nkv * hd, 0.3));
+        add(&p("attn_v.weight"), &[h, nkv * hd], T::Q8_0, rnd(h * nkv * hd, 0.3));
+        add(&p("attn_q.bias"), &[h], T::F32, rnd(h, 0.2));
+        add(&p("attn_k.bias"), &[nkv * hd], T::F32, rnd(nkv * hd, 0.2));
+        add(&p("attn_v.bias"), &[nkv * hd], T::F32, rnd(nkv * hd, 0.2));
+        add(&p("attn_output.weight"), &[h, h], T::Q5_0, rnd(h * h, 0.3));
+        add(&p("ffn_norm.weight"), &[h], T::F32, norm(rnd(h, 0.2)));
+        add(&p("ffn_gate.weight"), &[h, ff], T::Q4_K, rnd(h * ff, 0.3));
+        add(&p("ffn_up.weight"), &[h, ff], T::Q5_0, rnd(h * ff, 0.3));
+        add(&p("ffn_down.weight"), &[ff, h], T::Q6_K, rnd(ff * h, 0.3));
+    }
+    Arc::new(GgufFile::from_bytes(w.to_bytes().unwrap(), "qwen2-mixed.gguf").unwrap())
+}
+
+fn greedy_qwen2<B: strata_engine::Backend>(
+    m: &strata_engine::qwen2::Model<B>,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<f32>, Vec<u32>) {
+    let mut st = m.new_state().unwrap();
+    let first = m.forward(&mut st, prompt).unwrap().logits;
+    let v = first.len() / prompt.len();
+    let mut t = strata_engine::speculative::argmax(&first[(prompt.len() - 1) * v..]) as u32;
+    let mut out = vec![t];
+    while out.len() < n {
+        let l = m.forward(&mut st, &[t]).unwrap().logits;
+        t = strata_engine::speculative::argmax(&l) as u32;
+        out.push(t);
+    }
+    (first, out)
+}
+
+#[test]
+fn qwen2_in_the_default_models_formats_on_cuda_matches_the_cpu() {
+    let Some(gpu) = gpu() else { return };
+    use strata_engine::qwen2::{LoadOptions as Q2, Model as M2};
+    let file = qwen2_mixed();
+    let opts = Q2 {
+        kv_type: KvType::F32,
+    };
+    let cuda = M2::from_file(Arc::clone(&file), gpu, &opts).unwrap();
+    let cpu = M2::from_file(file, CpuBackend::new(2).unwrap(), &opts).unwrap();
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 1024).collect();
+    let (lg, tg) = greedy_qwen2(&cuda, &prompt, 64);
+    let (lc, tc) = greedy_qwen2(&cpu, &prompt, 64);
+    let (mx, mean, mref, mism) = diff(&lg, &lc, 1024);
+    eprintln!(
+        "qwen2 mixed formats, CUDA vs CPU prefill logits: max|Δ| {mx:.3e}, mean {mean:.3e}, max|ref| {mref:.3}, argmax {mism}"
+    );
+    assert!(mean <= 5e-3 * mref.max(1.0) && mism == 0, "mean {mean:.3e}");
+    let same = tg.iter().zip(&tc).take_while(|(a, b)| a == b).count();
+    eprintln!("qwen2 mixed formats, greedy: {same} of 64 tokens equal before the first difference");
+    assert_eq!(tg, tc, "greedy tokens differ from position {same}");
+}
