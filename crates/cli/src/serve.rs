@@ -28,10 +28,6 @@ pub struct Args {
     /// A file of accepted API keys, one per line (`#` comments and blank lines skipped)
     #[arg(long, value_name = "FILE")]
     pub api_key_file: Option<PathBuf>,
-    /// Positions per sequence (default: the model's trained context up to 8192; 4096 when the
-    /// file states none)
-    #[arg(long, value_name = "N")]
-    pub ctx: Option<usize>,
     /// Sequences in flight at once (they take turns token by token)
     #[arg(long, default_value_t = 1)]
     pub parallel: usize,
@@ -47,9 +43,14 @@ pub struct Args {
     /// A Jinja chat template file replacing the model file's
     #[arg(long, value_name = "FILE")]
     pub chat_template_file: Option<PathBuf>,
-    /// The MTP head GGUF (not wired into the server yet: refused)
+    /// The MTP head GGUF for speculative decoding (`strata convert-mtp`); a model file that
+    /// carries `mtp.*` needs none
     #[arg(long, value_name = "MTP.gguf")]
     pub mtp: Option<PathBuf>,
+    /// Verify window N = 1..8 of requests that set none (their `spec` field): up to N − 1 MTP
+    /// drafts per trunk pass; default 4 with a head, 1 (plain decoding) without
+    #[arg(long = "spec", value_name = "N")]
+    pub spec: Option<usize>,
     /// Compute backend (only `cpu` for now)
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -78,8 +79,14 @@ fn read_keys(args: &Args) -> Result<Vec<String>> {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    if args.mtp.is_some() {
-        bail!("--mtp: speculative decoding is not wired into `strata serve` yet");
+    if let Some(p) = &args.mtp {
+        crate::output::check_input("--mtp", p)?;
+    }
+    if let Some(n) = args.spec {
+        let max = strata_engine::speculative::MAX_WINDOW;
+        if !(1..=max).contains(&n) {
+            bail!("--spec {n}: out of range; expected a verify window of 1 to {max} rows");
+        }
     }
     if args.backend != "cpu" {
         bail!(
@@ -90,8 +97,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
-    if args.ctx == Some(0) || args.ctx == Some(1) {
-        bail!("--ctx must be at least 2");
+    if args.model.ctx_size == Some(1) {
+        bail!("--ctx 1: out of range; a sequence needs at least 2 positions (a prompt token and the next)");
     }
     let chat_template = match &args.chat_template_file {
         Some(p) => Some(
@@ -113,18 +120,20 @@ pub fn run(args: Args) -> Result<ExitCode> {
         host: args.host.clone(),
         port: args.port,
         api_keys: read_keys(&args)?,
-        n_ctx: args.ctx,
+        n_ctx: args.model.ctx_size,
         parallel: args.parallel,
         queue: args.queue,
         cache_ram: args.cache_ram.saturating_mul(1 << 20),
         model_id,
         chat_template,
         handle_signals: true,
+        spec: args.spec,
     };
     let choice = args.model.resolve()?;
+    let mtp = args.mtp.clone();
     let loader = Box::new(move || {
         let path = choice.path()?;
-        let (loaded, tok) = load::model(&path, &choice)?;
+        let (loaded, tok) = load::model_with_mtp(&path, &choice, mtp.as_deref())?;
         let model = match loaded {
             Loaded::Qwen2(m) => ModelHandle::Qwen2(m),
             Loaded::Qwen4exp(m) => ModelHandle::Qwen4exp(m),

@@ -5,13 +5,24 @@
 
 mod common;
 
-use common::{metric, post, request, start, tiny_model, Open};
+use common::{metric, post, request, start, start_with, tiny_model, Open};
 use serde_json::{json, Value};
+use strata_server::LoadSpec;
 use strata_server::ServerConfig;
 
 fn cfg() -> ServerConfig {
     ServerConfig {
         model_id: "tiny".into(),
+        ..Default::default()
+    }
+}
+
+/// Caches for a million positions (the CPU commits memory only as rows are written), for
+/// generations that must outlast a test's other requests.
+fn long_caches() -> LoadSpec {
+    LoadSpec {
+        threads: 2,
+        ctx: Some(1 << 20),
         ..Default::default()
     }
 }
@@ -506,8 +517,9 @@ fn parallel_sequences_keep_their_own_state() {
 
 #[test]
 fn a_full_queue_answers_429_and_a_client_that_leaves_cancels() {
-    let s = start(
+    let s = start_with(
         tiny_model(),
+        long_caches(),
         ServerConfig {
             parallel: 1,
             queue: 1,
@@ -549,8 +561,9 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_cancels() {
 
 #[test]
 fn shutdown_ends_an_open_stream_with_an_error_event() {
-    let s = start(
+    let s = start_with(
         tiny_model(),
+        long_caches(),
         ServerConfig {
             n_ctx: Some(1 << 20),
             ..cfg()

@@ -25,16 +25,19 @@ pub fn default_model() -> Option<PathBuf> {
 }
 
 pub fn start(model: PathBuf, cfg: ServerConfig) -> Server {
+    start_with(
+        model,
+        LoadSpec {
+            threads: 2,
+            ..Default::default()
+        },
+        cfg,
+    )
+}
+
+pub fn start_with(model: PathBuf, spec: LoadSpec, cfg: ServerConfig) -> Server {
     let cfg = ServerConfig { port: 0, ..cfg };
-    let loader = Box::new(move || {
-        ModelHandle::load(
-            &model,
-            &LoadSpec {
-                threads: 2,
-                ..Default::default()
-            },
-        )
-    });
+    let loader = Box::new(move || ModelHandle::load(&model, &spec));
     let s = Server::start(cfg, loader).expect("starting the server");
     s.wait_ready(Duration::from_secs(300))
         .expect("loading the model");
