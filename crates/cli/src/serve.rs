@@ -128,6 +128,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         chat_template,
         handle_signals: true,
         spec: args.spec,
+        draft_oracle: None,
     };
     let choice = args.model.resolve()?;
     let mtp = args.mtp.clone();
