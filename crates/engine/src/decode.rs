@@ -12,6 +12,14 @@
 //! Every emitted token is the token plain decoding emits: the window's rows are the bits of
 //! single steps (DESIGN.md §3), the judge samples each row with the history before it, and the
 //! stepper settles exactly onto the judged sequence.
+//!
+//! A generation is a [`Progress`]: it owns the judge's state and the sequence between calls and
+//! borrows the stepper, the pick and the token sink per call ([`Lent`]), so a caller can keep
+//! many and advance them in turns (the server's slots); [`Decoding`] and [`run`] hold the parts
+//! for a whole generation. A pick with state of its own (the server's grammar mask, reasoning
+//! budget and log-probability capture) sees every row and every draft it is asked about, with
+//! its history, so it can follow them without the loop knowing ([`Pick::penalize_draft`] and
+//! [`DraftEdit::edit`] take `&mut self` for that).
 
 use std::time::Instant;
 
