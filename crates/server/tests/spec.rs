@@ -296,7 +296,7 @@ fn oracle(position: usize, proposed: u32) -> Option<u32> {
     let Some(&t) = position.checked_sub(s.start).and_then(|i| s.tokens.get(i)) else {
         return Some(proposed);
     };
-    Some(if s.wrong > 0 && position % s.wrong == 0 {
+    Some(if s.wrong > 0 && position.is_multiple_of(s.wrong) {
         t ^ 1
     } else {
         t
