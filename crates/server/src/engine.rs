@@ -186,6 +186,7 @@ impl<Q2: Backend, Q4: Qwen4expOps> ModelHandle<Q2, Q4> {
         Ok(Seq {
             state: self.fresh_state()?,
             checkpoints: Vec::new(),
+            head_next: None,
         })
     }
 
@@ -228,6 +229,9 @@ pub struct Seq<Q2: Backend = CpuBackend, Q4: Qwen4expOps = CpuBackend> {
     state: SeqState<Q2, Q4>,
     /// qwen4exp only, sorted by position.
     checkpoints: Vec<Saved<Q4>>,
+    /// While the MTP head is level with the trunk: the token its last row was paired with (the
+    /// one after the trunk's last), which a new prompt must repeat for the head to be reused.
+    head_next: Option<u32>,
 }
 
 const LENT: &str = "the sequence is lent to a speculative generation";
@@ -262,7 +266,51 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
     pub fn reset(&mut self, model: &ModelHandle<Q2, Q4>) -> Result<()> {
         self.state = model.fresh_state()?;
         self.checkpoints.clear();
+        self.head_next = None;
         Ok(())
+    }
+
+    /// The token at `pos` that the MTP head's row `pos − 1` was paired with: the sequence's
+    /// own below its length, `head_next` at it.
+    fn head_token(&self, pos: usize) -> Option<u32> {
+        let t = self.tokens();
+        match pos.cmp(&t.len()) {
+            std::cmp::Ordering::Less => t.get(pos).copied(),
+            std::cmp::Ordering::Equal => self.head_next,
+            std::cmp::Ordering::Greater => None,
+        }
+    }
+
+    /// For a speculative request: rolls back to the longest point at or below `pos` (at most
+    /// the head's position) where the trunk can restore and the head's last row is paired with
+    /// the prompt's own token, and leaves the head level with the trunk there. Returns it.
+    pub fn rollback_head(
+        &mut self,
+        model: &ModelHandle<Q2, Q4>,
+        pos: usize,
+        prompt: &[u32],
+    ) -> Result<usize> {
+        let mut pos = pos.min(self.head_position());
+        loop {
+            // Where a rollback to `pos` would land: the sequence's end, or a checkpoint.
+            let q = if pos >= self.len() {
+                self.len()
+            } else {
+                self.checkpoints
+                    .iter()
+                    .rev()
+                    .map(|s| s.cp.position())
+                    .find(|&p| p <= pos)
+                    .unwrap_or(0)
+            };
+            if q == 0 || self.head_token(q) == prompt.get(q).copied() {
+                let next = self.head_token(q);
+                let reached = self.rollback(model, q, true)?;
+                self.head_next = if reached > 0 { next } else { None };
+                return Ok(reached);
+            }
+            pos = q - 1;
+        }
     }
 
     /// Consumes `tokens` (at least one); returns the logits after the last. With `next` (the
@@ -290,6 +338,7 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
             (ModelHandle::Qwen4exp(m), SeqState::Qwen4exp { st, mtp }) => {
                 let res = match (mtp.as_mut(), next) {
                     (Some(h), Some(next)) if h.position() == st.position() => {
+                        self.head_next = Some(next);
                         m.forward_with_head(st, h, tokens, next)
                     }
                     _ => {
@@ -1192,8 +1241,10 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
             return Ok(());
         };
         if ok && dec.sync_mtp().is_ok() {
+            let pending = dec.pending();
             let (st, mtp) = dec.into_states();
             seq.state = SeqState::Qwen4exp { st, mtp };
+            seq.head_next = pending;
             // Checkpoints beyond what the decoder kept are stale.
             let n = seq.len();
             seq.checkpoints.retain(|s| s.cp.position() <= n);

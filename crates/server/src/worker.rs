@@ -275,15 +275,16 @@ fn admit<'m, Q2: Backend, Q4: Qwen4expOps>(
     };
     let slot = &mut slots[i];
     slot.last_used = clock;
-    let mut common = common_prefix(slot.seq.tokens(), &job.prompt).min(job.prompt.len() - 1);
-    let head = job.window > 1;
-    if head {
-        // The head's last row pairs a position with the token after it, so it is reusable
-        // only below the shared prefix, and only as far as the head kept up.
-        common = common.saturating_sub(1).min(slot.seq.head_position());
-    }
+    let common = common_prefix(slot.seq.tokens(), &job.prompt).min(job.prompt.len() - 1);
     let had = slot.seq.len();
-    let reached = match slot.seq.rollback(model, common, head) {
+    // A speculative job also needs the MTP head's state: its last row pairs a position with
+    // the token after it, which the new prompt must repeat.
+    let rolled = if job.window > 1 {
+        slot.seq.rollback_head(model, common, &job.prompt)
+    } else {
+        slot.seq.rollback(model, common, false)
+    };
+    let reached = match rolled {
         Ok(r) => r,
         Err(e) => {
             let _ = slot.seq.reset(model);
