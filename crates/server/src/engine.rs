@@ -766,6 +766,10 @@ pub struct GenRules {
     /// Log-probabilities with this many alternatives (None: none).
     pub top_logprobs: Option<usize>,
     pub constraint: Option<Box<dyn Constraint>>,
+    /// The grammar starts after the reasoning block when the prompt opened one: after
+    /// `</think>` and what the reasoning budget writes after it; None: from the first generated
+    /// token.
+    pub grammar_after: Option<GrammarAfter>,
     pub think: Option<ThinkBudget>,
     /// Verify window: 1 is plain decoding, more drafts with the MTP head.
     pub window: usize,
@@ -802,6 +806,7 @@ pub struct Chooser {
     /// Position of the first generated token.
     start: usize,
     constraint: Option<Synced>,
+    grammar_after: Option<GrammarAfter>,
     think: Option<ThinkBudget>,
     top_logprobs: Option<usize>,
     eog: Arc<Vec<u32>>,
@@ -813,6 +818,32 @@ impl Chooser {
     fn generated<'h>(&self, history: &'h [u32]) -> &'h [u32] {
         history.get(self.start..).unwrap_or(&[])
     }
+}
+
+/// Where a grammar starts when the prompt opened a reasoning block: after the reasoning
+/// budget's forced `close` (`\n</think>\n\n`, whose trailing newlines the grammar would
+/// refuse) when the generation holds it, else after the block's first `end` (`</think>`).
+/// Forced tokens never reach the grammar, so it is first asked after a forced close is whole.
+#[derive(Clone, Debug)]
+pub struct GrammarAfter {
+    pub end: Vec<u32>,
+    /// Empty without a budget.
+    pub close: Vec<u32>,
+}
+
+/// The part of the generated tokens `gen` the grammar reads: all of them, or what follows the
+/// reasoning block (None while it is open).
+fn grammar_part<'g>(after: Option<&GrammarAfter>, gen: &'g [u32]) -> Option<&'g [u32]> {
+    let Some(a) = after.filter(|a| !a.end.is_empty()) else {
+        return Some(gen);
+    };
+    let after = |pat: &[u32]| {
+        (!pat.is_empty())
+            .then(|| gen.windows(pat.len()).position(|w| w == pat))
+            .flatten()
+            .map(|i| &gen[i + pat.len()..])
+    };
+    after(&a.close).or_else(|| after(&a.end))
 }
 
 impl Choose for Chooser {
@@ -828,15 +859,16 @@ impl Choose for Chooser {
             self.lps.push(None);
             return Ok(Sampled::Token(t));
         }
-        let sampled = match self.constraint.as_mut() {
-            Some(c) => {
+        let part = grammar_part(self.grammar_after.as_ref(), gen);
+        let sampled = match (self.constraint.as_mut(), part) {
+            (Some(c), Some(gen)) => {
                 c.sync(gen)?;
                 let mut masked = logits.to_vec();
                 c.c.mask(&mut masked)
                     .map_err(|e| EngineError::Input(format!("grammar: {e}")))?;
                 self.sampler.sample_with(&masked, ctx, slop)?
             }
-            None => self.sampler.sample_with(logits, ctx, slop)?,
+            _ => self.sampler.sample_with(logits, ctx, slop)?,
         };
         if let Sampled::Token(t) = sampled {
             self.lps
@@ -868,7 +900,8 @@ impl Choose for Chooser {
         }
         self.sampler
             .penalize_draft(draft_logits, inverse, ctx, slop);
-        if let Some(c) = self.constraint.as_mut() {
+        let part = grammar_part(self.grammar_after.as_ref(), gen);
+        if let (Some(c), Some(gen)) = (self.constraint.as_mut(), part) {
             let ok = c
                 .sync(gen)
                 .map_err(|e| e.to_string())
@@ -1063,6 +1096,7 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
             n_ctx,
             top_logprobs,
             constraint,
+            grammar_after,
             think,
             window,
             eog,
@@ -1076,6 +1110,7 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
                 c,
                 consumed: Vec::new(),
             }),
+            grammar_after,
             think,
             top_logprobs,
             eog,

@@ -12,7 +12,9 @@ use serde_json::Value;
 use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::engine::{Constraint, Finish, SamplingParams, SpecCounts, ThinkBudget, TokenLogprob};
+use crate::engine::{
+    Constraint, Finish, GrammarAfter, SamplingParams, SpecCounts, ThinkBudget, TokenLogprob,
+};
 use crate::error::ApiError;
 use crate::grammar::Grammar;
 use crate::output::{Piece, Splitter, TextStream};
@@ -344,6 +346,16 @@ impl Driver {
             Some(n) => n,
             None => ready.spec_window,
         };
+        // A prompt that opened a reasoning block: the model reasons freely, and the grammar
+        // applies to what follows `</think>`.
+        let enc = |t: &str| ready.tok.encode(t, false, true).unwrap_or_default();
+        let grammar_after = (constraint.is_some() && spec.in_think).then(|| GrammarAfter {
+            end: enc("</think>"),
+            close: match spec.reasoning_budget {
+                Some(_) => enc("\n</think>\n\n"),
+                None => Vec::new(),
+            },
+        });
         let room = ready.n_ctx - prompt.len();
         let max_tokens = spec.max_tokens.unwrap_or(room);
         let (tx, mut rx) = unbounded_channel();
@@ -355,6 +367,7 @@ impl Driver {
             top_logprobs: spec.top_logprobs,
             checkpoint_at: spec.user_boundary.into_iter().collect(),
             constraint,
+            grammar_after,
             think,
             window,
             events: tx,

@@ -40,8 +40,9 @@ pub struct Job {
     /// Prompt positions to checkpoint (the last user-message boundary), besides the end of
     /// prefill and the end of generation.
     pub checkpoint_at: Vec<usize>,
-    /// A grammar the generated tokens must follow.
+    /// A grammar the generated tokens must follow, from after `grammar_after` when set.
     pub constraint: Option<Box<dyn Constraint>>,
+    pub grammar_after: Option<crate::engine::GrammarAfter>,
     /// A cap on the reasoning tokens.
     pub think: Option<ThinkBudget>,
     /// Verify window (1: plain decoding; more: MTP speculative decoding).
@@ -391,6 +392,7 @@ fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
                 n_ctx: ctx.n_ctx,
                 top_logprobs: a.job.top_logprobs,
                 constraint: a.job.constraint.take(),
+                grammar_after: a.job.grammar_after.take(),
                 think: a.job.think.take(),
                 window: a.job.window,
                 eog: Arc::clone(ctx.eog),
