@@ -401,3 +401,94 @@ fn forced_acceptance_patterns_stay_exact() {
     assert!(rejected_some, "no wrong draft was refused");
     s.shutdown().unwrap();
 }
+
+/// The engine's own loops as the oracle for the server's (plain and speculative) output: the
+/// tokens of `generate` / the guarded loop for the same prompt ids and sampler, decoded.
+#[test]
+fn the_server_emits_what_the_engines_loops_emit() {
+    use strata_engine::generate::{GenOptions, Qwen4expSession};
+    use strata_engine::sampler::Sampler;
+    use strata_server::engine::SamplingParams;
+
+    let file = tiny_model();
+    let tok = strata_tokenizer::Tokenizer::from_gguf(&strata_gguf::GgufFile::open(&file).unwrap())
+        .unwrap();
+    let model = strata_engine::qwen4exp::Model::load(
+        &file,
+        strata_engine::CpuBackend::new(2).unwrap(),
+        &strata_engine::qwen4exp::LoadOptions::default(),
+    )
+    .unwrap();
+    let s = start_with(tiny_model(), with_head(), cfg());
+    let prompt: Vec<u32> = tok.encode("Once upon a time", true, false).unwrap();
+    let is_eog = |t: u32| tok.is_eog(t);
+    let cases = [
+        (
+            json!({"temperature": 0}),
+            SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            },
+        ),
+        (
+            json!({"temperature": 0.8, "seed": 5}),
+            SamplingParams {
+                temperature: 0.8,
+                seed: Some(5),
+                ..Default::default()
+            },
+        ),
+        (
+            json!({"temperature": 0, "slop_phrases": ["the"]}),
+            SamplingParams {
+                temperature: 0.0,
+                slop_phrases: vec!["the".into()],
+                ..Default::default()
+            },
+        ),
+    ];
+    for (fields, params) in cases {
+        let mut sampler: Sampler = params.build(&tok).unwrap();
+        let mut session = Qwen4expSession::new(&model).unwrap();
+        let opts = GenOptions {
+            max_tokens: 24,
+            ..GenOptions::default()
+        };
+        let want = strata_engine::sampler::guard::generate(
+            &mut session,
+            &prompt,
+            &mut sampler,
+            &is_eog,
+            &opts,
+            &mut |_| true,
+        )
+        .unwrap()
+        .generation
+        .tokens;
+        let want_text =
+            String::from_utf8_lossy(&tok.decode_bytes(&want, false).unwrap()).into_owned();
+        for w in [1, 4] {
+            let mut body = fields.clone();
+            body["prompt"] = json!(prompt);
+            body["max_tokens"] = json!(24);
+            body["spec"] = json!(w);
+            let r = post(s.addr(), "/v1/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let r = r.json();
+            assert_eq!(
+                r["usage"]["completion_tokens"],
+                want.len(),
+                "{fields} window {w}: {r}"
+            );
+            let text = r["choices"][0]["text"].as_str().unwrap();
+            // Bytes that are not UTF-8 are dropped or replaced by the text stream: compare
+            // the text where there are none (the token counts always).
+            eprintln!("{text:?}\n{want_text:?}");
+            if !want_text.contains('\u{FFFD}') {
+                assert_eq!(text, want_text, "{fields} window {w}");
+                texts_compared += 1;
+            }
+        }
+    }
+    s.shutdown().unwrap();
+}
