@@ -481,13 +481,8 @@ fn the_server_emits_what_the_engines_loops_emit() {
                 "{fields} window {w}: {r}"
             );
             let text = r["choices"][0]["text"].as_str().unwrap();
-            // Bytes that are not UTF-8 are dropped or replaced by the text stream: compare
-            // the text where there are none (the token counts always).
-            eprintln!("{text:?}\n{want_text:?}");
-            if !want_text.contains('\u{FFFD}') {
-                assert_eq!(text, want_text, "{fields} window {w}");
-                texts_compared += 1;
-            }
+            // The random model writes bytes that are not UTF-8: both sides replace them alike.
+            assert_eq!(text, want_text, "{fields} window {w}");
         }
     }
     s.shutdown().unwrap();
