@@ -7,31 +7,9 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
-
-use common::{post, request, start, start_with, tiny_model};
+use common::{mtp_head, post, request, start, start_with, tiny_model};
 use serde_json::{json, Value};
-use strata_convert::{convert_mtp, ConvertOptions, OutType};
 use strata_server::{LoadSpec, ServerConfig};
-
-/// The tiny fixture's MTP head as a GGUF beside the trunk (written once per test binary).
-fn mtp_head() -> PathBuf {
-    static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| {
-        let hf = tiny_model().with_file_name("hf");
-        let opts = ConvertOptions {
-            out_type: OutType::F32,
-            include_shared: false,
-        };
-        let (w, _) = convert_mtp(&hf, &opts).expect("converting the tiny MTP head");
-        let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("server-spec-mtp-{}.gguf", std::process::id()));
-        std::fs::write(&p, w.to_bytes().expect("serializing the head")).expect("writing it");
-        p
-    })
-    .clone()
-}
 
 fn cfg() -> ServerConfig {
     ServerConfig {
