@@ -1347,6 +1347,44 @@ mod tests {
     }
 
     #[test]
+    fn the_reasoning_budget_is_read_from_the_generated_tokens() {
+        // <think> = [1], </think> = [2], the forced close = [9, 2, 8]; budget 2.
+        let b = ThinkBudget::new(2, true, vec![1], vec![2], vec![9, 2, 8]);
+        assert_eq!(b.forced(&[]), None);
+        assert_eq!(b.forced(&[5]), None);
+        // Two tokens inside: the close is written, one token per position, then nothing.
+        assert_eq!(b.forced(&[5, 6]), Some(9));
+        assert_eq!(b.forced(&[5, 6, 9]), Some(2));
+        assert_eq!(b.forced(&[5, 6, 9, 2]), Some(8));
+        assert_eq!(b.forced(&[5, 6, 9, 2, 8]), None);
+        assert_eq!(b.forced(&[5, 6, 9, 2, 8, 5, 5, 5]), None);
+        // The model closed the block itself before the budget: nothing forced.
+        assert_eq!(b.forced(&[5, 2, 7, 7, 7]), None);
+        // A new block starts the count again.
+        assert_eq!(b.forced(&[5, 2, 1, 7]), None);
+        assert_eq!(b.forced(&[5, 2, 1, 7, 7]), Some(9));
+        // Budget 0 with the block open: the close at once; not open: nothing.
+        let zero = ThinkBudget::new(0, true, vec![1], vec![2], vec![9, 2, 8]);
+        assert_eq!(zero.forced(&[]), Some(9));
+        assert_eq!(zero.forced(&[9, 2]), Some(8));
+        let shut = ThinkBudget::new(0, false, vec![1], vec![2], vec![9, 2, 8]);
+        assert_eq!(shut.forced(&[4, 4]), None);
+    }
+
+    #[test]
+    fn a_grammar_after_reasoning_reads_what_follows_the_block() {
+        let a = GrammarAfter {
+            end: vec![2],
+            close: vec![9, 2, 8],
+        };
+        assert_eq!(grammar_part(None, &[5, 6]), Some(&[5u32, 6][..]));
+        assert_eq!(grammar_part(Some(&a), &[5, 6]), None);
+        assert_eq!(grammar_part(Some(&a), &[5, 2, 7]), Some(&[7u32][..]));
+        assert_eq!(grammar_part(Some(&a), &[5, 9, 2, 8, 7]), Some(&[7u32][..]));
+        assert_eq!(grammar_part(Some(&a), &[5, 2]), Some(&[][..]));
+    }
+
+    #[test]
     fn sampling_params_make_the_cli_chain() {
         let p = SamplingParams {
             temperature: 0.0,
