@@ -179,15 +179,24 @@ pub fn tokenizer(file: &GgufFile, path: &Path, n_vocab: usize) -> Result<Tokeniz
 }
 
 /// Opens `path` and binds it as `choice` says, without an MTP head: the model and its
-/// tokenizer (what `chat` and `serve` load).
+/// tokenizer (what `chat` loads).
 pub fn model(path: &Path, choice: &crate::args::model::ModelChoice) -> Result<(Loaded, Tokenizer)> {
+    model_with_mtp(path, choice, None)
+}
+
+/// [`model`] with an MTP head attached to a qwen4exp trunk (what `serve --mtp` loads).
+pub fn model_with_mtp(
+    path: &Path,
+    choice: &crate::args::model::ModelChoice,
+    mtp: Option<&Path>,
+) -> Result<(Loaded, Tokenizer)> {
     let opened = open(path)?;
     let loaded = Loaded::bind(
         &opened,
         path,
         choice.threads,
         choice.kv_type,
-        None,
+        mtp,
         choice.ctx_size,
         &choice.backend,
     )?;
@@ -295,7 +304,7 @@ impl Loaded {
     }
 
     /// The model's context: qwen2's trained length; for qwen4exp the capacity its caches were
-    /// made with (`--ctx-size`, else the file's `context_length`, else 262,144).
+    /// made with (`--ctx`, else the file's `context_length`, else 262,144).
     pub fn n_ctx_model(&self) -> usize {
         match &self.model {
             Bound::Qwen2(m) => m.config().n_ctx_train,
@@ -392,7 +401,7 @@ fn bind_on<B: Qwen4expOps>(
             ))
         }
         _ => {
-            // qwen4exp caches are sized at load: `--ctx-size` sets their capacity.
+            // qwen4exp caches are sized at load: `--ctx` sets their capacity.
             let opts = qwen4exp::LoadOptions {
                 kv_type,
                 ctx: ctx_size,
@@ -438,11 +447,11 @@ impl Session for Limited<'_> {
     }
 }
 
-/// The context a command runs in: `--ctx-size`, at most the model's.
+/// The context a command runs in: `--ctx`, at most the model's.
 pub fn n_ctx(requested: Option<usize>, model: usize) -> Result<usize> {
     match requested {
         Some(n) if n > model => {
-            bail!("--ctx-size {n}: out of range; the model's context holds {model} positions")
+            bail!("--ctx {n}: out of range; the model's context holds {model} positions")
         }
         Some(n) => Ok(n),
         None => Ok(model),

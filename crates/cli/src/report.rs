@@ -24,7 +24,7 @@ pub fn stop_text(s: GuardStop) -> String {
 pub fn context_full(n_ctx: usize) {
     eprintln!(
         "note: generation stopped at the context limit ({n_ctx} positions); \
-         a larger --ctx-size or a shorter prompt leaves more room"
+         a larger --ctx or a shorter prompt leaves more room"
     );
 }
 

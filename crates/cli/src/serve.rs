@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
+use strata_cuda::CudaBackend;
+use strata_engine::CpuBackend;
 use strata_server::{ModelHandle, ServerConfig};
 
 use crate::args::backend::BackendKind;
@@ -29,10 +31,6 @@ pub struct Args {
     /// A file of accepted API keys, one per line (`#` comments and blank lines skipped)
     #[arg(long, value_name = "FILE")]
     pub api_key_file: Option<PathBuf>,
-    /// Positions per sequence (default: the model's trained context up to 8192; 4096 when the
-    /// file states none)
-    #[arg(long, value_name = "N")]
-    pub ctx: Option<usize>,
     /// Sequences in flight at once (they take turns token by token)
     #[arg(long, default_value_t = 1)]
     pub parallel: usize,
@@ -48,9 +46,14 @@ pub struct Args {
     /// A Jinja chat template file replacing the model file's
     #[arg(long, value_name = "FILE")]
     pub chat_template_file: Option<PathBuf>,
-    /// The MTP head GGUF (not wired into the server yet: refused)
+    /// The MTP head GGUF for speculative decoding (`strata convert-mtp`); a model file that
+    /// carries `mtp.*` needs none
     #[arg(long, value_name = "MTP.gguf")]
     pub mtp: Option<PathBuf>,
+    /// Verify window N = 1..8 of requests that set none (their `spec` field): up to N − 1 MTP
+    /// drafts per trunk pass; default 4 with a head, 1 (plain decoding) without
+    #[arg(long = "spec", value_name = "N")]
+    pub spec: Option<usize>,
     /// Compute backend (only `cpu` for now)
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -79,8 +82,14 @@ fn read_keys(args: &Args) -> Result<Vec<String>> {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    if args.mtp.is_some() {
-        bail!("--mtp: speculative decoding is not wired into `strata serve` yet");
+    if let Some(p) = &args.mtp {
+        crate::output::check_input("--mtp", p)?;
+    }
+    if let Some(n) = args.spec {
+        let max = strata_engine::speculative::MAX_WINDOW;
+        if !(1..=max).contains(&n) {
+            bail!("--spec {n}: out of range; expected a verify window of 1 to {max} rows");
+        }
     }
     if args.backend != "cpu" {
         bail!(
@@ -91,8 +100,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
-    if args.ctx == Some(0) || args.ctx == Some(1) {
-        bail!("--ctx must be at least 2");
+    if args.model.ctx_size == Some(1) {
+        bail!("--ctx 1: out of range; a sequence needs at least 2 positions (a prompt token and the next)");
     }
     let chat_template = match &args.chat_template_file {
         Some(p) => Some(
@@ -114,34 +123,64 @@ pub fn run(args: Args) -> Result<ExitCode> {
         host: args.host.clone(),
         port: args.port,
         api_keys: read_keys(&args)?,
-        n_ctx: args.ctx,
+        n_ctx: args.model.ctx_size,
         parallel: args.parallel,
         queue: args.queue,
         cache_ram: args.cache_ram.saturating_mul(1 << 20),
         model_id,
         chat_template,
         handle_signals: true,
+        spec: args.spec,
+        draft_oracle: None,
     };
     let mut choice = args.model.resolve()?;
-    // The server's sessions run on the CPU backend until its model handle takes a GPU one.
+    let mtp = args.mtp.clone();
+    // The server's type carries the backend, so `auto` is settled here: CUDA when it opens.
     match choice.backend.kind {
-        BackendKind::Cuda => {
-            bail!("strata serve --backend cuda: not available yet; use --backend cpu")
+        BackendKind::Auto => {
+            choice.backend.kind = match CudaBackend::new(choice.backend.device) {
+                Ok(_) => BackendKind::Cuda,
+                Err(_) => BackendKind::Cpu,
+            };
         }
-        BackendKind::Auto => choice.backend.kind = BackendKind::Cpu,
+        // Refused before the server listens, naming what is missing.
+        BackendKind::Cuda => {
+            if let Err(e) = CudaBackend::new(choice.backend.device) {
+                bail!("--backend cuda: {e}");
+            }
+        }
         BackendKind::Cpu => {}
     }
-    let loader = Box::new(move || {
-        let path = choice.path()?;
-        let (loaded, tok) = load::model(&path, &choice)?;
-        let model = match loaded.model {
-            Bound::Qwen2(m) => ModelHandle::Qwen2(m),
-            Bound::Qwen4exp(m) => ModelHandle::Qwen4exp(m),
-            _ => bail!("strata serve: the model was bound on a GPU backend"),
-        };
-        Ok((model, tok))
-    });
     strata_server::init_logging();
-    strata_server::serve(cfg, loader)?;
+    if choice.backend.kind == BackendKind::Cuda {
+        let loader: strata_server::Loader<CudaBackend, CudaBackend> = Box::new(move || {
+            let path = choice.path()?;
+            let (loaded, tok) = load::model_with_mtp(&path, &choice, mtp.as_deref())?;
+            eprintln!("backend: {}", loaded.backend_note);
+            let model = match loaded.model {
+                Bound::Qwen2Cuda(m) => ModelHandle::Qwen2(m),
+                Bound::Qwen4expCuda(m) => ModelHandle::Qwen4exp(m),
+                _ => bail!(
+                    "strata serve: the GPU cannot run {} ({}); use --backend cpu",
+                    path.display(),
+                    loaded.backend_note
+                ),
+            };
+            Ok((model, tok))
+        });
+        strata_server::serve(cfg, loader)?;
+    } else {
+        let loader: strata_server::Loader<CpuBackend, CpuBackend> = Box::new(move || {
+            let path = choice.path()?;
+            let (loaded, tok) = load::model_with_mtp(&path, &choice, mtp.as_deref())?;
+            let model = match loaded.model {
+                Bound::Qwen2(m) => ModelHandle::Qwen2(m),
+                Bound::Qwen4exp(m) => ModelHandle::Qwen4exp(m),
+                _ => bail!("strata serve: the model was bound on another backend"),
+            };
+            Ok((model, tok))
+        });
+        strata_server::serve(cfg, loader)?;
+    }
     Ok(ExitCode::SUCCESS)
 }

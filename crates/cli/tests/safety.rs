@@ -331,7 +331,7 @@ fn out_of_range_values_are_refused_naming_flag_value_and_range() {
             &["--spec-min-p", "2"],
             "--spec-min-p 2: out of range; expected a probability in [0, 1]",
         ),
-        (&["--ctx-size", "0"], "--ctx-size 0: out of range"),
+        (&["--ctx", "0"], "--ctx 0: out of range"),
         (
             &[
                 "--sampler",

@@ -80,6 +80,11 @@ fn serves_and_stops_on_sigterm() {
 fn refuses_what_it_cannot_do() {
     for (args, says) in [
         (vec!["--mtp", "x.gguf"], "--mtp"),
+        (vec!["--spec", "9"], "--spec 9: out of range"),
+        // A window above 1 needs a head, which the tiny trunk file does not carry.
+        (vec!["--spec", "2"], "needs an MTP head"),
+        (vec!["--ctx", "0"], "--ctx 0: out of range"),
+        (vec!["--ctx", "1"], "--ctx 1: out of range"),
         (vec!["--backend", "cuda"], "--backend"),
         (vec!["--parallel", "0"], "--parallel"),
         (

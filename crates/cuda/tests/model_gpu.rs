@@ -415,7 +415,9 @@ fn qwen2_mixed() -> Arc<GgufFile> {
     let mut rnd = |n: usize, scale: f32| -> Vec<f32> {
         (0..n)
             .map(|_| {
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
             })
             .collect()
@@ -427,9 +429,15 @@ fn qwen2_mixed() -> Arc<GgufFile> {
         .add_kv(format!("{a}.block_count"), Value::U32(layers as u32))
         .add_kv(format!("{a}.feed_forward_length"), Value::U32(ff as u32))
         .add_kv(format!("{a}.attention.head_count"), Value::U32(nh as u32))
-        .add_kv(format!("{a}.attention.head_count_kv"), Value::U32(nkv as u32))
+        .add_kv(
+            format!("{a}.attention.head_count_kv"),
+            Value::U32(nkv as u32),
+        )
         .add_kv(format!("{a}.rope.freq_base"), Value::F32(1e6))
-        .add_kv(format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6))
+        .add_kv(
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-6),
+        )
         .add_kv(format!("{a}.context_length"), Value::U32(512));
     let mut add = |name: &str, dims: &[usize], ty: T, v: Vec<f32>| {
         let mut bytes = vec![0u8; ty.row_bytes(dims[0]).unwrap() * v.len() / dims[0]];
@@ -441,16 +449,36 @@ fn qwen2_mixed() -> Arc<GgufFile> {
         let d: Vec<u64> = dims.iter().map(|&x| x as u64).collect();
         w.add_tensor_owned(name, &d, ty, bytes).unwrap();
     };
-    add("token_embd.weight", &[h, vocab], T::Q5_0, rnd(h * vocab, 2.0));
+    add(
+        "token_embd.weight",
+        &[h, vocab],
+        T::Q5_0,
+        rnd(h * vocab, 2.0),
+    );
     add("output.weight", &[h, vocab], T::Q8_0, rnd(h * vocab, 0.5));
-    add("output_norm.weight", &[h], T::F32, rnd(h, 0.2).iter().map(|x| x + 1.0).collect());
+    add(
+        "output_norm.weight",
+        &[h],
+        T::F32,
+        rnd(h, 0.2).iter().map(|x| x + 1.0).collect(),
+    );
     for l in 0..layers {
         let p = |n: &str| format!("blk.{l}.{n}");
         let norm = |r: Vec<f32>| r.iter().map(|x| x + 1.0).collect::<Vec<f32>>();
         add(&p("attn_norm.weight"), &[h], T::F32, norm(rnd(h, 0.2)));
         add(&p("attn_q.weight"), &[h, h], T::Q5_0, rnd(h * h, 0.3));
-        add(&p("attn_k.weight"), &[h, nkv * hd], T::Q5_0, rnd(h * nkv * hd, 0.3));
-        add(&p("attn_v.weight"), &[h, nkv * hd], T::Q8_0, rnd(h * nkv * hd, 0.3));
+        add(
+            &p("attn_k.weight"),
+            &[h, nkv * hd],
+            T::Q5_0,
+            rnd(h * nkv * hd, 0.3),
+        );
+        add(
+            &p("attn_v.weight"),
+            &[h, nkv * hd],
+            T::Q8_0,
+            rnd(h * nkv * hd, 0.3),
+        );
         add(&p("attn_q.bias"), &[h], T::F32, rnd(h, 0.2));
         add(&p("attn_k.bias"), &[nkv * hd], T::F32, rnd(nkv * hd, 0.2));
         add(&p("attn_v.bias"), &[nkv * hd], T::F32, rnd(nkv * hd, 0.2));

@@ -12,6 +12,14 @@
 //! Every emitted token is the token plain decoding emits: the window's rows are the bits of
 //! single steps (DESIGN.md §3), the judge samples each row with the history before it, and the
 //! stepper settles exactly onto the judged sequence.
+//!
+//! A generation is a [`Progress`]: it owns the judge's state and the sequence between calls and
+//! borrows the stepper, the pick and the token sink per call ([`Lent`]), so a caller can keep
+//! many and advance them in turns (the server's slots); [`Decoding`] and [`run`] hold the parts
+//! for a whole generation. A pick with state of its own (the server's grammar mask, reasoning
+//! budget and log-probability capture) sees every row and every draft it is asked about, with
+//! its history, so it can follow them without the loop knowing ([`Pick::penalize_draft`] and
+//! [`DraftEdit::edit`] take `&mut self` for that).
 
 use std::time::Instant;
 
@@ -33,7 +41,7 @@ pub trait Pick {
     /// Edits draft-row logits (`inverse` maps full ids to draft rows) the way `pick` will edit
     /// the trunk's at the same position, so drafts follow the same penalties.
     fn penalize_draft(
-        &self,
+        &mut self,
         draft_logits: &mut [f32],
         inverse: &[i32],
         ctx: &SampleContext<'_>,
@@ -51,7 +59,7 @@ impl Pick for Sampler {
         self.sample_with(logits, ctx, slop)
     }
     fn penalize_draft(
-        &self,
+        &mut self,
         draft_logits: &mut [f32],
         inverse: &[i32],
         ctx: &SampleContext<'_>,
@@ -79,7 +87,7 @@ impl Pick for ByPicker<'_> {
         )?))
     }
     fn penalize_draft(
-        &self,
+        &mut self,
         draft_logits: &mut [f32],
         inverse: &[i32],
         ctx: &SampleContext<'_>,
@@ -91,9 +99,10 @@ impl Pick for ByPicker<'_> {
 }
 
 /// The draft editor a stepper's drafter calls for each draft (the judge: its pick and slop
-/// state).
+/// state). Mutable, so that a pick with state of its own (a grammar matcher) can follow the
+/// drafts.
 pub trait DraftEdit {
-    fn edit(&self, draft_logits: &mut [f32], inverse: &[i32], position: usize, history: &[u32]);
+    fn edit(&mut self, draft_logits: &mut [f32], inverse: &[i32], position: usize, history: &[u32]);
 }
 
 /// What one verify pass judged, for the stepper's statistics.
@@ -122,7 +131,7 @@ pub trait Stepper {
     fn prefill(&mut self, prompt: &[u32], opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>>;
     /// Up to `max` drafts for the positions after `pending` (none without a drafter), each
     /// edited by `edit` with the history before it.
-    fn propose(&mut self, pending: u32, max: usize, edit: &dyn DraftEdit) -> Result<Vec<u32>>;
+    fn propose(&mut self, pending: u32, max: usize, edit: &mut dyn DraftEdit) -> Result<Vec<u32>>;
     /// Consumes `window` and returns one logits row per token (`window.len() · n_vocab`).
     fn verify(&mut self, window: &[u32]) -> Result<Vec<f32>>;
     /// Makes the sequence hold `seq` but its last token (which is pending), after the judge
@@ -158,20 +167,18 @@ enum Verdict {
     End(GuardStop),
 }
 
-/// The sampling side of a generation: one sampled position at a time, the slop state's
-/// rewinds, the stop rules, and streaming of what is final.
-struct Judge<'a> {
-    pick: &'a mut dyn Pick,
+/// What a generation keeps between its steps besides the sequence: the slop state, the
+/// generated tokens (streamed or held back), the limits and the counters. Owned, so that a
+/// caller can keep a generation across calls ([`Progress`]).
+struct Tally {
     slop: Option<SlopState>,
-    is_eog: &'a dyn Fn(u32) -> bool,
-    on_token: &'a mut dyn FnMut(u32) -> bool,
     max_tokens: usize,
     n_ctx: usize,
     /// Position of the first generated token.
     start: usize,
     /// Generated tokens, streamed or held back (the slop state's tokens).
     gen: Vec<u32>,
-    /// The shortest `gen` since the current window began (see [`Judge::cut`]).
+    /// The shortest `gen` since the current window began (see [`Tally::cut`]).
     low: usize,
     emitted: usize,
     closed: bool,
@@ -179,8 +186,24 @@ struct Judge<'a> {
     timings: Timings,
 }
 
-impl DraftEdit for Judge<'_> {
-    fn edit(&self, draft_logits: &mut [f32], inverse: &[i32], position: usize, history: &[u32]) {
+/// The sampling side of a generation: one sampled position at a time, the slop state's
+/// rewinds, the stop rules, and streaming of what is final. Built per call from the owned
+/// [`Tally`] and what the caller lends.
+struct Judge<'a, 't> {
+    pick: &'a mut dyn Pick,
+    is_eog: &'a dyn Fn(u32) -> bool,
+    on_token: &'a mut dyn FnMut(u32) -> bool,
+    t: &'t mut Tally,
+}
+
+impl DraftEdit for Judge<'_, '_> {
+    fn edit(
+        &mut self,
+        draft_logits: &mut [f32],
+        inverse: &[i32],
+        position: usize,
+        history: &[u32],
+    ) {
         self.pick.penalize_draft(
             draft_logits,
             inverse,
@@ -188,12 +211,12 @@ impl DraftEdit for Judge<'_> {
                 position: position as u64,
                 history,
             },
-            self.slop.as_ref(),
+            self.t.slop.as_ref(),
         )
     }
 }
 
-impl Judge<'_> {
+impl Tally {
     /// Cuts the generated tokens back to those before `position`, remembering the shortest
     /// length reached (the caller rebuilds its sequence from there, not from the start).
     fn cut(&mut self, position: usize) {
@@ -201,6 +224,32 @@ impl Judge<'_> {
         self.low = self.low.min(self.gen.len());
     }
 
+    /// Streams what is still held back (a partial match that never completed is plain text).
+    fn finish(mut self, on_token: &mut dyn FnMut(u32) -> bool, stop: GuardStop) -> Decoded {
+        if !self.closed {
+            let rest = match self.slop.as_mut() {
+                Some(s) => s.flush(),
+                None => self.emitted..self.gen.len(),
+            };
+            for i in rest {
+                let Some(&t) = self.gen.get(i) else { break };
+                self.emitted = i + 1;
+                if !on_token(t) {
+                    break;
+                }
+            }
+        }
+        self.gen.truncate(self.emitted);
+        Decoded {
+            tokens: self.gen,
+            stop,
+            rewinds: self.rewinds,
+            timings: self.timings,
+        }
+    }
+}
+
+impl Judge<'_, '_> {
     /// Samples the token after `history` from `logits` and records it.
     fn judge(&mut self, logits: &[f32], history: &[u32]) -> Result<Verdict> {
         let pos = history.len();
@@ -211,16 +260,17 @@ impl Judge<'_> {
                 position: pos as u64,
                 history,
             },
-            self.slop.as_ref(),
+            self.t.slop.as_ref(),
         );
-        self.timings.sample += ts.elapsed();
-        self.timings.sampled_tokens += 1;
-        let tok = match (sampled?, self.slop.as_mut()) {
-            (Sampled::Token(t), _) => t,
+        let t = &mut *self.t;
+        t.timings.sample += ts.elapsed();
+        t.timings.sampled_tokens += 1;
+        let tok = match (sampled?, t.slop.as_mut()) {
+            (Sampled::Token(tok), _) => tok,
             (Sampled::DeadEnd, Some(s)) => match s.dead_end() {
                 DeadEnd::Rewound { position, .. } => {
-                    self.rewinds += 1;
-                    self.cut(position);
+                    t.rewinds += 1;
+                    t.cut(position);
                     return Ok(Verdict::Rewound);
                 }
                 DeadEnd::Stop => return Ok(Verdict::End(GuardStop::DeadEnd)),
@@ -234,69 +284,45 @@ impl Judge<'_> {
         if (self.is_eog)(tok) {
             return Ok(Verdict::End(GuardStop::Plain(StopReason::Eog(tok))));
         }
-        match self.slop.as_mut() {
+        match t.slop.as_mut() {
             Some(s) => {
                 match s.accept(tok) {
-                    Accepted::Kept => self.gen.push(tok),
+                    Accepted::Kept => t.gen.push(tok),
                     Accepted::Rewound { position, .. } => {
-                        self.rewinds += 1;
-                        self.cut(position);
+                        t.rewinds += 1;
+                        t.cut(position);
                         return Ok(Verdict::Rewound);
                     }
                     Accepted::Exhausted { position } => {
-                        self.cut(position);
+                        t.cut(position);
                         return Ok(Verdict::End(GuardStop::RewindBudget));
                     }
                 }
                 for i in s.take_commits() {
-                    self.emitted = i + 1;
-                    let Some(&t) = self.gen.get(i) else { break };
-                    if !(self.on_token)(t) {
-                        self.closed = true;
+                    t.emitted = i + 1;
+                    let Some(&g) = t.gen.get(i) else { break };
+                    if !(self.on_token)(g) {
+                        t.closed = true;
                         break;
                     }
                 }
             }
             None => {
-                self.gen.push(tok);
-                self.emitted = self.gen.len();
-                self.closed = !(self.on_token)(tok);
+                t.gen.push(tok);
+                t.emitted = t.gen.len();
+                t.closed = !(self.on_token)(tok);
             }
         }
-        if self.closed {
+        if t.closed {
             return Ok(Verdict::End(GuardStop::Plain(StopReason::Stopped)));
         }
-        if self.gen.len() >= self.max_tokens {
+        if t.gen.len() >= t.max_tokens {
             return Ok(Verdict::End(GuardStop::Plain(StopReason::MaxTokens)));
         }
-        if pos + 1 >= self.n_ctx {
+        if pos + 1 >= t.n_ctx {
             return Ok(Verdict::End(GuardStop::Plain(StopReason::ContextFull)));
         }
         Ok(Verdict::Kept(tok))
-    }
-
-    /// Streams what is still held back (a partial match that never completed is plain text).
-    fn finish(mut self, stop: GuardStop) -> Decoded {
-        if !self.closed {
-            let rest = match self.slop.as_mut() {
-                Some(s) => s.flush(),
-                None => self.emitted..self.gen.len(),
-            };
-            for i in rest {
-                let Some(&t) = self.gen.get(i) else { break };
-                self.emitted = i + 1;
-                if !(self.on_token)(t) {
-                    break;
-                }
-            }
-        }
-        self.gen.truncate(self.emitted);
-        Decoded {
-            tokens: self.gen,
-            stop,
-            rewinds: self.rewinds,
-            timings: self.timings,
-        }
     }
 }
 
@@ -325,40 +351,44 @@ pub struct Policy<'a> {
     pub window: usize,
 }
 
-/// A generation in progress: the stepper, the judge and the sequence so far (`seq` = prompt
-/// and generated tokens; the stepper holds all of it but the last, which is pending).
-pub struct Decoding<'a> {
-    stepper: &'a mut dyn Stepper,
-    j: Judge<'a>,
+/// What a [`Progress`] borrows for one call: the sequence's stepper, the pick, the
+/// end-of-generation rule and the token sink (which returns false to stop).
+pub struct Lent<'a> {
+    pub stepper: &'a mut dyn Stepper,
+    pub pick: &'a mut dyn Pick,
+    pub is_eog: &'a dyn Fn(u32) -> bool,
+    pub on_token: &'a mut dyn FnMut(u32) -> bool,
+}
+
+/// A generation in progress that owns its state and borrows nothing between calls: the judge's
+/// tally and the sequence so far (`seq` = prompt and generated tokens; the stepper holds all of
+/// it but the last, which is pending). The stepper, the pick and the token sink are lent per
+/// call ([`Lent`]), so a caller can keep many generations and advance them in turns (the
+/// server's `--parallel` slots); [`Decoding`] is the same loop with its parts held for the
+/// whole generation.
+pub struct Progress {
+    t: Tally,
     seq: Vec<u32>,
     window: usize,
 }
 
-impl<'a> Decoding<'a> {
+impl Progress {
     /// A generation of up to `max_tokens` tokens whose first generated token will sit at
-    /// position `start`.
+    /// position `start`, with verify windows of up to `window` rows, on `stepper`.
     pub fn new(
-        stepper: &'a mut dyn Stepper,
-        policy: Policy<'a>,
+        stepper: &mut dyn Stepper,
+        slop: Option<SlopState>,
+        window: usize,
         max_tokens: usize,
         start: usize,
-        on_token: &'a mut dyn FnMut(u32) -> bool,
-    ) -> Self {
-        let may_rewind = policy
-            .slop
-            .as_ref()
-            .is_some_and(|s| s.compiled().mode() >= 2);
+    ) -> Progress {
+        let may_rewind = slop.as_ref().is_some_and(|s| s.compiled().mode() >= 2);
         stepper.may_rewind(may_rewind);
-        let n_ctx = stepper.n_ctx();
-        Decoding {
-            stepper,
-            j: Judge {
-                pick: policy.pick,
-                slop: policy.slop,
-                is_eog: policy.is_eog,
-                on_token,
+        Progress {
+            t: Tally {
+                slop,
                 max_tokens,
-                n_ctx,
+                n_ctx: stepper.n_ctx(),
                 start,
                 gen: Vec::new(),
                 low: 0,
@@ -368,36 +398,68 @@ impl<'a> Decoding<'a> {
                 timings: Timings::default(),
             },
             seq: Vec::new(),
-            window: policy.window.max(1),
+            window: window.max(1),
         }
     }
 
+    /// The sequence so far: prompt and generated tokens (held-back ones included).
+    pub fn seq(&self) -> &[u32] {
+        &self.seq
+    }
+
+    /// Generated tokens so far, streamed or held back.
+    pub fn generated(&self) -> usize {
+        self.t.gen.len()
+    }
+
+    /// Rewinds taken so far.
+    pub fn rewinds(&self) -> u32 {
+        self.t.rewinds
+    }
+
     /// Runs the prompt and judges the first token; Some when generation ended there.
-    pub fn prefill(&mut self, prompt: &[u32], opts: &GenOptions) -> Result<Option<GuardStop>> {
+    pub fn prefill(
+        &mut self,
+        lent: Lent<'_>,
+        prompt: &[u32],
+        opts: &GenOptions,
+    ) -> Result<Option<GuardStop>> {
+        let Lent {
+            stepper,
+            pick,
+            is_eog,
+            on_token,
+        } = lent;
         let mut t = Timings::default();
-        let logits = self.stepper.prefill(prompt, opts, &mut t)?;
-        self.j.timings.prompt = t.prompt;
-        self.j.timings.prompt_tokens = t.prompt_tokens;
-        self.j.timings.reused_tokens = t.reused_tokens;
+        let logits = stepper.prefill(prompt, opts, &mut t)?;
+        self.t.timings.prompt = t.prompt;
+        self.t.timings.prompt_tokens = t.prompt_tokens;
+        self.t.timings.reused_tokens = t.reused_tokens;
+        let mut j = Judge {
+            pick,
+            is_eog,
+            on_token,
+            t: &mut self.t,
+        };
         // A rewind here can only return to this same position (nothing was generated before
         // it), whose logits these are: sample it again.
         let end = loop {
-            match self.j.judge(&logits, prompt)? {
+            match j.judge(&logits, prompt)? {
                 Verdict::Kept(_) => break None,
                 Verdict::Rewound => continue,
                 Verdict::End(stop) => break Some(stop),
             }
         };
         self.seq = prompt.to_vec();
-        self.seq.extend_from_slice(&self.j.gen);
+        self.seq.extend_from_slice(&self.t.gen);
         let judged = Judged {
-            kept: self.j.gen.len(),
+            kept: self.t.gen.len(),
             end: end.is_some(),
-            stopped: self.j.closed,
+            stopped: self.t.closed,
             ..Judged::default()
         };
-        if end.is_none() || self.stepper.settle_at_end() {
-            self.stepper.settle(&self.seq, judged)?;
+        if end.is_none() || stepper.settle_at_end() {
+            stepper.settle(&self.seq, judged)?;
         }
         Ok(end)
     }
@@ -409,38 +471,49 @@ impl<'a> Decoding<'a> {
 
     /// One verify window: drafts, the trunk's pass, the judge over its rows, the settle.
     /// Returns what was judged and, when generation ended, why.
-    pub fn window(&mut self) -> Result<(Judged, Option<GuardStop>)> {
-        let j = &mut self.j;
+    pub fn window(&mut self, lent: Lent<'_>) -> Result<(Judged, Option<GuardStop>)> {
+        let Lent {
+            stepper,
+            pick,
+            is_eog,
+            on_token,
+        } = lent;
+        let mut j = Judge {
+            pick,
+            is_eog,
+            on_token,
+            t: &mut self.t,
+        };
         let pending = *self
             .seq
             .last()
             .ok_or_else(|| EngineError::Input("decode: no pending token".to_string()))?;
         let pos0 = self.seq.len() - 1;
-        let max_emit = j.max_tokens.saturating_sub(j.gen.len()).max(1);
+        let max_emit = j.t.max_tokens.saturating_sub(j.t.gen.len()).max(1);
         // The window's tokens take positions pos0..pos0 + n, all inside the context.
-        let room = j.n_ctx.saturating_sub(pos0 + 1);
+        let room = j.t.n_ctx.saturating_sub(pos0 + 1);
         let max_drafts = (self.window - 1).min(max_emit - 1).min(room);
         let td = Instant::now();
-        let drafts = self.stepper.propose(pending, max_drafts, &*j)?;
+        let drafts = stepper.propose(pending, max_drafts, &mut j)?;
         let mut window = Vec::with_capacity(1 + drafts.len());
         window.push(pending);
         window.extend_from_slice(&drafts);
         let n = window.len();
-        let logits = self.stepper.verify(&window)?;
-        j.timings.decode += td.elapsed();
-        j.timings.decoded_tokens += n;
+        let logits = stepper.verify(&window)?;
+        j.t.timings.decode += td.elapsed();
+        j.t.timings.decoded_tokens += n;
         let v = logits.len() / n;
         let mut end = None;
         let mut judged = Judged {
             drafts: drafts.len(),
             ..Judged::default()
         };
-        let rewinds0 = j.rewinds;
+        let rewinds0 = j.t.rewinds;
         // The history of row i is the sequence and the drafts before it: pushed onto `seq` as
         // they are accepted (no copy of the sequence per window), cut back below.
         let history = &mut self.seq;
-        let gen0 = j.gen.len();
-        j.low = gen0;
+        let gen0 = j.t.gen.len();
+        j.t.low = gen0;
         for i in 0..n {
             let row = logits
                 .get(i * v..(i + 1) * v)
@@ -457,7 +530,7 @@ impl<'a> Decoding<'a> {
                 Verdict::Rewound => break,
                 Verdict::End(stop) => {
                     // A token the budget or the caller ended on still counts as kept.
-                    if j.gen.len() > gen0 + judged.kept {
+                    if j.t.gen.len() > gen0 + judged.kept {
                         judged.kept += 1;
                     }
                     end = Some(stop);
@@ -465,24 +538,90 @@ impl<'a> Decoding<'a> {
                 }
             }
         }
-        judged.rewound = j.rewinds > rewinds0;
+        let t = &mut self.t;
+        judged.rewound = t.rewinds > rewinds0;
         judged.end = end.is_some();
-        judged.stopped = j.closed;
+        judged.stopped = t.closed;
         // `seq` = prompt ++ gen again: keep what no rewind reached, append the rest.
-        let start = j.start;
-        self.seq.truncate(start + j.low);
-        self.seq.extend_from_slice(&j.gen[j.low..]);
-        if end.is_none() || self.stepper.settle_at_end() {
+        self.seq.truncate(t.start + t.low);
+        self.seq.extend_from_slice(&t.gen[t.low..]);
+        if end.is_none() || stepper.settle_at_end() {
             let ts = Instant::now();
-            self.stepper.settle(&self.seq, judged)?;
-            self.j.timings.decode += ts.elapsed();
+            stepper.settle(&self.seq, judged)?;
+            t.timings.decode += ts.elapsed();
         }
         Ok((judged, end))
     }
 
     /// Streams what is still held back and returns the generation.
+    pub fn finish(self, on_token: &mut dyn FnMut(u32) -> bool, stop: GuardStop) -> Decoded {
+        self.t.finish(on_token, stop)
+    }
+}
+
+/// A generation in progress with its parts held for its whole length: the loop of
+/// [`Progress`] for callers that run a generation at once.
+pub struct Decoding<'a> {
+    stepper: &'a mut dyn Stepper,
+    pick: &'a mut dyn Pick,
+    is_eog: &'a dyn Fn(u32) -> bool,
+    on_token: &'a mut dyn FnMut(u32) -> bool,
+    p: Progress,
+}
+
+impl<'a> Decoding<'a> {
+    /// A generation of up to `max_tokens` tokens whose first generated token will sit at
+    /// position `start`.
+    pub fn new(
+        stepper: &'a mut dyn Stepper,
+        policy: Policy<'a>,
+        max_tokens: usize,
+        start: usize,
+        on_token: &'a mut dyn FnMut(u32) -> bool,
+    ) -> Self {
+        let p = Progress::new(stepper, policy.slop, policy.window, max_tokens, start);
+        Decoding {
+            stepper,
+            pick: policy.pick,
+            is_eog: policy.is_eog,
+            on_token,
+            p,
+        }
+    }
+
+    fn lent(&mut self) -> (Lent<'_>, &mut Progress) {
+        (
+            Lent {
+                stepper: &mut *self.stepper,
+                pick: &mut *self.pick,
+                is_eog: self.is_eog,
+                on_token: &mut *self.on_token,
+            },
+            &mut self.p,
+        )
+    }
+
+    /// Runs the prompt and judges the first token; Some when generation ended there.
+    pub fn prefill(&mut self, prompt: &[u32], opts: &GenOptions) -> Result<Option<GuardStop>> {
+        let (lent, p) = self.lent();
+        p.prefill(lent, prompt, opts)
+    }
+
+    /// Continues a sequence the stepper already holds: `seq` but its last token (pending).
+    pub fn resume(&mut self, seq: Vec<u32>) {
+        self.p.resume(seq);
+    }
+
+    /// One verify window: drafts, the trunk's pass, the judge over its rows, the settle.
+    /// Returns what was judged and, when generation ended, why.
+    pub fn window(&mut self) -> Result<(Judged, Option<GuardStop>)> {
+        let (lent, p) = self.lent();
+        p.window(lent)
+    }
+
+    /// Streams what is still held back and returns the generation.
     pub fn finish(self, stop: GuardStop) -> Decoded {
-        self.j.finish(stop)
+        self.p.finish(self.on_token, stop)
     }
 }
 

@@ -250,7 +250,12 @@ impl Stepper for SessionStepper<'_> {
     fn prefill(&mut self, prompt: &[u32], opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>> {
         prefill(self.0, prompt, opts, t)
     }
-    fn propose(&mut self, _pending: u32, _max: usize, _edit: &dyn DraftEdit) -> Result<Vec<u32>> {
+    fn propose(
+        &mut self,
+        _pending: u32,
+        _max: usize,
+        _edit: &mut dyn DraftEdit,
+    ) -> Result<Vec<u32>> {
         Ok(Vec::new())
     }
     fn verify(&mut self, window: &[u32]) -> Result<Vec<f32>> {

@@ -447,3 +447,49 @@ fn feeding_a_second_turn_continues_exactly() {
         check_states(&m, &mut dec, &st, &format!("two turns, window {window}"));
     }
 }
+
+/// A decoder resumed on a sequence that already holds a prefix of the prompt (a server's slot
+/// reusing a cached prefix: the trunk and the head run over the prefix together) emits what a
+/// fresh decoder emits, and gives back the states plain decoding reaches.
+#[test]
+fn a_resumed_decoder_continues_as_a_fresh_one() {
+    let m = model();
+    let p = prompt();
+    let (want, plain_state) = greedy_plain(&m, NEW);
+    for window in [2, 4, 8] {
+        for k in [1, 7, p.len() - 1] {
+            let mut st = m.new_state().unwrap();
+            let mut head = m.new_mtp_state().unwrap();
+            m.forward_with_head(&mut st, &mut head, &p[..k], p[k])
+                .unwrap();
+            assert_eq!((st.position(), head.position()), (k, k));
+            let cfg = SpecConfig {
+                window,
+                ..SpecConfig::default()
+            };
+            let mut dec = SpecDecoder::resume(&m, cfg, st, Some(head)).unwrap();
+            let got = run(&mut dec, &p, NEW, &mut |_| true).unwrap();
+            let what = format!("window {window}, resumed after {k} tokens");
+            assert_eq!(got, want, "{what}");
+            // Bit for bit the states of plain decoding (the head: of one pass over it all).
+            check_states(&m, &mut dec, &plain_state, &what);
+            let (st, head) = dec.into_states();
+            let head = head.unwrap();
+            assert_eq!(st.position(), p.len() + NEW - 1);
+            assert_eq!(head.position(), st.position());
+        }
+    }
+    // A head that is not level with the trunk is refused, as is a started sequence without one.
+    let mut st = m.new_state().unwrap();
+    m.forward_with(&mut st, &p[..3], Want::default()).unwrap();
+    let head = m.new_mtp_state().unwrap();
+    let cfg = SpecConfig::default();
+    let e = SpecDecoder::resume(&m, cfg.clone(), st, Some(head))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("MTP state holds 0 positions"), "{e}");
+    let mut st = m.new_state().unwrap();
+    m.forward_with(&mut st, &p[..3], Want::default()).unwrap();
+    let e = SpecDecoder::resume(&m, cfg, st, None).err().unwrap();
+    assert!(e.to_string().contains("needs its MTP state"), "{e}");
+}

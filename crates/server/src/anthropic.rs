@@ -317,12 +317,17 @@ fn stop_reason(r: &EndReason, calls: bool) -> (&'static str, Value) {
 }
 
 fn usage(d: &Driver) -> Value {
-    json!({
+    let mut u = json!({
         "input_tokens": d.prompt_tokens - d.cached_tokens,
         "output_tokens": d.completion_tokens,
         "cache_read_input_tokens": d.cached_tokens,
         "cache_creation_input_tokens": 0,
-    })
+    });
+    // Our extra: a speculative generation's drafts and acceptances per draft position.
+    if let Some(sp) = &d.spec {
+        u["speculative"] = json!(sp);
+    }
+    u
 }
 
 async fn messages_inner(
@@ -393,6 +398,7 @@ async fn messages_inner(
         user_boundary: prompt.user_boundary,
         grammar,
         reasoning_budget: thinking_budget(&req)?,
+        window: sf.spec,
     };
     let d = Driver::start(&s, ready, prompt.tokens, spec).await?;
     let ctx = Ctx {
@@ -416,6 +422,10 @@ fn log_request(d: &Driver, finish: &str, stream: bool) {
         completion_tokens = d.completion_tokens,
         finish,
         malformed_tool_calls = d.malformed_calls(),
+        spec_window = d.spec.as_ref().map_or(1, |s| s.window),
+        spec_drafted = d.spec.as_ref().map_or(0, |s| s.drafted.iter().sum::<u64>()),
+        spec_accepted = d.spec.as_ref().map_or(0, |s| s.accepted.iter().sum::<u64>()),
+        spec_accepted_by_position = ?d.spec.as_ref().map(|s| &s.accepted),
         ms = d.t0.elapsed().as_millis() as u64,
         "request done"
     );

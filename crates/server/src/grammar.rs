@@ -182,10 +182,38 @@ impl Constraint for GrammarState {
         Ok(())
     }
 
-    fn consume(&mut self, tok: u32) -> Result<(), String> {
-        self.m.consume_token(tok).map_err(|e| format!("{e:#}"))?;
-        self.consumed += 1;
+    fn mask_draft(&mut self, draft_logits: &mut [f32], inverse: &[i32]) -> Result<(), String> {
+        let mask = self.m.compute_mask_or_eos().map_err(|e| format!("{e:#}"))?;
+        let eos_ok = mask.is_allowed(self.eos);
+        for (id, &row) in inverse.iter().enumerate() {
+            let Some(l) = usize::try_from(row)
+                .ok()
+                .and_then(|r| draft_logits.get_mut(r))
+            else {
+                continue;
+            };
+            let id = id as u32;
+            let ok = if self.eog.contains(&id) {
+                eos_ok
+            } else {
+                mask.is_allowed(id)
+            };
+            if !ok {
+                *l = f32::NEG_INFINITY;
+            }
+        }
         Ok(())
+    }
+
+    fn consume(&mut self, toks: &[u32]) -> Result<usize, String> {
+        // Checked before each token, so a refused draft never puts the matcher in its error
+        // state.
+        let n = self
+            .m
+            .try_consume_tokens(toks)
+            .map_err(|e| format!("{e:#}"))?;
+        self.consumed += n;
+        Ok(n)
     }
 
     fn truncate(&mut self, n: usize) -> Result<(), String> {

@@ -28,6 +28,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use strata_engine::backend::Backend;
+use strata_engine::{CpuBackend, Qwen4expOps};
 use strata_tokenizer::{ChatTemplate, Tokenizer};
 use tokio::sync::Notify;
 
@@ -59,6 +61,11 @@ pub struct ServerConfig {
     pub chat_template: Option<String>,
     /// Stop on SIGINT/SIGTERM (the CLI); tests stop the server themselves.
     pub handle_signals: bool,
+    /// Verify window of requests that set none (`--spec N`); None: 4 when the model has an
+    /// MTP head, else 1 (plain decoding).
+    pub spec: Option<usize>,
+    /// Replaces the MTP head's drafts (tests and benchmarks only: forced acceptance patterns).
+    pub draft_oracle: Option<engine::DraftOracle>,
 }
 
 impl Default for ServerConfig {
@@ -74,12 +81,16 @@ impl Default for ServerConfig {
             model_id: "strata".into(),
             chat_template: None,
             handle_signals: false,
+            spec: None,
+            draft_oracle: None,
         }
     }
 }
 
-/// Loads the model; runs on the worker thread, which then owns what it returns.
-pub type Loader = Box<dyn FnOnce() -> Result<(ModelHandle, Tokenizer)> + Send>;
+/// Loads the model; runs on the worker thread, which then owns what it returns (so the
+/// backends need not be `Send`: a device backend is made on the thread that uses it).
+pub type Loader<Q2 = CpuBackend, Q4 = CpuBackend> =
+    Box<dyn FnOnce() -> Result<(ModelHandle<Q2, Q4>, Tokenizer)> + Send>;
 
 /// What the handlers need once the model is loaded.
 pub struct Ready {
@@ -88,6 +99,9 @@ pub struct Ready {
     pub n_ctx: usize,
     pub arch: &'static str,
     pub n_vocab: usize,
+    /// The model has an MTP head, and the verify window of requests that ask for none.
+    pub has_mtp: bool,
+    pub spec_window: usize,
     /// Control tokens printed anyway ([`output::preserved_ids`]).
     pub preserved: Arc<Vec<u32>>,
     /// llguidance's view of the vocabulary, built on the first constrained request.
@@ -224,7 +238,10 @@ pub struct Server {
 impl Server {
     /// Binds `cfg.host:cfg.port` (port 0: any free port), starts loading the model on the
     /// worker thread and serving on a runtime thread; returns at once.
-    pub fn start(cfg: ServerConfig, loader: Loader) -> Result<Server> {
+    pub fn start<Q2: Backend + 'static, Q4: Qwen4expOps + 'static>(
+        cfg: ServerConfig,
+        loader: Loader<Q2, Q4>,
+    ) -> Result<Server> {
         let listener = std::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
             .with_context(|| format!("binding {}:{}", cfg.host, cfg.port))?;
         listener.set_nonblocking(true)?;
@@ -309,7 +326,10 @@ impl Server {
 }
 
 /// Serves until SIGINT/SIGTERM.
-pub fn serve(cfg: ServerConfig, loader: Loader) -> Result<()> {
+pub fn serve<Q2: Backend + 'static, Q4: Qwen4expOps + 'static>(
+    cfg: ServerConfig,
+    loader: Loader<Q2, Q4>,
+) -> Result<()> {
     let cfg = ServerConfig {
         handle_signals: true,
         ..cfg
@@ -323,7 +343,11 @@ pub fn serve(cfg: ServerConfig, loader: Loader) -> Result<()> {
     s.wait()
 }
 
-fn load_and_run(loader: Loader, rx: std::sync::mpsc::Receiver<worker::Job>, shared: Arc<Shared>) {
+fn load_and_run<Q2: Backend, Q4: Qwen4expOps>(
+    loader: Loader<Q2, Q4>,
+    rx: std::sync::mpsc::Receiver<worker::Job>,
+    shared: Arc<Shared>,
+) {
     let t0 = Instant::now();
     let (model, tok) = match loader() {
         Ok(x) => x,
@@ -340,14 +364,34 @@ fn load_and_run(loader: Loader, rx: std::sync::mpsc::Receiver<worker::Job>, shar
             return;
         }
     };
-    let n_ctx = match (shared.cfg.n_ctx, model.trained_ctx()) {
-        (Some(n), Some(t)) if n > t => {
-            tracing::warn!("--ctx {n} is over the model's trained context {t}; using {t}");
-            t
+    // `--ctx` is checked against what the model can hold: its trained context (qwen2) or its
+    // caches' capacity (qwen4exp, sized at load).
+    let limit = model.trained_ctx().unwrap_or(model.capacity());
+    let n_ctx = match shared.cfg.n_ctx {
+        Some(n) if n > limit => {
+            let msg =
+                format!("--ctx {n}: out of range; the model's context holds {limit} positions");
+            tracing::error!("{msg}");
+            shared.fail(msg);
+            return;
         }
-        (Some(n), _) => n,
-        (None, Some(t)) => t.min(8192),
-        (None, None) => 4096,
+        Some(n) => n,
+        None => model.trained_ctx().map_or(4096, |t| t.min(8192)).min(limit),
+    };
+    let has_mtp = model.has_mtp();
+    let spec_window = match shared.cfg.spec {
+        Some(n) if n > 1 && !has_mtp => {
+            let msg = format!(
+                "--spec {n}: speculative decoding needs an MTP head; the model has none (give \
+                 one with --mtp MTP.gguf)"
+            );
+            tracing::error!("{msg}");
+            shared.fail(msg);
+            return;
+        }
+        Some(n) => n,
+        None if has_mtp => 4,
+        None => 1,
     };
     let tok = Arc::new(tok);
     let _ = shared.ready.set(Ready {
@@ -356,20 +400,34 @@ fn load_and_run(loader: Loader, rx: std::sync::mpsc::Receiver<worker::Job>, shar
         n_ctx,
         arch: model.arch(),
         n_vocab: model.n_vocab(),
+        has_mtp,
+        spec_window,
         preserved: Arc::new(output::preserved_ids(&tok)),
         constrainer: OnceLock::new(),
     });
     let secs = t0.elapsed().as_secs_f64();
-    tracing::info!(arch = model.arch(), n_ctx, secs, "model loaded");
+    tracing::info!(
+        arch = model.arch(),
+        n_ctx,
+        spec_window,
+        secs,
+        "model loaded"
+    );
     eprintln!(
-        "strata serve: model loaded ({}, context {n_ctx}, {} slots) in {secs:.1} s",
+        "strata serve: model loaded ({}, context {n_ctx}, {} slots{}) in {secs:.1} s",
         model.arch(),
-        shared.cfg.parallel
+        shared.cfg.parallel,
+        if spec_window > 1 {
+            format!(", MTP speculation with windows of {spec_window}")
+        } else {
+            String::new()
+        }
     );
     let cfg = worker::WorkerConfig {
         parallel: shared.cfg.parallel,
         n_ctx,
         cache_ram: shared.cfg.cache_ram,
+        draft_oracle: shared.cfg.draft_oracle.clone(),
     };
     worker::run(model, tok, cfg, rx, shared);
 }

@@ -29,9 +29,28 @@ pub struct Metrics {
     pub checkpoint_restores: AtomicU64,
     pub checkpoint_evictions: AtomicU64,
     pub checkpoint_bytes: AtomicU64,
+    /// Speculative decoding, per draft position (index 0 = the first draft of a window): drafts
+    /// made and accepted, and the trunk's verify passes.
+    pub spec_drafted: [AtomicU64; SPEC_POSITIONS],
+    pub spec_accepted: [AtomicU64; SPEC_POSITIONS],
+    pub spec_passes: AtomicU64,
 }
 
+/// Draft positions a window can hold (`speculative::MAX_WINDOW` − 1).
+pub const SPEC_POSITIONS: usize = strata_engine::speculative::MAX_WINDOW - 1;
+
 impl Metrics {
+    /// Adds a finished speculative generation's counters.
+    pub fn add_spec(&self, c: &crate::engine::SpecCounts) {
+        for (j, (&d, &a)) in c.drafted.iter().zip(&c.accepted).enumerate() {
+            if let (Some(md), Some(ma)) = (self.spec_drafted.get(j), self.spec_accepted.get(j)) {
+                md.fetch_add(d, Ordering::Relaxed);
+                ma.fetch_add(a, Ordering::Relaxed);
+            }
+        }
+        self.spec_passes.fetch_add(c.passes, Ordering::Relaxed);
+    }
+
     pub fn render(&self, n_ctx: usize) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut s = String::new();
@@ -152,6 +171,45 @@ impl Metrics {
             "Bytes held by recurrent-state checkpoints.",
             g(&self.checkpoint_bytes) as f64,
         );
+        let drafted: u64 = self.spec_drafted.iter().map(g).sum();
+        let accepted: u64 = self.spec_accepted.iter().map(g).sum();
+        put(
+            "spec_passes_total",
+            "counter",
+            "Trunk verify passes of speculative generations.",
+            g(&self.spec_passes) as f64,
+        );
+        put(
+            "spec_drafted_total",
+            "counter",
+            "MTP drafts made.",
+            drafted as f64,
+        );
+        put(
+            "spec_accepted_total",
+            "counter",
+            "MTP drafts accepted.",
+            accepted as f64,
+        );
+        // Per draft position: a label per line under one name.
+        for (name, arr, help) in [
+            (
+                "spec_drafted_position_total",
+                &self.spec_drafted,
+                "MTP drafts made, by position in the window (1 = first draft).",
+            ),
+            (
+                "spec_accepted_position_total",
+                &self.spec_accepted,
+                "MTP drafts accepted, by position in the window (1 = first draft).",
+            ),
+        ] {
+            let _ = writeln!(s, "# HELP strata:{name} {help}");
+            let _ = writeln!(s, "# TYPE strata:{name} counter");
+            for (j, a) in arr.iter().enumerate() {
+                let _ = writeln!(s, "strata:{name}{{position=\"{}\"}} {}", j + 1, g(a));
+            }
+        }
         s
     }
 }

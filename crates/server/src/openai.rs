@@ -286,6 +286,7 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Bytes) -> Result<Resp
                 ))
             }
         },
+        window: sf.spec,
     };
     let driver = Driver::start(&s, ready, prompt.tokens, spec).await?;
     let ctx = Ctx {
@@ -317,12 +318,17 @@ struct Ctx {
 }
 
 fn usage(d: &Driver) -> Value {
-    json!({
+    let mut u = json!({
         "prompt_tokens": d.prompt_tokens,
         "completion_tokens": d.completion_tokens,
         "total_tokens": d.prompt_tokens + d.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
-    })
+    });
+    // Our extra: a speculative generation's drafts and acceptances per draft position.
+    if let Some(sp) = &d.spec {
+        u["speculative"] = json!(sp);
+    }
+    u
 }
 
 fn finish_reason(r: &EndReason, calls: bool) -> &'static str {
@@ -369,6 +375,10 @@ fn log_request(endpoint: &str, d: &Driver, finish: &str, stream: bool) {
         completion_tokens = d.completion_tokens,
         finish,
         malformed_tool_calls = d.malformed_calls(),
+        spec_window = d.spec.as_ref().map_or(1, |s| s.window),
+        spec_drafted = d.spec.as_ref().map_or(0, |s| s.drafted.iter().sum::<u64>()),
+        spec_accepted = d.spec.as_ref().map_or(0, |s| s.accepted.iter().sum::<u64>()),
+        spec_accepted_by_position = ?d.spec.as_ref().map(|s| &s.accepted),
         ms = d.t0.elapsed().as_millis() as u64,
         "request done"
     );
@@ -654,6 +664,7 @@ async fn completions_inner(
         user_boundary: None,
         grammar: None,
         reasoning_budget: None,
+        window: sf.spec,
     };
     let d = Driver::start(&s, ready, prompt, spec).await?;
     let ctx = Ctx {

@@ -12,7 +12,9 @@ use serde_json::Value;
 use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::engine::{Constraint, Finish, SamplingParams, ThinkBudget, TokenLogprob};
+use crate::engine::{
+    Constraint, Finish, GrammarAfter, SamplingParams, SpecCounts, ThinkBudget, TokenLogprob,
+};
 use crate::error::ApiError;
 use crate::grammar::Grammar;
 use crate::output::{Piece, Splitter, TextStream};
@@ -79,6 +81,8 @@ pub struct SamplingFields {
     pub slop_mode: Option<u8>,
     pub slop_phrases: Option<Vec<String>>,
     pub slop_list: Option<SlopList>,
+    /// Verify window for MTP speculative decoding (`--spec N`'s request form; 1: plain).
+    pub spec: Option<usize>,
 }
 
 fn finite(name: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiError> {
@@ -246,6 +250,8 @@ pub struct GenSpec {
     pub grammar: Option<(Grammar, &'static str)>,
     /// Most tokens inside `<think>` before `</think>` is written.
     pub reasoning_budget: Option<usize>,
+    /// The request's verify window (None: the server's `--spec`).
+    pub window: Option<usize>,
 }
 
 /// Why a response ended, in neutral terms; each API names it its own way.
@@ -278,6 +284,8 @@ pub struct Driver {
     pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub t0: Instant,
+    /// A speculative generation's counters, once it has ended.
+    pub spec: Option<SpecCounts>,
     ended: bool,
     pending_end: Option<EndReason>,
 }
@@ -318,18 +326,50 @@ impl Driver {
             }
             None => None,
         };
+        let max_window = strata_engine::speculative::MAX_WINDOW;
+        let window = match spec.window {
+            Some(n) if !(1..=max_window).contains(&n) => {
+                return Err(ApiError::invalid(
+                    "spec",
+                    format!("{n}; expected a verify window of 1 to {max_window} rows"),
+                ))
+            }
+            Some(n) if n > 1 && !ready.has_mtp => {
+                return Err(ApiError::invalid(
+                    "spec",
+                    format!(
+                        "{n}: speculative decoding needs an MTP head, and the model has none \
+                         (strata serve --mtp MTP.gguf)"
+                    ),
+                ))
+            }
+            Some(n) => n,
+            None => ready.spec_window,
+        };
+        // A prompt that opened a reasoning block: the model reasons freely, and the grammar
+        // applies to what follows `</think>`.
+        let enc = |t: &str| ready.tok.encode(t, false, true).unwrap_or_default();
+        let grammar_after = (constraint.is_some() && spec.in_think).then(|| GrammarAfter {
+            end: enc("</think>"),
+            close: match spec.reasoning_budget {
+                Some(_) => enc("\n</think>\n\n"),
+                None => Vec::new(),
+            },
+        });
         let room = ready.n_ctx - prompt.len();
         let max_tokens = spec.max_tokens.unwrap_or(room);
         let (tx, mut rx) = unbounded_channel();
         let n_prompt = prompt.len();
         shared.submit(Job {
             prompt,
-            sampler,
+            sampler: Some(sampler),
             max_tokens,
             top_logprobs: spec.top_logprobs,
             checkpoint_at: spec.user_boundary.into_iter().collect(),
             constraint,
+            grammar_after,
             think,
+            window,
             events: tx,
             enqueued: Instant::now(),
         })?;
@@ -357,6 +397,7 @@ impl Driver {
             cached_tokens,
             completion_tokens: 0,
             t0: Instant::now(),
+            spec: None,
             ended: false,
             pending_end: None,
         })
@@ -406,7 +447,8 @@ impl Driver {
                 }
                 Update::Pieces { pieces, logprobs }
             }
-            Some(Event::Done { finish }) => {
+            Some(Event::Done { finish, spec }) => {
+                self.spec = spec;
                 let rest = self.text.finish();
                 let mut pieces = self.split.push(&rest);
                 pieces.extend(self.split.finish());
@@ -415,6 +457,8 @@ impl Driver {
                     Finish::Eog => EndReason::Eog,
                     Finish::MaxTokens | Finish::ContextFull => EndReason::Length,
                     Finish::Slop => EndReason::Slop,
+                    // The worker ends a closed channel's job without a Done event.
+                    Finish::Closed => EndReason::Eog,
                 });
                 Update::Pieces {
                     pieces,

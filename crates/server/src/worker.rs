@@ -14,12 +14,14 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use strata_engine::backend::Backend;
 use strata_engine::sampler::Sampler;
+use strata_engine::Qwen4expOps;
 use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::engine::{
-    Constraint, Finish, Gen, GenRules, ModelHandle, Seq, ThinkBudget, TokenLogprob,
+    Constraint, Finish, Gen, GenRules, ModelHandle, Seq, SpecCounts, ThinkBudget, TokenLogprob,
 };
 use crate::Shared;
 
@@ -30,17 +32,21 @@ const PREFILL_CHUNK: usize = 256;
 /// One request's generation.
 pub struct Job {
     pub prompt: Vec<u32>,
-    pub sampler: Sampler,
+    /// Taken by the generation when it starts.
+    pub sampler: Option<Sampler>,
     pub max_tokens: usize,
     /// Log-probabilities with this many alternatives per token (None: none).
     pub top_logprobs: Option<usize>,
     /// Prompt positions to checkpoint (the last user-message boundary), besides the end of
     /// prefill and the end of generation.
     pub checkpoint_at: Vec<usize>,
-    /// A grammar the generated tokens must follow.
+    /// A grammar the generated tokens must follow, from after `grammar_after` when set.
     pub constraint: Option<Box<dyn Constraint>>,
+    pub grammar_after: Option<crate::engine::GrammarAfter>,
     /// A cap on the reasoning tokens.
     pub think: Option<ThinkBudget>,
+    /// Verify window (1: plain decoding; more: MTP speculative decoding).
+    pub window: usize,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -57,24 +63,26 @@ pub enum Event {
     },
     Done {
         finish: Finish,
+        /// A speculative generation's counters.
+        spec: Option<SpecCounts>,
     },
     Error(String),
 }
 
-enum Phase {
+enum Phase<'m, Q2: Backend, Q4: Qwen4expOps> {
     Prefill { next: usize },
-    Decode(Box<Gen>),
+    Decode(Box<Gen<'m, Q2, Q4>>),
 }
 
-struct Active {
+struct Active<'m, Q2: Backend, Q4: Qwen4expOps> {
     job: Job,
-    phase: Phase,
+    phase: Phase<'m, Q2, Q4>,
     started: Instant,
 }
 
-struct Slot {
-    seq: Seq,
-    active: Option<Active>,
+struct Slot<'m, Q2: Backend, Q4: Qwen4expOps> {
+    seq: Seq<Q2, Q4>,
+    active: Option<Active<'m, Q2, Q4>>,
     last_used: u64,
 }
 
@@ -82,17 +90,28 @@ pub struct WorkerConfig {
     pub parallel: usize,
     pub n_ctx: usize,
     pub cache_ram: usize,
+    pub draft_oracle: Option<crate::engine::DraftOracle>,
+}
+
+/// How a slot's turn left its job.
+enum Turn {
+    Running,
+    Done(Finish),
+    /// The client went away (or a stop string matched): nobody reads further tokens.
+    Cancelled,
+    Failed(anyhow::Error),
 }
 
 /// Runs until shutdown is flagged in `shared` or the queue's senders are all gone.
-pub fn run(
-    model: ModelHandle,
+pub fn run<Q2: Backend, Q4: Qwen4expOps>(
+    model: ModelHandle<Q2, Q4>,
     tok: Arc<Tokenizer>,
     cfg: WorkerConfig,
     jobs: Receiver<Job>,
     shared: Arc<Shared>,
 ) {
-    let mut slots: Vec<Slot> = Vec::new();
+    let model = &model;
+    let mut slots: Vec<Slot<'_, Q2, Q4>> = Vec::new();
     for _ in 0..cfg.parallel.max(1) {
         match model.new_seq() {
             Ok(seq) => slots.push(Slot {
@@ -109,10 +128,11 @@ pub fn run(
     }
     let mut clock = 0u64;
     let is_eog = |id: u32| tok.is_eog(id);
+    let eog = Arc::new(tok.eog_ids());
     loop {
         if shared.shutting_down() {
             for s in &mut slots {
-                if let Some(a) = s.active.take() {
+                if let Some(a) = end_job(model, s, false) {
                     let _ = a
                         .job
                         .events
@@ -143,7 +163,7 @@ pub fn run(
             };
             shared.metrics.deferred.fetch_sub(1, Ordering::Relaxed);
             clock += 1;
-            admit(&model, &mut slots, job, clock, &shared);
+            admit(model, &mut slots, job, clock, &shared);
         }
         for slot in slots.iter_mut() {
             if slot.active.is_none() {
@@ -151,18 +171,36 @@ pub fn run(
             }
             clock += 1;
             slot.last_used = clock;
-            let res = turn(&model, slot, &cfg, &is_eog, clock, &shared);
-            match res {
-                Ok(Some(finish)) => {
-                    if let Some(a) = slot.active.take() {
-                        let _ = slot.seq.checkpoint(&model, clock);
-                        let _ = a.job.events.send(Event::Done { finish });
+            let ctx = TurnCtx {
+                n_ctx: cfg.n_ctx,
+                is_eog: &is_eog,
+                eog: &eog,
+                oracle: &cfg.draft_oracle,
+                clock,
+                shared: &shared,
+            };
+            match turn(model, slot, &ctx) {
+                Turn::Running => {}
+                Turn::Done(finish) => {
+                    let spec = match slot.active.as_ref().map(|a| &a.phase) {
+                        Some(Phase::Decode(g)) => g.spec_counts(),
+                        _ => None,
+                    };
+                    if let Some(a) = end_job(model, slot, true) {
+                        let _ = slot.seq.checkpoint(model, clock);
+                        if let Some(s) = &spec {
+                            shared.metrics.add_spec(s);
+                        }
+                        let _ = a.job.events.send(Event::Done { finish, spec });
                         log_done(&a, &slot.seq, Some(finish));
                     }
                 }
-                Ok(None) => {}
-                Err(e) => {
-                    if let Some(a) = slot.active.take() {
+                Turn::Cancelled => {
+                    end_job(model, slot, true);
+                    shared.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                }
+                Turn::Failed(e) => {
+                    if let Some(a) = end_job(model, slot, false) {
                         tracing::warn!("generation failed: {e:#}");
                         let _ = a.job.events.send(Event::Error(format!("{e:#}")));
                     }
@@ -172,11 +210,35 @@ pub fn run(
                 shared.metrics.processing.fetch_sub(1, Ordering::Relaxed);
             }
         }
-        enforce_budget(&model, &mut slots, cfg.cache_ram, &shared);
+        enforce_budget(model, &mut slots, cfg.cache_ram, &shared);
     }
 }
 
-fn log_done(a: &Active, seq: &Seq, finish: Option<Finish>) {
+/// Takes a slot's job out, giving its sequence back to the slot (a speculative generation
+/// holds it meanwhile); `ok`: the sequence's state is whole (else it starts afresh).
+fn end_job<'m, Q2: Backend, Q4: Qwen4expOps>(
+    model: &'m ModelHandle<Q2, Q4>,
+    slot: &mut Slot<'m, Q2, Q4>,
+    ok: bool,
+) -> Option<Active<'m, Q2, Q4>> {
+    let mut a = slot.active.take()?;
+    if let Phase::Decode(g) = std::mem::replace(&mut a.phase, Phase::Prefill { next: 0 }) {
+        if let Err(e) = g.release(model, &mut slot.seq, ok) {
+            tracing::warn!("returning a sequence to its slot: {e:#}");
+        }
+    } else if !ok {
+        if let Err(e) = slot.seq.reset(model) {
+            tracing::warn!("resetting a sequence: {e:#}");
+        }
+    }
+    Some(a)
+}
+
+fn log_done<Q2: Backend, Q4: Qwen4expOps>(
+    a: &Active<'_, Q2, Q4>,
+    seq: &Seq<Q2, Q4>,
+    finish: Option<Finish>,
+) {
     tracing::debug!(
         target: "strata::worker",
         finish = ?finish,
@@ -190,7 +252,13 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-fn admit(model: &ModelHandle, slots: &mut [Slot], job: Job, clock: u64, shared: &Shared) {
+fn admit<'m, Q2: Backend, Q4: Qwen4expOps>(
+    model: &'m ModelHandle<Q2, Q4>,
+    slots: &mut [Slot<'m, Q2, Q4>],
+    job: Job,
+    clock: u64,
+    shared: &Shared,
+) {
     // The free slot sharing the longest prefix; among equals the least recently used.
     let Some(i) = slots
         .iter()
@@ -210,9 +278,17 @@ fn admit(model: &ModelHandle, slots: &mut [Slot], job: Job, clock: u64, shared: 
     slot.last_used = clock;
     let common = common_prefix(slot.seq.tokens(), &job.prompt).min(job.prompt.len() - 1);
     let had = slot.seq.len();
-    let reached = match slot.seq.rollback(model, common) {
+    // A speculative job also needs the MTP head's state: its last row pairs a position with
+    // the token after it, which the new prompt must repeat.
+    let rolled = if job.window > 1 {
+        slot.seq.rollback_head(model, common, &job.prompt)
+    } else {
+        slot.seq.rollback(model, common, false)
+    };
+    let reached = match rolled {
         Ok(r) => r,
         Err(e) => {
+            let _ = slot.seq.reset(model);
             let _ = job
                 .events
                 .send(Event::Error(format!("rolling the cache back: {e:#}")));
@@ -239,80 +315,137 @@ fn admit(model: &ModelHandle, slots: &mut [Slot], job: Job, clock: u64, shared: 
     });
 }
 
-/// One unit of work for a slot's active job; `Some` when the generation is over.
-fn turn(
-    model: &ModelHandle,
-    slot: &mut Slot,
-    cfg: &WorkerConfig,
-    is_eog: &dyn Fn(u32) -> bool,
+/// What every turn reads besides the slot.
+struct TurnCtx<'a> {
+    n_ctx: usize,
+    is_eog: &'a dyn Fn(u32) -> bool,
+    eog: &'a Arc<Vec<u32>>,
+    oracle: &'a Option<crate::engine::DraftOracle>,
     clock: u64,
-    shared: &Shared,
-) -> anyhow::Result<Option<Finish>> {
-    let Some(a) = slot.active.as_mut() else {
-        return Ok(None);
-    };
-    if a.job.events.is_closed() {
-        // The client went away: stop computing tokens nobody reads.
-        slot.active = None;
-        shared.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-        return Ok(None);
-    }
-    let m = &shared.metrics;
-    match &mut a.phase {
-        Phase::Prefill { next } => {
-            let prompt = &a.job.prompt;
-            // Stop each chunk at the next checkpoint position, so the state there is saved.
-            let end_prefill = prompt.len() - 1;
-            let mut end = (*next + PREFILL_CHUNK).min(prompt.len());
-            for &p in a.job.checkpoint_at.iter().chain([&end_prefill]) {
-                if p > *next && p < end {
-                    end = p;
-                }
-            }
-            let t0 = Instant::now();
-            let logits = slot.seq.feed(model, &prompt[*next..end])?;
-            m.prompt_tokens
-                .fetch_add((end - *next) as u64, Ordering::Relaxed);
-            m.prompt_us
-                .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-            *next = end;
-            if end == end_prefill || a.job.checkpoint_at.contains(&end) {
-                slot.seq.checkpoint(model, clock)?;
-            }
-            if end == prompt.len() {
-                let rules = GenRules {
-                    max_tokens: a.job.max_tokens,
-                    n_ctx: cfg.n_ctx,
-                    top_logprobs: a.job.top_logprobs,
-                    constraint: a.job.constraint.take(),
-                    think: a.job.think.take(),
-                };
-                let gen = Gen::new(&a.job.sampler, logits, prompt.len(), rules);
-                a.phase = Phase::Decode(Box::new(gen));
-            }
-            Ok(None)
-        }
-        Phase::Decode(gen) => {
-            let t0 = Instant::now();
-            let out = gen.step(&mut slot.seq, model, &mut a.job.sampler, is_eog)?;
-            m.predicted_us
-                .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-            m.decode_calls.fetch_add(1, Ordering::Relaxed);
-            for (id, logprob) in out.tokens {
-                m.predicted_tokens.fetch_add(1, Ordering::Relaxed);
-                if a.job.events.send(Event::Token { id, logprob }).is_err() {
-                    slot.active = None;
-                    m.cancelled.fetch_add(1, Ordering::Relaxed);
-                    return Ok(None);
-                }
-            }
-            Ok(out.finish)
-        }
+    shared: &'a Shared,
+}
+
+/// One unit of work for a slot's active job: a prefill chunk, or the prompt's last token with
+/// the first generated one, or one verify window.
+fn turn<'m, Q2: Backend, Q4: Qwen4expOps>(
+    model: &'m ModelHandle<Q2, Q4>,
+    slot: &mut Slot<'m, Q2, Q4>,
+    ctx: &TurnCtx<'_>,
+) -> Turn {
+    match turn_inner(model, slot, ctx) {
+        Ok(t) => t,
+        Err(e) => Turn::Failed(e),
     }
 }
 
+fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
+    model: &'m ModelHandle<Q2, Q4>,
+    slot: &mut Slot<'m, Q2, Q4>,
+    ctx: &TurnCtx<'_>,
+) -> anyhow::Result<Turn> {
+    let Some(a) = slot.active.as_mut() else {
+        return Ok(Turn::Running);
+    };
+    if a.job.events.is_closed() {
+        // The client went away: stop computing tokens nobody reads.
+        return Ok(Turn::Cancelled);
+    }
+    let m = &ctx.shared.metrics;
+    let t0 = Instant::now();
+    let prompt = &a.job.prompt;
+    let out = match &mut a.phase {
+        Phase::Prefill { next } => {
+            // Stop each chunk at the next checkpoint position, so the state there is saved;
+            // the prompt's last token is the decoding loop's.
+            let end_prefill = prompt.len() - 1;
+            if *next < end_prefill {
+                let mut end = (*next + PREFILL_CHUNK).min(end_prefill);
+                for &p in &a.job.checkpoint_at {
+                    if p > *next && p < end {
+                        end = p;
+                    }
+                }
+                // A speculative job keeps the head level with the trunk: it runs over the
+                // chunk's rows with the tokens after them.
+                let next_tok = (a.job.window > 1).then(|| prompt[end]);
+                slot.seq.feed(model, &prompt[*next..end], next_tok)?;
+                m.prompt_tokens
+                    .fetch_add((end - *next) as u64, Ordering::Relaxed);
+                m.prompt_us
+                    .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+                *next = end;
+                if end == end_prefill || a.job.checkpoint_at.contains(&end) {
+                    slot.seq.checkpoint(model, ctx.clock)?;
+                }
+                return Ok(Turn::Running);
+            }
+            if a.job.max_tokens == 0 {
+                return Ok(Turn::Done(Finish::MaxTokens));
+            }
+            let sampler = a
+                .job
+                .sampler
+                .take()
+                .ok_or_else(|| anyhow::anyhow!("the job has no sampler"))?;
+            let rules = GenRules {
+                max_tokens: a.job.max_tokens,
+                n_ctx: ctx.n_ctx,
+                top_logprobs: a.job.top_logprobs,
+                constraint: a.job.constraint.take(),
+                grammar_after: a.job.grammar_after.take(),
+                think: a.job.think.take(),
+                window: a.job.window,
+                eog: Arc::clone(ctx.eog),
+                oracle: ctx.oracle.clone(),
+            };
+            let mut gen = Box::new(Gen::new(
+                model,
+                &mut slot.seq,
+                sampler,
+                prompt.len(),
+                rules,
+            )?);
+            let events = &a.job.events;
+            let out = gen.step(model, &mut slot.seq, Some(prompt), ctx.is_eog, &|| {
+                events.is_closed()
+            });
+            a.phase = Phase::Decode(gen);
+            m.prompt_tokens.fetch_add(1, Ordering::Relaxed);
+            m.prompt_us
+                .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+            out?
+        }
+        Phase::Decode(gen) => {
+            let events = &a.job.events;
+            let out = gen.step(model, &mut slot.seq, None, ctx.is_eog, &|| {
+                events.is_closed()
+            })?;
+            m.predicted_us
+                .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+            m.decode_calls.fetch_add(1, Ordering::Relaxed);
+            out
+        }
+    };
+    for (id, logprob) in out.tokens {
+        m.predicted_tokens.fetch_add(1, Ordering::Relaxed);
+        if a.job.events.send(Event::Token { id, logprob }).is_err() {
+            return Ok(Turn::Cancelled);
+        }
+    }
+    Ok(match out.finish {
+        None => Turn::Running,
+        Some(Finish::Closed) => Turn::Cancelled,
+        Some(f) => Turn::Done(f),
+    })
+}
+
 /// Drops the oldest checkpoints, across slots, until they fit in `budget` bytes.
-fn enforce_budget(model: &ModelHandle, slots: &mut [Slot], budget: usize, shared: &Shared) {
+fn enforce_budget<Q2: Backend, Q4: Qwen4expOps>(
+    model: &ModelHandle<Q2, Q4>,
+    slots: &mut [Slot<'_, Q2, Q4>],
+    budget: usize,
+    shared: &Shared,
+) {
     let per = model.checkpoint_bytes();
     if per == 0 {
         return;

@@ -8,8 +8,8 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::{default_model, start, tiny_model};
-use strata_server::ServerConfig;
+use common::{default_model, mtp_head, start, start_with, tiny_model};
+use strata_server::{LoadSpec, ServerConfig};
 
 const KEY: &str = "test-key";
 const CTX: usize = 2048;
@@ -40,7 +40,18 @@ fn official_clients_against_the_server() {
         n_ctx: Some(CTX),
         ..Default::default()
     };
-    let tiny = start(tiny_model(), cfg.clone());
+    // The tiny server carries the fixture's MTP head and decodes speculatively by default
+    // (window 4), so every SDK test below also checks speculation against its oracle; the
+    // default model (qwen2, no head) decodes plainly.
+    let tiny = start_with(
+        tiny_model(),
+        LoadSpec {
+            threads: 2,
+            mtp: Some(mtp_head()),
+            ..Default::default()
+        },
+        cfg.clone(),
+    );
     let default = default_model().map(|m| {
         start(
             m,

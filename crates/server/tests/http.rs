@@ -5,13 +5,24 @@
 
 mod common;
 
-use common::{metric, post, request, start, tiny_model, Open};
+use common::{metric, post, request, start, start_with, tiny_model, Open};
 use serde_json::{json, Value};
+use strata_server::LoadSpec;
 use strata_server::ServerConfig;
 
 fn cfg() -> ServerConfig {
     ServerConfig {
         model_id: "tiny".into(),
+        ..Default::default()
+    }
+}
+
+/// Caches for a million positions (the CPU commits memory only as rows are written), for
+/// generations that must outlast a test's other requests.
+fn long_caches() -> LoadSpec {
+    LoadSpec {
+        threads: 2,
+        ctx: Some(1 << 20),
         ..Default::default()
     }
 }
@@ -506,8 +517,9 @@ fn parallel_sequences_keep_their_own_state() {
 
 #[test]
 fn a_full_queue_answers_429_and_a_client_that_leaves_cancels() {
-    let s = start(
+    let s = start_with(
         tiny_model(),
+        long_caches(),
         ServerConfig {
             parallel: 1,
             queue: 1,
@@ -549,8 +561,9 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_cancels() {
 
 #[test]
 fn shutdown_ends_an_open_stream_with_an_error_event() {
-    let s = start(
+    let s = start_with(
         tiny_model(),
+        long_caches(),
         ServerConfig {
             n_ctx: Some(1 << 20),
             ..cfg()
@@ -795,5 +808,35 @@ fn a_reasoning_budget_closes_the_think_block() {
         format!("{r5}\n")
     );
     assert_eq!(r["content"][1]["type"], "text");
+    // A JSON schema with reasoning: the model reasons freely (the same five tokens as without a
+    // grammar), the budget closes the block, and the answer follows the schema.
+    let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}},
+                        "required": ["n"], "additionalProperties": false});
+    for budget in [5, 0] {
+        let r = post(
+            a,
+            "/v1/chat/completions",
+            &body(json!({"max_tokens": 60, "reasoning_budget": budget,
+                         "response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "n", "schema": schema}}})),
+        )
+        .json();
+        let m = &r["choices"][0]["message"];
+        if budget == 5 {
+            assert_eq!(
+                m["reasoning_content"].as_str().unwrap(),
+                format!("{r5}\n"),
+                "{r}"
+            );
+        }
+        let text = m["content"].as_str().unwrap();
+        assert!(text.starts_with("{\"n\": "), "{r}");
+        if r["choices"][0]["finish_reason"] == "stop" {
+            let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {r}"));
+            // An integer (llguidance allows `-0`, which serde reads as a float).
+            assert!(v["n"].as_f64().is_some_and(|x| x.fract() == 0.0), "{r}");
+            assert!(!text.contains(['.', 'e', 'E']), "{r}");
+        }
+    }
     s.shutdown().unwrap();
 }

@@ -18,7 +18,8 @@ pub struct ModelArgs {
     #[arg(long, default_value = "f16")]
     pub kv_type: KvType,
     /// Context size in tokens (prompt and reply); default and upper bound: the model's own
-    #[arg(short = 'c', long, value_name = "N")]
+    /// (`serve`: its trained context up to 8192)
+    #[arg(short = 'c', long = "ctx", value_name = "N")]
     pub ctx_size: Option<usize>,
     #[command(flatten)]
     pub backend: super::backend::BackendArgs,
@@ -41,7 +42,7 @@ impl ModelArgs {
             crate::output::check_input("-m", p)?;
         }
         if self.ctx_size == Some(0) {
-            anyhow::bail!("--ctx-size 0: out of range; expected at least 1 token");
+            anyhow::bail!("--ctx 0: out of range; expected at least 1 token");
         }
         Ok(ModelChoice {
             model: self.model.clone(),

@@ -20,7 +20,7 @@ use super::config::{self, Config, LayerKind, DOCUMENTED_QSA_RATIO};
 use super::ops::Qwen4expOps;
 use super::state::{AttnCache, LayerState};
 use super::weights::{Binder, HcW, LayerW, MixerW};
-use super::{At, Model};
+use super::{At, Model, State, Want};
 
 /// `general.architecture` of a stand-alone MTP GGUF; its keys live under this prefix.
 pub const MTP_ARCH: &str = "qwen4exp_mtp";
@@ -292,6 +292,39 @@ impl<B: Qwen4expOps> Model<B> {
             logits: b.download(&logits)?,
             hidden: b.download(&hid)?,
         })
+    }
+
+    /// Runs `tokens` through the trunk and the head together, for a caller that keeps both
+    /// states at one position (a server's prefill chunks, when the token after the chunk is
+    /// known): the head takes the trunk's rows with the tokens after them (`tokens[1..]` and
+    /// `next`), only filling its caches. Returns the trunk's logits after the last token.
+    pub fn forward_with_head(
+        &self,
+        st: &mut State<B>,
+        mtp: &mut MtpState<B>,
+        tokens: &[u32],
+        next: u32,
+    ) -> Result<Vec<f32>> {
+        if mtp.position() != st.position() {
+            return Err(EngineError::Input(format!(
+                "the MTP state holds {} positions, the trunk {}",
+                mtp.position(),
+                st.position()
+            )));
+        }
+        let want = Want {
+            hidden: true,
+            last_only: true,
+            ..Want::default()
+        };
+        let out = self.forward_dev(st, tokens, want, None)?;
+        let hidden = out
+            .hidden
+            .ok_or_else(|| EngineError::shape("forward", "no pre-mixer rows for the MTP head"))?;
+        let mut next_tokens = tokens[1..].to_vec();
+        next_tokens.push(next);
+        self.mtp_forward_dev(mtp, &hidden, &next_tokens, true, None)?;
+        self.backend.download(&out.logits)
     }
 
     /// [`Model::mtp_forward`] on device buffers: returns the logits and the pre-mixer output.

@@ -310,6 +310,8 @@ pub struct SpecDecoder<'m, B: Qwen4expOps> {
     /// The trunk's pre-mixer rows of the prefill, until the first token is known (its MTP
     /// catch-up pairs them with the tokens after them).
     prefill_hidden: Option<B::Buf>,
+    /// Where the last prefill started (a resumed sequence's prefix was consumed before).
+    prefill_from: usize,
     /// What the last verify pass left to settle: its start, rows, checkpoint, replay log and
     /// pre-mixer rows.
     verified: Option<Verified<B>>,
@@ -334,6 +336,21 @@ pub struct SpecDecoder<'m, B: Qwen4expOps> {
 impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
     /// A decoder with greedy picking. A window above 1 needs the model's MTP head.
     pub fn new(model: &'m Model<B>, cfg: SpecConfig) -> Result<Self> {
+        let state = model.new_state()?;
+        Self::resume(model, cfg, state, None)
+    }
+
+    /// A decoder continuing a sequence that `state` holds (a server's slot reusing a prefix):
+    /// its prefill runs only the prompt past `state`'s tokens. `mtp` is the head's state for
+    /// the same tokens (a fresh one when None and the sequence is empty); a window above 1 on a
+    /// started sequence needs it, at the trunk's position. [`SpecDecoder::into_states`] gives
+    /// both back.
+    pub fn resume(
+        model: &'m Model<B>,
+        cfg: SpecConfig,
+        state: State<B>,
+        mtp: Option<MtpState<B>>,
+    ) -> Result<Self> {
         if !(1..=MAX_WINDOW).contains(&cfg.window) {
             return Err(EngineError::Input(format!(
                 "--spec {}: the verify window must be 1..={MAX_WINDOW}",
@@ -354,10 +371,22 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
                 )));
             }
         }
-        let mtp = if cfg.window > 1 {
-            Some(model.new_mtp_state()?)
-        } else {
-            None
+        let mtp = match mtp {
+            Some(m) if m.position() != state.position() => {
+                return Err(EngineError::Input(format!(
+                    "speculative decoding: the MTP state holds {} positions, the sequence {}",
+                    m.position(),
+                    state.position()
+                )))
+            }
+            Some(m) => Some(m),
+            None if cfg.window > 1 && state.position() > 0 => {
+                return Err(EngineError::Input(
+                    "speculative decoding: a started sequence needs its MTP state".to_string(),
+                ))
+            }
+            None if cfg.window > 1 => Some(model.new_mtp_state()?),
+            None => None,
         };
         let full_inverse = if cfg.window > 1 && cfg.draft_vocab.is_none() {
             let n = i32::try_from(model.config().n_vocab).map_err(|_| {
@@ -367,7 +396,6 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         } else {
             Vec::new()
         };
-        let state = model.new_state()?;
         // The window's checkpoint, allocated up front and refilled every window.
         let spare_checkpoint = if cfg.window > 1 {
             Some(model.checkpoint(&state)?)
@@ -387,6 +415,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
             state,
             spare_checkpoint,
             prefill_hidden: None,
+            prefill_from: 0,
             verified: None,
             may_rewind: false,
             saved_first: None,
@@ -484,6 +513,13 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         self.run_catchup()
     }
 
+    /// The trunk's and the head's states, for a caller that keeps the sequence (call
+    /// [`SpecDecoder::sync_mtp`] first so the head holds what the trunk does). The pending
+    /// token is not consumed.
+    pub fn into_states(self) -> (State<B>, Option<MtpState<B>>) {
+        (self.state, self.mtp)
+    }
+
     fn run_catchup(&mut self) -> Result<()> {
         let (Some(c), Some(mtp)) = (self.catchup.take(), self.mtp.as_mut()) else {
             return Ok(());
@@ -547,7 +583,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
     /// Up to `max` drafts for the positions after the pending token; each draft's logits get
     /// the sampler's edits for the history before it (the consumed tokens, the pending token and
     /// the earlier drafts), so a draft never proposes what the sampler has removed.
-    fn draft_chain(&mut self, max: usize, edit: &dyn DraftEdit) -> Result<Vec<u32>> {
+    fn draft_chain(&mut self, max: usize, edit: &mut dyn DraftEdit) -> Result<Vec<u32>> {
         let Some(first) = self.next_draft.take() else {
             return Ok(Vec::new());
         };
@@ -765,21 +801,30 @@ impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
     }
 
     fn prefill(&mut self, prompt: &[u32], _opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>> {
-        if self.pending.is_some() || self.state.position() > 0 {
+        // A resumed sequence continues with the prompt's rest; it must be a prefix of it.
+        let from = self.state.position();
+        if self.pending.is_some()
+            || prompt.len() <= from
+            || prompt.get(..from) != Some(self.state.tokens())
+        {
             return Err(EngineError::Input(
-                "speculative generation: the sequence has already started".to_string(),
+                "speculative generation: the sequence already holds tokens that are not a prefix \
+                 of the prompt"
+                    .to_string(),
             ));
         }
+        self.prefill_from = from;
         let t0 = Instant::now();
-        let (logits, hidden) = self.run_rows(prompt)?;
+        let (logits, hidden) = self.run_rows(&prompt[from..])?;
         self.prefill_hidden = hidden;
         self.stats.prefill_time += t0.elapsed();
         t.prompt = t0.elapsed();
-        t.prompt_tokens = prompt.len();
+        t.prompt_tokens = prompt.len() - from;
+        t.reused_tokens = from;
         Ok(logits)
     }
 
-    fn propose(&mut self, pending: u32, max: usize, edit: &dyn DraftEdit) -> Result<Vec<u32>> {
+    fn propose(&mut self, pending: u32, max: usize, edit: &mut dyn DraftEdit) -> Result<Vec<u32>> {
         if self.pending != Some(pending) {
             return Err(EngineError::Input(
                 "speculative step: the pending token does not match the sequence".to_string(),
@@ -839,7 +884,7 @@ impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
                     if let Some(hidden) = hidden {
                         self.catchup = Some(Catchup {
                             hidden,
-                            next: seq[1..].to_vec(),
+                            next: seq[self.prefill_from + 1..].to_vec(),
                         });
                     }
                 }

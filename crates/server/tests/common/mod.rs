@@ -24,17 +24,38 @@ pub fn default_model() -> Option<PathBuf> {
     p.exists().then_some(p)
 }
 
+/// The tiny fixture's MTP head as a GGUF beside the trunk (written once per test binary).
+pub fn mtp_head() -> PathBuf {
+    static P: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    P.get_or_init(|| {
+        let hf = tiny_model().with_file_name("hf");
+        let opts = strata_convert::ConvertOptions {
+            out_type: strata_convert::OutType::F32,
+            include_shared: false,
+        };
+        let (w, _) = strata_convert::convert_mtp(&hf, &opts).expect("converting the tiny MTP head");
+        let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("server-spec-mtp-{}.gguf", std::process::id()));
+        std::fs::write(&p, w.to_bytes().expect("serializing the head")).expect("writing it");
+        p
+    })
+    .clone()
+}
+
 pub fn start(model: PathBuf, cfg: ServerConfig) -> Server {
+    start_with(
+        model,
+        LoadSpec {
+            threads: 2,
+            ..Default::default()
+        },
+        cfg,
+    )
+}
+
+pub fn start_with(model: PathBuf, spec: LoadSpec, cfg: ServerConfig) -> Server {
     let cfg = ServerConfig { port: 0, ..cfg };
-    let loader = Box::new(move || {
-        ModelHandle::load(
-            &model,
-            &LoadSpec {
-                threads: 2,
-                ..Default::default()
-            },
-        )
-    });
+    let loader = Box::new(move || ModelHandle::load(&model, &spec));
     let s = Server::start(cfg, loader).expect("starting the server");
     s.wait_ready(Duration::from_secs(300))
         .expect("loading the model");

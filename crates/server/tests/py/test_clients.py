@@ -1,7 +1,8 @@
 """The server as the official `openai` and `anthropic` SDKs see it.
 
 Run by crates/server/tests/clients.rs, which starts the servers and sets:
-  STRATA_URL      a server on the tiny qwen4exp fixture, key STRATA_KEY, context STRATA_CTX
+  STRATA_URL      a server on the tiny qwen4exp fixture with its MTP head (speculative decoding
+                  by default, window 4), key STRATA_KEY, context STRATA_CTX
   STRATA_DEFAULT  a server on the default model (Qwen2.5-Coder-0.5B), when it is cached
 """
 
@@ -95,6 +96,24 @@ def test_a_slop_phrase_is_never_written():
     assert phrase.strip(), text
     banned = oa.chat.completions.create(**kw, extra_body={"slop_phrases": [phrase], "slop_list": "none"})
     assert not banned.choices[0].message.content.startswith(phrase)
+
+
+def test_speculation_equals_plain_decoding_through_both_sdks():
+    kw = dict(model="tiny", messages=user("Speculate about rivers"), max_tokens=24, temperature=0.7, seed=9)
+    plain = oa.chat.completions.create(**kw, extra_body={"spec": 1})
+    for w in (2, 4, 8):
+        spec = oa.chat.completions.create(**kw, extra_body={"spec": w})
+        assert spec.choices[0].message.content == plain.choices[0].message.content
+        extra = spec.usage.model_extra["speculative"]
+        assert extra["window"] == w and len(extra["drafted"]) == w - 1
+        assert sum(extra["drafted"]) > 0
+    assert "speculative" not in (plain.usage.model_extra or {})
+    m = dict(model="tiny", max_tokens=24, messages=user("Speculate about rivers"))
+    a1 = an.messages.create(**m, extra_body={"spec": 1, "temperature": 0})
+    a4 = an.messages.create(**m, extra_body={"spec": 4, "temperature": 0})
+    assert a4.content[0].text == a1.content[0].text
+    assert a4.usage.model_extra["speculative"]["window"] == 4
+    assert metrics()["spec_drafted_total"] > 0
 
 
 def test_wrong_key_is_401():
