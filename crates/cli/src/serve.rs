@@ -120,6 +120,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         model_id,
         chat_template,
         handle_signals: true,
+        test_token_delay: None,
     };
     let choice = args.model.resolve()?;
     let loader = Box::new(move || {

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod openai;
 pub mod output;
 pub mod run;
+pub mod web;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -59,6 +60,9 @@ pub struct ServerConfig {
     pub chat_template: Option<String>,
     /// Stop on SIGINT/SIGTERM (the CLI); tests stop the server themselves.
     pub handle_signals: bool,
+    /// Test-only: the worker sleeps this long after each decode step, so that a browser test
+    /// can stop a generation of the (fast) tiny fixture mid-stream. No flag sets it.
+    pub test_token_delay: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -74,6 +78,7 @@ impl Default for ServerConfig {
             model_id: "strata".into(),
             chat_template: None,
             handle_signals: false,
+            test_token_delay: None,
         }
     }
 }
@@ -115,6 +120,8 @@ pub struct Shared {
     shutdown: AtomicBool,
     notify: Notify,
     pub metrics: metrics::Metrics,
+    /// The web pages' model description and counter samples ([`web`]).
+    pub web: web::WebState,
     jobs: SyncSender<worker::Job>,
     pub started: Instant,
 }
@@ -237,6 +244,7 @@ impl Server {
             shutdown: AtomicBool::new(false),
             notify: Notify::new(),
             metrics: metrics::Metrics::default(),
+            web: web::WebState::default(),
             jobs: tx,
             started: Instant::now(),
         });
@@ -349,6 +357,9 @@ fn load_and_run(loader: Loader, rx: std::sync::mpsc::Receiver<worker::Job>, shar
         (None, Some(t)) => t.min(8192),
         (None, None) => 4096,
     };
+    shared
+        .web
+        .set_model(web::ModelInfo::of(&model, &shared, n_ctx));
     let tok = Arc::new(tok);
     let _ = shared.ready.set(Ready {
         tok: Arc::clone(&tok),
@@ -407,6 +418,7 @@ async fn run_http(listener: std::net::TcpListener, shared: Arc<Shared>) -> Resul
             s.begin_shutdown();
         });
     }
+    tokio::spawn(web::sample_history(Arc::clone(&shared)));
     let app = router(Arc::clone(&shared));
     let s = Arc::clone(&shared);
     let stop = async move {
@@ -467,6 +479,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/detokenize", post(openai::detokenize))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .merge(web::routes())
         .fallback(not_found)
         .layer(axum::middleware::from_fn(log_request))
         // Long agent conversations exceed axum's 2 MiB default; 64 MiB is ~16M tokens of text.

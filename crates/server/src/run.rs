@@ -278,6 +278,9 @@ pub struct Driver {
     pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub t0: Instant,
+    /// When the first and the latest token came (the page's tokens/s, [`crate::web::timings`]).
+    pub t_first: Option<Instant>,
+    pub t_last: Option<Instant>,
     ended: bool,
     pending_end: Option<EndReason>,
 }
@@ -357,6 +360,8 @@ impl Driver {
             cached_tokens,
             completion_tokens: 0,
             t0: Instant::now(),
+            t_first: None,
+            t_last: None,
             ended: false,
             pending_end: None,
         })
@@ -392,6 +397,9 @@ impl Driver {
         match Some(ev) {
             Some(Event::Token { id, logprob }) => {
                 self.completion_tokens += 1;
+                let now = Instant::now();
+                self.t_first.get_or_insert(now);
+                self.t_last = Some(now);
                 let text = match self.text.push(&self.tok, id) {
                     Ok(t) => t,
                     Err(e) => return self.fail(e),

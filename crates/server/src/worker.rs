@@ -306,6 +306,9 @@ fn turn(
                     return Ok(None);
                 }
             }
+            if let Some(d) = shared.cfg.test_token_delay {
+                std::thread::sleep(d);
+            }
             Ok(out.finish)
         }
     }
