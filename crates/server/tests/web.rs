@@ -148,10 +148,22 @@ fn pages_assets_and_the_metrics_twin() {
         Some(r["usage"]["completion_tokens"].as_u64().unwrap() - 1)
     );
 
-    // Let the sampler take a sample after the generations.
+    // Let the sampler take a sample after the generations, and the worker finish its books:
+    // compare when two JSON reads around the text one agree.
     std::thread::sleep(Duration::from_millis(1100));
-    let prom = request(a, "GET", "/metrics", &auth, "").body;
-    let j = request(a, "GET", "/metrics.json", &auth, "").json();
+    let (prom, j) = (0..50)
+        .find_map(|_| {
+            let before = request(a, "GET", "/metrics.json", &auth, "").json();
+            let prom = request(a, "GET", "/metrics", &auth, "").body;
+            let j = request(a, "GET", "/metrics.json", &auth, "").json();
+            if before["metrics"] == j["metrics"] {
+                Some((prom, j))
+            } else {
+                std::thread::sleep(Duration::from_millis(100));
+                None
+            }
+        })
+        .expect("the counters settle");
     let mut n = 0;
     for line in prom.lines().filter(|l| !l.starts_with('#')) {
         let (name, v) = line.rsplit_once(' ').unwrap();

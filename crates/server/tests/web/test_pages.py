@@ -358,6 +358,11 @@ def test_the_page_asks_for_the_key(browser):
     page = new_page(browser, base=KEYED)
     dlg = page.locator("#key-dialog")
     expect(dlg).to_have_attribute("open", "")
+    # Dismissed: the page says why it has no model, and the Key button asks again.
+    page.keyboard.press("Escape")
+    expect(page.locator("#notice")).to_contain_text("no API key given")
+    page.click("#change-key")
+    expect(dlg).to_have_attribute("open", "")
     page.fill("#key-input", "wrong")
     page.click("#key-dialog button[type=submit]")
     expect(page.locator("#key-reason")).to_contain_text("invalid API key")

@@ -39,16 +39,22 @@ export function askForKey(reason) {
   const msg = document.getElementById('key-reason');
   msg.textContent = reason || 'This server needs an API key.';
   input.value = '';
-  asking = new Promise((resolve) => {
+  asking = new Promise((resolve, reject) => {
     const form = dlg.querySelector('form');
+    let saved = false;
     form.onsubmit = (e) => {
       e.preventDefault();
       const k = input.value.trim();
       if (!k) return;
       localStorage.setItem(KEY, k);
+      saved = true;
       dlg.close();
+    };
+    // Closed with a key, or dismissed (Escape): the waiting request goes on or fails.
+    dlg.onclose = () => {
       asking = null;
-      resolve();
+      if (saved) resolve();
+      else reject(new ApiError(401, 'no API key given'));
     };
     dlg.showModal();
     input.focus();
@@ -94,10 +100,10 @@ export async function readEvents(resp, onData) {
     const { value, done } = await reader.read();
     if (done) break;
     buf += dec.decode(value, { stream: true });
-    let i;
-    while ((i = buf.search(/\r?\n\r?\n/)) >= 0) {
-      const block = buf.slice(0, i);
-      buf = buf.slice(buf[i] === '\r' ? i + 4 : i + 2);
+    let m;
+    while ((m = /\r?\n\r?\n/.exec(buf)) !== null) {
+      const block = buf.slice(0, m.index);
+      buf = buf.slice(m.index + m[0].length);
       const data = block
         .split(/\r?\n/)
         .filter((l) => l.startsWith('data:'))

@@ -459,7 +459,10 @@ function start() {
     const f = $('settings-form');
     for (const [k, v] of Object.entries(DEFAULT_SETTINGS)) f.elements[k].value = String(v);
   });
-  $('change-key').addEventListener('click', () => { forgetKey(); askForKey('Enter the API key for this server.'); });
+  $('change-key').addEventListener('click', () => {
+    forgetKey();
+    askForKey('Enter the API key for this server.').then(loadModel, () => {});
+  });
   renderAll();
   loadModel();
 }

@@ -199,8 +199,8 @@ function showChart(j) {
       axes: [{}, { label: 'tokens/s' }],
       series: [
         {},
-        { label: 'generation', stroke: '#2f6fed', width: 2, fill: 'rgba(47,111,237,0.12)' },
-        { label: 'prompt', stroke: '#e07b00', width: 2 },
+        { label: 'generation', stroke: '#2f6fed', width: 2, fill: 'rgba(47,111,237,0.12)', points: { show: false } },
+        { label: 'prompt', stroke: '#e07b00', width: 2, points: { show: false } },
       ],
     }, data, el);
     window.addEventListener('resize', () => plot.setSize({ width: chartWidth(), height: 260 }));
