@@ -255,7 +255,15 @@ fn the_pages_in_headless_chromium() {
         tiny_model(),
         ServerConfig {
             api_keys: vec![KEY.into()],
-            ..base
+            ..base.clone()
+        },
+    );
+    // The same model without the delay, for the test to find a seed that runs long.
+    let probe = start(
+        tiny_model(),
+        ServerConfig {
+            test_token_delay: None,
+            ..base.clone()
         },
     );
     let tests = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/web");
@@ -266,6 +274,7 @@ fn the_pages_in_headless_chromium() {
         .env("STRATA_CHROMIUM", &chromium)
         .env("STRATA_URL", format!("http://{}", open.addr()))
         .env("STRATA_KEYED_URL", format!("http://{}", keyed.addr()))
+        .env("STRATA_PROBE_URL", format!("http://{}", probe.addr()))
         .env("STRATA_KEY", KEY)
         .env("NO_PROXY", "127.0.0.1,localhost");
     let out = cmd.output().expect("running pytest");
@@ -273,6 +282,7 @@ fn the_pages_in_headless_chromium() {
     eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
     open.shutdown().unwrap();
     keyed.shutdown().unwrap();
+    probe.shutdown().unwrap();
     assert!(out.status.success(), "the browser tests failed:\n{text}");
     // A sanity check on the runner: it ran the tests it was given.
     assert!(text.contains("passed"), "{text}");

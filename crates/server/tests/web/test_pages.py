@@ -14,6 +14,7 @@ from playwright.sync_api import expect, sync_playwright
 
 URL = os.environ["STRATA_URL"]
 KEYED = os.environ["STRATA_KEYED_URL"]
+PROBE = os.environ["STRATA_PROBE_URL"]
 KEY = os.environ["STRATA_KEY"]
 SHOTS = os.environ.get("STRATA_WEB_SHOTS")
 GEN_TIMEOUT = 60_000
@@ -56,6 +57,9 @@ def new_page(browser, base=URL, **ctx_opts):
     page.errors = []
     page.on("pageerror", lambda e: page.errors.append(f"pageerror: {e}"))
     page.on("console", lambda m: page.errors.append(f"console: {m.text}") if m.type == "error" else None)
+    # Everything the page loads must come from the server itself (no CDN).
+    page.on("request", lambda r: None if r.url.startswith((base + "/", "data:", "blob:"))
+            else page.errors.append(f"request elsewhere: {r.url}"))
     page.goto(base + "/")
     return page
 
@@ -129,13 +133,25 @@ def test_a_reply_streams_in_and_survives_a_reload(page):
     expect(page.locator(".msg.assistant .stats")).to_have_text(stats)
 
 
+def long_seed(n):
+    """A seed for which the tiny model's sampled reply to the stop test's message runs to n
+    tokens or more, found on the server without the token delay (same model, same sampler)."""
+    for seed in range(200):
+        r = api(PROBE, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "tell me a long story"}],
+            "temperature": 1.5, "top_p": 1.0, "max_tokens": n, "seed": seed,
+        })
+        if r["choices"][0]["finish_reason"] == "length":
+            return seed
+    raise AssertionError(f"no seed below 200 gives {n} tokens")
+
+
 def test_stop_ends_the_generation_on_the_server(page):
-    # Sampled, long: the tiny model would go on for hundreds of tokens at 60 ms each.
-    settings(page, temperature=1.5, top_p=1, max_tokens=900)
+    # Sampled with a seed that runs for 200+ tokens, 60 ms each: long enough to be stopped.
+    settings(page, temperature=1.5, top_p=1, max_tokens=900, seed=long_seed(200))
     before = metric("requests_cancelled_total")
     send(page, "tell me a long story")
     expect(page.locator(".msg.assistant .content")).not_to_be_empty(timeout=GEN_TIMEOUT)
-    page.wait_for_timeout(300)
     page.click("#stop")
     wait_done(page)
     m = stored(page)[0]["messages"][1]
@@ -148,7 +164,7 @@ def test_stop_ends_the_generation_on_the_server(page):
         timeout=10_000,
     )
     # The page is usable again at once.
-    settings(page, temperature=0, max_tokens=8)
+    settings(page, temperature=0, max_tokens=8, seed="")
     send(page, "again")
     wait_done(page)
     assert stored(page)[0]["messages"][3]["content"] == greedy_reply_after(stored(page)[0], 8)
@@ -223,9 +239,13 @@ def test_settings_are_checked_sent_and_kept(page):
     page.click("#settings-form button[type=submit]")
     expect(page.locator("#settings-error")).to_contain_text("temperature")
     expect(page.locator("#settings-dialog")).to_have_attribute("open", "")
+    page.fill("#settings-form [name=temperature]", "0.5")
+    page.fill("#settings-form [name=seed]", "-3")
+    page.click("#settings-form button[type=submit]")
+    expect(page.locator("#settings-error")).to_contain_text("seed")
     page.click("#settings-cancel")
     settings(page, system="Be brief.", temperature=0.5, top_p=0.9, max_tokens=8, slop_mode=2,
-             slop_phrases="foo bar\nbaz")
+             slop_phrases="foo bar\nbaz", seed=7)
     with page.expect_request("**/v1/chat/completions") as req:
         send(page, "hi")
     body = req.value.post_data_json
@@ -233,6 +253,7 @@ def test_settings_are_checked_sent_and_kept(page):
     assert body["messages"][1] == {"role": "user", "content": "hi"}
     assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0.5, 0.9, 8)
     assert body["slop_mode"] == 2 and body["slop_phrases"] == ["foo bar", "baz"]
+    assert body["seed"] == 7
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert "speculative" not in body  # MTP window 0: left to the server
     wait_done(page)

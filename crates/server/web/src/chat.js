@@ -271,6 +271,7 @@ function requestBody(messages) {
     top_p: s.top_p,
   };
   if (s.max_tokens > 0) body.max_tokens = s.max_tokens;
+  if (s.seed !== '') body.seed = Number(s.seed);
   const phrases = s.slop_phrases.split('\n').map((p) => p.trim()).filter(Boolean);
   if (s.slop_mode !== 0 || phrases.length) body.slop_mode = s.slop_mode;
   if (phrases.length) body.slop_phrases = phrases;
@@ -375,7 +376,14 @@ function saveSettingsForm(e) {
   const next = { ...state.settings };
   for (const k of Object.keys(DEFAULT_SETTINGS)) {
     const raw = f.elements[k].value;
-    if (k in NUMERIC) {
+    if (k === 'seed') {
+      const v = Number(raw);
+      if (raw.trim() !== '' && !(Number.isInteger(v) && v >= 0 && v <= Number.MAX_SAFE_INTEGER)) {
+        $('settings-error').textContent = `seed: expected empty (random) or a whole number >= 0, got "${raw}"`;
+        return;
+      }
+      next[k] = raw.trim();
+    } else if (k in NUMERIC) {
       const [lo, hi, int] = NUMERIC[k];
       const v = Number(raw);
       if (raw.trim() === '' || !Number.isFinite(v) || v < lo || v > hi || (int && !Number.isInteger(v))) {

@@ -12,6 +12,8 @@ export const DEFAULT_SETTINGS = {
   slop_mode: 0,
   slop_phrases: '',
   mtp_window: 0,
+  /** Empty: a fresh seed each request. */
+  seed: '',
 };
 
 export function newId() {
