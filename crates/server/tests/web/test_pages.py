@@ -18,6 +18,8 @@ PROBE = os.environ["STRATA_PROBE_URL"]
 KEY = os.environ["STRATA_KEY"]
 SHOTS = os.environ.get("STRATA_WEB_SHOTS")
 GEN_TIMEOUT = 60_000
+# A loaded 2-core CI machine can be slow to lay out a page; nothing here waits on purpose.
+expect.set_options(timeout=20_000)
 
 
 def api(base, path, body=None, key=None):

@@ -209,6 +209,30 @@ function showChart(j) {
   }
 }
 
+let reqPlot = null;
+
+/** Requests in flight and queued at each sample. */
+function showRequestChart(j) {
+  const h = j.history || {};
+  const data = [h.t || [], h.requests_processing || [], h.requests_deferred || []];
+  if (!reqPlot) {
+    reqPlot = new uPlot({
+      width: chartWidth(),
+      height: 160,
+      scales: { x: { time: true }, y: { range: (u, lo, hi) => [0, Math.max(1, hi + 1)] } },
+      axes: [{}, { label: 'requests' }],
+      series: [
+        {},
+        { label: 'in flight', stroke: '#1d8a4a', width: 2, points: { show: false } },
+        { label: 'queued', stroke: '#b3261e', width: 2, points: { show: false } },
+      ],
+    }, data, $('req-chart'));
+    window.addEventListener('resize', () => reqPlot.setSize({ width: chartWidth(), height: 160 }));
+  } else {
+    reqPlot.setData(data);
+  }
+}
+
 function notice(text) {
   const n = $('notice');
   n.textContent = text;
@@ -224,6 +248,7 @@ async function poll() {
     showModel(j);
     showCounters(j);
     showChart(j);
+    showRequestChart(j);
   } catch (e) {
     $('status').textContent = 'unreachable';
     $('status').className = 'pill bad';
