@@ -214,7 +214,9 @@ let reqPlot = null;
 /** Requests in flight and queued at each sample. */
 function showRequestChart(j) {
   const h = j.history || {};
-  const data = [h.t || [], h.requests_processing || [], h.requests_deferred || []];
+  // From the second sample on, as the rate chart above starts there (rates need two).
+  const from1 = (a) => (a || []).slice(1);
+  const data = [from1(h.t), from1(h.requests_processing), from1(h.requests_deferred)];
   if (!reqPlot) {
     reqPlot = new uPlot({
       width: chartWidth(),
