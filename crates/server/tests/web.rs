@@ -289,3 +289,44 @@ fn the_pages_in_headless_chromium() {
     // A sanity check on the runner: it ran the tests it was given.
     assert!(text.contains("passed"), "{text}");
 }
+
+#[test]
+fn the_pages_and_the_twin_answer_while_the_model_loads() {
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let model = tiny_model();
+    // The model loads only when the test says so.
+    let loader = Box::new(move || {
+        let _ = wait.recv();
+        strata_server::ModelHandle::load(&model, &Default::default())
+    });
+    let s = strata_server::Server::start(
+        ServerConfig {
+            port: 0,
+            ..Default::default()
+        },
+        loader,
+    )
+    .unwrap();
+    let a = s.addr();
+    assert_eq!(request(a, "GET", "/", &[], "").status, 200);
+    assert_eq!(request(a, "GET", "/monitor", &[], "").status, 200);
+    let j = request(a, "GET", "/metrics.json", &[], "").json();
+    assert_eq!(j["ready"], json!(false));
+    assert_eq!(j["model"], Value::Null);
+    assert_eq!(j["metrics"]["n_tokens_max"], json!(0.0));
+    // A chat request meanwhile is refused with the reason, which the page shows.
+    let r = request(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        &json!({"messages": [{"role": "user", "content": "hi"}]}).to_string(),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+    go.send(()).unwrap();
+    s.wait_ready(Duration::from_secs(60)).unwrap();
+    let j = request(a, "GET", "/metrics.json", &[], "").json();
+    assert_eq!(j["ready"], json!(true));
+    assert_eq!(j["model"]["arch"], "qwen4exp");
+    s.shutdown().unwrap();
+}
