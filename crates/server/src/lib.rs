@@ -357,9 +357,13 @@ fn load_and_run(loader: Loader, rx: std::sync::mpsc::Receiver<worker::Job>, shar
         (None, Some(t)) => t.min(8192),
         (None, None) => 4096,
     };
-    shared
-        .web
-        .set_model(web::ModelInfo::of(&model, &shared, n_ctx));
+    let (file, backend) = match &model {
+        ModelHandle::Qwen2(m) => (m.file(), strata_engine::backend::Backend::name(m.backend())),
+        ModelHandle::Qwen4exp(m) => (m.file(), strata_engine::backend::Backend::name(m.backend())),
+    };
+    let (arch, n_vocab) = (model.arch(), model.n_vocab());
+    let info = web::ModelInfo::new(file, arch, n_vocab, backend, false, &shared, n_ctx);
+    shared.web.set_model(info);
     let tok = Arc::new(tok);
     let _ = shared.ready.set(Ready {
         tok: Arc::clone(&tok),

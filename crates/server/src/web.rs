@@ -24,8 +24,8 @@ use axum::routing::get;
 use axum::Router;
 use serde::Serialize;
 use serde_json::{json, Map, Value};
+use strata_gguf::GgufFile;
 
-use crate::engine::ModelHandle;
 use crate::run::Driver;
 use crate::{AppState, Shared};
 
@@ -108,7 +108,7 @@ pub struct ModelInfo {
     pub n_ctx: usize,
     pub n_vocab: usize,
     pub parallel: usize,
-    /// Whether an MTP head drafts tokens (not in the server yet).
+    /// Whether an MTP head drafts tokens.
     pub mtp: bool,
 }
 
@@ -121,11 +121,17 @@ pub struct Format {
 }
 
 impl ModelInfo {
-    pub fn of(model: &ModelHandle, shared: &Shared, n_ctx: usize) -> ModelInfo {
-        let file = match model {
-            ModelHandle::Qwen2(m) => m.file(),
-            ModelHandle::Qwen4exp(m) => m.file(),
-        };
+    /// `file` is the model's GGUF; the rest comes from the loaded model (the caller matches on
+    /// its architecture, so this needs no backend type).
+    pub fn new(
+        file: &GgufFile,
+        arch: &'static str,
+        n_vocab: usize,
+        backend: &'static str,
+        mtp: bool,
+        shared: &Shared,
+        n_ctx: usize,
+    ) -> ModelInfo {
         let mut by_type: BTreeMap<String, (usize, u64)> = BTreeMap::new();
         let mut n_params = 0u64;
         for t in file.tensors() {
@@ -145,16 +151,16 @@ impl ModelInfo {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| file.name().to_string()),
-            arch: model.arch(),
+            arch,
             file_bytes: file.file_size(),
             n_params,
             n_tensors: file.tensors().len(),
             formats,
-            backend: "cpu",
+            backend,
             n_ctx,
-            n_vocab: model.n_vocab(),
+            n_vocab,
             parallel: shared.cfg.parallel,
-            mtp: false,
+            mtp,
         }
     }
 }

@@ -257,7 +257,7 @@ def test_settings_are_checked_sent_and_kept(page):
     assert body["slop_mode"] == 2 and body["slop_phrases"] == ["foo bar", "baz"]
     assert body["seed"] == 7
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-    assert "speculative" not in body  # MTP window 0: left to the server
+    assert "spec" not in body  # MTP window 0: left to the server's --spec
     wait_done(page)
     assert "error" not in stored(page)[0]["messages"][1]  # the server took every field
     page.reload()
@@ -278,9 +278,11 @@ def fake_stream(reasoning, content):
     events.append(chunk({}, "stop"))
     events.append({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "tiny", "choices": [],
                    "usage": {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16,
-                             "prompt_tokens_details": {"cached_tokens": 4}},
+                             "prompt_tokens_details": {"cached_tokens": 4},
+                             "speculative": {"window": 4, "passes": 3, "drafted": [3, 3, 2],
+                                             "accepted": [3, 2, 1]}},
                    "timings": {"cache_n": 4, "prompt_n": 5, "prompt_ms": 10.0, "predicted_n": 6,
-                               "predicted_ms": 20.0, "draft_n": 8, "draft_n_accepted": 6}})
+                               "predicted_ms": 20.0}})
     return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
 
 
@@ -356,7 +358,10 @@ def test_markdown_code_copy_and_reasoning(browser):
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     route_reply(page, ["thinking ", "**hard**"], ["# Title\n\nSome `code` and a block:\n\n",
                                                   "```python\nprint('hi')\n```\n"])
-    send(page, "code please")
+    settings(page, mtp_window=3)
+    with page.expect_request("**/v1/chat/completions") as req:
+        send(page, "code please")
+    assert req.value.post_data_json["spec"] == 3
     wait_done(page)
     msg = page.locator(".msg.assistant")
     expect(msg.locator("h1")).to_have_text("Title")
@@ -372,7 +377,7 @@ def test_markdown_code_copy_and_reasoning(browser):
     stats = msg.locator(".stats").inner_text()
     assert "7 tokens" in stats and "prompt 9 (4 cached)" in stats, stats
     assert "prompt 500.0 tok/s" in stats and "generation 300.0 tok/s" in stats, stats
-    assert "MTP 6/8 accepted (75%)" in stats, stats
+    assert "MTP 6/8 accepted (75%; by position 3/3 2/3 1/2)" in stats, stats
     assert page.errors == [], page.errors
     page.context.close()
 
@@ -433,3 +438,25 @@ def test_the_monitor_shows_the_model_and_a_live_chart(page):
     expect(page.locator("#spec")).to_contain_text("No MTP head loaded")
     if SHOTS:
         page.screenshot(path=os.path.join(SHOTS, "monitor-tiny.png"), full_page=True)
+
+
+def test_the_monitor_shows_acceptance_per_draft_position(browser):
+    # /metrics.json as a server with an MTP head writes it (names of docs/SERVER.md), faked:
+    # the tiny fixture has no head.
+    real = api(URL, "/metrics.json")
+    real["model"]["mtp"] = True
+    pos = lambda vals: [{"labels": {"position": str(i + 1)}, "value": v} for i, v in enumerate(vals)]
+    real["metrics"]["spec_drafted_position_total"] = pos([10.0, 8.0, 5.0])
+    real["metrics"]["spec_accepted_position_total"] = pos([9.0, 4.0, 1.0])
+    ctx = browser.new_context()
+    page = ctx.new_page()
+    page.route("**/metrics.json", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "application/json"}, body=json.dumps(real)))
+    page.goto(URL + "/monitor")
+    rows = page.locator("#spec-table tr")
+    expect(rows).to_have_count(4)
+    assert [c.strip() for c in rows.nth(1).locator("td").all_inner_texts()][:4] == ["1", "10", "9", "90%"]
+    assert [c.strip() for c in rows.nth(2).locator("td").all_inner_texts()][:4] == ["2", "8", "4", "50%"]
+    assert [c.strip() for c in rows.nth(3).locator("td").all_inner_texts()][:4] == ["3", "5", "1", "20%"]
+    expect(page.locator("dd[data-key='MTP head']")).to_have_text("loaded")
+    ctx.close()

@@ -124,16 +124,25 @@ function statsText(m) {
   if (t) {
     parts.push(`prompt ${fmtRate(t.prompt_n, t.prompt_ms)}`);
     parts.push(`generation ${fmtRate(t.predicted_n, t.predicted_ms)}`);
-    if (typeof t.draft_n === 'number' && t.draft_n > 0) {
-      const pct = ((100 * (t.draft_n_accepted || 0)) / t.draft_n).toFixed(0);
-      parts.push(`MTP ${t.draft_n_accepted}/${t.draft_n} accepted (${pct}%)`);
-    } else {
-      parts.push('MTP off');
-    }
   }
+  if (u) parts.push(mtpText(u.speculative));
   if (m.finish) parts.push(`finish: ${m.finish}`);
   if (m.stopped) parts.push('stopped');
   return parts.join(' · ');
+}
+
+/**
+ * The server's `usage.speculative` ({window, passes, drafted: [per draft position],
+ * accepted: [...]}) as "MTP 6/8 accepted (75%; by position 3/3 2/3 1/2)".
+ */
+function mtpText(sp) {
+  if (!sp || !(sp.window > 1) || !Array.isArray(sp.drafted)) return 'MTP off';
+  const acc = Array.isArray(sp.accepted) ? sp.accepted : [];
+  const d = sp.drafted.reduce((a, b) => a + b, 0);
+  const a = acc.reduce((x, y) => x + y, 0);
+  const pct = d > 0 ? ((100 * a) / d).toFixed(0) : '0';
+  const by = sp.drafted.map((n, i) => `${acc[i] || 0}/${n}`).join(' ');
+  return `MTP ${a}/${d} accepted (${pct}%; by position ${by})`;
 }
 
 function renderMessage(m, i, c) {
@@ -275,8 +284,9 @@ function requestBody(messages) {
   const phrases = s.slop_phrases.split('\n').map((p) => p.trim()).filter(Boolean);
   if (s.slop_mode !== 0 || phrases.length) body.slop_mode = s.slop_mode;
   if (phrases.length) body.slop_phrases = phrases;
-  // The MTP verify window (`--spec N` of `strata run`); 0 leaves it to the server.
-  if (s.mtp_window > 0) body.speculative = { n_max: s.mtp_window };
+  // The MTP verify window (the server's `spec`, 1 = plain decoding); 0 leaves it to the
+  // server's `--spec`.
+  if (s.mtp_window > 0) body.spec = s.mtp_window;
   return body;
 }
 
