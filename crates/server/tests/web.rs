@@ -169,8 +169,22 @@ fn pages_assets_and_the_metrics_twin() {
         let (name, v) = line.rsplit_once(' ').unwrap();
         let key = name.strip_prefix("strata:").unwrap();
         let v: f64 = v.parse().unwrap();
+        // A labelled sample is the entry of its name's list with the same labels.
+        let got = match key.split_once('{') {
+            None => j["metrics"][key].as_f64(),
+            Some((base, labels)) => j["metrics"][base]
+                .as_array()
+                .and_then(|a| {
+                    a.iter().find(|e| {
+                        let l = e["labels"].as_object().unwrap();
+                        let text: Vec<String> = l.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                        text.join(",") == labels.trim_end_matches('}')
+                    })
+                })
+                .and_then(|e| e["value"].as_f64()),
+        }
+        .unwrap_or(f64::NAN);
         // serde_json's default float parser may be one ulp off (no `float_roundtrip`).
-        let got = j["metrics"][key].as_f64().unwrap_or(f64::NAN);
         assert!((got - v).abs() <= 1e-12 * v.abs(), "{key}: {got} vs {v}");
         n += 1;
     }

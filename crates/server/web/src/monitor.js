@@ -120,12 +120,11 @@ function showSpec(j) {
       rows.set(pos, r);
     }
   }
-  if (rows.size === 0) {
+  const mtp = Boolean(j.model && j.model.mtp);
+  if (!mtp || rows.size === 0) {
     const p = document.createElement('p');
     p.className = 'muted';
-    p.textContent = j.model && j.model.mtp
-      ? 'No drafts yet.'
-      : 'No MTP head loaded: nothing is drafted (strata serve --mtp).';
+    p.textContent = mtp ? 'No drafts yet.' : 'No MTP head loaded: nothing is drafted (strata serve --mtp).';
     box.append(p);
     return;
   }
