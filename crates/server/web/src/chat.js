@@ -186,7 +186,7 @@ function renderMessage(m, i, c) {
     body.textContent = m.content;
   } else {
     body.className = 'content md';
-    renderMarkdown(body, m.content);
+    renderMarkdown(body, m.content, { highlight: !(state.busy && state.busy.msg === m) });
   }
   div.append(body);
   if (m.error) {
@@ -318,6 +318,8 @@ async function generate(c) {
       if (typeof r === 'string' && r) msg.reasoning += r;
       if (ch.finish_reason) msg.finish = ch.finish_reason;
       msg.chunks += 1;
+      // Kept now and then while it streams, so a reload mid-reply loses little.
+      if (msg.chunks % 32 === 0) persist();
       renderLive();
     });
   } catch (e) {

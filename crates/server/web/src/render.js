@@ -57,20 +57,26 @@ export function toSafeHtml(text) {
   return DOMPurify.sanitize(html, PURIFY);
 }
 
-/** Renders `text` into `el` (replacing what it held). */
-export function renderMarkdown(el, text) {
+/**
+ * Renders `text` into `el` (replacing what it held). `highlight: false` while a reply streams:
+ * it is re-rendered every frame, and guessing a block's language each time would be slow.
+ */
+export function renderMarkdown(el, text, { highlight = true } = {}) {
   el.innerHTML = toSafeHtml(text);
-  for (const code of el.querySelectorAll('pre > code')) decorateCode(code);
+  for (const code of el.querySelectorAll('pre > code')) decorateCode(code, highlight);
 }
 
-function decorateCode(code) {
+function decorateCode(code, highlight) {
   const m = /(?:^|\s)language-([\w+-]+)/.exec(code.className);
   const lang = m && hljs.getLanguage(m[1]) ? m[1] : null;
   const text = code.textContent;
-  // highlight.js builds its HTML from the text alone, escaping it.
-  const out = lang ? hljs.highlight(text, { language: lang, ignoreIllegals: true })
-    : hljs.highlightAuto(text);
-  code.innerHTML = out.value;
+  let out = { value: null, language: null };
+  if (highlight) {
+    // highlight.js builds its HTML from the text alone, escaping it.
+    out = lang ? hljs.highlight(text, { language: lang, ignoreIllegals: true })
+      : hljs.highlightAuto(text);
+    code.innerHTML = out.value;
+  }
   code.classList.add('hljs');
   const pre = code.parentElement;
   const bar = document.createElement('div');
