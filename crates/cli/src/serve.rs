@@ -132,6 +132,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         handle_signals: true,
         spec: args.spec,
         draft_oracle: None,
+        test_token_delay: None,
     };
     let mut choice = args.model.resolve()?;
     let mtp = args.mtp.clone();

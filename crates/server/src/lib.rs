@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod openai;
 pub mod output;
 pub mod run;
+pub mod web;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -66,6 +67,9 @@ pub struct ServerConfig {
     pub spec: Option<usize>,
     /// Replaces the MTP head's drafts (tests and benchmarks only: forced acceptance patterns).
     pub draft_oracle: Option<engine::DraftOracle>,
+    /// Test-only: the worker sleeps this long after each decode step, so that a browser test
+    /// can stop a generation of the (fast) tiny fixture mid-stream. No flag sets it.
+    pub test_token_delay: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -83,6 +87,7 @@ impl Default for ServerConfig {
             handle_signals: false,
             spec: None,
             draft_oracle: None,
+            test_token_delay: None,
         }
     }
 }
@@ -129,6 +134,8 @@ pub struct Shared {
     shutdown: AtomicBool,
     notify: Notify,
     pub metrics: metrics::Metrics,
+    /// The web pages' model description and counter samples ([`web`]).
+    pub web: web::WebState,
     jobs: SyncSender<worker::Job>,
     pub started: Instant,
 }
@@ -254,6 +261,7 @@ impl Server {
             shutdown: AtomicBool::new(false),
             notify: Notify::new(),
             metrics: metrics::Metrics::default(),
+            web: web::WebState::default(),
             jobs: tx,
             started: Instant::now(),
         });
@@ -393,6 +401,13 @@ fn load_and_run<Q2: Backend, Q4: Qwen4expOps>(
         None if has_mtp => 4,
         None => 1,
     };
+    let (file, backend) = match &model {
+        ModelHandle::Qwen2(m) => (m.file(), strata_engine::backend::Backend::name(m.backend())),
+        ModelHandle::Qwen4exp(m) => (m.file(), strata_engine::backend::Backend::name(m.backend())),
+    };
+    let (arch, n_vocab) = (model.arch(), model.n_vocab());
+    let info = web::ModelInfo::new(file, arch, n_vocab, backend, has_mtp, &shared, n_ctx);
+    shared.web.set_model(info);
     let tok = Arc::new(tok);
     let _ = shared.ready.set(Ready {
         tok: Arc::clone(&tok),
@@ -465,6 +480,7 @@ async fn run_http(listener: std::net::TcpListener, shared: Arc<Shared>) -> Resul
             s.begin_shutdown();
         });
     }
+    tokio::spawn(web::sample_history(Arc::clone(&shared)));
     let app = router(Arc::clone(&shared));
     let s = Arc::clone(&shared);
     let stop = async move {
@@ -525,6 +541,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/detokenize", post(openai::detokenize))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .merge(web::routes())
         .fallback(not_found)
         .layer(axum::middleware::from_fn(log_request))
         // Long agent conversations exceed axum's 2 MiB default; 64 MiB is ~16M tokens of text.

@@ -448,6 +448,7 @@ async fn collect_chat(ctx: Ctx, mut d: Driver) -> Result<Response, ApiError> {
         "model": ctx.model,
         "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": fr}],
         "usage": usage(&d),
+        "timings": crate::web::timings(&d),
     }))
     .into_response())
 }
@@ -554,6 +555,7 @@ fn stream_chat(ctx: Ctx, mut d: Driver) -> Response {
                         let u = json!({
                             "id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
                             "model": ctx.model, "system_fingerprint": "strata", "choices": [], "usage": usage(&d),
+                            "timings": crate::web::timings(&d),
                         });
                         let _ = tx.send(data(&u)).await;
                     }

@@ -286,6 +286,9 @@ pub struct Driver {
     pub t0: Instant,
     /// A speculative generation's counters, once it has ended.
     pub spec: Option<SpecCounts>,
+    /// When the first and the latest token came (the page's tokens/s, [`crate::web::timings`]).
+    pub t_first: Option<Instant>,
+    pub t_last: Option<Instant>,
     ended: bool,
     pending_end: Option<EndReason>,
 }
@@ -398,6 +401,8 @@ impl Driver {
             completion_tokens: 0,
             t0: Instant::now(),
             spec: None,
+            t_first: None,
+            t_last: None,
             ended: false,
             pending_end: None,
         })
@@ -433,6 +438,9 @@ impl Driver {
         match Some(ev) {
             Some(Event::Token { id, logprob }) => {
                 self.completion_tokens += 1;
+                let now = Instant::now();
+                self.t_first.get_or_insert(now);
+                self.t_last = Some(now);
                 let text = match self.text.push(&self.tok, id) {
                     Ok(t) => t,
                     Err(e) => return self.fail(e),

@@ -423,6 +423,9 @@ fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
             m.predicted_us
                 .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
             m.decode_calls.fetch_add(1, Ordering::Relaxed);
+            if let Some(d) = ctx.shared.cfg.test_token_delay {
+                std::thread::sleep(d);
+            }
             out
         }
     };
