@@ -54,9 +54,6 @@ pub struct Args {
     /// drafts per trunk pass; default 4 with a head, 1 (plain decoding) without
     #[arg(long = "spec", value_name = "N")]
     pub spec: Option<usize>,
-    /// Compute backend (only `cpu` for now)
-    #[arg(long, default_value = "cpu")]
-    pub backend: String,
 }
 
 fn read_keys(args: &Args) -> Result<Vec<String>> {
@@ -90,12 +87,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
         if !(1..=max).contains(&n) {
             bail!("--spec {n}: out of range; expected a verify window of 1 to {max} rows");
         }
-    }
-    if args.backend != "cpu" {
-        bail!(
-            "--backend {}: `strata serve` runs on the cpu backend only for now",
-            args.backend
-        );
     }
     if args.parallel == 0 {
         bail!("--parallel must be at least 1");
