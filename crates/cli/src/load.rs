@@ -358,6 +358,13 @@ fn describe_qwen4exp<B: Qwen4expOps>(m: &qwen4exp::Model<B>) -> String {
 /// What a CUDA model holds on the device: its weights, and what the load took of the memory.
 fn vram_note(model: &Bound, before: Option<(usize, usize)>) -> String {
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let size = |b: usize| {
+        if b >= 1 << 30 {
+            format!("{:.2} GiB", gib(b))
+        } else {
+            format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+        }
+    };
     let (weights, after) = match model {
         Bound::Qwen2Cuda(m) => (m.backend().weight_bytes(), m.backend().mem_info().ok()),
         Bound::Qwen4expCuda(m) => (m.backend().weight_bytes(), m.backend().mem_info().ok()),
@@ -365,13 +372,13 @@ fn vram_note(model: &Bound, before: Option<(usize, usize)>) -> String {
     };
     match (before, after) {
         (Some((f0, total)), Some((f1, _))) => format!(
-            "weights {:.2} GiB on the device (the load took {:.2} GiB; {:.1} of {:.1} GiB free)",
-            gib(weights),
-            gib(f0.saturating_sub(f1)),
+            "weights {} on the device (the load took {}; {:.1} of {:.1} GiB free)",
+            size(weights),
+            size(f0.saturating_sub(f1)),
             gib(f1),
             gib(total)
         ),
-        _ => format!("weights {:.2} GiB on the device", gib(weights)),
+        _ => format!("weights {} on the device", size(weights)),
     }
 }
 
