@@ -833,6 +833,12 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn device_memory_used(&self) -> Option<u64> {
+        self.mem_info()
+            .ok()
+            .map(|(free, total)| (total - free) as u64)
+    }
+
     fn supports(&self, ty: GgmlType, usage: Usage) -> bool {
         match usage {
             Usage::MatMul => model::has_products(ty) && ActFmt::for_weight(ty).is_some(),

@@ -317,6 +317,10 @@ pub trait Backend: Send + Sync {
 
     fn name(&self) -> &'static str;
     fn supports(&self, ty: GgmlType, usage: Usage) -> bool;
+    /// Device memory in use (bytes), for a backend with memory of its own; None for the CPU.
+    fn device_memory_used(&self) -> Option<u64> {
+        None
+    }
 
     /// Make one tensor of the file device-resident (the file stays open while weights live).
     fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> Result<Self::Weight>;

@@ -408,6 +408,10 @@ fn load_and_run<Q2: Backend, Q4: Qwen4expOps>(
     let (arch, n_vocab) = (model.arch(), model.n_vocab());
     let info = web::ModelInfo::new(file, arch, n_vocab, backend, has_mtp, &shared, n_ctx);
     shared.web.set_model(info);
+    shared.web.set_vram(match &model {
+        ModelHandle::Qwen2(m) => m.backend().device_memory_used(),
+        ModelHandle::Qwen4exp(m) => m.backend().device_memory_used(),
+    });
     let tok = Arc::new(tok);
     let _ = shared.ready.set(Ready {
         tok: Arc::clone(&tok),

@@ -182,9 +182,24 @@ struct Sample {
 pub struct WebState {
     model: OnceLock<ModelInfo>,
     history: Mutex<VecDeque<Sample>>,
+    /// Device memory in use, +1 (0: no device), set by the worker, which owns the backend.
+    vram: std::sync::atomic::AtomicU64,
 }
 
 impl WebState {
+    /// Records the backend's device memory in use (the worker calls it after each turn).
+    pub fn set_vram(&self, bytes: Option<u64>) {
+        let v = bytes.map_or(0, |b| b.saturating_add(1));
+        self.vram.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn vram(&self) -> Option<u64> {
+        match self.vram.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            v => Some(v - 1),
+        }
+    }
+
     pub fn set_model(&self, info: ModelInfo) {
         let _ = self.model.set(info);
     }
@@ -332,7 +347,7 @@ async fn metrics_json(State(s): State<AppState>, headers: HeaderMap) -> Response
         "memory": {
             "rss_bytes": rss,
             "rss_peak_bytes": peak,
-            "vram_bytes": Value::Null,
+            "vram_bytes": s.web.vram(),
             "checkpoint_budget_bytes": s.cfg.cache_ram,
         },
         "metrics": metrics,

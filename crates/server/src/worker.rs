@@ -350,6 +350,10 @@ fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
         // The client went away: stop computing tokens nobody reads.
         return Ok(Turn::Cancelled);
     }
+    ctx.shared.web.set_vram(match model {
+        ModelHandle::Qwen2(m) => m.backend().device_memory_used(),
+        ModelHandle::Qwen4exp(m) => m.backend().device_memory_used(),
+    });
     let m = &ctx.shared.metrics;
     let t0 = Instant::now();
     let prompt = &a.job.prompt;
