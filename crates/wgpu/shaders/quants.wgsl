@@ -34,6 +34,8 @@ fn signed_grid(g: u32, signs: u32, k: u32, jj: u32) -> f32 {
 fn deq(ty: u32, b: u32, j: u32) -> f32 {
     switch ty {
         case T_BF16: { return bf16_to_f32(wh(b)); }
+        case T_F32: { return bitcast<f32>(W[b >> 2u]); }
+        case T_F16: { return wf16(b); }
         case T_Q8_0: { return f32(sext8(wb(b + 2u + j))) * wf16(b); }
         case T_Q4_0: {
             var q = 0u;

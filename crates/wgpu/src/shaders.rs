@@ -90,6 +90,20 @@ const MODULES: &[Module] = &[
         spec: &[],
     },
     Module {
+        name: "model",
+        src: include_str!("../shaders/model.wgsl"),
+        storage: 8,
+        quants: false,
+        spec: &[],
+    },
+    Module {
+        name: "mq",
+        src: include_str!("../shaders/mq.wgsl"),
+        storage: 5,
+        quants: true,
+        spec: &[],
+    },
+    Module {
         name: "pick",
         src: include_str!("../shaders/pick.wgsl"),
         storage: 4,
@@ -135,12 +149,15 @@ pub const FORMATS: [(&str, GgmlType); 13] = [
     ("T_IQ3_XXS", GgmlType::IQ3_XXS),
 ];
 
+/// The float formats the model's decoders also read (weights kept as the file has them).
+pub const FLOAT_FORMATS: [(&str, GgmlType); 2] = [("T_F32", GgmlType::F32), ("T_F16", GgmlType::F16)];
+
 /// The full source of `module` with the specialization `spec` (constants not given are 1,
 /// false for booleans: the baseline entry does not read them).
 pub fn source(module: &str, spec: &[(&str, String)]) -> Result<String, WgpuError> {
     let m = find(module)?;
     let mut s = String::new();
-    for (name, ty) in FORMATS {
+    for (name, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
         s.push_str(&format!("const {name}: u32 = {}u;\n", ty.id()));
     }
     for (name, ty) in m.spec {
