@@ -5,6 +5,9 @@
 // the batch, the part or the dispatch: prefill rows equal single-token rows. `gather` is
 // embed.wgsl's decoder with a part's row range and repeated copies.
 //
+// The weight format is a specialization constant (SPEC_TY): one pipeline per format, so the
+// decoder's switch folds to one case (lavapipe pays per dispatch for the whole switch).
+//
 // Bindings: 1 W (the part's bytes), 2 XQ (activation images), 3 Y (f32 out), 4 TAB (grids),
 // 5 IDS (u32: the rows or experts to read).
 
@@ -63,7 +66,7 @@ fn mm(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u
     var acc = 0.0;
     if (live) {
         for (var i = t; i < k; i = i + 256u) {
-            let w = deq(ty, lr * wrb + (i / bs) * ts, i % bs);
+            let w = deq(SPEC_TY, lr * wrb + (i / bs) * ts, i % bs);
             acc = acc + nc(w * xv(pu(8u), pu(5u), xt, i));
         }
     }
@@ -86,7 +89,63 @@ fn gather(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) 
     if (!inside && !bad) { return; }
     for (var i = t; i < n; i = i + 256u) {
         var v = f_nan();
-        if (inside) { v = deq(pu(0u), (id - row0) * pu(2u) + (i / pu(5u)) * pu(6u), i % pu(5u)); }
+        if (inside) { v = deq(SPEC_TY, (id - row0) * pu(2u) + (i / pu(5u)) * pu(6u), i % pu(5u)); }
         for (var c = 0u; c < copies; c = c + 1u) { Y[(slot * copies + c) * n + i] = v; }
     }
+}
+
+
+// `mm` with one invocation per (item, token), bit for bit: the invocation keeps the 256 lane
+// sums itself and reduces them in block_sum256's tree (a CPU adapter such as lavapipe runs a
+// 256-wide workgroup's barriers as coroutine switches; this version has none). Same parameters;
+// invocations over a 2-D grid of 64-wide groups, p17 items × tokens.
+@compute @workgroup_size(64)
+fn mm1(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
+       @builtin(local_invocation_index) l: u32) {
+    let gi = (g.y * nw.x + g.x) * 64u + l;
+    if (gi >= pu(17u)) { return; }
+    let o = gi % pu(1u);
+    let tok = gi / pu(1u);
+    let mode = pu(9u);
+    let row0 = pu(10u);
+    var grow = row0 + o;
+    var col = grow;
+    if (mode == 1u) {
+        grow = IDS[pu(13u) + o];
+        col = o;
+    } else if (mode == 2u) {
+        grow = IDS[pu(13u) + tok] * pu(14u) + o;
+        col = o;
+    }
+    if (grow < row0 || grow - row0 >= pu(11u)) { return; }
+    let lr = grow - row0;
+    let ty = pu(0u);
+    let k = pu(2u);
+    let wrb = pu(4u);
+    let bs = pu(6u);
+    let ts = pu(7u);
+    let xt = tok / pu(15u);
+    // Lanes at or past k hold +0 in `mm` and a lane sum is never −0 (acc starts at +0), so
+    // adding them changes nothing: only the first nl lanes are summed and reduced.
+    let nl = min(k, 256u);
+    var lanes: array<f32, 256>;
+    for (var t = 0u; t < nl; t = t + 1u) {
+        var acc = 0.0;
+        for (var i = t; i < k; i = i + 256u) {
+            let w = deq(SPEC_TY, lr * wrb + (i / bs) * ts, i % bs);
+            acc = acc + nc(w * xv(pu(8u), pu(5u), xt, i));
+        }
+        lanes[t] = acc;
+    }
+    for (var s = 16u; s > 0u; s = s >> 1u) {
+        for (var t = 0u; t + s < nl; t = t + 1u) {
+            if ((t & 31u) < s) { lanes[t] = lanes[t] + lanes[t + s]; }
+        }
+    }
+    for (var s = 4u; s > 0u; s = s >> 1u) {
+        for (var t = 0u; t < s; t = t + 1u) {
+            if (32u * (t + s) < nl) { lanes[32u * t] = lanes[32u * t] + lanes[32u * (t + s)]; }
+        }
+    }
+    Y[tok * pu(12u) + col] = lanes[0];
 }

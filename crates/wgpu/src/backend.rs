@@ -166,6 +166,13 @@ pub struct WgpuBackend {
     dispatches: AtomicU64,
     submits: AtomicU64,
     split: AtomicUsize,
+    /// Products by `mq::mm1` (one invocation an output) instead of `mq::mm` (a workgroup an
+    /// output): the same bits; the default on CPU adapters, `STRATA_WGPU_MM=wg|lanes` forces.
+    lane_products: bool,
+    /// Largest part of a weight (the binding limit, or less: a test forces small parts).
+    weight_limit: u64,
+    /// Per-kernel (count, seconds) when `STRATA_WGPU_PROFILE` is set.
+    profile: Option<Mutex<HashMap<String, (u64, f64)>>>,
 }
 
 /// The formats the decoders read (`quants.wgsl`).
@@ -208,6 +215,11 @@ impl WgpuBackend {
         let dummies = (0..8)
             .map(|_| g.alloc("unused binding", 4))
             .collect::<Result<_, _>>()?;
+        let lane_products = match std::env::var("STRATA_WGPU_MM").as_deref() {
+            Ok("lanes") => true,
+            Ok("wg") => false,
+            _ => g.is_cpu(),
+        };
         Ok(WgpuBackend {
             g: Arc::new(g),
             tab,
@@ -218,7 +230,22 @@ impl WgpuBackend {
             dispatches: AtomicU64::new(0),
             submits: AtomicU64::new(0),
             split: AtomicUsize::new(0),
+            lane_products,
+            weight_limit: u64::MAX,
+            profile: std::env::var_os("STRATA_WGPU_PROFILE").map(|_| Mutex::new(HashMap::new())),
         })
+    }
+
+    /// Chooses the product kernel (`mq::mm1` when true, else `mq::mm`; the same bits).
+    pub fn with_lane_products(mut self, on: bool) -> WgpuBackend {
+        self.lane_products = on;
+        self
+    }
+
+    /// Splits weights into parts of at most `bytes` (below the adapter's binding limit).
+    pub fn with_weight_part_limit(mut self, bytes: u64) -> WgpuBackend {
+        self.weight_limit = bytes;
+        self
     }
 
     pub fn device(&self) -> &Wgpu {
@@ -232,12 +259,39 @@ impl WgpuBackend {
         }
     }
 
+    /// Per-kernel dispatch counts and seconds, slowest first (with `STRATA_WGPU_PROFILE`).
+    pub fn profile(&self) -> Vec<(String, u64, f64)> {
+        let Some(p) = &self.profile else {
+            return Vec::new();
+        };
+        let mut v: Vec<_> = p
+            .lock()
+            .map(|m| m.iter().map(|(k, (n, s))| (k.clone(), *n, *s)).collect())
+            .unwrap_or_default();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
+    }
+
     /// Weights loaded so far whose bytes span more than one storage buffer.
     pub fn split_weights(&self) -> usize {
         self.split.load(Ordering::Relaxed)
     }
 
     pub(crate) fn push(&self, l: Launch) -> Result<()> {
+        if let Some(p) = &self.profile {
+            // Profiling: every dispatch on its own, waited for (breaks the one-stream rule on
+            // purpose; only with STRATA_WGPU_PROFILE set).
+            self.flush()?;
+            let t = std::time::Instant::now();
+            self.g.submit(std::slice::from_ref(&l)).map_err(dev)?;
+            self.g.wait().map_err(dev)?;
+            let mut p = p.lock().map_err(|_| dev(WgpuError::Poisoned))?;
+            let e = p.entry(l.name.clone()).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += t.elapsed().as_secs_f64();
+            self.dispatches.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
         self.pending
             .lock()
             .map_err(|_| dev(WgpuError::Poisoned))?
@@ -411,6 +465,7 @@ impl WgpuBackend {
         for part in &w.parts {
             let n_items = if mode == 0 { part.rows } else { items };
             let (gx, gy) = item_grid(n_items);
+            let total = n_items * nt;
             let p = [
                 w.ty.id(),
                 u32_of(op, n_items)?,
@@ -429,19 +484,21 @@ impl WgpuBackend {
                 u32_of(op, rows_per_expert)?,
                 u32_of(op, x_div.max(1))?,
                 gx,
+                u32_of(op, total)?,
             ];
             let idb = ids.map_or(&self.dummies[0], |(b, _)| b);
-            let l = self
-                .g
-                .launch(
-                    "mq",
-                    "mm",
-                    &[],
-                    &p,
-                    &[&part.b, xq, y, &self.tab, idb],
-                    (gx, gy, nt as u32),
-                )
-                .map_err(dev)?;
+            let bufs = [&part.b, xq, y, &self.tab, idb];
+            let spec = [("SPEC_TY", w.ty.id().to_string())];
+            let l = if self.lane_products {
+                self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total))
+            } else {
+                self.g.launch("mq", "mm", &spec, &p, &bufs, (gx, gy, nt as u32))
+            }
+            .map_err(dev)?;
+            let mut l = l;
+            if self.profile.is_some() {
+                l.name = format!("{} {}: {n_items}×{nt} k {k} mode {mode}", l.name, w.name);
+            }
             self.push(l)?;
         }
         Ok(())
@@ -520,7 +577,7 @@ impl Backend for WgpuBackend {
         let total_rows = bytes.len() / row_bytes;
         let mut parts = Vec::new();
         if readable(ty) {
-            let limit = self.g.max_binding as usize;
+            let limit = self.weight_limit.min(self.g.max_binding) as usize;
             let mut per = limit / row_bytes;
             if per == 0 {
                 return Err(dev(WgpuError::TooLarge {
@@ -548,7 +605,10 @@ impl Backend for WgpuBackend {
         if parts.len() > 1 {
             self.split.fetch_add(1, Ordering::Relaxed);
         }
-        let values = if n <= VALUES_MAX && strata_quant::format_fns(ty).dequantize.is_some() {
+        // An image that would exceed the binding limit is left out (its users then say so).
+        let values = if n <= VALUES_MAX
+            && n * 4 <= self.g.max_binding
+            && strata_quant::format_fns(ty).dequantize.is_some() {
             let mut v = vec![0f32; n as usize];
             strata_quant::dequantize(ty, bytes, &mut v)?;
             Some((self.g.upload(&info.name, &v).map_err(dev)?, v.len()))
@@ -732,7 +792,14 @@ impl Backend for WgpuBackend {
 
     /// One command stream per step: the body records, the end submits.
     fn step<R: Send>(&self, _key: StepKey, f: impl FnOnce() -> R + Send) -> R {
+        let t = std::time::Instant::now();
         let r = f();
+        if std::env::var_os("STRATA_WGPU_TRACE").is_some() {
+            let rec = t.elapsed().as_secs_f64();
+            let _ = self.flush();
+            let _ = self.g.wait();
+            eprintln!("step: recorded in {rec:.3} s, ran in {:.3} s", t.elapsed().as_secs_f64() - rec);
+        }
         // A failed submit surfaces at the next download (its error scope) as well; the body's
         // result is what the caller checks.
         let _ = self.flush();
@@ -784,7 +851,7 @@ impl Backend for WgpuBackend {
                 .launch(
                     "mq",
                     "gather",
-                    &[],
+                    &[("SPEC_TY", table.ty.id().to_string())],
                     &p,
                     &[&part.b, &self.dummies[0], &out.b, &self.tab, &ids.b],
                     (ids.len as u32, 1, 1),
@@ -953,8 +1020,8 @@ impl Backend for WgpuBackend {
                 .g
                 .launch(
                     "route",
-                    "route_base",
-                    &[],
+                    "route_opt",
+                    &shaders::spec_route(ne, k),
                     &[u32_of(op, ne)?, u32_of(op, k)?, u32_of(op, nt)?],
                     &[&logits.b, &ids, &wts],
                     (u32_of(op, nt)?, 1, 1),

@@ -42,6 +42,8 @@ pub struct Launch {
     pipe: Arc<wgpu::ComputePipeline>,
     bind: wgpu::BindGroup,
     groups: (u32, u32, u32),
+    /// `module::entry`, for profiles.
+    pub name: String,
     // Kept alive with the bind group.
     _params: wgpu::Buffer,
 }
@@ -458,6 +460,7 @@ impl Wgpu {
             pipe,
             bind,
             groups: (groups.0, groups.1.max(1), groups.2.max(1)),
+            name: format!("{module}::{entry}"),
             _params: pbuf,
         })
     }

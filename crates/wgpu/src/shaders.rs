@@ -101,7 +101,7 @@ const MODULES: &[Module] = &[
         src: include_str!("../shaders/mq.wgsl"),
         storage: 5,
         quants: true,
-        spec: &[],
+        spec: &[("SPEC_TY", "u32")],
     },
     Module {
         name: "pick",

@@ -58,8 +58,12 @@ fn rel(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// The cross-backend bound: wgpu vs the CPU backend on the same file, relative to max |logit|.
-/// Products sum in another order and exp is the driver's; measured on lavapipe: ~1e-6.
+/// Products sum in another order and exp is the driver's; measured on lavapipe: 1.2e-6 (f32).
 const CROSS: f32 = 2e-5;
+/// With rounding inside the model (BF16 activations, an F16 cache) a last-bit difference can
+/// move a value by the format's step: measured on lavapipe 1.5e-3 (BF16), 4.7e-5 (F16 KV).
+const CROSS_BF16: f32 = 4e-3;
+const CROSS_F16: f32 = 2e-4;
 
 #[test]
 fn tiny_f32_matches_transformers_and_the_cpu() {
@@ -90,6 +94,13 @@ fn tiny_f32_matches_transformers_and_the_cpu() {
     }
     let (shape, want) = g.f32("logits");
     let d = compare(&out.logits, &want, shape[1], 0.0);
+    let compiles = m.backend().device().compiles.lock().unwrap().clone();
+    let secs: f64 = compiles.iter().map(|c| c.1).sum();
+    eprintln!("{} pipelines compiled in {secs:.1} s: {compiles:?}", compiles.len());
+    let t = std::time::Instant::now();
+    all_logits(&m, &prompt());
+    eprintln!("second forward of {} tokens: {:.2} s, {:?}", prompt().len(), t.elapsed().as_secs_f64(), m.backend().counters());
+    eprintln!("profile: {:?}", m.backend().profile());
     let cpu = cpu_logits("model-f32.gguf", &LoadOptions::default(), &prompt());
     let r = rel(&out.logits, &cpu);
     eprintln!(
@@ -124,7 +135,7 @@ fn tiny_bf16_paired_matches_transformers_and_the_cpu() {
     assert!(d.mean_abs <= 5e-3, "mean|Δ| {:.3e}", d.mean_abs);
     assert!(over * 20 <= shape[0], "{over} rows over 2e-2");
     assert!(d.argmax_mismatch_clear.is_empty(), "{:?}", d.argmax_mismatch_clear);
-    assert!(r <= CROSS, "wgpu vs CPU: {r:.3e}");
+    assert!(r <= CROSS_BF16, "wgpu vs CPU: {r:.3e}");
 }
 
 #[test]
@@ -146,7 +157,7 @@ fn tiny_llamacpp_rule_with_f16_cache_matches_llamacpp() {
     );
     assert!(d.mean_abs <= 3e-3 && d.max_abs <= 1e-4 * d.max_ref, "{d:?}");
     assert!(d.argmax_mismatch.is_empty(), "{:?}", d.argmax_mismatch);
-    assert!(r <= CROSS, "wgpu vs CPU: {r:.3e}");
+    assert!(r <= CROSS_F16, "wgpu vs CPU: {r:.3e}");
 }
 
 #[test]
@@ -181,14 +192,15 @@ fn prefill_rows_equal_single_steps_and_verify_windows_bitwise() {
 fn weights_split_under_a_small_binding_limit_give_the_same_bits() {
     let Some(b) = backend() else { return };
     let whole = all_logits(&load_wgpu("model-f32.gguf", b, &LoadOptions::default()), &prompt());
-    let mut g = Wgpu::new().unwrap();
-    g.force_binding_limit(64 << 10);
-    let b = WgpuBackend::with_device(g).unwrap();
+    // Weights only: the caches of the tiny model's context are larger than the parts.
+    let b = WgpuBackend::with_device(Wgpu::new().unwrap())
+        .unwrap()
+        .with_weight_part_limit(16 << 10);
     let m = load_wgpu("model-f32.gguf", b, &LoadOptions::default());
     let split = m.backend().split_weights();
-    assert!(split > 0, "no weight was split at 64 KiB");
+    assert!(split > 0, "no weight was split at 16 KiB");
     assert!(all_logits(&m, &prompt()) == whole, "split weights changed the logits");
-    eprintln!("{split} weights split under 64 KiB bindings: same bits");
+    eprintln!("{split} weights split into parts of 16 KiB: same bits");
 }
 
 const MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
