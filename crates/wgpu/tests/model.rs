@@ -222,45 +222,111 @@ fn default_model() -> Option<PathBuf> {
     }
 }
 
-/// Greedy continuation of `prompt` for `n` tokens, one decode step each.
-fn greedy<B: strata_engine::Backend>(m: &strata_engine::qwen2::Model<B>, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
+/// Greedy continuation of `prompt` for `n` tokens, one decode step each; and the prompt's rows.
+fn greedy<B: strata_engine::Backend>(
+    m: &strata_engine::qwen2::Model<B>,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, strata_engine::qwen2::Outputs) {
     let mut st = m.new_state().unwrap();
-    let out = m.forward_with(&mut st, prompt, true).unwrap();
-    let first = out.logits.clone();
-    let mut next = strata_engine::sampler::argmax(&out.logits).unwrap();
+    let out = m.forward(&mut st, prompt).unwrap();
+    let last = out.row(prompt.len() - 1).unwrap();
+    let mut next = strata_engine::sampler::argmax(last).unwrap();
     let mut toks = vec![next];
     while toks.len() < n {
-        let out = m.forward(&mut st, &[next]).unwrap();
-        next = strata_engine::sampler::argmax(&out.logits).unwrap();
+        let o = m.forward(&mut st, &[next]).unwrap();
+        next = strata_engine::sampler::argmax(o.row(0).unwrap()).unwrap();
         toks.push(next);
     }
-    (toks, first)
+    (toks, out)
 }
 
-fn qwen2_greedy(n: usize) {
+/// llama.cpp's top 20 logits per position of the capital prompt (fixtures/llamacpp).
+type TopRows = Vec<(Vec<usize>, Vec<f32>)>;
+
+fn llamacpp_rows(name: &str) -> (Vec<u32>, TopRows) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llamacpp").join(name);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let nums = |a: &serde_json::Value| -> Vec<f64> {
+        a.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+    };
+    let ids = nums(&v["input_ids"]).into_iter().map(|x| x as u32).collect();
+    let rows = v["positions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                nums(&r["ids"]).into_iter().map(|x| x as usize).collect(),
+                nums(&r["logits"]).into_iter().map(|x| x as f32).collect(),
+            )
+        })
+        .collect();
+    (ids, rows)
+}
+
+/// The default model on wgpu: the CPU test's bounds against llama.cpp and the float64
+/// reference (qwen2_default.rs), the CPU backend's logits within the same Q8-flip distance, and
+/// greedy text equal to the CPU's for `n` tokens.
+fn qwen2_default(n: usize) {
     let Some(path) = default_model() else { return };
     let Some(b) = backend() else { return };
     use strata_engine::qwen2::{LoadOptions, Model};
-    // "def fibonacci(n):" in the model's tokenizer (ids from `strata tokenize`).
-    let prompt: Vec<u32> = vec![750, 75698, 1445, 1648];
-    let gm = Model::load(&path, b, &LoadOptions::default()).unwrap();
-    let (gt, gl) = greedy(&gm, &prompt, n);
+    let opts = LoadOptions { kv_type: KvType::F16 };
+    let t = std::time::Instant::now();
+    let gm = Model::load(&path, b, &opts).unwrap();
+    let (ids, llama) = llamacpp_rows("qwen25_capital_top.json");
+    let (_, exact) = llamacpp_rows("qwen25_capital_exact.json");
+    let (gt, gout) = greedy(&gm, &ids, n);
+    eprintln!(
+        "qwen2 on wgpu: {} prompt tokens + {n} greedy in {:.1} s ({} weights split)",
+        ids.len(),
+        t.elapsed().as_secs_f64(),
+        gm.backend().split_weights()
+    );
     drop(gm);
-    let cm = Model::load(&path, CpuBackend::new(2).unwrap(), &LoadOptions::default()).unwrap();
-    let (ct, cl) = greedy(&cm, &prompt, n);
-    let r = rel(&gl, &cl);
-    eprintln!("qwen2 0.5B: last-prompt-row logits wgpu vs CPU {r:.3e} of max|logit|; greedy wgpu {gt:?}, CPU {ct:?}");
-    assert!(r <= 1e-4, "wgpu vs CPU: {r:.3e}");
+    let cm = Model::load(&path, CpuBackend::new(2).unwrap(), &opts).unwrap();
+    let (ct, cout) = greedy(&cm, &ids, n);
+    let (mut vs_llama, mut ours_err, mut llama_err, mut vs_cpu) = (0f32, 0f32, 0f32, 0f32);
+    for (p, ((want_ids, want), (_, ex))) in llama.iter().zip(&exact).enumerate() {
+        let got = gout.row(p).unwrap();
+        let cpu = cout.row(p).unwrap();
+        for ((&id, &w), &e) in want_ids.iter().zip(want).zip(ex) {
+            vs_llama = vs_llama.max((got[id] - w).abs());
+            ours_err = ours_err.max((got[id] - e).abs());
+            llama_err = llama_err.max((w - e).abs());
+            vs_cpu = vs_cpu.max((got[id] - cpu[id]).abs());
+        }
+        if want[0] - want[1] > 0.5 {
+            assert_eq!(
+                strata_engine::sampler::argmax(got).unwrap() as usize,
+                want_ids[0],
+                "position {p}: argmax"
+            );
+        }
+    }
+    eprintln!(
+        "qwen2 on wgpu, max |Δlogit| over llama.cpp's top 20: vs llama.cpp {vs_llama:.3}, vs the \
+         exact reference {ours_err:.3} (llama.cpp {llama_err:.3}), vs the CPU backend {vs_cpu:.3}; \
+         greedy wgpu {gt:?}, CPU {ct:?}"
+    );
+    // The CPU test's bounds: as close to the exact answer as llama.cpp (25% slack for which Q8
+    // blocks flip) and within 0.6 of llama.cpp; against the CPU backend the same 0.6 (both
+    // round activations to Q8 blocks, and a last-bit difference can flip a block's code).
+    assert!(ours_err <= 1.25 * llama_err, "{ours_err} vs llama.cpp's {llama_err}");
+    assert!(vs_llama < 0.6, "{vs_llama}");
+    assert!(vs_cpu < 0.6, "{vs_cpu}");
     assert_eq!(gt, ct, "greedy tokens differ");
 }
 
 #[test]
-fn qwen2_default_model_greedy_equals_the_cpu_for_8_tokens() {
-    qwen2_greedy(8);
+#[ignore = "slow on lavapipe (~6 min on a loaded 2-core machine): the 0.5B model, 5 + 8 tokens"]
+fn qwen2_default_model_matches_llamacpp_and_greedy_equals_the_cpu_for_8_tokens() {
+    qwen2_default(8);
 }
 
 #[test]
-#[ignore = "slow on lavapipe: 64 greedy tokens of the 0.5B model"]
+#[ignore = "slow on lavapipe (~30 min): the 0.5B model, 5 + 64 tokens"]
 fn qwen2_default_model_greedy_equals_the_cpu_for_64_tokens() {
-    qwen2_greedy(64);
+    qwen2_default(64);
 }
