@@ -153,6 +153,9 @@ pub struct Counters {
     pub submits: u64,
 }
 
+/// RoPE cos/sin tables by (rotated dims, theta bits): (table, positions it covers).
+type RopeTables = HashMap<(usize, u32), (Arc<Buf>, usize)>;
+
 /// The whole-model backend on one wgpu adapter.
 pub struct WgpuBackend {
     pub(crate) g: Arc<Wgpu>,
@@ -160,7 +163,7 @@ pub struct WgpuBackend {
     dummies: Vec<Buf>,
     pending: Mutex<Vec<Launch>>,
     /// RoPE cos/sin tables by (rotated dims, theta bits): (table, positions it covers).
-    rope: Mutex<HashMap<(usize, u32), (Arc<Buf>, usize)>>,
+    rope: Mutex<RopeTables>,
     /// Largest store capacity asked for (the RoPE tables cover that many positions).
     max_cap: AtomicUsize,
     dispatches: AtomicU64,
@@ -311,7 +314,9 @@ impl WgpuBackend {
     }
 
     pub(crate) fn alloc(&self, what: &str, values: usize) -> Result<Arc<Buf>> {
-        Ok(Arc::new(self.g.alloc(what, values as u64 * 4).map_err(dev)?))
+        Ok(Arc::new(
+            self.g.alloc(what, values as u64 * 4).map_err(dev)?,
+        ))
     }
 
     pub(crate) fn buf(&self, what: &str, rows: usize, cols: usize) -> Result<WBuf> {
@@ -393,9 +398,18 @@ impl WgpuBackend {
 
     /// `x`'s rows as the activation image `w` pairs with (kernels::actq, the CPU's bits), and
     /// the image's row bytes; F32 activations are `x` itself.
-    pub(crate) fn image(&self, x: &WBuf, ty: GgmlType, name: &str) -> Result<(Arc<Buf>, usize, ActFmt)> {
-        let fmt = ActFmt::for_weight(ty)
-            .ok_or_else(|| shape("matmul", format!("{name}: {ty} has no activation format on wgpu")))?;
+    pub(crate) fn image(
+        &self,
+        x: &WBuf,
+        ty: GgmlType,
+        name: &str,
+    ) -> Result<(Arc<Buf>, usize, ActFmt)> {
+        let fmt = ActFmt::for_weight(ty).ok_or_else(|| {
+            shape(
+                "matmul",
+                format!("{name}: {ty} has no activation format on wgpu"),
+            )
+        })?;
         let k = x.cols;
         if fmt == ActFmt::F32 {
             return Ok((x.b.clone(), 4 * k, fmt));
@@ -419,7 +433,13 @@ impl WgpuBackend {
                 .map_err(dev)?,
         );
         if x.rows > 0 {
-            let p = [u32_of("xprep", k)?, 0, fmt.code(), u32_of("xprep", x.rows)?, 0];
+            let p = [
+                u32_of("xprep", k)?,
+                0,
+                fmt.code(),
+                u32_of("xprep", x.rows)?,
+                0,
+            ];
             let l = self
                 .g
                 .launch(
@@ -459,7 +479,10 @@ impl WgpuBackend {
             return Ok(());
         }
         if nt > 65535 {
-            return Err(shape(op, format!("{nt} rows in one product (at most 65535)")));
+            return Err(shape(
+                op,
+                format!("{nt} rows in one product (at most 65535)"),
+            ));
         }
         let k = w.row_len;
         for part in &w.parts {
@@ -492,7 +515,8 @@ impl WgpuBackend {
             let l = if self.lane_products {
                 self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total))
             } else {
-                self.g.launch("mq", "mm", &spec, &p, &bufs, (gx, gy, nt as u32))
+                self.g
+                    .launch("mq", "mm", &spec, &p, &bufs, (gx, gy, nt as u32))
             }
             .map_err(dev)?;
             let mut l = l;
@@ -508,10 +532,7 @@ impl WgpuBackend {
         if w.dims.len() > 2 || x.cols != w.row_len {
             return Err(shape(
                 "matmul",
-                format!(
-                    "{}: rows of {} against weight {:?}",
-                    w.name, x.cols, w.dims
-                ),
+                format!("{}: rows of {} against weight {:?}", w.name, x.cols, w.dims),
             ));
         }
         Ok(())
@@ -596,7 +617,10 @@ impl Backend for WgpuBackend {
                 let rows = per.min(total_rows - row0);
                 let b = self
                     .g
-                    .upload_bytes(&info.name, &bytes[row0 * row_bytes..(row0 + rows) * row_bytes])
+                    .upload_bytes(
+                        &info.name,
+                        &bytes[row0 * row_bytes..(row0 + rows) * row_bytes],
+                    )
                     .map_err(dev)?;
                 parts.push(Part { b, row0, rows });
                 row0 += rows;
@@ -608,7 +632,8 @@ impl Backend for WgpuBackend {
         // An image that would exceed the binding limit is left out (its users then say so).
         let values = if n <= VALUES_MAX
             && n * 4 <= self.g.max_binding
-            && strata_quant::format_fns(ty).dequantize.is_some() {
+            && strata_quant::format_fns(ty).dequantize.is_some()
+        {
             let mut v = vec![0f32; n as usize];
             strata_quant::dequantize(ty, bytes, &mut v)?;
             Some((self.g.upload(&info.name, &v).map_err(dev)?, v.len()))
@@ -647,7 +672,10 @@ impl Backend for WgpuBackend {
 
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<WBuf> {
         if data.len() != rows * cols {
-            return Err(shape("upload", format!("{} values for {rows}×{cols}", data.len())));
+            return Err(shape(
+                "upload",
+                format!("{} values for {rows}×{cols}", data.len()),
+            ));
         }
         Ok(WBuf {
             b: Arc::new(self.g.upload("upload", data).map_err(dev)?),
@@ -753,7 +781,16 @@ impl Backend for WgpuBackend {
         (0..parts)
             .map(|p| {
                 let y = self.buf("deinterleave", x.rows, x.cols / parts)?;
-                self.copy_rows(&x.b, &y.b, pieces, chunk, chunk * parts, p * chunk, chunk, 0)?;
+                self.copy_rows(
+                    &x.b,
+                    &y.b,
+                    pieces,
+                    chunk,
+                    chunk * parts,
+                    p * chunk,
+                    chunk,
+                    0,
+                )?;
                 Ok(y)
             })
             .collect()
@@ -798,7 +835,10 @@ impl Backend for WgpuBackend {
             let rec = t.elapsed().as_secs_f64();
             let _ = self.flush();
             let _ = self.g.wait();
-            eprintln!("step: recorded in {rec:.3} s, ran in {:.3} s", t.elapsed().as_secs_f64() - rec);
+            eprintln!(
+                "step: recorded in {rec:.3} s, ran in {:.3} s",
+                t.elapsed().as_secs_f64() - rec
+            );
         }
         // A failed submit surfaces at the next download (its error scope) as well; the body's
         // result is what the caller checks.
@@ -813,7 +853,12 @@ impl Backend for WgpuBackend {
                 format!("{}×{} vs {}×{}", x.rows, x.cols, y.rows, y.cols),
             ));
         }
-        self.eltwise(0, x.rows * x.cols, &[], [Some(&x.b), Some(&y.b), None, None, None])
+        self.eltwise(
+            0,
+            x.rows * x.cols,
+            &[],
+            [Some(&x.b), Some(&y.b), None, None, None],
+        )
     }
 
     fn embed_rows(&self, table: &WWeight, ids: &WIds, copies: usize) -> Result<WBuf> {
@@ -822,7 +867,10 @@ impl Backend for WgpuBackend {
         if table.parts.is_empty() || copies == 0 {
             return Err(shape(
                 op,
-                format!("{}: {} rows cannot be gathered on wgpu", table.name, table.ty),
+                format!(
+                    "{}: {} rows cannot be gathered on wgpu",
+                    table.name, table.ty
+                ),
             ));
         }
         let out = self.buf(op, ids.len, k * copies)?;
@@ -830,7 +878,10 @@ impl Backend for WgpuBackend {
             return Ok(out);
         }
         if ids.len > 65535 {
-            return Err(shape(op, format!("{} ids in one gather (at most 65535)", ids.len)));
+            return Err(shape(
+                op,
+                format!("{} ids in one gather (at most 65535)", ids.len),
+            ));
         }
         let total: usize = table.parts.iter().map(|p| p.rows).sum();
         for part in &table.parts {
@@ -874,7 +925,10 @@ impl Backend for WgpuBackend {
         for w in ws {
             Self::check_matmul(w, x)?;
             let fmt = ActFmt::for_weight(w.ty).ok_or_else(|| {
-                shape("matmul", format!("{}: {} has no product on wgpu", w.name, w.ty))
+                shape(
+                    "matmul",
+                    format!("{}: {} has no product on wgpu", w.name, w.ty),
+                )
             })?;
             let (xq, xrb) = match images.iter().find(|(f, _, _)| *f == fmt) {
                 Some((_, b, rb)) => (b.clone(), *rb),
@@ -1013,8 +1067,14 @@ impl Backend for WgpuBackend {
                 format!("top {k} of {ne} experts (the kernels take up to 512 experts, k ≤ 16)"),
             ));
         }
-        let ids = self.g.alloc("route ids", (nt.max(1) * k * 4) as u64).map_err(dev)?;
-        let wts = self.g.alloc("route weights", (nt.max(1) * k * 4) as u64).map_err(dev)?;
+        let ids = self
+            .g
+            .alloc("route ids", (nt.max(1) * k * 4) as u64)
+            .map_err(dev)?;
+        let wts = self
+            .g
+            .alloc("route weights", (nt.max(1) * k * 4) as u64)
+            .map_err(dev)?;
         if nt > 0 {
             let l = self
                 .g
@@ -1074,7 +1134,20 @@ impl Backend for WgpuBackend {
         for w in [ex.gate, ex.up] {
             let (xq, xrb, fmt) = self.image(x, w.ty, &w.name)?;
             let y = self.buf(op, nrk, m)?;
-            self.mm(w, &xq, xrb, fmt, &y.b, m, nrk, 2, m, Some((&routes.ids, 0)), m, k)?;
+            self.mm(
+                w,
+                &xq,
+                xrb,
+                fmt,
+                &y.b,
+                m,
+                nrk,
+                2,
+                m,
+                Some((&routes.ids, 0)),
+                m,
+                k,
+            )?;
             gu.push(y);
         }
         let act = self.swiglu(&gu[0], &gu[1])?;
@@ -1171,7 +1244,11 @@ pub(crate) enum Sel<'a> {
     /// `0..=positions[r]`.
     Causal(&'a WIds),
     /// Rows of `[count, tokens…]`, `stride` u32 each.
-    Sparse { b: &'a Buf, stride: usize, rows: usize },
+    Sparse {
+        b: &'a Buf,
+        stride: usize,
+        rows: usize,
+    },
 }
 
 impl WgpuBackend {
@@ -1239,7 +1316,13 @@ impl WgpuBackend {
         self.model_n(
             "attend",
             &p,
-            [Some(&q.b), Some(&k_cache.b), Some(&v_cache.b), Some(&out.b), None],
+            [
+                Some(&q.b),
+                Some(&k_cache.b),
+                Some(&v_cache.b),
+                Some(&out.b),
+                None,
+            ],
             [ib, jb, None],
             q.rows * n_head,
         )?;

@@ -28,7 +28,10 @@ impl Qwen4expOps for WgpuBackend {
     fn hc_mix(&self, hc: &HcWeights<'_, WWeight>, x: &WBuf) -> Result<(WBuf, Option<WBuf>)> {
         let s = hc.streams;
         if s == 0 || !x.cols.is_multiple_of(s) {
-            return Err(shape("hc_mix", format!("rows of {} in {s} streams", x.cols)));
+            return Err(shape(
+                "hc_mix",
+                format!("rows of {} in {s} streams", x.cols),
+            ));
         }
         let h = x.cols / s;
         let xn = self.rms_norm(x, hc.norm, h, hc.eps)?;
@@ -93,7 +96,10 @@ impl Qwen4expOps for WgpuBackend {
         if y.rows != x.rows || !rows_ok || y.cols * s != x.cols {
             return Err(shape(
                 "hc_combine",
-                format!("x {}×{}, y {}×{}, {s} streams", x.rows, x.cols, y.rows, y.cols),
+                format!(
+                    "x {}×{}, y {}×{}, {s} streams",
+                    x.rows, x.cols, y.rows, y.cols
+                ),
             ));
         }
         let op = "hc_combine";
@@ -176,7 +182,8 @@ impl Qwen4expOps for WgpuBackend {
         let d = p.dims;
         let (nk, nv, dk, dv) = (d.n_k_heads, d.n_v_heads, d.head_k, d.head_v);
         let n = qkv.rows;
-        let ((av, an), (dtv, dtn), (nw, nn)) = (p.a.values()?, p.dt_bias.values()?, p.norm.values()?);
+        let ((av, an), (dtv, dtn), (nw, nn)) =
+            (p.a.values()?, p.dt_bias.values()?, p.norm.values()?);
         let ok = nk > 0
             && nv % nk == 0
             && qkv.cols == d.conv_dim()
@@ -224,7 +231,13 @@ impl Qwen4expOps for WgpuBackend {
                 u32_of(op, dv)?,
                 p.eps.to_bits(),
             ],
-            [Some(&qkv.b), Some(&z.b), Some(&gates.b), Some(&state.b), Some(&out.b)],
+            [
+                Some(&qkv.b),
+                Some(&z.b),
+                Some(&gates.b),
+                Some(&state.b),
+                Some(&out.b),
+            ],
             [Some(nw), None, None],
             (u32_of(op, nv)?, 1, 1),
         )?;
@@ -343,7 +356,10 @@ impl Qwen4expOps for WgpuBackend {
         if k.rows != q.rows || k.cols != q.cols || v.rows != k.rows || h * streams != k.cols {
             return Err(shape(
                 op,
-                format!("K {}×{}, V {}×{h}, {streams} streams", k.rows, k.cols, v.rows),
+                format!(
+                    "K {}×{}, V {}×{h}, {streams} streams",
+                    k.rows, k.cols, v.rows
+                ),
             ));
         }
         let out = self.buf(op, k.rows, k.cols)?;

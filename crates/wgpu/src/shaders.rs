@@ -150,7 +150,8 @@ pub const FORMATS: [(&str, GgmlType); 13] = [
 ];
 
 /// The float formats the model's decoders also read (weights kept as the file has them).
-pub const FLOAT_FORMATS: [(&str, GgmlType); 2] = [("T_F32", GgmlType::F32), ("T_F16", GgmlType::F16)];
+pub const FLOAT_FORMATS: [(&str, GgmlType); 2] =
+    [("T_F32", GgmlType::F32), ("T_F16", GgmlType::F16)];
 
 /// The full source of `module` with the specialization `spec` (constants not given are 1,
 /// false for booleans: the baseline entry does not read them).
@@ -247,6 +248,26 @@ pub fn spec_route(n_exp: usize, k: usize) -> Spec {
     vec![("SPEC_E", n_exp.to_string()), ("SPEC_K", k.to_string())]
 }
 
+/// The entries of `model.wgsl` (the whole-model backend's f32 operations).
+pub const MODEL_ENTRIES: [&str; 16] = [
+    "copy_rows",
+    "write_rows",
+    "eltwise",
+    "rms_norm",
+    "rope",
+    "attend",
+    "hc_u",
+    "hc_combine",
+    "conv_silu",
+    "conv_tail",
+    "gdn_gates",
+    "gdn",
+    "qsa_pool",
+    "qsa_select",
+    "ple_gate",
+    "moe_sum",
+];
+
 /// Every (module, entry, specialization) the catalogue's report shapes compile: what the
 /// MSL translation test covers.
 pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
@@ -267,6 +288,14 @@ pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
         ("pick", "pick_opt2", vec![]),
         ("selftest", "arith", vec![]),
     ];
+    for entry in MODEL_ENTRIES {
+        v.push(("model", entry, vec![]));
+    }
+    for (_, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
+        for entry in ["mm", "mm1", "gather"] {
+            v.push(("mq", entry, vec![("SPEC_TY", ty.id().to_string())]));
+        }
+    }
     for n in [2560usize, 10240] {
         for fmt in ActFmt::ALL {
             for norm in [true, false] {
