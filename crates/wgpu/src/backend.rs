@@ -414,30 +414,40 @@ impl WgpuBackend {
         if fmt == ActFmt::F32 {
             return Ok((x.b.clone(), 4 * k, fmt));
         }
-        let rb = fmt
-            .row_bytes(k)
-            .filter(|b| b.is_multiple_of(4) && k <= crate::ops::MAX_NORM_ROW && k > 0)
+        // The images are block-local, so rows may be imaged in pairs (as one row of 2k): that
+        // keeps a Q8_0 image whose row is an odd number of 34-byte blocks in whole words.
+        let rb = fmt.row_bytes(k).filter(|_| k > 0);
+        let pack = if rb.is_some_and(|b| b.is_multiple_of(4)) {
+            1
+        } else {
+            2
+        };
+        let rb = rb
+            .filter(|b| (pack * b).is_multiple_of(4) && pack * k <= crate::ops::MAX_NORM_ROW)
             .ok_or_else(|| {
                 shape(
                     "matmul",
                     format!(
-                        "{name}: rows of {k} have no {} image the kernels take (whole 4-byte words, at most {})",
+                        "{name}: rows of {k} have no {} image the kernels take (whole 4-byte words, at most {} values)",
                         fmt.name(),
                         crate::ops::MAX_NORM_ROW
                     ),
                 )
             })?;
+        let rows = x.rows.div_ceil(pack);
         let out = Arc::new(
             self.g
-                .alloc("activation image", (x.rows.max(1) * rb) as u64)
+                .alloc("activation image", (rows.max(1) * pack * rb) as u64)
                 .map_err(dev)?,
         );
-        if x.rows > 0 {
+        if rows > 0 {
+            // A pair's missing second row (odd row counts) reads clamped values: its image
+            // bytes are past the rows and never read.
             let p = [
-                u32_of("xprep", k)?,
+                u32_of("xprep", pack * k)?,
                 0,
                 fmt.code(),
-                u32_of("xprep", x.rows)?,
+                u32_of("xprep", rows)?,
                 0,
             ];
             let l = self
@@ -448,7 +458,7 @@ impl WgpuBackend {
                     &[],
                     &p,
                     &[&x.b, &self.dummies[0], &out],
-                    (u32_of("xprep", x.rows)?, 1, 1),
+                    (u32_of("xprep", rows)?, 1, 1),
                 )
                 .map_err(dev)?;
             self.push(l)?;

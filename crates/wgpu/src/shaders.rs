@@ -149,9 +149,13 @@ pub const FORMATS: [(&str, GgmlType); 13] = [
     ("T_IQ3_XXS", GgmlType::IQ3_XXS),
 ];
 
-/// The float formats the model's decoders also read (weights kept as the file has them).
-pub const FLOAT_FORMATS: [(&str, GgmlType); 2] =
-    [("T_F32", GgmlType::F32), ("T_F16", GgmlType::F16)];
+/// The formats the model's decoders read besides the report's 13 (floats as the file has
+/// them, and IQ2_XS).
+pub const FLOAT_FORMATS: [(&str, GgmlType); 3] = [
+    ("T_F32", GgmlType::F32),
+    ("T_F16", GgmlType::F16),
+    ("T_IQ2_XS", GgmlType::IQ2_XS),
+];
 
 /// The full source of `module` with the specialization `spec` (constants not given are 1,
 /// false for booleans: the baseline entry does not read them).
@@ -193,12 +197,18 @@ pub fn source(module: &str, spec: &[(&str, String)]) -> Result<String, WgpuError
 
 /// The grid tables of the decoders as one u32 array (layout: quants.wgsl).
 pub fn grid_table() -> Vec<u32> {
-    use strata_quant::grids::{IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
-    let mut t = Vec::with_capacity(912);
+    use strata_quant::grids::{IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
+    let mut t = Vec::with_capacity(912 + 1024);
     t.extend_from_slice(&IQ3S_GRID);
     t.extend_from_slice(&IQ3XXS_GRID);
     t.extend(KSIGNS_IQ2XS.iter().map(|&v| v as u32));
     t.extend(KVALUES_IQ4NL.iter().map(|&v| v as i32 as u32));
+    // IQ2_XS's 8-byte entries as (low, high) words, at 912.
+    t.extend(
+        IQ2XS_GRID
+            .iter()
+            .flat_map(|&g| [g as u32, (g >> 32) as u32]),
+    );
     t
 }
 
