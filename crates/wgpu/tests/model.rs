@@ -490,3 +490,108 @@ fn every_decoder_matches_strata_quant_bitwise() {
         }
     }
 }
+
+/// MTP speculative decoding on wgpu (the tiny fixture with its converted MTP head): greedy
+/// tokens for windows 1, 3 and 8 equal plain one-token decoding on wgpu, which equals the CPU's.
+#[test]
+fn greedy_speculative_equals_plain_on_wgpu() {
+    use std::sync::Arc;
+    use strata_convert::{convert_mtp, ConvertOptions, OutType};
+    use strata_engine::speculative::{run, Greedy, Picker, SpecConfig, SpecDecoder};
+    let Some(b) = backend() else { return };
+    let (w, _) = convert_mtp(
+        &tiny_dir().join("hf"),
+        &ConvertOptions {
+            out_type: OutType::F32,
+            include_shared: false,
+        },
+    )
+    .unwrap();
+    let mtp =
+        Arc::new(strata_gguf::GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap());
+    let mut m = load_wgpu("model-f32.gguf", b, &LoadOptions::default());
+    m.attach_mtp(mtp.clone()).unwrap();
+    let toks = prompt()[..30].to_vec();
+    const NEW: usize = 16;
+    fn plain<B: strata_engine::qwen4exp::ops::Qwen4expOps>(
+        m: &Model<B>,
+        prompt: &[u32],
+    ) -> Vec<u32> {
+        let mut st = m.new_state().unwrap();
+        let want = Want {
+            last_only: true,
+            ..Want::default()
+        };
+        let mut logits = m.forward_with(&mut st, prompt, want).unwrap().logits;
+        let mut out = Vec::new();
+        loop {
+            let t = Greedy.pick(&logits, st.position(), st.tokens()).unwrap();
+            out.push(t);
+            if out.len() == NEW {
+                return out;
+            }
+            logits = m.forward_with(&mut st, &[t], want).unwrap().logits;
+        }
+    }
+    let want = plain(&m, &toks);
+    let cm = Model::load(
+        tiny_dir().join("model-f32.gguf"),
+        CpuBackend::new(2).unwrap(),
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(plain(&cm, &toks), want, "plain greedy: wgpu vs CPU");
+    for window in [1, 3, 8] {
+        let cfg = SpecConfig {
+            window,
+            ..SpecConfig::default()
+        };
+        let mut dec = SpecDecoder::new(&m, cfg).unwrap();
+        let got = run(&mut dec, &toks, NEW, &mut |_| true).unwrap();
+        let s = dec.stats();
+        eprintln!(
+            "wgpu window {window}: {} passes, acceptance {:?}",
+            s.passes,
+            s.acceptance_all()
+        );
+        assert_eq!(got, want, "window {window}");
+    }
+    // The tiny head's own drafts are never right (acceptance 0 on the CPU too), so drafts are
+    // also forced right, or right and wrong in turn, to run accepted verify windows.
+    struct Forced {
+        truth: Vec<u32>,
+        every: usize,
+    }
+    impl strata_engine::speculative::DraftHook for Forced {
+        fn draft(&mut self, position: usize, _proposed: u32) -> Option<u32> {
+            let right = *self.truth.get(position)?;
+            Some(if position % self.every == 0 {
+                right + 1
+            } else {
+                right
+            })
+        }
+    }
+    let mut truth = toks.clone();
+    truth.extend_from_slice(&want);
+    for every in [usize::MAX, 3] {
+        let cfg = SpecConfig {
+            window: 4,
+            ..SpecConfig::default()
+        };
+        let hook = Forced {
+            truth: truth.clone(),
+            every,
+        };
+        let mut dec = SpecDecoder::new(&m, cfg).unwrap().with_draft_hook(hook);
+        let got = run(&mut dec, &toks, NEW, &mut |_| true).unwrap();
+        let s = dec.stats();
+        eprintln!(
+            "wgpu forced drafts (every {every} wrong): {} passes, acceptance {:?}",
+            s.passes,
+            s.acceptance_all()
+        );
+        assert!((s.passes as usize) < NEW, "no window accepted a draft");
+        assert_eq!(got, want, "forced drafts, every {every} wrong");
+    }
+}
