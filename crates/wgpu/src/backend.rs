@@ -172,6 +172,8 @@ pub struct WgpuBackend {
     /// Products by `mq::mm1` (one invocation an output) instead of `mq::mm` (a workgroup an
     /// output): the same bits; the default on CPU adapters, `STRATA_WGPU_MM=wg|lanes` forces.
     lane_products: bool,
+    /// The first failed submit of a step, until a download reports it.
+    failed: Mutex<Option<String>>,
     /// Largest part of a weight (the binding limit, or less: a test forces small parts).
     weight_limit: u64,
     /// Per-kernel (count, seconds) when `STRATA_WGPU_PROFILE` is set.
@@ -234,6 +236,7 @@ impl WgpuBackend {
             submits: AtomicU64::new(0),
             split: AtomicUsize::new(0),
             lane_products,
+            failed: Mutex::new(None),
             weight_limit: u64::MAX,
             profile: std::env::var_os("STRATA_WGPU_PROFILE").map(|_| Mutex::new(HashMap::new())),
         })
@@ -304,6 +307,21 @@ impl WgpuBackend {
     }
 
     /// Submits the pending dispatches as one command stream.
+    /// A failure of an earlier step's submit, returned once (then cleared).
+    fn take_failure(&self) -> Result<()> {
+        match self
+            .failed
+            .lock()
+            .map_err(|_| dev(WgpuError::Poisoned))?
+            .take()
+        {
+            Some(e) => Err(EngineError::Input(format!(
+                "a step failed on the device: {e}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     pub fn flush(&self) -> Result<()> {
         let work = std::mem::take(&mut *self.pending.lock().map_err(|_| dev(WgpuError::Poisoned))?);
         if work.is_empty() {
@@ -717,6 +735,7 @@ impl Backend for WgpuBackend {
     }
 
     fn download(&self, x: &WBuf) -> Result<Vec<f32>> {
+        self.take_failure()?;
         self.flush()?;
         let mut v: Vec<f32> = self.g.download(&x.b).map_err(dev)?;
         v.truncate(x.rows * x.cols);
@@ -724,6 +743,7 @@ impl Backend for WgpuBackend {
     }
 
     fn download_ids(&self, ids: &WIds) -> Result<Vec<u32>> {
+        self.take_failure()?;
         self.flush()?;
         let v: Vec<u32> = self.g.download(&ids.b).map_err(dev)?;
         Ok(v[ids.off..ids.off + ids.len].to_vec())
@@ -850,9 +870,13 @@ impl Backend for WgpuBackend {
                 t.elapsed().as_secs_f64() - rec
             );
         }
-        // A failed submit surfaces at the next download (its error scope) as well; the body's
-        // result is what the caller checks.
-        let _ = self.flush();
+        // `step` returns the body's result as it is; a failed submit is kept and returned by
+        // the next download, before any value is read back.
+        if let Err(e) = self.flush() {
+            if let Ok(mut f) = self.failed.lock() {
+                f.get_or_insert(e.to_string());
+            }
+        }
         r
     }
 

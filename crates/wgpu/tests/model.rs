@@ -595,3 +595,25 @@ fn greedy_speculative_equals_plain_on_wgpu() {
         assert_eq!(got, want, "forced drafts, every {every} wrong");
     }
 }
+
+/// Bad input is a named error before any output: an adapter name that matches none, and a
+/// weight whose single row exceeds the part limit.
+#[test]
+fn an_unknown_adapter_and_an_unsplittable_weight_are_clear_errors() {
+    let Some(b) = backend() else { return };
+    match WgpuBackend::new(Some("no-such-adapter-anywhere")) {
+        Err(WgpuError::NoAdapter(m)) => assert!(m.contains("matches none"), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("an adapter matched a made-up name"),
+    }
+    let b = b.with_weight_part_limit(64);
+    let err = Model::load(
+        tiny_dir().join("model-f32.gguf"),
+        b,
+        &LoadOptions::default(),
+    )
+    .err()
+    .expect("a 64-byte part limit cannot hold a row");
+    let msg = err.to_string();
+    assert!(msg.contains("one row") && msg.contains("64 bytes"), "{msg}");
+}
