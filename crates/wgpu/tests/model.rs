@@ -565,7 +565,7 @@ fn greedy_speculative_equals_plain_on_wgpu() {
     impl strata_engine::speculative::DraftHook for Forced {
         fn draft(&mut self, position: usize, _proposed: u32) -> Option<u32> {
             let right = *self.truth.get(position)?;
-            Some(if position % self.every == 0 {
+            Some(if position.is_multiple_of(self.every) {
                 right + 1
             } else {
                 right
