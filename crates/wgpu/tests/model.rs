@@ -617,3 +617,25 @@ fn an_unknown_adapter_and_an_unsplittable_weight_are_clear_errors() {
     let msg = err.to_string();
     assert!(msg.contains("one row") && msg.contains("64 bytes"), "{msg}");
 }
+
+/// The two product kernels (`mq::mm1`, an invocation an output, lavapipe's default; `mq::mm`,
+/// a workgroup an output, the GPUs') give the same bits through the whole model.
+#[test]
+fn both_product_kernels_give_the_same_logits_bitwise() {
+    let Some(b) = backend() else { return };
+    let toks = &prompt()[..12];
+    let lanes = all_logits(
+        &load_wgpu(
+            "model-bf16.gguf",
+            b.with_lane_products(true),
+            &LoadOptions::default(),
+        ),
+        toks,
+    );
+    let b = backend().unwrap().with_lane_products(false);
+    let wg = all_logits(
+        &load_wgpu("model-bf16.gguf", b, &LoadOptions::default()),
+        toks,
+    );
+    assert!(lanes == wg, "mq::mm1 and mq::mm differ");
+}
