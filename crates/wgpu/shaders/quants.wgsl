@@ -34,6 +34,8 @@ fn signed_grid(g: u32, signs: u32, k: u32, jj: u32) -> f32 {
 fn deq(ty: u32, b: u32, j: u32) -> f32 {
     switch ty {
         case T_BF16: { return bf16_to_f32(wh(b)); }
+        case T_F32: { return bitcast<f32>(W[b >> 2u]); }
+        case T_F16: { return wf16(b); }
         case T_Q8_0: { return f32(sext8(wb(b + 2u + j))) * wf16(b); }
         case T_Q4_0: {
             var q = 0u;
@@ -87,6 +89,26 @@ fn deq(ty: u32, b: u32, j: u32) -> f32 {
             }
             let signs = wb(b + 74u + 4u * ib + l);
             return db * signed_grid(TAB[idx], signs, k, jj);
+        }
+        case T_IQ2_XS: {
+            // strata_quant's decode_iq2_xs: grid magnitudes (TAB[912..], two words an entry),
+            // signs from KSIGNS, sub-block scale (d·(0.5 + s))·0.25.
+            let d = wf16(b);
+            let ib = j / 32u;
+            let r = j % 32u;
+            let l = r / 8u;
+            let jj = r % 8u;
+            let sc = wb(b + 66u + ib);
+            var s = sc & 15u;
+            if (r >= 16u) { s = sc >> 4u; }
+            let db = (d * (0.5 + f32(s))) * 0.25;
+            let q = wh(b + 2u + 2u * (4u * ib + l));
+            let gi = 912u + 2u * (q & 511u);
+            var g = TAB[gi];
+            if (jj >= 4u) { g = TAB[gi + 1u]; }
+            var v = f32(i32((g >> (8u * (jj % 4u))) & 255u));
+            if ((TAB[768u + (q >> 9u)] & (1u << jj)) != 0u) { v = -v; }
+            return db * v;
         }
         case T_IQ3_XXS: {
             let d = wf16(b);

@@ -42,6 +42,8 @@ pub struct Launch {
     pipe: Arc<wgpu::ComputePipeline>,
     bind: wgpu::BindGroup,
     groups: (u32, u32, u32),
+    /// `module::entry`, for profiles.
+    pub name: String,
     // Kept alive with the bind group.
     _params: wgpu::Buffer,
 }
@@ -217,6 +219,20 @@ impl Wgpu {
             buf,
             bytes: data.len() as u64,
         })
+    }
+
+    /// A zero-filled storage buffer of `bytes` (rounded up to 4), checked against the limit.
+    pub fn alloc(&self, what: &str, bytes: u64) -> Result<Buf, WgpuError> {
+        let size = self.checked_size(what, bytes)?;
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(what),
+            size,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        Ok(Buf { buf, bytes })
     }
 
     pub fn upload<T: bytemuck::Pod>(&self, what: &str, data: &[T]) -> Result<Buf, WgpuError> {
@@ -444,8 +460,28 @@ impl Wgpu {
             pipe,
             bind,
             groups: (groups.0, groups.1.max(1), groups.2.max(1)),
+            name: format!("{module}::{entry}"),
             _params: pbuf,
         })
+    }
+
+    /// Records `launches` in order in one compute pass and submits them, without waiting (the
+    /// next download waits): one command stream per step of the model backend.
+    pub fn submit(&self, launches: &[Launch]) -> Result<(), WgpuError> {
+        if launches.is_empty() {
+            return Ok(());
+        }
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            for l in launches {
+                pass.set_pipeline(&l.pipe);
+                pass.set_bind_group(0, &l.bind, &[]);
+                pass.dispatch_workgroups(l.groups.0, l.groups.1, l.groups.2);
+            }
+        }
+        self.queue.submit([enc.finish()]);
+        self.check_errors("dispatch")
     }
 
     /// Records `launches` in order, `repeat` times, in one compute pass; submits and waits.

@@ -1,7 +1,8 @@
 //! strata-wgpu: the portable GPU backend. wgpu 30 with WGSL compute shaders runs the kernel
 //! catalogue of `strata_engine::kernels` on Vulkan (NVIDIA, Mesa's lavapipe on a CPU-only
 //! machine) and Metal (Apple). This crate owns the adapter choice and its limits
-//! ([`device`]), the WGSL sources ([`shaders`]) and one launch builder per op ([`ops`]).
+//! ([`device`]), the WGSL sources ([`shaders`]), one launch builder per catalogue op ([`ops`]),
+//! and the whole-model backend of the engine's boundary ([`backend`], [`qwen4exp`]).
 //!
 //! Numerics (DESIGN.md §3): every kernel states its agreement with the CPU reference. The
 //! norms, activation images, embeddings, slop penalties and pick are meant to be bit-exact
@@ -11,11 +12,15 @@
 //! and no reduction uses subgroup operations, so the subgroup size (8 on lavapipe, 32 on
 //! NVIDIA) cannot change a bit.
 
+pub mod backend;
 pub mod device;
 pub mod ops;
+pub mod qwen4exp;
 pub mod shaders;
 
+pub use backend::{WBuf, WIds, WRoutes, WWeight, WgpuBackend};
 pub use device::{list_adapters, Buf, Launch, Wgpu};
+pub use qwen4exp::WSelection;
 
 /// Errors of the wgpu backend (never a panic for a missing adapter or a bad shape).
 #[derive(Debug, thiserror::Error)]

@@ -90,6 +90,20 @@ const MODULES: &[Module] = &[
         spec: &[],
     },
     Module {
+        name: "model",
+        src: include_str!("../shaders/model.wgsl"),
+        storage: 8,
+        quants: false,
+        spec: &[],
+    },
+    Module {
+        name: "mq",
+        src: include_str!("../shaders/mq.wgsl"),
+        storage: 5,
+        quants: true,
+        spec: &[("SPEC_TY", "u32")],
+    },
+    Module {
         name: "pick",
         src: include_str!("../shaders/pick.wgsl"),
         storage: 4,
@@ -135,12 +149,20 @@ pub const FORMATS: [(&str, GgmlType); 13] = [
     ("T_IQ3_XXS", GgmlType::IQ3_XXS),
 ];
 
+/// The formats the model's decoders read besides the report's 13 (floats as the file has
+/// them, and IQ2_XS).
+pub const FLOAT_FORMATS: [(&str, GgmlType); 3] = [
+    ("T_F32", GgmlType::F32),
+    ("T_F16", GgmlType::F16),
+    ("T_IQ2_XS", GgmlType::IQ2_XS),
+];
+
 /// The full source of `module` with the specialization `spec` (constants not given are 1,
 /// false for booleans: the baseline entry does not read them).
 pub fn source(module: &str, spec: &[(&str, String)]) -> Result<String, WgpuError> {
     let m = find(module)?;
     let mut s = String::new();
-    for (name, ty) in FORMATS {
+    for (name, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
         s.push_str(&format!("const {name}: u32 = {}u;\n", ty.id()));
     }
     for (name, ty) in m.spec {
@@ -175,12 +197,18 @@ pub fn source(module: &str, spec: &[(&str, String)]) -> Result<String, WgpuError
 
 /// The grid tables of the decoders as one u32 array (layout: quants.wgsl).
 pub fn grid_table() -> Vec<u32> {
-    use strata_quant::grids::{IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
-    let mut t = Vec::with_capacity(912);
+    use strata_quant::grids::{IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
+    let mut t = Vec::with_capacity(912 + 1024);
     t.extend_from_slice(&IQ3S_GRID);
     t.extend_from_slice(&IQ3XXS_GRID);
     t.extend(KSIGNS_IQ2XS.iter().map(|&v| v as u32));
     t.extend(KVALUES_IQ4NL.iter().map(|&v| v as i32 as u32));
+    // IQ2_XS's 8-byte entries as (low, high) words, at 912.
+    t.extend(
+        IQ2XS_GRID
+            .iter()
+            .flat_map(|&g| [g as u32, (g >> 32) as u32]),
+    );
     t
 }
 
@@ -230,6 +258,26 @@ pub fn spec_route(n_exp: usize, k: usize) -> Spec {
     vec![("SPEC_E", n_exp.to_string()), ("SPEC_K", k.to_string())]
 }
 
+/// The entries of `model.wgsl` (the whole-model backend's f32 operations).
+pub const MODEL_ENTRIES: [&str; 16] = [
+    "copy_rows",
+    "write_rows",
+    "eltwise",
+    "rms_norm",
+    "rope",
+    "attend",
+    "hc_u",
+    "hc_combine",
+    "conv_silu",
+    "conv_tail",
+    "gdn_gates",
+    "gdn",
+    "qsa_pool",
+    "qsa_select",
+    "ple_gate",
+    "moe_sum",
+];
+
 /// Every (module, entry, specialization) the catalogue's report shapes compile: what the
 /// MSL translation test covers.
 pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
@@ -250,6 +298,14 @@ pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
         ("pick", "pick_opt2", vec![]),
         ("selftest", "arith", vec![]),
     ];
+    for entry in MODEL_ENTRIES {
+        v.push(("model", entry, vec![]));
+    }
+    for (_, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
+        for entry in ["mm", "mm1", "gather"] {
+            v.push(("mq", entry, vec![("SPEC_TY", ty.id().to_string())]));
+        }
+    }
     for n in [2560usize, 10240] {
         for fmt in ActFmt::ALL {
             for norm in [true, false] {

@@ -1,0 +1,584 @@
+// model: the whole-model operations of the backend boundary that read f32 activations (the
+// quantized products and gathers are mq.wgsl). Each entry mirrors the CPU backend's arithmetic
+// (crates/engine/src/cpu): the same operations in the same order per output value, every
+// product that feeds an add behind nc() and the divisions and square roots correctly rounded,
+// so an entry is bit-exact against the CPU wherever the CPU uses no exp/ln (copies, stores,
+// adds, RMS norm, RoPE with the host's f64 table, pooling, the QSA scores and rules); with exp
+// (sigmoid, silu, softplus, softmax) only the driver's exp differs.
+//
+// Bindings (all entries): 1..5 f32 buffers A..E, 6..8 u32 buffers I, J, K. Unused ones get
+// dummies. Element-wise entries run 64 invocations a group over a 2-D grid (`lin`).
+
+@group(0) @binding(1) var<storage, read_write> A: array<f32>;
+@group(0) @binding(2) var<storage, read_write> B: array<f32>;
+@group(0) @binding(3) var<storage, read_write> C: array<f32>;
+@group(0) @binding(4) var<storage, read_write> D: array<f32>;
+@group(0) @binding(5) var<storage, read_write> E: array<f32>;
+@group(0) @binding(6) var<storage, read_write> I: array<u32>;
+@group(0) @binding(7) var<storage, read_write> J: array<u32>;
+@group(0) @binding(8) var<storage, read_write> K: array<u32>;
+
+const NONE: u32 = 0xffffffffu;
+
+fn lin(g: vec3<u32>, n: vec3<u32>, l: u32) -> u32 { return (g.y * n.x + g.x) * 64u + l; }
+
+// 1 / (1 + exp(-x)): the CPU's sigmoid (only exp is the driver's).
+fn sigm(x: f32) -> f32 { return div_rn(1.0, 1.0 + exp(-x)); }
+fn silu(x: f32) -> f32 { return x * sigm(x); }
+fn softplus(x: f32) -> f32 {
+    if (x > 20.0) { return x; }
+    return log(1.0 + exp(x));
+}
+// Rust's f32::max (a NaN operand gives the other operand).
+fn fmax(a: f32, b: f32) -> f32 {
+    if (is_nan(a)) { return b; }
+    if (is_nan(b)) { return a; }
+    if (b > a) { return b; }
+    return a;
+}
+fn f16r(x: f32) -> f32 { return f16_to_f32(f32_to_f16(x)); }
+
+// ---- memory -------------------------------------------------------------------------------
+
+// B[r·p4 + p5 + c] = A[r·p2 + p3 + c] for r < p0, c < p1.
+@compute @workgroup_size(64)
+fn copy_rows(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+             @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    if (i >= pu(0u) * pu(1u)) { return; }
+    let r = i / pu(1u);
+    let c = i % pu(1u);
+    B[r * pu(4u) + pu(5u) + c] = A[r * pu(2u) + pu(3u) + c];
+}
+
+// Row r of A (p0 rows of p1) into row I[p3 + r] of B (p2 rows); NONE skips; p4: round to F16.
+@compute @workgroup_size(64)
+fn write_rows(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+              @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let cols = pu(1u);
+    if (i >= pu(0u) * cols) { return; }
+    let r = i / cols;
+    let slot = I[pu(3u) + r];
+    if (slot == NONE || slot >= pu(2u)) { return; }
+    var v = A[i];
+    if (pu(4u) != 0u) { v = f16r(v); }
+    B[slot * cols + i % cols] = v;
+}
+
+// ---- element-wise -------------------------------------------------------------------------
+
+// p0 values; p1 op: 0 A += B, 1 A += B[i % p2] (bias), 2 C = A·σ(B), 3 C = silu(A)·B,
+// 4 A += σ(C[i / p2])·B, 5 A = silu(A·p3), 6 A = 2σ(A·p3).
+@compute @workgroup_size(64)
+fn eltwise(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+           @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    if (i >= pu(0u)) { return; }
+    switch pu(1u) {
+        case 0u: { A[i] = A[i] + B[i]; }
+        case 1u: { A[i] = A[i] + B[i % pu(2u)]; }
+        case 2u: { C[i] = A[i] * sigm(B[i]); }
+        case 3u: { C[i] = silu(A[i]) * B[i]; }
+        case 4u: { A[i] = A[i] + nc(sigm(C[i / pu(2u)]) * B[i]); }
+        case 5u: { A[i] = silu(A[i] * pf(3u)); }
+        case 6u: { A[i] = 2.0 * sigm(A[i] * pf(3u)); }
+        default: {}
+    }
+}
+
+// RMS norm of each p2-wide group of rows of p1 (p0 rows), × weight B (p4 = p2: broadcast).
+// One invocation per group: the CPU's sequential sum of squares, then its rms_scale.
+@compute @workgroup_size(64)
+fn rms_norm(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+            @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let group = pu(2u);
+    let per_row = pu(1u) / group;
+    if (i >= pu(0u) * per_row) { return; }
+    let base = i * group;
+    var ss = 0.0;
+    for (var j = 0u; j < group; j = j + 1u) {
+        let v = A[base + j];
+        ss = ss + nc(v * v);
+    }
+    let s = rms_scale(ss, group, pf(3u));
+    var woff = (i % per_row) * group;
+    if (pu(4u) == group) { woff = 0u; }
+    for (var j = 0u; j < group; j = j + 1u) {
+        C[base + j] = nc(A[base + j] * s) * B[woff + j];
+    }
+}
+
+// NeoX rotation in place: p0 rows of p1, heads of p2, p3 rotated pairs, table B (cos, sin per
+// position and pair, p4 positions), positions I from p5. A position past the table gives NaN.
+@compute @workgroup_size(64)
+fn rope(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+        @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let half = pu(3u);
+    let heads = pu(1u) / pu(2u);
+    if (i >= pu(0u) * heads * half) { return; }
+    let p = i % half;
+    let rh = i / half;
+    let row = rh / heads;
+    let base = rh * pu(2u);
+    let pos = I[pu(5u) + row];
+    var c = f_nan();
+    var s = f_nan();
+    if (pos < pu(4u)) {
+        c = B[(pos * half + p) * 2u];
+        s = B[(pos * half + p) * 2u + 1u];
+    }
+    let x0 = A[base + p];
+    let x1 = A[base + p + half];
+    A[base + p] = nc(x0 * c) - nc(x1 * s);
+    A[base + p + half] = nc(x1 * c) + nc(x0 * s);
+}
+
+// ---- attention ----------------------------------------------------------------------------
+
+var<private> qv: array<f32, 256>;
+var<private> ov: array<f32, 256>;
+
+// Query qv against key row t (head offset off, rows of kvc): the CPU's eight interleaved
+// partial sums (attend_causal), or its sequential sum (attend).
+fn score(t: u32, kvc: u32, off: u32, d: u32, eight: bool) -> f32 {
+    let kb = t * kvc + off;
+    if (!eight) {
+        var s = 0.0;
+        for (var j = 0u; j < d; j = j + 1u) { s = s + nc(qv[j] * B[kb + j]); }
+        return s;
+    }
+    var acc = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let whole = d / 8u * 8u;
+    for (var j = 0u; j < whole; j = j + 8u) {
+        for (var u = 0u; u < 8u; u = u + 1u) { acc[u] = acc[u] + nc(qv[j + u] * B[kb + j + u]); }
+    }
+    for (var j = whole; j < d; j = j + 1u) { acc[j - whole] = acc[j - whole] + nc(qv[j] * B[kb + j]); }
+    let s0 = acc[0] + acc[4];
+    let s1 = acc[1] + acc[5];
+    let s2 = acc[2] + acc[6];
+    let s3 = acc[3] + acc[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+// Token `idx` a query row attends to: causal (p5 = 0) is idx itself; a selection (p5 = 1)
+// reads J[row · p6 + 1 + idx].
+fn token(row: u32, idx: u32) -> u32 {
+    if (pu(5u) == 0u) { return idx; }
+    return J[row * pu(6u) + 1u + idx];
+}
+
+// One invocation per (row, head): p0 rows, p1 heads, p2 KV heads, p3 head dim (<= 256),
+// p4 F16, p5 selection mode, p6 selection stride, p7 cache rows, p8 positions offset,
+// p9 the CPU's attend_causal arithmetic (1) or attend's (0). q A, caches B/C, out D.
+@compute @workgroup_size(64)
+fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+          @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let nh = pu(1u);
+    if (i >= pu(0u) * nh) { return; }
+    let row = i / nh;
+    let h = i % nh;
+    let d = pu(3u);
+    let f16 = pu(4u) != 0u;
+    let causal_ar = pu(9u) != 0u;
+    let kvc = pu(2u) * d;
+    let off = (h / (nh / pu(2u))) * d;
+    var cnt = 0u;
+    if (pu(5u) == 0u) { cnt = I[pu(8u) + row] + 1u; } else { cnt = J[row * pu(6u)]; }
+    for (var j = 0u; j < d; j = j + 1u) {
+        var x = A[i * d + j];
+        if (f16) { x = f16r(x); }
+        qv[j] = x;
+        ov[j] = 0.0;
+    }
+    let scale = div_rn(1.0, sqrt_rn(f32(d)));
+    var m = f_neg_inf();
+    for (var x = 0u; x < cnt; x = x + 1u) {
+        let t = token(row, x);
+        if (t >= pu(7u)) { continue; }
+        m = fmax(m, score(t, kvc, off, d, causal_ar) * scale);
+    }
+    var z = 0.0;
+    for (var x = 0u; x < cnt; x = x + 1u) {
+        let t = token(row, x);
+        if (t >= pu(7u)) { continue; }
+        z = z + exp(score(t, kvc, off, d, causal_ar) * scale - m);
+    }
+    let inv = div_rn(1.0, z);
+    for (var x = 0u; x < cnt; x = x + 1u) {
+        let t = token(row, x);
+        if (t >= pu(7u)) { continue; }
+        let p = exp(score(t, kvc, off, d, causal_ar) * scale - m);
+        var w = 0.0;
+        if (causal_ar) { w = p * inv; } else { w = div_rn(p, z); }
+        if (f16) { w = f16r(w); }
+        let vb = t * kvc + off;
+        for (var j = 0u; j < d; j = j + 1u) {
+            var v = C[vb + j];
+            if (f16 && !causal_ar) { v = f16r(v); }
+            ov[j] = ov[j] + nc(w * v);
+        }
+    }
+    for (var j = 0u; j < d; j = j + 1u) { D[i * d + j] = ov[j]; }
+}
+
+// ---- qwen4exp -----------------------------------------------------------------------------
+
+// hc_mix's u: C[r][j] = (Σ_s σ(A[r][s·h + j])·B[r][s·h + j]) · p3, p0 rows, p1 streams, p2 h.
+@compute @workgroup_size(64)
+fn hc_u(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+        @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let h = pu(2u);
+    let st = pu(1u);
+    if (i >= pu(0u) * h) { return; }
+    let r = i / h;
+    let j = i % h;
+    var acc = 0.0;
+    for (var s = 0u; s < st; s = s + 1u) {
+        let o = r * st * h + s * h + j;
+        acc = acc + nc(sigm(A[o]) * B[o]);
+    }
+    C[i] = acc * pf(3u);
+}
+
+// hc_combine: A[r][s·h + j] += C[r][s]·B[r][j] (p3 = 1) or B[r][j]; p0 rows, p1 streams, p2 h.
+@compute @workgroup_size(64)
+fn hc_combine(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+              @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let h = pu(2u);
+    let st = pu(1u);
+    if (i >= pu(0u) * st * h) { return; }
+    let j = i % h;
+    let s = (i / h) % st;
+    let r = i / (h * st);
+    let y = B[r * h + j];
+    if (pu(3u) != 0u) {
+        A[i] = A[i] + nc(C[r * st + s] * y);
+    } else {
+        A[i] = A[i] + y;
+    }
+}
+
+// Causal depthwise conv + silu: x A (p0 rows of p1 channels), kernel B ([c, p2]), history C
+// (p4 rows), out D; taps p3 rows apart. Row index q < p4 reads the history.
+@compute @workgroup_size(64)
+fn conv_silu(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+             @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let c = pu(1u);
+    if (i >= pu(0u) * c) { return; }
+    let r = i / c;
+    let ch = i % c;
+    let k = pu(2u);
+    let hist = pu(4u);
+    var acc = 0.0;
+    for (var tap = 0u; tap < k; tap = tap + 1u) {
+        let q = hist + r - (k - 1u - tap) * pu(3u);
+        var v = 0.0;
+        if (q < hist) { v = C[q * c + ch]; } else { v = A[(q - hist) * c + ch]; }
+        acc = acc + nc(B[ch * k + tap] * v);
+    }
+    D[i] = silu(acc);
+}
+
+// The conv history's new rows into D: the last p4 rows of [history C; x A] (p0 rows of p1).
+@compute @workgroup_size(64)
+fn conv_tail(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+             @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let c = pu(1u);
+    let hist = pu(4u);
+    if (i >= hist * c) { return; }
+    let q = pu(0u) + i / c;
+    if (q < hist) { D[i] = C[q * c + i % c]; } else { D[i] = A[(q - hist) * c + i % c]; }
+}
+
+// GDN gates per (row, value head): E[2i] = σ(b), E[2i+1] = exp(a_h·softplus(a + dt_h)); a A,
+// b B, ssm_a C, dt_bias D; p0 rows, p1 value heads.
+@compute @workgroup_size(64)
+fn gdn_gates(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+             @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    if (i >= pu(0u) * pu(1u)) { return; }
+    let h = i % pu(1u);
+    E[2u * i] = sigm(B[i]);
+    E[2u * i + 1u] = exp(C[h] * softplus(A[i] + D[h]));
+}
+
+var<workgroup> gq: array<f32, 256>;
+var<workgroup> gk: array<f32, 256>;
+var<workgroup> go: array<f32, 256>;
+var<workgroup> gsc: vec2<f32>;
+
+// Gated DeltaNet over the rows in order, one workgroup per value head h (invocation j owns the
+// state's column j): qkv A, z B, gates C, state D (in place), out E, norm weight I (f32 bits).
+// p0 rows, p1 key heads, p2 value heads, p3 head_k (<= 256), p4 head_v (<= 256), p5 eps.
+@compute @workgroup_size(64)
+fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let h = g.x;
+    let nk = pu(1u);
+    let nv = pu(2u);
+    let dk = pu(3u);
+    let dv = pu(4u);
+    let kg = h % nk;
+    let conv = 2u * nk * dk + nv * dv;
+    let sb = h * dk * dv;
+    let qscale = div_rn(1.0, sqrt_rn(f32(dk)));
+    for (var row = 0u; row < pu(0u); row = row + 1u) {
+        let qb = row * conv + kg * dk;
+        let kb = row * conv + nk * dk + kg * dk;
+        if (t == 0u) {
+            var sq = 0.0;
+            var sk = 0.0;
+            for (var i = 0u; i < dk; i = i + 1u) {
+                sq = sq + nc(A[qb + i] * A[qb + i]);
+                sk = sk + nc(A[kb + i] * A[kb + i]);
+            }
+            gsc = vec2<f32>(div_rn(1.0, sqrt_rn(sq + 1e-6)), div_rn(1.0, sqrt_rn(sk + 1e-6)));
+        }
+        workgroupBarrier();
+        for (var i = t; i < dk; i = i + 64u) {
+            gq[i] = (A[qb + i] * gsc.x) * qscale;
+            gk[i] = A[kb + i] * gsc.y;
+        }
+        workgroupBarrier();
+        let beta = C[2u * (row * nv + h)];
+        let decay = C[2u * (row * nv + h) + 1u];
+        for (var j = t; j < dv; j = j + 64u) {
+            var ks = 0.0;
+            for (var i = 0u; i < dk; i = i + 1u) {
+                let s = D[sb + i * dv + j] * decay;
+                D[sb + i * dv + j] = s;
+                ks = ks + nc(gk[i] * s);
+            }
+            let delta = beta * (A[row * conv + 2u * nk * dk + h * dv + j] - ks);
+            var o = 0.0;
+            for (var i = 0u; i < dk; i = i + 1u) {
+                let s = D[sb + i * dv + j] + nc(gk[i] * delta);
+                D[sb + i * dv + j] = s;
+                o = o + nc(gq[i] * s);
+            }
+            go[j] = o;
+        }
+        workgroupBarrier();
+        if (t == 0u) {
+            var ss = 0.0;
+            for (var j = 0u; j < dv; j = j + 1u) { ss = ss + nc(go[j] * go[j]); }
+            gsc = vec2<f32>(rms_scale(ss, dv, pf(5u)), 0.0);
+        }
+        workgroupBarrier();
+        for (var j = t; j < dv; j = j + 64u) {
+            let zi = row * nv * dv + h * dv + j;
+            E[zi] = ((go[j] * gsc.x) * bitcast<f32>(I[j])) * sigm(B[zi]);
+        }
+        workgroupBarrier();
+    }
+}
+
+// Mean of the p2 raw keys (A, p3 rows of p1) of the block row r's position I[p4 + r] completes;
+// zeros for a row that completes none, NaN for a block the store does not hold. Out B.
+@compute @workgroup_size(64)
+fn qsa_pool(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+            @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let d = pu(1u);
+    if (i >= pu(0u) * d) { return; }
+    let r = i / d;
+    let c = i % d;
+    let ratio = pu(2u);
+    let p = I[pu(4u) + r];
+    if ((p + 1u) % ratio != 0u) {
+        B[i] = 0.0;
+        return;
+    }
+    let b = p / ratio;
+    if ((b + 1u) * ratio > pu(3u)) {
+        B[i] = f_nan();
+        return;
+    }
+    var acc = 0.0;
+    for (var q = b * ratio; q < (b + 1u) * ratio; q = q + 1u) { acc = acc + A[q * d + c]; }
+    B[i] = div_rn(acc, f32(ratio));
+}
+
+// Scratch of qsa_select: block scores C (p9 a row), heap indices and flags K (2·p10 a row).
+fn tok_score(row: u32, t: u32, nbr: u32, ratio: u32) -> f32 {
+    if (t < nbr) { return C[row * pu(9u) + t / ratio]; }
+    return 1e9;
+}
+
+fn heap_push(base: u32, hole0: u32, top: u32, value: u32, row: u32, nbr: u32, ratio: u32) {
+    var hole = hole0;
+    let vv = tok_score(row, value, nbr, ratio);
+    loop {
+        if (hole <= top) { break; }
+        let parent = (hole - 1u) / 2u;
+        if (!(tok_score(row, K[base + parent], nbr, ratio) > vv)) { break; }
+        K[base + hole] = K[base + parent];
+        hole = parent;
+    }
+    K[base + hole] = value;
+}
+
+fn heap_adjust(base: u32, hole0: u32, len: u32, value: u32, row: u32, nbr: u32, ratio: u32) {
+    let top = hole0;
+    var hole = hole0;
+    var second = hole0;
+    var lim = 0u;
+    if (len > 0u) { lim = (len - 1u) / 2u; }
+    loop {
+        if (second >= lim) { break; }
+        second = 2u * (second + 1u);
+        if (tok_score(row, K[base + second], nbr, ratio) > tok_score(row, K[base + second - 1u], nbr, ratio)) {
+            second = second - 1u;
+        }
+        K[base + hole] = K[base + second];
+        hole = second;
+    }
+    if ((len & 1u) == 0u && len >= 2u && second == (len - 2u) / 2u) {
+        second = 2u * (second + 1u);
+        K[base + hole] = K[base + second - 1u];
+        hole = second - 1u;
+    }
+    heap_push(base, hole, top, value, row, nbr, ratio);
+}
+
+// f32 total order as an unsigned key (Rust's total_cmp).
+fn tkey(x: f32) -> u32 {
+    let u = bitcast<u32>(x);
+    if ((u & 0x80000000u) != 0u) { return ~u; }
+    return u | 0x80000000u;
+}
+
+// QSA selection, one invocation per query row: queries A (p0 rows of p1, heads of p2), pooled
+// blocks B (p7 rows), positions I from p8, block size p3, budget p4, rule p5 (0 reference,
+// 1 llama.cpp). Out J: per row [count, tokens ascending] in rows of p6.
+@compute @workgroup_size(64)
+fn qsa_select(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+              @builtin(local_invocation_index) l: u32) {
+    let row = lin(g, n, l);
+    if (row >= pu(0u)) { return; }
+    let qc = pu(1u);
+    let d = pu(2u);
+    let ratio = pu(3u);
+    let budget = pu(4u);
+    let pos = I[pu(8u) + row];
+    let nb = min((pos + 1u) / ratio, pu(7u));
+    let scale = div_rn(1.0, sqrt_rn(f32(d)));
+    let sbase = row * pu(9u);
+    for (var b = 0u; b < nb; b = b + 1u) {
+        var s = 0.0;
+        for (var h = 0u; h < qc / d; h = h + 1u) {
+            var dot = 0.0;
+            for (var j = 0u; j < d; j = j + 1u) { dot = dot + nc(A[row * qc + h * d + j] * B[b * d + j]); }
+            s = s + fmax(dot, 0.0);
+        }
+        C[sbase + b] = s * scale;
+    }
+    let kb = row * 2u * pu(10u);
+    let fl = kb + pu(10u);
+    let ob = row * pu(6u);
+    var cnt = 0u;
+    if (pu(5u) == 0u) {
+        let keep = min(budget / ratio, nb);
+        for (var b = 0u; b < nb; b = b + 1u) { K[fl + b] = 0u; }
+        for (var x = 0u; x < keep; x = x + 1u) {
+            var best = NONE;
+            var bk = 0u;
+            for (var b = 0u; b < nb; b = b + 1u) {
+                if (K[fl + b] != 0u) { continue; }
+                let kk = tkey(C[sbase + b]);
+                if (best == NONE || kk > bk) {
+                    best = b;
+                    bk = kk;
+                }
+            }
+            K[fl + best] = 1u;
+        }
+        for (var b = 0u; b < nb; b = b + 1u) {
+            if (K[fl + b] == 0u) { continue; }
+            for (var t = b * ratio; t < (b + 1u) * ratio; t = t + 1u) {
+                cnt = cnt + 1u;
+                J[ob + cnt] = t;
+            }
+        }
+        for (var t = nb * ratio; t <= pos; t = t + 1u) {
+            cnt = cnt + 1u;
+            J[ob + cnt] = t;
+        }
+    } else {
+        let total = pos + 1u;
+        let nbr = nb * ratio;
+        let k = min(total, budget + ratio - 1u);
+        for (var t = 0u; t < total; t = t + 1u) {
+            K[kb + t] = t;
+            K[fl + t] = 0u;
+        }
+        if (k >= 2u) {
+            var parent = (k - 2u) / 2u;
+            loop {
+                heap_adjust(kb, parent, k, K[kb + parent], row, nbr, ratio);
+                if (parent == 0u) { break; }
+                parent = parent - 1u;
+            }
+        }
+        if (k > 0u) {
+            for (var x = k; x < total; x = x + 1u) {
+                if (tok_score(row, K[kb + x], nbr, ratio) > tok_score(row, K[kb], nbr, ratio)) {
+                    let v = K[kb + x];
+                    K[kb + x] = K[kb];
+                    heap_adjust(kb, 0u, k, v, row, nbr, ratio);
+                }
+            }
+        }
+        for (var x = 0u; x < k; x = x + 1u) { K[fl + K[kb + x]] = 1u; }
+        for (var t = 0u; t < total; t = t + 1u) {
+            if (K[fl + t] != 0u) {
+                cnt = cnt + 1u;
+                J[ob + cnt] = t;
+            }
+        }
+    }
+    J[ob] = cnt;
+}
+
+// PLE gate per (row, stream): z = <K_s, Q_s>·p3 (A, B: p0 rows of p1 streams × p2), out D =
+// σ(sign(z)·sqrt(max(|z|, 1e-6)))·V (C, p0 rows of p2).
+@compute @workgroup_size(64)
+fn ple_gate(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+            @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let st = pu(1u);
+    let h = pu(2u);
+    if (i >= pu(0u) * st) { return; }
+    let r = i / st;
+    let base = i * h;
+    var z = 0.0;
+    for (var j = 0u; j < h; j = j + 1u) { z = z + nc(A[base + j] * B[base + j]); }
+    z = z * pf(3u);
+    var sg = 0.0;
+    if (z > 0.0) { sg = sqrt_rn(fmax(abs(z), 1e-6)); }
+    if (z < 0.0) { sg = -sqrt_rn(fmax(abs(z), 1e-6)); }
+    let gamma = sigm(sg);
+    for (var j = 0u; j < h; j = j + 1u) { D[base + j] = gamma * C[r * h + j]; }
+}
+
+// MoE combine: A[r][c] = Σ_j C[r·p1 + j]·B[(r·p1 + j)·p2 + c], from 0 in rank order (p0 rows).
+@compute @workgroup_size(64)
+fn moe_sum(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+           @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let k = pu(1u);
+    let h = pu(2u);
+    if (i >= pu(0u) * h) { return; }
+    let r = i / h;
+    let c = i % h;
+    var acc = 0.0;
+    for (var j = 0u; j < k; j = j + 1u) { acc = acc + nc(C[r * k + j] * B[(r * k + j) * h + c]); }
+    A[i] = acc;
+}

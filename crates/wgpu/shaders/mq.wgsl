@@ -1,0 +1,151 @@
+// mq: the model's reads of weights in their file formats, one storage binding per weight part
+// (a weight larger than the adapter's binding limit is split by rows, one dispatch a part).
+// `mm` is gemv.wgsl's baseline product (lane l adds nc(w_i·x_i) for i = l + 256k, then
+// block_sum256), so an output's bits depend only on its weight row and activation row, never on
+// the batch, the part or the dispatch: prefill rows equal single-token rows. `gather` is
+// embed.wgsl's decoder with a part's row range and repeated copies.
+//
+// The weight format is a specialization constant (SPEC_TY): one pipeline per format, so the
+// decoder's switch folds to one case (lavapipe pays per dispatch for the whole switch).
+//
+// Bindings: 1 W (the part's bytes), 2 XQ (activation images), 3 Y (f32 out), 4 TAB (grids),
+// 5 IDS (u32: the rows or experts to read).
+
+@group(0) @binding(1) var<storage, read_write> W: array<u32>;
+@group(0) @binding(2) var<storage, read_write> XQ: array<u32>;
+@group(0) @binding(3) var<storage, read_write> Y: array<f32>;
+@group(0) @binding(4) var<storage, read_write> TAB: array<u32>;
+@group(0) @binding(5) var<storage, read_write> IDS: array<u32>;
+
+fn xb(o: u32) -> u32 { return (XQ[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
+fn xh(o: u32) -> u32 { return xb(o) | (xb(o + 1u) << 8u); }
+
+// Element i of activation row tok (images of kernels::actq; F32 rows as they are).
+fn xv(fmt: u32, xrb: u32, tok: u32, i: u32) -> f32 {
+    let r = tok * xrb;
+    if (fmt == 0u) { return bitcast<f32>(XQ[(r >> 2u) + i]); }
+    if (fmt == 1u) { return bf16_to_f32(xh(r + 2u * i)); }
+    if (fmt == 2u) {
+        let b = r + 34u * (i / 32u);
+        return f32(sext8(xb(b + 2u + i % 32u))) * f16_to_f32(xh(b));
+    }
+    let b = r + 292u * (i / 256u);
+    return bitcast<f32>(XQ[b >> 2u]) * f32(sext8(xb(b + 4u + i % 256u)));
+}
+
+// Y[t·p12 + col] = W[row] · x_{t / p15} for output item o of token t (groups: x·y items, z
+// tokens). p0 format, p1 items, p2 k, p4 weight row bytes, p5 image row bytes, p6 block size,
+// p7 block bytes, p8 image format, p9 mode, p10 the part's first row, p11 its rows, p13 IDS
+// offset, p14 rows per expert, p16 groups in x. Mode 0: row p10 + o into column p10 + o;
+// 1: row IDS[p13 + o] into column o; 2: row IDS[p13 + t]·p14 + o (an expert's slab) into o.
+@compute @workgroup_size(256)
+fn mm(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let o = g.y * pu(16u) + g.x;
+    let tok = g.z;
+    // Every invocation reaches the barriers of block_sum256 (whether an item is this part's
+    // depends on IDS, which uniformity analysis cannot see as uniform).
+    let mode = pu(9u);
+    let row0 = pu(10u);
+    var grow = row0 + o;
+    var col = grow;
+    if (mode == 1u && o < pu(1u)) {
+        grow = IDS[pu(13u) + o];
+        col = o;
+    } else if (mode == 2u) {
+        grow = IDS[pu(13u) + tok] * pu(14u) + o;
+        col = o;
+    }
+    let live = o < pu(1u) && grow >= row0 && grow - row0 < pu(11u);
+    let lr = grow - row0;
+    let ty = pu(0u);
+    let k = pu(2u);
+    let wrb = pu(4u);
+    let bs = pu(6u);
+    let ts = pu(7u);
+    let xt = tok / pu(15u);
+    var acc = 0.0;
+    if (live) {
+        for (var i = t; i < k; i = i + 256u) {
+            let w = deq(SPEC_TY, lr * wrb + (i / bs) * ts, i % bs);
+            acc = acc + nc(w * xv(pu(8u), pu(5u), xt, i));
+        }
+    }
+    let s = block_sum256(acc, t);
+    if (t == 0u && live) { Y[tok * pu(12u) + col] = s; }
+}
+
+// Rows IDS[p7 + slot] of the table, each written p8 times along the output row: p0 format,
+// p1 row length, p2 row bytes, p3 the part's first row, p4 its rows, p5 block size, p6 block
+// bytes, p9 the table's rows (an id past them gives a NaN row, written by part 0).
+@compute @workgroup_size(256)
+fn gather(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let slot = g.x;
+    let id = IDS[pu(7u) + slot];
+    let n = pu(1u);
+    let copies = pu(8u);
+    let row0 = pu(3u);
+    let inside = id >= row0 && id - row0 < pu(4u);
+    let bad = id >= pu(9u) && row0 == 0u;
+    if (!inside && !bad) { return; }
+    for (var i = t; i < n; i = i + 256u) {
+        var v = f_nan();
+        if (inside) { v = deq(SPEC_TY, (id - row0) * pu(2u) + (i / pu(5u)) * pu(6u), i % pu(5u)); }
+        for (var c = 0u; c < copies; c = c + 1u) { Y[(slot * copies + c) * n + i] = v; }
+    }
+}
+
+
+// `mm` with one invocation per (item, token), bit for bit: the invocation keeps the 256 lane
+// sums itself and reduces them in block_sum256's tree (a CPU adapter such as lavapipe runs a
+// 256-wide workgroup's barriers as coroutine switches; this version has none). Same parameters;
+// invocations over a 2-D grid of 64-wide groups, p17 items × tokens.
+@compute @workgroup_size(64)
+fn mm1(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
+       @builtin(local_invocation_index) l: u32) {
+    let gi = (g.y * nw.x + g.x) * 64u + l;
+    if (gi >= pu(17u)) { return; }
+    let o = gi % pu(1u);
+    let tok = gi / pu(1u);
+    let mode = pu(9u);
+    let row0 = pu(10u);
+    var grow = row0 + o;
+    var col = grow;
+    if (mode == 1u) {
+        grow = IDS[pu(13u) + o];
+        col = o;
+    } else if (mode == 2u) {
+        grow = IDS[pu(13u) + tok] * pu(14u) + o;
+        col = o;
+    }
+    if (grow < row0 || grow - row0 >= pu(11u)) { return; }
+    let lr = grow - row0;
+    let ty = pu(0u);
+    let k = pu(2u);
+    let wrb = pu(4u);
+    let bs = pu(6u);
+    let ts = pu(7u);
+    let xt = tok / pu(15u);
+    // Lanes at or past k hold +0 in `mm` and a lane sum is never −0 (acc starts at +0), so
+    // adding them changes nothing: only the first nl lanes are summed and reduced.
+    let nl = min(k, 256u);
+    var lanes: array<f32, 256>;
+    for (var t = 0u; t < nl; t = t + 1u) {
+        var acc = 0.0;
+        for (var i = t; i < k; i = i + 256u) {
+            let w = deq(SPEC_TY, lr * wrb + (i / bs) * ts, i % bs);
+            acc = acc + nc(w * xv(pu(8u), pu(5u), xt, i));
+        }
+        lanes[t] = acc;
+    }
+    for (var s = 16u; s > 0u; s = s >> 1u) {
+        for (var t = 0u; t + s < nl; t = t + 1u) {
+            if ((t & 31u) < s) { lanes[t] = lanes[t] + lanes[t + s]; }
+        }
+    }
+    for (var s = 4u; s > 0u; s = s >> 1u) {
+        for (var t = 0u; t < s; t = t + 1u) {
+            if (32u * (t + s) < nl) { lanes[32u * t] = lanes[32u * t] + lanes[32u * (t + s)]; }
+        }
+    }
+    Y[tok * pu(12u) + col] = lanes[0];
+}

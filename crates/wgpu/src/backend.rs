@@ -1,0 +1,1365 @@
+//! [`WgpuBackend`]: the core [`Backend`] of `strata_engine` on wgpu, so `qwen2::Model` and
+//! `qwen4exp::Model` run unchanged on Vulkan, Metal or lavapipe. This module owns the device
+//! buffers of the boundary (activations, ids, weights in their file formats split under the
+//! binding limit, routes), the recording of a step's dispatches into one command stream, and the
+//! core operations; qwen4exp's family operations are in [`crate::qwen4exp`].
+//!
+//! **Steps.** Operations never submit: each appends its dispatches to the pending list, and the
+//! list is submitted as one compute pass when a step ends (or when a download needs the
+//! results), so nothing is read back inside a step. Temporaries are fresh buffers (a re-encoding
+//! backend, not a capturing one); wgpu keeps them alive until the dispatches that use them ran.
+//!
+//! **Numerics** (DESIGN.md §3). Against the CPU backend: copies, stores, adds, biases, RMS norm,
+//! RoPE (cos/sin from the CPU's own f64 formula, tabled on the host), the activation images,
+//! pooling and the QSA scores and rules are bit-exact; sigmoid/silu/softplus/softmax differ by
+//! the driver's `exp`; products by their summation order (the 256-lane tree of `gemv.wgsl`
+//! instead of the CPU's block-integer dot). Every output depends only on its own row, so a
+//! prefill gives the same bits as token-by-token decode (tests/model.rs checks it).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use strata_engine::backend::{
+    AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, StepKey, Usage,
+};
+use strata_engine::kernels::ActFmt;
+use strata_engine::{EngineError, Result};
+use strata_gguf::{GgufFile, TensorInfo};
+use strata_quant::GgmlType;
+
+use crate::device::{Buf, Launch, Wgpu};
+use crate::shaders;
+use crate::WgpuError;
+
+/// Largest element count of a weight that also gets an f32 image (norm weights, biases, conv
+/// kernels, per-head constants: the tensors read element-wise).
+const VALUES_MAX: u64 = 1 << 22;
+
+/// Largest head (attention, GDN) the kernels' private arrays hold.
+const MAX_HEAD: usize = 256;
+
+pub(crate) fn dev(e: WgpuError) -> EngineError {
+    EngineError::Input(format!("wgpu backend: {e}"))
+}
+
+pub(crate) fn shape(op: &'static str, what: impl Into<String>) -> EngineError {
+    EngineError::Shape {
+        op,
+        what: what.into(),
+    }
+}
+
+pub(crate) fn u32_of(op: &'static str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| shape(op, format!("{v} exceeds the kernels' 32-bit indices")))
+}
+
+/// A 2-D f32 activation buffer: the first `rows·cols` values of `b`.
+#[derive(Clone)]
+pub struct WBuf {
+    pub(crate) b: Arc<Buf>,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+}
+
+impl DeviceBuf for WBuf {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// u32 ids on the device: entries `off..off + len` of `b` (views share the buffer).
+#[derive(Clone)]
+pub struct WIds {
+    pub(crate) b: Arc<Buf>,
+    pub(crate) off: usize,
+    pub(crate) len: usize,
+}
+
+impl DeviceIds for WIds {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Rows `row0..row0 + rows` of a weight, in one storage buffer.
+pub(crate) struct Part {
+    pub(crate) b: Buf,
+    pub(crate) row0: usize,
+    pub(crate) rows: usize,
+}
+
+/// A weight in its file format, split by rows so no part exceeds the binding limit, plus an
+/// f32 image when it is small.
+pub struct WWeight {
+    name: String,
+    ty: GgmlType,
+    dims: Vec<u64>,
+    pub(crate) row_len: usize,
+    pub(crate) row_bytes: usize,
+    pub(crate) parts: Vec<Part>,
+    pub(crate) values: Option<(Buf, usize)>,
+}
+
+impl WWeight {
+    /// Rows of one matrix (`dims[1]`; 1 for a vector).
+    pub(crate) fn n_rows2(&self) -> usize {
+        self.dims.get(1).copied().unwrap_or(1) as usize
+    }
+
+    /// The f32 image and its length (tensors read element-wise).
+    pub(crate) fn values(&self) -> Result<(&Buf, usize)> {
+        self.values.as_ref().map(|(b, n)| (b, *n)).ok_or_else(|| {
+            shape(
+                "weight values",
+                format!("{} is too large for an f32 image", self.name),
+            )
+        })
+    }
+
+    /// How many storage buffers hold the weight's bytes.
+    pub fn parts(&self) -> usize {
+        self.parts.len()
+    }
+}
+
+impl DeviceWeight for WWeight {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    fn dims(&self) -> &[u64] {
+        &self.dims
+    }
+}
+
+/// Router decisions on the device: per row `k` expert ids (i32) and weights.
+pub struct WRoutes {
+    pub(crate) ids: Buf,
+    pub(crate) wts: Buf,
+    pub(crate) rows: usize,
+    pub(crate) k: usize,
+}
+
+/// Counters of the command streams (for the tests and PERF notes).
+#[derive(Default, Debug, Clone, Copy)]
+pub struct Counters {
+    pub dispatches: u64,
+    pub submits: u64,
+}
+
+/// RoPE cos/sin tables by (rotated dims, theta bits): (table, positions it covers).
+type RopeTables = HashMap<(usize, u32), (Arc<Buf>, usize)>;
+
+/// The whole-model backend on one wgpu adapter.
+pub struct WgpuBackend {
+    pub(crate) g: Arc<Wgpu>,
+    tab: Buf,
+    dummies: Vec<Buf>,
+    pending: Mutex<Vec<Launch>>,
+    /// RoPE cos/sin tables by (rotated dims, theta bits): (table, positions it covers).
+    rope: Mutex<RopeTables>,
+    /// Largest store capacity asked for (the RoPE tables cover that many positions).
+    max_cap: AtomicUsize,
+    dispatches: AtomicU64,
+    submits: AtomicU64,
+    split: AtomicUsize,
+    /// Products by `mq::mm1` (one invocation an output) instead of `mq::mm` (a workgroup an
+    /// output): the same bits; the default on CPU adapters, `STRATA_WGPU_MM=wg|lanes` forces.
+    lane_products: bool,
+    /// The first failed submit of a step, until a download reports it.
+    failed: Mutex<Option<String>>,
+    /// Largest part of a weight (the binding limit, or less: a test forces small parts).
+    weight_limit: u64,
+    /// Per-kernel (count, seconds) when `STRATA_WGPU_PROFILE` is set.
+    profile: Option<Mutex<HashMap<String, (u64, f64)>>>,
+}
+
+/// The formats the decoders read (`quants.wgsl`).
+fn readable(ty: GgmlType) -> bool {
+    shaders::FORMATS
+        .iter()
+        .chain(&shaders::FLOAT_FORMATS)
+        .any(|(_, t)| *t == ty)
+}
+
+/// (x groups, y groups) covering `n` invocations of 64.
+fn grid(n: usize) -> (u32, u32, u32) {
+    let groups = n.div_ceil(64).max(1);
+    let gx = groups.min(65535);
+    (gx as u32, groups.div_ceil(gx) as u32, 1)
+}
+
+/// (x groups, y groups) covering `n` items of one workgroup each, and the x count.
+fn item_grid(n: usize) -> (u32, u32) {
+    let n = n.max(1);
+    let gx = n.min(65535);
+    (gx as u32, n.div_ceil(gx) as u32)
+}
+
+impl WgpuBackend {
+    /// The adapter `sel` (an index into [`crate::list_adapters`] or part of an adapter's name;
+    /// `None`: `STRATA_WGPU_ADAPTER`, else the first GPU, else a CPU adapter such as lavapipe).
+    /// No adapter is an error that says what to install.
+    pub fn new(sel: Option<&str>) -> Result<WgpuBackend, WgpuError> {
+        let g = match sel {
+            Some(s) => Wgpu::open(Some(s))?,
+            None => Wgpu::new()?,
+        };
+        WgpuBackend::with_device(g)
+    }
+
+    /// A backend on an opened device (a test lowers its binding limit first).
+    pub fn with_device(g: Wgpu) -> Result<WgpuBackend, WgpuError> {
+        let tab = g.upload("grid tables", &shaders::grid_table())?;
+        let dummies = (0..8)
+            .map(|_| g.alloc("unused binding", 4))
+            .collect::<Result<_, _>>()?;
+        let lane_products = match std::env::var("STRATA_WGPU_MM").as_deref() {
+            Ok("lanes") => true,
+            Ok("wg") => false,
+            _ => g.is_cpu(),
+        };
+        Ok(WgpuBackend {
+            g: Arc::new(g),
+            tab,
+            dummies,
+            pending: Mutex::new(Vec::new()),
+            rope: Mutex::new(HashMap::new()),
+            max_cap: AtomicUsize::new(0),
+            dispatches: AtomicU64::new(0),
+            submits: AtomicU64::new(0),
+            split: AtomicUsize::new(0),
+            lane_products,
+            failed: Mutex::new(None),
+            weight_limit: u64::MAX,
+            profile: std::env::var_os("STRATA_WGPU_PROFILE").map(|_| Mutex::new(HashMap::new())),
+        })
+    }
+
+    /// Chooses the product kernel (`mq::mm1` when true, else `mq::mm`; the same bits).
+    pub fn with_lane_products(mut self, on: bool) -> WgpuBackend {
+        self.lane_products = on;
+        self
+    }
+
+    /// Splits weights into parts of at most `bytes` (below the adapter's binding limit).
+    pub fn with_weight_part_limit(mut self, bytes: u64) -> WgpuBackend {
+        self.weight_limit = bytes;
+        self
+    }
+
+    pub fn device(&self) -> &Wgpu {
+        &self.g
+    }
+
+    pub fn counters(&self) -> Counters {
+        Counters {
+            dispatches: self.dispatches.load(Ordering::Relaxed),
+            submits: self.submits.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Per-kernel dispatch counts and seconds, slowest first (with `STRATA_WGPU_PROFILE`).
+    pub fn profile(&self) -> Vec<(String, u64, f64)> {
+        let Some(p) = &self.profile else {
+            return Vec::new();
+        };
+        let mut v: Vec<_> = p
+            .lock()
+            .map(|m| m.iter().map(|(k, (n, s))| (k.clone(), *n, *s)).collect())
+            .unwrap_or_default();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
+    }
+
+    /// Weights loaded so far whose bytes span more than one storage buffer.
+    pub fn split_weights(&self) -> usize {
+        self.split.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn push(&self, l: Launch) -> Result<()> {
+        if let Some(p) = &self.profile {
+            // Profiling: every dispatch on its own, waited for (breaks the one-stream rule on
+            // purpose; only with STRATA_WGPU_PROFILE set).
+            self.flush()?;
+            let t = std::time::Instant::now();
+            self.g.submit(std::slice::from_ref(&l)).map_err(dev)?;
+            self.g.wait().map_err(dev)?;
+            let mut p = p.lock().map_err(|_| dev(WgpuError::Poisoned))?;
+            let e = p.entry(l.name.clone()).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += t.elapsed().as_secs_f64();
+            self.dispatches.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        self.pending
+            .lock()
+            .map_err(|_| dev(WgpuError::Poisoned))?
+            .push(l);
+        self.dispatches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Submits the pending dispatches as one command stream.
+    /// A failure of an earlier step's submit, returned once (then cleared).
+    fn take_failure(&self) -> Result<()> {
+        match self
+            .failed
+            .lock()
+            .map_err(|_| dev(WgpuError::Poisoned))?
+            .take()
+        {
+            Some(e) => Err(EngineError::Input(format!(
+                "a step failed on the device: {e}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        let work = std::mem::take(&mut *self.pending.lock().map_err(|_| dev(WgpuError::Poisoned))?);
+        if work.is_empty() {
+            return Ok(());
+        }
+        self.submits.fetch_add(1, Ordering::Relaxed);
+        self.g.submit(&work).map_err(dev)
+    }
+
+    pub(crate) fn alloc(&self, what: &str, values: usize) -> Result<Arc<Buf>> {
+        Ok(Arc::new(
+            self.g.alloc(what, values as u64 * 4).map_err(dev)?,
+        ))
+    }
+
+    pub(crate) fn buf(&self, what: &str, rows: usize, cols: usize) -> Result<WBuf> {
+        Ok(WBuf {
+            b: self.alloc(what, rows * cols)?,
+            rows,
+            cols,
+        })
+    }
+
+    /// One dispatch of a `model.wgsl` entry: f32 buffers A..E, u32 buffers I..K.
+    pub(crate) fn model(
+        &self,
+        entry: &str,
+        params: &[u32],
+        f: [Option<&Buf>; 5],
+        u: [Option<&Buf>; 3],
+        groups: (u32, u32, u32),
+    ) -> Result<()> {
+        let mut bufs: Vec<&Buf> = Vec::with_capacity(8);
+        for (i, b) in f.iter().chain(u.iter()).enumerate() {
+            bufs.push(b.unwrap_or(&self.dummies[i]));
+        }
+        let l = self
+            .g
+            .launch("model", entry, &[], params, &bufs, groups)
+            .map_err(dev)?;
+        self.push(l)
+    }
+
+    /// Element-wise entry over `n` invocations.
+    pub(crate) fn model_n(
+        &self,
+        entry: &str,
+        params: &[u32],
+        f: [Option<&Buf>; 5],
+        u: [Option<&Buf>; 3],
+        n: usize,
+    ) -> Result<()> {
+        self.model(entry, params, f, u, grid(n))
+    }
+
+    fn eltwise(&self, op: u32, n: usize, extra: &[u32], f: [Option<&Buf>; 5]) -> Result<()> {
+        let mut p = vec![u32_of("eltwise", n)?, op];
+        p.extend_from_slice(extra);
+        self.model_n("eltwise", &p, f, [None; 3], n)
+    }
+
+    /// `rows` rows of `len` from `src` (stride `ss`, offset `so`) to `dst` (`ds`, `do_`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy_rows(
+        &self,
+        src: &Buf,
+        dst: &Buf,
+        rows: usize,
+        len: usize,
+        ss: usize,
+        so: usize,
+        ds: usize,
+        do_: usize,
+    ) -> Result<()> {
+        let op = "copy";
+        let p = [
+            u32_of(op, rows)?,
+            u32_of(op, len)?,
+            u32_of(op, ss)?,
+            u32_of(op, so)?,
+            u32_of(op, ds)?,
+            u32_of(op, do_)?,
+        ];
+        self.model_n(
+            "copy_rows",
+            &p,
+            [Some(src), Some(dst), None, None, None],
+            [None; 3],
+            rows * len,
+        )
+    }
+
+    /// `x`'s rows as the activation image `w` pairs with (kernels::actq, the CPU's bits), and
+    /// the image's row bytes; F32 activations are `x` itself.
+    pub(crate) fn image(
+        &self,
+        x: &WBuf,
+        ty: GgmlType,
+        name: &str,
+    ) -> Result<(Arc<Buf>, usize, ActFmt)> {
+        let fmt = ActFmt::for_weight(ty).ok_or_else(|| {
+            shape(
+                "matmul",
+                format!("{name}: {ty} has no activation format on wgpu"),
+            )
+        })?;
+        let k = x.cols;
+        if fmt == ActFmt::F32 {
+            return Ok((x.b.clone(), 4 * k, fmt));
+        }
+        // The images are block-local, so rows may be imaged in pairs (as one row of 2k): that
+        // keeps a Q8_0 image whose row is an odd number of 34-byte blocks in whole words.
+        let rb = fmt.row_bytes(k).filter(|_| k > 0);
+        let pack = if rb.is_some_and(|b| b.is_multiple_of(4)) {
+            1
+        } else {
+            2
+        };
+        let rb = rb
+            .filter(|b| (pack * b).is_multiple_of(4) && pack * k <= crate::ops::MAX_NORM_ROW)
+            .ok_or_else(|| {
+                shape(
+                    "matmul",
+                    format!(
+                        "{name}: rows of {k} have no {} image the kernels take (whole 4-byte words, at most {} values)",
+                        fmt.name(),
+                        crate::ops::MAX_NORM_ROW
+                    ),
+                )
+            })?;
+        let rows = x.rows.div_ceil(pack);
+        let out = Arc::new(
+            self.g
+                .alloc("activation image", (rows.max(1) * pack * rb) as u64)
+                .map_err(dev)?,
+        );
+        if rows > 0 {
+            // A pair's missing second row (odd row counts) reads clamped values: its image
+            // bytes are past the rows and never read.
+            let p = [
+                u32_of("xprep", pack * k)?,
+                0,
+                fmt.code(),
+                u32_of("xprep", rows)?,
+                0,
+            ];
+            let l = self
+                .g
+                .launch(
+                    "norm",
+                    "rms_xprep_base",
+                    &[],
+                    &p,
+                    &[&x.b, &self.dummies[0], &out],
+                    (u32_of("xprep", rows)?, 1, 1),
+                )
+                .map_err(dev)?;
+            self.push(l)?;
+        }
+        Ok((out, rb, fmt))
+    }
+
+    /// One `mq::mm` dispatch per part of `w`: items `items` (mode 0: the part's rows), tokens
+    /// `nt`, activation row `t / x_div`, output rows of `y_stride`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn mm(
+        &self,
+        w: &WWeight,
+        xq: &Buf,
+        xrb: usize,
+        fmt: ActFmt,
+        y: &Buf,
+        y_stride: usize,
+        nt: usize,
+        mode: u32,
+        items: usize,
+        ids: Option<(&Buf, usize)>,
+        rows_per_expert: usize,
+        x_div: usize,
+    ) -> Result<()> {
+        let op = "matmul";
+        if nt == 0 {
+            return Ok(());
+        }
+        if nt > 65535 {
+            return Err(shape(
+                op,
+                format!("{nt} rows in one product (at most 65535)"),
+            ));
+        }
+        let k = w.row_len;
+        for part in &w.parts {
+            let n_items = if mode == 0 { part.rows } else { items };
+            let (gx, gy) = item_grid(n_items);
+            let total = n_items * nt;
+            let p = [
+                w.ty.id(),
+                u32_of(op, n_items)?,
+                u32_of(op, k)?,
+                u32_of(op, nt)?,
+                u32_of(op, w.row_bytes)?,
+                u32_of(op, xrb)?,
+                u32_of(op, w.ty.block_size())?,
+                u32_of(op, w.ty.type_size())?,
+                fmt.code(),
+                mode,
+                u32_of(op, part.row0)?,
+                u32_of(op, part.rows)?,
+                u32_of(op, y_stride)?,
+                u32_of(op, ids.map_or(0, |(_, o)| o))?,
+                u32_of(op, rows_per_expert)?,
+                u32_of(op, x_div.max(1))?,
+                gx,
+                u32_of(op, total)?,
+            ];
+            let idb = ids.map_or(&self.dummies[0], |(b, _)| b);
+            let bufs = [&part.b, xq, y, &self.tab, idb];
+            let spec = [("SPEC_TY", w.ty.id().to_string())];
+            let l = if self.lane_products {
+                self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total))
+            } else {
+                self.g
+                    .launch("mq", "mm", &spec, &p, &bufs, (gx, gy, nt as u32))
+            }
+            .map_err(dev)?;
+            let mut l = l;
+            if self.profile.is_some() {
+                l.name = format!("{} {}: {n_items}×{nt} k {k} mode {mode}", l.name, w.name);
+            }
+            self.push(l)?;
+        }
+        Ok(())
+    }
+
+    fn check_matmul(w: &WWeight, x: &WBuf) -> Result<()> {
+        if w.dims.len() > 2 || x.cols != w.row_len {
+            return Err(shape(
+                "matmul",
+                format!("{}: rows of {} against weight {:?}", w.name, x.cols, w.dims),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The RoPE table of (rot, theta) covering the largest store's positions.
+    fn rope_table(&self, rot: usize, theta: f32) -> Result<(Arc<Buf>, usize)> {
+        let want = self.max_cap.load(Ordering::Relaxed).max(1);
+        let mut t = self.rope.lock().map_err(|_| dev(WgpuError::Poisoned))?;
+        if let Some((b, n)) = t.get(&(rot, theta.to_bits())) {
+            if *n >= want {
+                return Ok((b.clone(), *n));
+            }
+        }
+        // The CPU's formula (cpu::ops::rope_freqs / rope_row), in f64, rounded to f32.
+        let half = rot / 2;
+        let freqs: Vec<f64> = (0..half)
+            .map(|i| (theta as f64).powf(-(2.0 * i as f64) / rot as f64))
+            .collect();
+        let mut v = Vec::with_capacity(want * half * 2);
+        for pos in 0..want {
+            for &f in &freqs {
+                let a = pos as f64 * f;
+                v.push(a.cos() as f32);
+                v.push(a.sin() as f32);
+            }
+        }
+        let b = Arc::new(self.g.upload("rope table", &v).map_err(dev)?);
+        t.insert((rot, theta.to_bits()), (b.clone(), want));
+        Ok((b, want))
+    }
+}
+
+impl Backend for WgpuBackend {
+    type Buf = WBuf;
+    type Weight = WWeight;
+    type Ids = WIds;
+    type Routes = WRoutes;
+
+    fn name(&self) -> &'static str {
+        "wgpu"
+    }
+
+    fn supports(&self, ty: GgmlType, usage: Usage) -> bool {
+        match usage {
+            Usage::MatMul => readable(ty) && ActFmt::for_weight(ty).is_some(),
+            Usage::Rows => readable(ty),
+            Usage::Values => strata_quant::format_fns(ty).dequantize.is_some(),
+        }
+    }
+
+    fn load_weight(&self, file: &Arc<GgufFile>, info: &TensorInfo) -> Result<WWeight> {
+        let ty = file.tensor_type(info)?;
+        let bytes = file.tensor_data(info)?;
+        let row_len = info.ne(0) as usize;
+        let n = info.n_elements;
+        let row_bytes = ty.row_bytes(row_len).filter(|&b| b > 0).ok_or_else(|| {
+            shape(
+                "load_weight",
+                format!("{}: rows of {row_len} are not whole {ty} blocks", info.name),
+            )
+        })?;
+        let total_rows = bytes.len() / row_bytes;
+        let mut parts = Vec::new();
+        if readable(ty) {
+            let limit = self.weight_limit.min(self.g.max_binding) as usize;
+            let mut per = limit / row_bytes;
+            if per == 0 {
+                return Err(dev(WgpuError::TooLarge {
+                    what: format!("{}: one row", info.name),
+                    bytes: row_bytes as u64,
+                    limit: limit as u64,
+                }));
+            }
+            // Keep an expert's slab in one part when a slab fits.
+            let slab = info.ne(1).max(1) as usize;
+            if info.dims.len() > 2 && slab <= per {
+                per -= per % slab;
+            }
+            let mut row0 = 0;
+            while row0 < total_rows {
+                let rows = per.min(total_rows - row0);
+                let b = self
+                    .g
+                    .upload_bytes(
+                        &info.name,
+                        &bytes[row0 * row_bytes..(row0 + rows) * row_bytes],
+                    )
+                    .map_err(dev)?;
+                parts.push(Part { b, row0, rows });
+                row0 += rows;
+            }
+        }
+        if parts.len() > 1 {
+            self.split.fetch_add(1, Ordering::Relaxed);
+        }
+        // An image that would exceed the binding limit is left out (its users then say so).
+        let values = if n <= VALUES_MAX
+            && n * 4 <= self.g.max_binding
+            && strata_quant::format_fns(ty).dequantize.is_some()
+        {
+            let mut v = vec![0f32; n as usize];
+            strata_quant::dequantize(ty, bytes, &mut v)?;
+            Some((self.g.upload(&info.name, &v).map_err(dev)?, v.len()))
+        } else {
+            None
+        };
+        if parts.is_empty() && values.is_none() {
+            return Err(EngineError::UnsupportedType {
+                file: file.name().to_string(),
+                tensor: info.name.clone(),
+                ty: ty.name().to_string(),
+                backend: "the wgpu backend".into(),
+                usage: "any use",
+            });
+        }
+        Ok(WWeight {
+            name: info.name.clone(),
+            ty,
+            dims: info.dims.clone(),
+            row_len,
+            row_bytes,
+            parts,
+            values,
+        })
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> Result<WBuf> {
+        self.buf("zeros", rows, cols)
+    }
+
+    /// All `cap` rows are allocated up front (zeros); the RoPE tables grow to cover them.
+    fn store(&self, cap: usize, cols: usize) -> Result<WBuf> {
+        self.max_cap.fetch_max(cap, Ordering::Relaxed);
+        self.buf("store", cap, cols)
+    }
+
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<WBuf> {
+        if data.len() != rows * cols {
+            return Err(shape(
+                "upload",
+                format!("{} values for {rows}×{cols}", data.len()),
+            ));
+        }
+        Ok(WBuf {
+            b: Arc::new(self.g.upload("upload", data).map_err(dev)?),
+            rows,
+            cols,
+        })
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> Result<WIds> {
+        Ok(WIds {
+            b: Arc::new(self.g.upload("ids", ids).map_err(dev)?),
+            off: 0,
+            len: ids.len(),
+        })
+    }
+
+    fn ids_range(&self, ids: &WIds, start: usize, len: usize) -> Result<WIds> {
+        if start + len > ids.len {
+            return Err(shape(
+                "ids_range",
+                format!("{start}..{} of {} ids", start + len, ids.len),
+            ));
+        }
+        Ok(WIds {
+            b: ids.b.clone(),
+            off: ids.off + start,
+            len,
+        })
+    }
+
+    fn download(&self, x: &WBuf) -> Result<Vec<f32>> {
+        self.take_failure()?;
+        self.flush()?;
+        let mut v: Vec<f32> = self.g.download(&x.b).map_err(dev)?;
+        v.truncate(x.rows * x.cols);
+        Ok(v)
+    }
+
+    fn download_ids(&self, ids: &WIds) -> Result<Vec<u32>> {
+        self.take_failure()?;
+        self.flush()?;
+        let v: Vec<u32> = self.g.download(&ids.b).map_err(dev)?;
+        Ok(v[ids.off..ids.off + ids.len].to_vec())
+    }
+
+    fn copy(&self, x: &WBuf) -> Result<WBuf> {
+        let y = self.buf("copy", x.rows, x.cols)?;
+        let n = x.rows * x.cols;
+        self.copy_rows(&x.b, &y.b, 1, n, n, 0, n, 0)?;
+        Ok(y)
+    }
+
+    fn copy_into(&self, dst: &mut WBuf, src: &WBuf) -> Result<()> {
+        if dst.rows != src.rows || dst.cols != src.cols {
+            return Err(shape(
+                "copy_into",
+                format!("{}×{} vs {}×{}", dst.rows, dst.cols, src.rows, src.cols),
+            ));
+        }
+        let n = src.rows * src.cols;
+        self.copy_rows(&src.b, &dst.b, 1, n, n, 0, n, 0)
+    }
+
+    fn reshape(&self, x: WBuf, rows: usize, cols: usize) -> Result<WBuf> {
+        if rows * cols != x.rows * x.cols {
+            return Err(shape(
+                "reshape",
+                format!("{}×{} as {rows}×{cols}", x.rows, x.cols),
+            ));
+        }
+        Ok(WBuf { b: x.b, rows, cols })
+    }
+
+    fn truncate_rows(&self, dst: &mut WBuf, rows: usize) -> Result<()> {
+        if rows > dst.rows {
+            return Err(shape(
+                "truncate_rows",
+                format!("{rows} rows asked of a buffer of {}", dst.rows),
+            ));
+        }
+        dst.rows = rows;
+        Ok(())
+    }
+
+    fn slice_cols(&self, x: &WBuf, start: usize, len: usize) -> Result<WBuf> {
+        if start + len > x.cols {
+            return Err(shape(
+                "slice_cols",
+                format!("columns {start}..{} of rows of {}", start + len, x.cols),
+            ));
+        }
+        let y = self.buf("slice", x.rows, len)?;
+        self.copy_rows(&x.b, &y.b, x.rows, len, x.cols, start, len, 0)?;
+        Ok(y)
+    }
+
+    fn deinterleave(&self, x: &WBuf, chunk: usize, parts: usize) -> Result<Vec<WBuf>> {
+        if chunk == 0 || parts == 0 || !x.cols.is_multiple_of(chunk * parts) {
+            return Err(shape(
+                "deinterleave",
+                format!("rows of {} into {parts} parts of {chunk}", x.cols),
+            ));
+        }
+        let pieces = x.rows * x.cols / (chunk * parts);
+        (0..parts)
+            .map(|p| {
+                let y = self.buf("deinterleave", x.rows, x.cols / parts)?;
+                self.copy_rows(
+                    &x.b,
+                    &y.b,
+                    pieces,
+                    chunk,
+                    chunk * parts,
+                    p * chunk,
+                    chunk,
+                    0,
+                )?;
+                Ok(y)
+            })
+            .collect()
+    }
+
+    fn write_rows(&self, store: &mut WBuf, x: &WBuf, at: &WIds) -> Result<()> {
+        self.write_kv(store, x, at, KvType::F32)
+    }
+
+    fn write_kv(&self, cache: &mut WBuf, x: &WBuf, at: &WIds, kv: KvType) -> Result<()> {
+        if cache.cols != x.cols || at.len != x.rows {
+            return Err(shape(
+                "write_rows",
+                format!(
+                    "{} rows of {} at {} positions into rows of {}",
+                    x.rows, x.cols, at.len, cache.cols
+                ),
+            ));
+        }
+        let op = "write_rows";
+        let p = [
+            u32_of(op, x.rows)?,
+            u32_of(op, x.cols)?,
+            u32_of(op, cache.rows)?,
+            u32_of(op, at.off)?,
+            (kv == KvType::F16) as u32,
+        ];
+        self.model_n(
+            "write_rows",
+            &p,
+            [Some(&x.b), Some(&cache.b), None, None, None],
+            [Some(&at.b), None, None],
+            x.rows * x.cols,
+        )
+    }
+
+    /// One command stream per step: the body records, the end submits.
+    fn step<R: Send>(&self, _key: StepKey, f: impl FnOnce() -> R + Send) -> R {
+        let t = std::time::Instant::now();
+        let r = f();
+        if std::env::var_os("STRATA_WGPU_TRACE").is_some() {
+            let rec = t.elapsed().as_secs_f64();
+            let _ = self.flush();
+            let _ = self.g.wait();
+            eprintln!(
+                "step: recorded in {rec:.3} s, ran in {:.3} s",
+                t.elapsed().as_secs_f64() - rec
+            );
+        }
+        // `step` returns the body's result as it is; a failed submit is kept and returned by
+        // the next download, before any value is read back.
+        if let Err(e) = self.flush() {
+            if let Ok(mut f) = self.failed.lock() {
+                f.get_or_insert(e.to_string());
+            }
+        }
+        r
+    }
+
+    fn add_assign(&self, x: &mut WBuf, y: &WBuf) -> Result<()> {
+        if x.rows != y.rows || x.cols != y.cols {
+            return Err(shape(
+                "add_assign",
+                format!("{}×{} vs {}×{}", x.rows, x.cols, y.rows, y.cols),
+            ));
+        }
+        self.eltwise(
+            0,
+            x.rows * x.cols,
+            &[],
+            [Some(&x.b), Some(&y.b), None, None, None],
+        )
+    }
+
+    fn embed_rows(&self, table: &WWeight, ids: &WIds, copies: usize) -> Result<WBuf> {
+        let op = "embed_rows";
+        let k = table.row_len;
+        if table.parts.is_empty() || copies == 0 {
+            return Err(shape(
+                op,
+                format!(
+                    "{}: {} rows cannot be gathered on wgpu",
+                    table.name, table.ty
+                ),
+            ));
+        }
+        let out = self.buf(op, ids.len, k * copies)?;
+        if ids.len == 0 {
+            return Ok(out);
+        }
+        if ids.len > 65535 {
+            return Err(shape(
+                op,
+                format!("{} ids in one gather (at most 65535)", ids.len),
+            ));
+        }
+        let total: usize = table.parts.iter().map(|p| p.rows).sum();
+        for part in &table.parts {
+            let p = [
+                table.ty.id(),
+                u32_of(op, k)?,
+                u32_of(op, table.row_bytes)?,
+                u32_of(op, part.row0)?,
+                u32_of(op, part.rows)?,
+                u32_of(op, table.ty.block_size())?,
+                u32_of(op, table.ty.type_size())?,
+                u32_of(op, ids.off)?,
+                u32_of(op, copies)?,
+                u32_of(op, total)?,
+            ];
+            let l = self
+                .g
+                .launch(
+                    "mq",
+                    "gather",
+                    &[("SPEC_TY", table.ty.id().to_string())],
+                    &p,
+                    &[&part.b, &self.dummies[0], &out.b, &self.tab, &ids.b],
+                    (ids.len as u32, 1, 1),
+                )
+                .map_err(dev)?;
+            self.push(l)?;
+        }
+        Ok(out)
+    }
+
+    fn matmul(&self, w: &WWeight, x: &WBuf) -> Result<WBuf> {
+        let [y] = self.matmuls([w], x)?;
+        Ok(y)
+    }
+
+    /// One activation image per format, shared by the products (as the CPU shares it).
+    fn matmuls<const N: usize>(&self, ws: [&WWeight; N], x: &WBuf) -> Result<[WBuf; N]> {
+        let mut images: Vec<(ActFmt, Arc<Buf>, usize)> = Vec::new();
+        let mut out = Vec::with_capacity(N);
+        for w in ws {
+            Self::check_matmul(w, x)?;
+            let fmt = ActFmt::for_weight(w.ty).ok_or_else(|| {
+                shape(
+                    "matmul",
+                    format!("{}: {} has no product on wgpu", w.name, w.ty),
+                )
+            })?;
+            let (xq, xrb) = match images.iter().find(|(f, _, _)| *f == fmt) {
+                Some((_, b, rb)) => (b.clone(), *rb),
+                None => {
+                    let (b, rb, _) = self.image(x, w.ty, &w.name)?;
+                    images.push((fmt, b.clone(), rb));
+                    (b, rb)
+                }
+            };
+            let m = w.n_rows2();
+            let y = self.buf("matmul", x.rows, m)?;
+            self.mm(w, &xq, xrb, fmt, &y.b, m, x.rows, 0, m, None, 0, 1)?;
+            out.push(y);
+        }
+        out.try_into()
+            .map_err(|_| shape("matmuls", "product count"))
+    }
+
+    fn matmul_rows(&self, w: &WWeight, rows: &WIds, x: &WBuf) -> Result<WBuf> {
+        Self::check_matmul(w, x)?;
+        let (xq, xrb, fmt) = self.image(x, w.ty, &w.name)?;
+        let y = self.buf("matmul_rows", x.rows, rows.len)?;
+        if rows.len > 0 {
+            self.mm(
+                w,
+                &xq,
+                xrb,
+                fmt,
+                &y.b,
+                rows.len,
+                x.rows,
+                1,
+                rows.len,
+                Some((&rows.b, rows.off)),
+                0,
+                1,
+            )?;
+        }
+        Ok(y)
+    }
+
+    fn rms_norm(&self, x: &WBuf, w: &WWeight, group: usize, eps: f32) -> Result<WBuf> {
+        let (wv, wn) = w.values()?;
+        if group == 0 || !x.cols.is_multiple_of(group) || (wn != x.cols && wn != group) {
+            return Err(shape(
+                "rms_norm",
+                format!(
+                    "{}: {wn} weights, rows of {} in groups of {group}",
+                    w.name, x.cols
+                ),
+            ));
+        }
+        let op = "rms_norm";
+        let out = self.buf(op, x.rows, x.cols)?;
+        let p = [
+            u32_of(op, x.rows)?,
+            u32_of(op, x.cols)?,
+            u32_of(op, group)?,
+            eps.to_bits(),
+            u32_of(op, wn)?,
+        ];
+        self.model_n(
+            "rms_norm",
+            &p,
+            [Some(&x.b), Some(wv), Some(&out.b), None, None],
+            [None; 3],
+            x.rows * (x.cols / group),
+        )?;
+        Ok(out)
+    }
+
+    fn rope_neox(
+        &self,
+        x: &mut WBuf,
+        head_dim: usize,
+        rot: usize,
+        theta: f32,
+        positions: &WIds,
+    ) -> Result<()> {
+        if positions.len != x.rows
+            || head_dim == 0
+            || !x.cols.is_multiple_of(head_dim)
+            || rot > head_dim
+            || !rot.is_multiple_of(2)
+        {
+            return Err(shape(
+                "rope_neox",
+                format!(
+                    "{} positions for {} rows of {} (head {head_dim}, rot {rot})",
+                    positions.len, x.rows, x.cols
+                ),
+            ));
+        }
+        if rot == 0 || x.rows == 0 {
+            return Ok(());
+        }
+        let (tab, n) = self.rope_table(rot, theta)?;
+        let op = "rope_neox";
+        let p = [
+            u32_of(op, x.rows)?,
+            u32_of(op, x.cols)?,
+            u32_of(op, head_dim)?,
+            u32_of(op, rot / 2)?,
+            u32_of(op, n)?,
+            u32_of(op, positions.off)?,
+        ];
+        self.model_n(
+            "rope",
+            &p,
+            [Some(&x.b), Some(&tab), None, None, None],
+            [Some(&positions.b), None, None],
+            x.rows * (x.cols / head_dim) * (rot / 2),
+        )
+    }
+
+    fn mul_sigmoid(&self, x: &WBuf, gate: &WBuf) -> Result<WBuf> {
+        if x.rows != gate.rows || x.cols != gate.cols {
+            return Err(shape("mul_sigmoid", "shapes differ"));
+        }
+        let out = self.buf("mul_sigmoid", x.rows, x.cols)?;
+        self.eltwise(
+            2,
+            x.rows * x.cols,
+            &[],
+            [Some(&x.b), Some(&gate.b), Some(&out.b), None, None],
+        )?;
+        Ok(out)
+    }
+
+    fn route(&self, logits: &WBuf, k: usize) -> Result<WRoutes> {
+        let op = "route";
+        let (nt, ne) = (logits.rows, logits.cols);
+        if k == 0 || k > ne || ne > 512 || k > 16 {
+            return Err(shape(
+                op,
+                format!("top {k} of {ne} experts (the kernels take up to 512 experts, k ≤ 16)"),
+            ));
+        }
+        let ids = self
+            .g
+            .alloc("route ids", (nt.max(1) * k * 4) as u64)
+            .map_err(dev)?;
+        let wts = self
+            .g
+            .alloc("route weights", (nt.max(1) * k * 4) as u64)
+            .map_err(dev)?;
+        if nt > 0 {
+            let l = self
+                .g
+                .launch(
+                    "route",
+                    "route_opt",
+                    &shaders::spec_route(ne, k),
+                    &[u32_of(op, ne)?, u32_of(op, k)?, u32_of(op, nt)?],
+                    &[&logits.b, &ids, &wts],
+                    (u32_of(op, nt)?, 1, 1),
+                )
+                .map_err(dev)?;
+            self.push(l)?;
+        }
+        Ok(WRoutes {
+            ids,
+            wts,
+            rows: nt,
+            k,
+        })
+    }
+
+    fn moe_experts(
+        &self,
+        ex: &ExpertWeights<'_, WWeight>,
+        x: &WBuf,
+        routes: &WRoutes,
+    ) -> Result<WBuf> {
+        let op = "moe_experts";
+        let hdim = x.cols;
+        let m = ex.gate.n_rows2();
+        if routes.rows != x.rows
+            || ex.gate.row_len != hdim
+            || ex.up.row_len != hdim
+            || ex.down.n_rows2() != hdim
+            || ex.down.row_len != m
+            || ex.up.n_rows2() != m
+        {
+            return Err(shape(
+                op,
+                format!(
+                    "{} rows of {hdim} for experts {:?}/{:?}/{:?}",
+                    x.rows,
+                    ex.gate.dims(),
+                    ex.up.dims(),
+                    ex.down.dims()
+                ),
+            ));
+        }
+        let k = routes.k;
+        let nrk = x.rows * k;
+        let out = self.buf(op, x.rows, hdim)?;
+        if nrk == 0 {
+            return Ok(out);
+        }
+        let mut gu = Vec::new();
+        for w in [ex.gate, ex.up] {
+            let (xq, xrb, fmt) = self.image(x, w.ty, &w.name)?;
+            let y = self.buf(op, nrk, m)?;
+            self.mm(
+                w,
+                &xq,
+                xrb,
+                fmt,
+                &y.b,
+                m,
+                nrk,
+                2,
+                m,
+                Some((&routes.ids, 0)),
+                m,
+                k,
+            )?;
+            gu.push(y);
+        }
+        let act = self.swiglu(&gu[0], &gu[1])?;
+        let (aq, arb, afmt) = self.image(&act, ex.down.ty, &ex.down.name)?;
+        let yd = self.buf(op, nrk, hdim)?;
+        self.mm(
+            ex.down,
+            &aq,
+            arb,
+            afmt,
+            &yd.b,
+            hdim,
+            nrk,
+            2,
+            hdim,
+            Some((&routes.ids, 0)),
+            hdim,
+            1,
+        )?;
+        let p = [u32_of(op, x.rows)?, u32_of(op, k)?, u32_of(op, hdim)?];
+        self.model_n(
+            "moe_sum",
+            &p,
+            [Some(&out.b), Some(&yd.b), Some(&routes.wts), None, None],
+            [None; 3],
+            x.rows * hdim,
+        )?;
+        Ok(out)
+    }
+
+    fn swiglu(&self, g: &WBuf, u: &WBuf) -> Result<WBuf> {
+        if g.rows != u.rows || g.cols != u.cols {
+            return Err(shape("swiglu", "shapes differ"));
+        }
+        let out = self.buf("swiglu", g.rows, g.cols)?;
+        self.eltwise(
+            3,
+            g.rows * g.cols,
+            &[],
+            [Some(&g.b), Some(&u.b), Some(&out.b), None, None],
+        )?;
+        Ok(out)
+    }
+
+    fn add_sigmoid_gated(&self, y: &mut WBuf, x: &WBuf, gate: &WBuf) -> Result<()> {
+        if y.rows != x.rows || y.cols != x.cols || gate.rows != y.rows || gate.cols != 1 {
+            return Err(shape(
+                "add_sigmoid_gated",
+                format!("gate {}×{}", gate.rows, gate.cols),
+            ));
+        }
+        self.eltwise(
+            4,
+            y.rows * y.cols,
+            &[u32_of("add_sigmoid_gated", y.cols.max(1))?],
+            [Some(&y.b), Some(&x.b), Some(&gate.b), None, None],
+        )
+    }
+
+    fn add_bias(&self, x: &mut WBuf, b: &WWeight) -> Result<()> {
+        let (bv, bn) = b.values()?;
+        if bn != x.cols {
+            return Err(shape(
+                "add_bias",
+                format!("{}: {bn} values for rows of {}", b.name, x.cols),
+            ));
+        }
+        if x.cols == 0 {
+            return Ok(());
+        }
+        self.eltwise(
+            1,
+            x.rows * x.cols,
+            &[u32_of("add_bias", x.cols)?],
+            [Some(&x.b), Some(bv), None, None, None],
+        )
+    }
+
+    fn attend_causal(
+        &self,
+        q: &WBuf,
+        k_cache: &WBuf,
+        v_cache: &WBuf,
+        positions: &WIds,
+        dims: AttnDims,
+        kv: KvType,
+    ) -> Result<WBuf> {
+        self.attention(q, k_cache, v_cache, Sel::Causal(positions), dims, kv, true)
+    }
+}
+
+/// Which tokens a query row attends to.
+pub(crate) enum Sel<'a> {
+    /// `0..=positions[r]`.
+    Causal(&'a WIds),
+    /// Rows of `[count, tokens…]`, `stride` u32 each.
+    Sparse {
+        b: &'a Buf,
+        stride: usize,
+        rows: usize,
+    },
+}
+
+impl WgpuBackend {
+    /// Softmax attention over the selected tokens; `causal_arith`: the CPU's attend_causal
+    /// arithmetic (eight partial sums, `p·(1/z)`), else its attend (sequential, `p/z`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention(
+        &self,
+        q: &WBuf,
+        k_cache: &WBuf,
+        v_cache: &WBuf,
+        sel: Sel<'_>,
+        dims: AttnDims,
+        kv: KvType,
+        causal_arith: bool,
+    ) -> Result<WBuf> {
+        let op = "attend";
+        let AttnDims {
+            n_head,
+            n_head_kv,
+            head_dim,
+        } = dims;
+        let kv_cols = n_head_kv * head_dim;
+        let sel_rows = match &sel {
+            Sel::Causal(p) => p.len,
+            Sel::Sparse { rows, .. } => *rows,
+        };
+        let ok = n_head_kv > 0
+            && n_head % n_head_kv == 0
+            && q.cols == n_head * head_dim
+            && k_cache.cols == kv_cols
+            && v_cache.cols == kv_cols
+            && k_cache.rows == v_cache.rows
+            && sel_rows == q.rows
+            && head_dim <= MAX_HEAD;
+        if !ok {
+            return Err(shape(
+                op,
+                format!(
+                    "q {}×{}, caches {}×{} / {}×{}, {sel_rows} selection rows, {dims:?} (heads up to {MAX_HEAD})",
+                    q.rows, q.cols, k_cache.rows, k_cache.cols, v_cache.rows, v_cache.cols
+                ),
+            ));
+        }
+        let out = self.buf(op, q.rows, q.cols)?;
+        if q.rows == 0 || head_dim == 0 {
+            return Ok(out);
+        }
+        let (mode, stride, ids_off, ib, jb) = match sel {
+            Sel::Causal(p) => (0u32, 0usize, p.off, Some(&*p.b), None),
+            Sel::Sparse { b, stride, .. } => (1, stride, 0, None, Some(b)),
+        };
+        let p = [
+            u32_of(op, q.rows)?,
+            u32_of(op, n_head)?,
+            u32_of(op, n_head_kv)?,
+            u32_of(op, head_dim)?,
+            (kv == KvType::F16) as u32,
+            mode,
+            u32_of(op, stride)?,
+            u32_of(op, k_cache.rows)?,
+            u32_of(op, ids_off)?,
+            causal_arith as u32,
+        ];
+        self.model_n(
+            "attend",
+            &p,
+            [
+                Some(&q.b),
+                Some(&k_cache.b),
+                Some(&v_cache.b),
+                Some(&out.b),
+                None,
+            ],
+            [ib, jb, None],
+            q.rows * n_head,
+        )?;
+        Ok(out)
+    }
+}
