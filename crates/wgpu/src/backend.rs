@@ -858,7 +858,7 @@ impl Backend for WgpuBackend {
     }
 
     /// One command stream per step: the body records, the end submits.
-    fn step<R: Send>(&self, _key: StepKey, f: impl FnOnce() -> R + Send) -> R {
+    fn step<R: Send>(&self, _key: StepKey, f: impl FnOnce() -> Result<R> + Send) -> Result<R> {
         let t = std::time::Instant::now();
         let r = f();
         if std::env::var_os("STRATA_WGPU_TRACE").is_some() {
