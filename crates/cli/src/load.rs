@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use strata_cuda::CudaBackend;
 use strata_engine::generate::{Qwen2Session, Qwen4expSession, Session};
 use strata_engine::{qwen2, qwen4exp, CpuBackend, KvType, Qwen4expOps};
+use strata_wgpu::WgpuBackend;
 
 use crate::args::backend::{BackendChoice, BackendKind};
 use strata_gguf::GgufFile;
@@ -31,6 +32,8 @@ pub enum Bound {
     Qwen4exp(Box<qwen4exp::Model<CpuBackend>>),
     Qwen2Cuda(Box<qwen2::Model<CudaBackend>>),
     Qwen4expCuda(Box<qwen4exp::Model<CudaBackend>>),
+    Qwen2Wgpu(Box<qwen2::Model<WgpuBackend>>),
+    Qwen4expWgpu(Box<qwen4exp::Model<WgpuBackend>>),
 }
 
 /// `$body` with `$m` bound to the model of any [`Bound`] variant (the commands are generic over
@@ -42,6 +45,8 @@ macro_rules! each_model {
             $crate::load::Bound::Qwen4exp($m) => $body,
             $crate::load::Bound::Qwen2Cuda($m) => $body,
             $crate::load::Bound::Qwen4expCuda($m) => $body,
+            $crate::load::Bound::Qwen2Wgpu($m) => $body,
+            $crate::load::Bound::Qwen4expWgpu($m) => $body,
         }
     };
 }
@@ -50,6 +55,7 @@ macro_rules! each_model {
 pub enum Chosen {
     Cpu(CpuBackend),
     Cuda(Box<CudaBackend>),
+    Wgpu(Box<WgpuBackend>),
 }
 
 /// Opens the backend `b` asks for; with `auto`, CUDA when it opens, else the CPU (the note
@@ -76,6 +82,16 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
                 }
             ),
         },
+        BackendKind::Wgpu => {
+            let sel = (b.device > 0).then(|| b.device.to_string());
+            match WgpuBackend::new(sel.as_deref()) {
+                Ok(w) => {
+                    let note = format!("wgpu: {}", w.device().describe());
+                    Ok((Chosen::Wgpu(Box::new(w)), note))
+                }
+                Err(e) => bail!("--backend wgpu: {e}"),
+            }
+        }
         BackendKind::Auto => match CudaBackend::new(b.device) {
             Ok(c) => {
                 let note = format!("{} (auto)", cuda_note(&c));
@@ -232,6 +248,19 @@ impl Loaded {
                 )?,
                 backend_note: note,
             }),
+            Chosen::Wgpu(b) => Ok(Loaded {
+                model: bind_on(
+                    o,
+                    path,
+                    *b,
+                    kv_type,
+                    mtp,
+                    ctx_size,
+                    Bound::Qwen2Wgpu,
+                    Bound::Qwen4expWgpu,
+                )?,
+                backend_note: note,
+            }),
             Chosen::Cuda(b) => {
                 let mem0 = b.mem_info().ok();
                 match bind_on(
@@ -309,8 +338,10 @@ impl Loaded {
         match &self.model {
             Bound::Qwen2(m) => m.config().n_ctx_train,
             Bound::Qwen2Cuda(m) => m.config().n_ctx_train,
+            Bound::Qwen2Wgpu(m) => m.config().n_ctx_train,
             Bound::Qwen4exp(m) => m.config().n_ctx,
             Bound::Qwen4expCuda(m) => m.config().n_ctx,
+            Bound::Qwen4expWgpu(m) => m.config().n_ctx,
         }
     }
 
@@ -320,6 +351,8 @@ impl Loaded {
             Bound::Qwen4exp(m) => Box::new(Qwen4expSession::new(m)?),
             Bound::Qwen2Cuda(m) => Box::new(Qwen2Session::new(m)?),
             Bound::Qwen4expCuda(m) => Box::new(Qwen4expSession::new(m)?),
+            Bound::Qwen2Wgpu(m) => Box::new(Qwen2Session::new(m)?),
+            Bound::Qwen4expWgpu(m) => Box::new(Qwen4expSession::new(m)?),
         };
         Ok(Box::new(Limited { inner, n_ctx }))
     }
@@ -328,8 +361,10 @@ impl Loaded {
         match &self.model {
             Bound::Qwen2(m) => describe_qwen2(m),
             Bound::Qwen2Cuda(m) => describe_qwen2(m),
+            Bound::Qwen2Wgpu(m) => describe_qwen2(m),
             Bound::Qwen4exp(m) => describe_qwen4exp(m),
             Bound::Qwen4expCuda(m) => describe_qwen4exp(m),
+            Bound::Qwen4expWgpu(m) => describe_qwen4exp(m),
         }
     }
 }

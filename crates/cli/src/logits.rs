@@ -110,6 +110,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
             }
             forward_file(&args, opened, &tokens, is_qwen2, *b, t0)?
         }
+        load::Chosen::Wgpu(b) => {
+            if args.f32_activations {
+                bail!("--f32-activations is a CPU mode; use --backend cpu with it");
+            }
+            forward_file(&args, opened, &tokens, is_qwen2, *b, t0)?
+        }
     };
     let rows = out_logits.len() / n_vocab.max(1);
 

@@ -155,6 +155,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
             let dec = SpecDecoder::new(m, cfg)?;
             run.speculative(&model.backend_note, dec, &mut sampler)
         }
+        (Bound::Qwen4expWgpu(m), Some(s)) => {
+            let cfg = spec_config(s, m, &path)?;
+            let dec = SpecDecoder::new(m, cfg)?;
+            run.speculative(&model.backend_note, dec, &mut sampler)
+        }
         _ => run.plain(&model, &mut sampler),
     }
 }

@@ -141,6 +141,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 bail!("--backend cuda: {e}");
             }
         }
+        BackendKind::Wgpu => {
+            bail!("strata serve --backend wgpu: not available yet; use cpu or cuda")
+        }
         BackendKind::Cpu => {}
     }
     strata_server::init_logging();

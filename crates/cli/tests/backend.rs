@@ -113,3 +113,36 @@ fn an_unknown_backend_is_refused_by_clap() {
     assert!(!o.status.success());
     assert!(e.contains("--backend") && e.contains("metal"), "{e}");
 }
+
+#[test]
+fn wgpu_gives_the_cpus_greedy_text_on_the_tiny_model() {
+    let m = tiny();
+    let m = m.to_str().unwrap();
+    let args = |b: &'static str| {
+        vec![
+            "run",
+            "-m",
+            m,
+            "-p",
+            "hello",
+            "-n",
+            "8",
+            "--temp",
+            "0",
+            "-v",
+            "--backend",
+            b,
+        ]
+    };
+    let w = strata(&args("wgpu"), None);
+    let e = stderr(&w);
+    if !w.status.success() && e.contains("--backend wgpu") && e.to_lowercase().contains("adapter") {
+        eprintln!("SKIP: no wgpu adapter here ({e})");
+        return;
+    }
+    assert!(w.status.success(), "{e}");
+    assert!(e.contains("on wgpu: "), "{e}");
+    let c = strata(&args("cpu"), None);
+    assert!(c.status.success(), "{}", stderr(&c));
+    assert_eq!(w.stdout, c.stdout, "wgpu and cpu greedy text differ");
+}
