@@ -110,17 +110,61 @@ impl<T> Drop for Mem<T> {
 
 /// One block of a step's arena.
 pub struct ArenaBlock {
-    mem: CudaSlice<u8>,
+    /// Owns the block's memory (freed when the last view and the arena let go).
+    _mem: CudaSlice<u8>,
     base: u64,
+}
+
+/// Where an arena puts each request: (block, offset), blocks in order, requests rounded to 256
+/// bytes; a request no block has room for from the current position goes to a new block of
+/// at least [`ARENA_BLOCK`] bytes. The same requests after [`Bump::reset`] get the same
+/// places, which is what makes a recorded step's addresses repeat. (No device here: tested on
+/// any machine.)
+#[derive(Default)]
+struct Bump {
+    sizes: Vec<usize>,
+    at: usize,
+    off: usize,
+}
+
+impl Bump {
+    /// The place of `bytes`, and the size of the block to add first when the place is in a
+    /// block that does not exist yet.
+    fn place(&mut self, bytes: usize) -> (usize, usize, Option<usize>) {
+        let bytes = bytes.max(1).div_ceil(256) * 256;
+        loop {
+            match self.sizes.get(self.at) {
+                Some(&size) if self.off + bytes <= size => {
+                    let off = self.off;
+                    self.off += bytes;
+                    return (self.at, off, None);
+                }
+                Some(_) => {
+                    self.at += 1;
+                    self.off = 0;
+                }
+                None => {
+                    let size = bytes.max(ARENA_BLOCK);
+                    self.sizes.push(size);
+                    self.off = bytes;
+                    return (self.at, 0, Some(size));
+                }
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        self.at = 0;
+        self.off = 0;
+    }
 }
 
 /// A step's temporaries, handed out in the same order (so at the same addresses) every time
 /// the step runs: recorded ops, and the graphs made from them, stay valid from step to step.
 #[derive(Default)]
 struct Arena {
+    bump: Bump,
     blocks: Vec<Arc<ArenaBlock>>,
-    at: usize,
-    off: usize,
 }
 
 const ARENA_BLOCK: usize = 64 << 20;
@@ -131,27 +175,26 @@ impl Arena {
         gpu: &Gpu,
         bytes: usize,
     ) -> std::result::Result<(Arc<ArenaBlock>, u64), CudaError> {
-        let bytes = bytes.max(1).div_ceil(256) * 256;
-        loop {
-            if let Some(b) = self.blocks.get(self.at) {
-                if self.off + bytes <= b.mem.len() {
-                    let ptr = b.base + self.off as u64;
-                    self.off += bytes;
-                    return Ok((Arc::clone(b), ptr));
+        let (block, off, new) = self.bump.place(bytes);
+        if let Some(size) = new {
+            let mem = match gpu.alloc_uninit::<u8>(size) {
+                Ok(m) => m,
+                Err(e) => {
+                    // The block was not made: forget it, so the layout stays the blocks'.
+                    self.bump.sizes.pop();
+                    self.bump.reset();
+                    return Err(e);
                 }
-                self.at += 1;
-                self.off = 0;
-                continue;
-            }
-            let mem = gpu.alloc_uninit::<u8>(bytes.max(ARENA_BLOCK))?;
+            };
             let base = record::addr(&mem, gpu.stream());
-            self.blocks.push(Arc::new(ArenaBlock { mem, base }));
+            self.blocks.push(Arc::new(ArenaBlock { _mem: mem, base }));
         }
+        let b = &self.blocks[block];
+        Ok((Arc::clone(b), b.base + off as u64))
     }
 
     fn reset(&mut self) {
-        self.at = 0;
-        self.off = 0;
+        self.bump.reset();
     }
 }
 
@@ -2005,5 +2048,56 @@ impl Qwen4expOps for CudaBackend {
         )
         .map_err(dev)?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Bump, ARENA_BLOCK};
+
+    #[test]
+    fn the_arena_layout_repeats_after_a_reset_and_keeps_requests_apart() {
+        let mut b = Bump::default();
+        let reqs = [
+            10usize,
+            256,
+            257,
+            ARENA_BLOCK - 1100,
+            4096,
+            3 * ARENA_BLOCK,
+            1,
+        ];
+        let first: Vec<_> = reqs.iter().map(|&r| b.place(r)).collect();
+        // Rounded to 256 bytes, in order, in the first block while it has room.
+        assert_eq!(first[0], (0, 0, Some(ARENA_BLOCK)));
+        assert_eq!(first[1], (0, 256, None));
+        assert_eq!(first[2], (0, 512, None));
+        // ARENA_BLOCK − 1,100 rounds to ARENA_BLOCK − 1,024: the rest of block 0, exactly.
+        assert_eq!(first[3], (0, 1024, None));
+        // Nothing left in block 0: a new block; a huge request gets a block its size.
+        assert_eq!(first[4], (1, 0, Some(ARENA_BLOCK)));
+        assert_eq!(first[5], (2, 0, Some(3 * ARENA_BLOCK)));
+        assert_eq!(first[6], (3, 0, Some(ARENA_BLOCK)));
+        // The same requests after a reset: the same places, no new block.
+        b.reset();
+        let again: Vec<_> = reqs.iter().map(|&r| b.place(r)).collect();
+        for (x, y) in first.iter().zip(&again) {
+            assert_eq!((x.0, x.1), (y.0, y.1));
+            assert_eq!(y.2, None);
+        }
+        // No two live requests overlap: within a block, places are increasing and disjoint.
+        b.reset();
+        let mut last: Option<(usize, usize, usize)> = None;
+        for &r in &reqs {
+            let (blk, off, _) = b.place(r);
+            let end = off + r.max(1).div_ceil(256) * 256;
+            if let Some((pb, _, pend)) = last {
+                assert!(
+                    blk > pb || off >= pend,
+                    "overlap at block {blk}, offset {off}"
+                );
+            }
+            last = Some((blk, off, end));
+        }
     }
 }
