@@ -63,7 +63,7 @@ pub enum Chosen {
 pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String)> {
     let cpu = |why: String| -> Result<(Chosen, String)> {
         let c = CpuBackend::new(threads)?;
-        let note = format!("cpu ({} threads, {:?}){why}", c.threads(), c.isa());
+        let note = format!("{}{why}", cpu_note(&c));
         Ok((Chosen::Cpu(c), note))
     };
     match b.kind {
@@ -100,6 +100,10 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
             Err(e) => cpu(format!(" (auto: no usable GPU: {e})")),
         },
     }
+}
+
+fn cpu_note(c: &CpuBackend) -> String {
+    format!("cpu ({} threads, {:?})", c.threads(), c.isa())
 }
 
 fn cuda_note(c: &CudaBackend) -> String {
@@ -291,9 +295,8 @@ impl Loaded {
                     {
                         let cpu = CpuBackend::new(threads)?;
                         let why = format!(
-                            "cpu ({} threads, {:?}) (auto: the GPU cannot run this file: {e:#})",
-                            cpu.threads(),
-                            cpu.isa()
+                            "{} (auto: the GPU cannot run this file: {e:#})",
+                            cpu_note(&cpu)
                         );
                         Ok(Loaded {
                             model: bind_on(

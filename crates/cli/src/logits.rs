@@ -104,18 +104,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
             b.with_float_activations(mode),
             t0,
         )?,
-        load::Chosen::Cuda(b) => {
-            if args.f32_activations {
-                bail!("--f32-activations is a CPU mode; use --backend cpu with it");
-            }
-            forward_file(&args, opened, &tokens, is_qwen2, *b, t0)?
+        _ if args.f32_activations => {
+            bail!("--f32-activations is a CPU mode; use --backend cpu with it")
         }
-        load::Chosen::Wgpu(b) => {
-            if args.f32_activations {
-                bail!("--f32-activations is a CPU mode; use --backend cpu with it");
-            }
-            forward_file(&args, opened, &tokens, is_qwen2, *b, t0)?
-        }
+        load::Chosen::Cuda(b) => forward_file(&args, opened, &tokens, is_qwen2, *b, t0)?,
+        load::Chosen::Wgpu(b) => forward_file(&args, opened, &tokens, is_qwen2, *b, t0)?,
     };
     let rows = out_logits.len() / n_vocab.max(1);
 

@@ -144,22 +144,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
         verbose: args.verbose,
         load_time,
     };
+    let note = &model.backend_note;
     match (&model.model, &spec) {
-        (Bound::Qwen4exp(m), Some(s)) => {
-            let cfg = spec_config(s, m, &path)?;
-            let dec = SpecDecoder::new(m, cfg)?;
-            run.speculative(&model.backend_note, dec, &mut sampler)
-        }
-        (Bound::Qwen4expCuda(m), Some(s)) => {
-            let cfg = spec_config(s, m, &path)?;
-            let dec = SpecDecoder::new(m, cfg)?;
-            run.speculative(&model.backend_note, dec, &mut sampler)
-        }
-        (Bound::Qwen4expWgpu(m), Some(s)) => {
-            let cfg = spec_config(s, m, &path)?;
-            let dec = SpecDecoder::new(m, cfg)?;
-            run.speculative(&model.backend_note, dec, &mut sampler)
-        }
+        (Bound::Qwen4exp(m), Some(s)) => run.speculative(note, m, s, &path, &mut sampler),
+        (Bound::Qwen4expCuda(m), Some(s)) => run.speculative(note, m, s, &path, &mut sampler),
+        (Bound::Qwen4expWgpu(m), Some(s)) => run.speculative(note, m, s, &path, &mut sampler),
         _ => run.plain(&model, &mut sampler),
     }
 }
@@ -236,9 +225,12 @@ impl Plan<'_> {
     fn speculative<B: Qwen4expOps>(
         &self,
         backend: &str,
-        mut dec: SpecDecoder<'_, B>,
+        model: &qwen4exp::Model<B>,
+        spec: &SpecChoice,
+        path: &std::path::Path,
         sampler: &mut Sampler,
     ) -> Result<ExitCode> {
+        let mut dec = SpecDecoder::new(model, spec_config(spec, model, path)?)?;
         // The controller knows no context limit of its own: the budget stops at it.
         let room = self.n_ctx - self.prompt.len();
         let budget = self.n_predict.min(room);

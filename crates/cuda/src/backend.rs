@@ -294,9 +294,6 @@ pub struct CudaBuf {
 }
 
 impl CudaBuf {
-    pub fn data(&self) -> &CudaSlice<f32> {
-        &self.data
-    }
     fn len(&self) -> usize {
         self.rows * self.cols
     }
@@ -387,6 +384,15 @@ impl Drop for CudaSelection {
     }
 }
 
+/// A launcher of an element-wise `out = f(a, b)` kernel over `n` values.
+type BinaryLauncher = fn(
+    &Gpu,
+    &CudaSlice<f32>,
+    &CudaSlice<f32>,
+    &mut CudaSlice<f32>,
+    usize,
+) -> std::result::Result<(), CudaError>;
+
 /// (rotated dims, θ bits).
 type FreqKey = (usize, u32);
 
@@ -412,6 +418,9 @@ pub struct CudaBackend {
     tick: std::sync::atomic::AtomicU64,
     /// One step at a time (a step's recording is the backend's state).
     step_lock: Mutex<()>,
+    /// Whether small steps are recorded and replayed as graphs (`STRATA_CUDA_GRAPHS=0`: no),
+    /// read once at start.
+    graphs: bool,
 }
 
 impl CudaBackend {
@@ -434,6 +443,7 @@ impl CudaBackend {
             cur: Mutex::new(None),
             tick: std::sync::atomic::AtomicU64::new(0),
             step_lock: Mutex::new(()),
+            graphs: std::env::var_os("STRATA_CUDA_GRAPHS").is_none_or(|v| v != "0"),
         })
     }
 
@@ -784,16 +794,17 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// `y = x` element-wise into a fresh buffer, through one of elem.cu's binary kernels.
-    fn binary(&self, kernel: &'static str, a: &CudaBuf, b: &CudaBuf) -> Result<CudaBuf> {
-        Self::same_shape(kernel, a, b)?;
+    /// `f(a, b)` element-wise into a fresh buffer (one of model.rs's binary launchers).
+    fn binary(
+        &self,
+        op: &'static str,
+        f: BinaryLauncher,
+        a: &CudaBuf,
+        b: &CudaBuf,
+    ) -> Result<CudaBuf> {
+        Self::same_shape(op, a, b)?;
         let mut out = self.buf(a.rows, a.cols)?;
-        let n = a.len();
-        match kernel {
-            "swiglu" => model::swiglu(&self.gpu, &a.data, &b.data, &mut out.data, n),
-            _ => model::mul_sigmoid(&self.gpu, &a.data, &b.data, &mut out.data, n),
-        }
-        .map_err(dev)?;
+        f(&self.gpu, &a.data, &b.data, &mut out.data, a.len()).map_err(dev)?;
         Ok(out)
     }
 
@@ -926,7 +937,7 @@ impl Backend for CudaBackend {
         if key.rows > GRAPH_ROWS
             || IN_STEP.with(|s| s.get())
             || self.gpu.profiling()
-            || std::env::var_os("STRATA_CUDA_GRAPHS").is_some_and(|v| v == "0")
+            || !self.graphs
         {
             // Prefill chunks, a step inside a step (recorded into the outer one when it is
             // recorded), profiles (events around every launch) and STRATA_CUDA_GRAPHS=0 run
@@ -1368,7 +1379,7 @@ impl Backend for CudaBackend {
     }
 
     fn mul_sigmoid(&self, x: &CudaBuf, gate: &CudaBuf) -> Result<CudaBuf> {
-        self.binary("mul_sigmoid", x, gate)
+        self.binary("mul_sigmoid", model::mul_sigmoid, x, gate)
     }
 
     /// The catalogue's `route` kernel (optimized where the shape has one).
@@ -1469,7 +1480,7 @@ impl Backend for CudaBackend {
     }
 
     fn swiglu(&self, g: &CudaBuf, u: &CudaBuf) -> Result<CudaBuf> {
-        self.binary("swiglu", g, u)
+        self.binary("swiglu", model::swiglu, g, u)
     }
 
     fn add_sigmoid_gated(&self, y: &mut CudaBuf, x: &CudaBuf, gate: &CudaBuf) -> Result<()> {

@@ -558,28 +558,37 @@ fn matmul_equals_gemv_and_matches_cpu() {
             tol[i]
         });
     }
-    // Q3_K: no GEMV; every row of a batch of 19 equals the same row alone, and the CPU's within
-    // the dot bound.
-    let ty = GgmlType::Q3_K;
-    let wb = weight_blocks(ty, mm * k / 256, rng.u64());
-    let x = tame(rng.f32_vec_special(nt * k, 1.0));
-    let w = weights(vec![("w", vec![k as u64, mm as u64], ty, wb.clone())]);
-    let want = be.matmul(&w["w"], &buf(nt, k, &x)).unwrap();
-    let dw = DevWeight::upload(g, ty, &wb, mm, k, 1).unwrap();
-    let xq = act_bytes(ty, &x, nt, k);
-    let mut y = g.zeros::<f32>(nt * mm).unwrap();
-    m::product(g, &dw, &up(g, &xq), nt, &mut y).unwrap();
-    let got = down(g, &y);
-    let xr = xq.len() / nt;
-    let mut single = Vec::new();
-    for t in 0..nt {
-        let mut yy = g.zeros::<f32>(mm).unwrap();
-        m::product(g, &dw, &up(g, &xq[t * xr..(t + 1) * xr]), 1, &mut yy).unwrap();
-        single.extend(down(g, &yy));
+    // The formats with the tiled kernel only (no GEMV): every row of a batch of 19 equals the
+    // same row alone, and the CPU's within the dot bound.
+    for ty in [
+        GgmlType::Q3_K,
+        GgmlType::F32,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::IQ4_NL,
+    ] {
+        let wb = weight_blocks(ty, mm * k / ty.block_size(), rng.u64());
+        let x = tame(rng.f32_vec_special(nt * k, 1.0));
+        let w = weights(vec![("w", vec![k as u64, mm as u64], ty, wb.clone())]);
+        let want = be.matmul(&w["w"], &buf(nt, k, &x)).unwrap();
+        let dw = DevWeight::upload(g, ty, &wb, mm, k, 1).unwrap();
+        let xq = act_bytes(ty, &x, nt, k);
+        let mut y = g.zeros::<f32>(nt * mm).unwrap();
+        m::product(g, &dw, &up(g, &xq), nt, &mut y).unwrap();
+        let got = down(g, &y);
+        let xr = xq.len() / nt;
+        let mut single = Vec::new();
+        for t in 0..nt {
+            let mut yy = g.zeros::<f32>(mm).unwrap();
+            m::product(g, &dw, &up(g, &xq[t * xr..(t + 1) * xr]), 1, &mut yy).unwrap();
+            single.extend(down(g, &yy));
+        }
+        bitwise(&format!("matmul {ty} batch vs single rows"), &got, &single);
+        let tol = dot_tol(ty, &wb, mm, k, &x, nt);
+        within(&format!("matmul {ty} vs CPU"), &got, want.as_slice(), |i| {
+            tol[i]
+        });
     }
-    bitwise("matmul Q3_K batch vs single rows", &got, &single);
-    let tol = dot_tol(ty, &wb, mm, k, &x, nt);
-    within("matmul Q3_K vs CPU", &got, want.as_slice(), |i| tol[i]);
 }
 
 #[test]
