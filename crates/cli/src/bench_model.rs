@@ -261,13 +261,34 @@ pub fn run(a: Args) -> Result<ExitCode> {
             );
             eprintln!("| kernel | launches/token | µs/token | share |");
             eprintln!("| --- | ---: | ---: | ---: |");
-            for k in ks.iter().take(15) {
+            // Every kernel of at least 0.5 % (at most 40 rows), then the rest in one row.
+            let share = |us: f64| 100.0 * us / n as f64 / total.max(1e-9);
+            let shown = ks
+                .iter()
+                .take(40)
+                .take_while(|k| share(k.us) >= 0.5)
+                .count();
+            for k in &ks[..shown] {
                 eprintln!(
                     "| {} | {:.1} | {:.1} | {:.1} % |",
                     k.name,
                     k.launches as f64 / n as f64,
                     k.us / n as f64,
-                    100.0 * k.us / n as f64 / total.max(1e-9)
+                    share(k.us)
+                );
+            }
+            if shown < ks.len() {
+                let rest = &ks[shown..];
+                let (l, us): (usize, f64) = rest
+                    .iter()
+                    .map(|k| (k.launches, k.us))
+                    .fold((0, 0.0), |(a, b), (c, d)| (a + c, b + d));
+                eprintln!(
+                    "| ({} other kernels) | {:.1} | {:.1} | {:.1} % |",
+                    rest.len(),
+                    l as f64 / n as f64,
+                    us / n as f64,
+                    share(us)
                 );
             }
         }

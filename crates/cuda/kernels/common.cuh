@@ -95,6 +95,11 @@ __device__ __forceinline__ float block_sum256(float v, float* sh) {
     return __shfl_sync(FULL_MASK, r, 0);
 }
 
+// The element-wise activations (elem.cu and the fused product epilogues share these, so a
+// fused kernel's bits are the composed kernels').
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
+
 // 1/sqrt(sum/n + eps) with IEEE division and square root (the default --prec-div/--prec-sqrt).
 __device__ __forceinline__ float rms_scale(float sumsq, int n, float eps) {
     return 1.0f / sqrtf(sumsq / (float)n + eps);

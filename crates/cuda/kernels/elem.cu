@@ -12,8 +12,6 @@
 // Graph replay: nothing here takes a per-step value as a kernel argument. Sizes are the step's
 // shape; positions are read from a device buffer.
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
-__device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
 
 #define GRID_STRIDE(i, n) for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)(n); i += (size_t)gridDim.x * blockDim.x)
 

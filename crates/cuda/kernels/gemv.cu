@@ -248,6 +248,226 @@ __device__ __forceinline__ void moe_matmul_t(const u8* w, u64 slab_bytes, const 
     }
 }
 
+// ---- unit-parallel products (decode and verify windows: 1..8 activation rows) ----------------
+// gemv_base's order with the units' parallelism instead of the rows': every (weight row, unit,
+// activation row) contribution c(u) (the unit's f32 value from unit_dot / dot_decoded, computed
+// on its own from +0) is written to shared memory by whichever thread computes it; then one
+// warp per (row, activation row) adds them as gemv_base's lanes do (lane l: c(l), c(l+32), …
+// from +0, then warp_sum). So the outputs are gemv_base's bit for bit, while a product of few
+// rows (the hyper-connection down: 320 rows of 10240; the router: 512 of 2560) or of short rows
+// (the up: rows of 320, ten units, which leave 22 of gemv_base's 32 lanes idle) keeps every SM
+// busy. The fused kernels below (hyper-connection mix, routed experts) are this product with
+// the composed kernels' element-wise epilogues (common.cuh's sigmoidf_/siluf_, the same
+// expressions under --fmad=false), so they equal the composed launches bit for bit.
+
+// Shared floats for the contributions of one block (nt · rows · units ≤ UNITS_PART; the host
+// launchers choose the rows per block to fit), and bytes for the block's activation rows.
+#define UNITS_PART 6144
+#define UNITS_XSTAGE 16384
+
+// The block's activation rows (`bytes` from x, 256-byte aligned) copied into shared memory
+// with wide loads when they fit, so that the unit decoders' many narrow reads hit shared
+// memory; returns where the kernel reads them (x itself when they do not fit).
+__device__ __forceinline__ const u8* stage_act(const u8* x, u64 bytes, u8* sh) {
+    if (bytes > UNITS_XSTAGE || bytes % 4 != 0) return x;
+    const int i = threadIdx.x, n = blockDim.x;
+    if (bytes % 16 == 0) stage<16>(sh, x, (int)bytes, i, n);
+    else if (bytes % 8 == 0) stage<8>(sh, x, (int)bytes, i, n);
+    else stage<4>(sh, x, (int)bytes, i, n);
+    __syncthreads();
+    return sh;
+}
+
+// gemv_base's sum of U contributions `c[0..U)` (stride 1) for this lane's warp.
+__device__ __forceinline__ float lane_order_sum(const float* c, int U, int lane) {
+    float acc = 0.f;
+    for (int u = lane; u < U; u += 32) acc += c[u];
+    return warp_sum(acc);
+}
+
+// Unit u of weight row `wr` against nt activation rows (x, stride xrb): part[t·pstride] = c_t(u).
+template <int T>
+__device__ __forceinline__ void unit_contribs(const u8* wr, const u8* x, u64 xrb, int nt, int u, float* part,
+                                              int pstride) {
+    if constexpr (T == T_BF16) {
+        const uint4* wq = (const uint4*)(wr + 64 * (size_t)u);
+        const uint4 wv[4] = {wq[0], wq[1], wq[2], wq[3]};
+        for (int t = 0; t < nt; ++t)
+            part[t * pstride] = bf16_unit(wv, (const uint4*)(x + (size_t)t * xrb + 64 * (size_t)u));
+    } else if constexpr (T == T_F32) {
+        for (int t = 0; t < nt; ++t) part[t * pstride] = unit_dot<T>(wr, x + (size_t)t * xrb, u, global_tables());
+    } else {
+        const DecUnit du = decode_for_dot<T>(wr, u, global_tables());
+        for (int t = 0; t < nt; ++t) part[t * pstride] = dot_decoded<T>(du, x + (size_t)t * xrb, u);
+    }
+}
+
+// The block's rows row0 .. row0+nrows of a stacked product (wrow(r): row r's bytes) against nt
+// activation rows; emit(t, r, y) receives each finished output (after dot_post).
+template <int T, typename WRow, typename Emit>
+__device__ __forceinline__ void units_block(WRow wrow, Emit emit, int row0, int nrows, int U, const u8* x, u64 xrb,
+                                            int nt, float* part) {
+    const int stride = nrows * U;  // one activation row's contributions
+    for (int i = threadIdx.x; i < stride; i += blockDim.x) {
+        const int lr = i / U, u = i - lr * U;
+        unit_contribs<T>(wrow(row0 + lr), x, xrb, nt, u, part + i, stride);
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int j = warp; j < nt * nrows; j += nw) {
+        const int t = j / nrows, lr = j - t * nrows;
+        const float s = lane_order_sum(part + t * stride + lr * U, U, lane);
+        if (lane == 0) emit(t, row0 + lr, dot_post<T>(s));
+    }
+}
+
+// Up to four weights of one format and row length (w0 rows 0..n0, then w1, …) against the same
+// activation rows, each to its own output y_i[t][r]: the products of one activation image in
+// one launch (gemv_base's bits for each). Grid: ceil(Σn / rb) blocks of 256.
+template <int T>
+__device__ __forceinline__ void gemv_units_t(const u8* w0, const u8* w1, const u8* w2, const u8* w3, float* y0,
+                                             float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3,
+                                             const u8* x, int nt, int k, u64 wrb, u64 xrb, int rb) {
+    __shared__ float part[UNITS_PART];
+    __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
+    const int total = n0 + n1 + n2 + n3;
+    const int row0 = blockIdx.x * rb;
+    if (row0 >= total) return;
+    x = stage_act(x, (u64)nt * xrb, xsh);
+    const int nrows = min(rb, total - row0);
+    const int e1 = n0, e2 = n0 + n1, e3 = n0 + n1 + n2;
+    auto wrow = [&](int r) -> const u8* {
+        const u8* w = r < e1 ? w0 : r < e2 ? w1 : r < e3 ? w2 : w3;
+        const int lr = r < e1 ? r : r < e2 ? r - e1 : r < e3 ? r - e2 : r - e3;
+        return w + (size_t)lr * wrb;
+    };
+    auto emit = [&](int t, int r, float v) {
+        if (r < e1) y0[(size_t)t * n0 + r] = v;
+        else if (r < e2) y1[(size_t)t * n1 + (r - e1)] = v;
+        else if (r < e3) y2[(size_t)t * n2 + (r - e2)] = v;
+        else y3[(size_t)t * n3 + (r - e3)] = v;
+    };
+    units_block<T>(wrow, emit, row0, nrows, k / 32, x, xrb, nt, part);
+}
+
+// Routed experts, decode: gate and up of pair q (row q / kslots, expert ids[q]) for 32
+// consecutive rows of the expert's ff, then swiglu and the Q8_0 block of those 32 values for
+// the down product (moe_gemv × 2, swiglu_f32 and xprep's Q8_0 in one launch). Grid (ff/32,
+// pairs), GATE_UP_THREADS threads. An expert id outside 0..n_expert sets bit 2 of *err and gives a NaN scale.
+template <int T>
+__device__ __forceinline__ void moe_gate_up_q8_t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids,
+                                                 int n_expert, const u8* x, int kslots, u8* aq, int ff, int k,
+                                                 u64 wrb, u64 xrb, u32* err) {
+    __shared__ float part[UNITS_PART];
+    __shared__ float gu[64];
+    const int q = blockIdx.y, r0 = 32 * blockIdx.x, U = k / 32;
+    const int e = ids[q];
+    const u64 arb = 34 * (u64)(ff / 32);
+    u8* blk = aq + (size_t)q * arb + 34 * (size_t)blockIdx.x;
+    if (e < 0 || e >= n_expert) {
+        if (threadIdx.x == 0) {
+            atomicOr(err, 2u);
+            *(u16*)blk = 0x7e00;  // NaN scale: every product of this pair is NaN
+        }
+        return;
+    }
+    __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
+    const u8* xr = stage_act(x + (size_t)(q / kslots) * xrb, xrb, xsh);
+    const u8* g = wg + (size_t)e * slab_bytes + (size_t)r0 * wrb;
+    const u8* up = wu + (size_t)e * slab_bytes + (size_t)r0 * wrb;
+    auto wrow = [&](int r) -> const u8* { return r < 32 ? g + (size_t)r * wrb : up + (size_t)(r - 32) * wrb; };
+    auto emit = [&](int, int r, float v) { gu[r] = v; };
+    units_block<T>(wrow, emit, 0, 64, U, xr, xrb, 1, part);
+    __syncthreads();
+    if (threadIdx.x < 32) q8_0_warp(siluf_(gu[threadIdx.x]) * gu[32 + threadIdx.x], blk, threadIdx.x);
+}
+
+// Routed experts, decode: the down products of all kslots pairs of row t for rb consecutive
+// output rows, their weighted sum in rank order (moe_combine), and with `shared` the shared
+// expert added as add_sigmoid_gated does: out = Σ_s w_s·y_s (+ σ(gate_t)·shared). Grid (h/rb,
+// nt).
+template <int T, bool SHARED>
+__device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes, const int* ids, int n_expert,
+                                                   const u8* aq, const float* wts, int kslots, float* out,
+                                                   const float* shared, const float* gate, int h, int k, u64 wrb,
+                                                   u64 xrb, int rb, u32* err) {
+    __shared__ float part[UNITS_PART];
+    __shared__ float ys[256];
+    __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
+    const int t = blockIdx.y, r0 = blockIdx.x * rb, U = k / 32;
+    const int nrows = min(rb, h - r0);
+    // The row's kslots images are consecutive (pair q = t·kslots + s).
+    const u8* xt = stage_act(aq + (size_t)t * kslots * xrb, (u64)kslots * xrb, xsh);
+    // Block rows are (slot, output row) pairs: row i = slot i / nrows, output r0 + i % nrows.
+    auto wrow = [&](int i) -> const u8* {
+        const int s = i / nrows, e = ids[t * kslots + s];
+        const int ec = (e < 0 || e >= n_expert) ? 0 : e;
+        return wd + (size_t)ec * slab_bytes + (size_t)(r0 + i % nrows) * wrb;
+    };
+    // Each slot's activation row is its own (aq row t·kslots + s): the rows are laid out so
+    // that units_block's activation row is always 0 and the slot picks the image.
+    const int stride = kslots * nrows * U;
+    for (int i = threadIdx.x; i < stride; i += blockDim.x) {
+        const int lr = i / U, u = i - lr * U;
+        const int s = lr / nrows;
+        unit_contribs<T>(wrow(lr), xt + (size_t)s * xrb, xrb, 1, u, part + i, stride);
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int j = warp; j < kslots * nrows; j += nw) {
+        const float sum = lane_order_sum(part + j * U, U, lane);
+        if (lane == 0) {
+            const int s = j / nrows, e = ids[t * kslots + s];
+            float v = dot_post<T>(sum);
+            if (e < 0 || e >= n_expert) {
+                atomicOr(err, 2u);
+                v = __int_as_float(0x7fc00000);
+            }
+            ys[j] = v;
+        }
+    }
+    __syncthreads();
+    for (int jj = threadIdx.x; jj < nrows; jj += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < kslots; ++s) acc += wts[t * kslots + s] * ys[s * nrows + jj];
+        const size_t o = (size_t)t * h + r0 + jj;
+        if (SHARED) acc = acc + sigmoidf_(gate[t]) * shared[o];
+        out[o] = acc;
+    }
+}
+
+// Threads of a gate/up block: 512, or 256 where the decoder needs more registers than 512
+// threads leave (IQ4_XS, IQ3_XXS; strata_cuda::model::gate_up_threads says the same).
+#define GATE_UP_THREADS(T) ((T) == T_IQ4_XS || (T) == T_IQ3_XXS ? 256 : 512)
+
+#define UNITS(T, NAME)                                                                         \
+    extern "C" __global__ void __launch_bounds__(1024)                                          \
+    gemv_units_##NAME(const u8* w0, const u8* w1, const u8* w2, const u8* w3, float* y0, float* y1, \
+                      float* y2, float* y3, int n0, int n1, int n2, int n3, const u8* x, int nt, int k, \
+                      u64 wrb, u64 xrb, int rb) {                                              \
+        gemv_units_t<T>(w0, w1, w2, w3, y0, y1, y2, y3, n0, n1, n2, n3, x, nt, k, wrb, xrb, rb); \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GATE_UP_THREADS(T))                            \
+    moe_gate_up_q8_##NAME(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int n_expert, \
+                          const u8* x, int kslots, u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err) { \
+        moe_gate_up_q8_t<T>(wg, wu, slab_bytes, ids, n_expert, x, kslots, aq, ff, k, wrb, xrb, err); \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024)                                          \
+    moe_down_combine_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u8* aq, \
+                            const float* wts, int kslots, float* out, int h, int k, u64 wrb, u64 xrb, \
+                            int rb, u32* err) {                                                \
+        moe_down_combine_t<T, false>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, nullptr, \
+                                     nullptr, h, k, wrb, xrb, rb, err);                        \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024)                                          \
+    moe_down_combine_shared_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert,  \
+                                   const u8* aq, const float* wts, int kslots, float* out,      \
+                                   const float* shared, const float* gate, int h, int k, u64 wrb, \
+                                   u64 xrb, int rb, u32* err) {                                \
+        moe_down_combine_t<T, true>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, shared, \
+                                    gate, h, k, wrb, xrb, rb, err);                            \
+    }
+
 #define PRODUCTS(T, NAME)                                                                      \
     extern "C" __global__ void __launch_bounds__(128)                                          \
     matmul_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) { \
@@ -282,6 +502,7 @@ __device__ __forceinline__ void moe_matmul_t(const u8* w, u64 slab_bytes, const 
 #define GEMV_ALL(T, NAME)                                                                      \
     GEMV_BASE(T, NAME)                                                                         \
     PRODUCTS(T, NAME)                                                                          \
+    UNITS(T, NAME)                                                                             \
     GEMV_OPT1(T, NAME, 1) GEMV_OPT1(T, NAME, 2) GEMV_OPT1(T, NAME, 3) GEMV_OPT1(T, NAME, 4)    \
     GEMV_OPT1(T, NAME, 5) GEMV_OPT1(T, NAME, 6) GEMV_OPT1(T, NAME, 7) GEMV_OPT1(T, NAME, 8)
 
@@ -313,26 +534,31 @@ GEMV_ALL(T_IQ3_XXS, iq3_xxs)
 // F32 weights (small or test models): products only, f32 activations, fmaf in order.
 GEMV_BASE(T_F32, f32)
 PRODUCTS(T_F32, f32)
+UNITS(T_F32, f32)
 #endif
 #if defined(GEMV_Q4_0)
 GEMV_BASE(T_Q4_0, q4_0)
 PRODUCTS(T_Q4_0, q4_0)
+UNITS(T_Q4_0, q4_0)
 #endif
 #if defined(GEMV_Q5_0)
 // Q5_0 (most matrices of the default qwen2 0.5B Q4_K_M file, whose rows of 896 are not whole
 // K-quant blocks): products only.
 GEMV_BASE(T_Q5_0, q5_0)
 PRODUCTS(T_Q5_0, q5_0)
+UNITS(T_Q5_0, q5_0)
 #endif
 #if defined(GEMV_IQ4_NL)
 GEMV_BASE(T_IQ4_NL, iq4_nl)
 PRODUCTS(T_IQ4_NL, iq4_nl)
+UNITS(T_IQ4_NL, iq4_nl)
 #endif
 #if defined(GEMV_Q3_K)
 // Q3_K (the GDN attn_qkv of 18 layers): products only, no optimized GEMV yet (the model's
 // launcher runs the tiled kernel for every batch, gemv_base's order).
 GEMV_BASE(T_Q3_K, q3_k)
 PRODUCTS(T_Q3_K, q3_k)
+UNITS(T_Q3_K, q3_k)
 #endif
 #if defined(GEMV_BF16)
 GEMV_ALL(T_BF16, bf16)
@@ -349,4 +575,117 @@ GEMV_ALL(T_BF16, bf16)
     GEMV_OPT_K(T, NAME, K, 4) GEMV_OPT_K(T, NAME, K, 5) GEMV_OPT_K(T, NAME, K, 6)              \
     GEMV_OPT_K(T, NAME, K, 7) GEMV_OPT_K(T, NAME, K, 8)
 GEMV_OPT_K_ALL(T_BF16, bf16, 10240)
+
+// ---- the hyper-connection mix, fused (strata_cuda::model::hc_mix_fused) -----------------------
+// Three launches with the composed mix's bits (model::hc_mix: rms_norm_f32, xprep, the down
+// product, hc_act_bf16, the up product, hc_u_f32, the inject product, hc_inj_f32), optionally
+// preceded by the previous block's combine (hc_combine_f32) in the first:
+//   hc_norm_bf16 / hc_combine_norm_bf16: block (row, stream): [x_s += inj_s·y], xn_s =
+//       RMS(x_s)·w_s (rms_norm_f32's sums), xq = BF16(xn) (the down/inject activation image);
+//   hc_down_bf16: the stacked [down; inject] rows against xq (unit-parallel), with
+//       aq = BF16(silu(a/S)) and inj = 2σ(v/S) as epilogues;
+//   hc_up_u_bf16: block of J columns j: the up rows s·h + j of every stream against aq
+//       (unit-parallel), then u_j = (Σ_s σ(g_s,j)·xn_s,j)·(1/S).
+
+// One block of 1024 threads per (row, stream): every thread stages (and combines) a share of
+// the stream's h values into shared memory, the first 256 sum squares in rms_norm_f32's order
+// (thread t: elements t, t + 256, …; then block_sum256's tree over the eight warp sums), and
+// every thread writes its share of the outputs.
+#define HC_NORM_MAX_H 4096
+template <bool COMBINE>
+__device__ __forceinline__ void hc_norm_t(float* x, const float* y, const float* inj, const float* w, float* xn,
+                                          u16* xq, int h, int streams, float eps) {
+    __shared__ float xs[HC_NORM_MAX_H];
+    __shared__ float sh[8];
+    const int tid = threadIdx.x, nth = blockDim.x;
+    const int row = blockIdx.x / streams, g = blockIdx.x % streams;
+    const size_t base = (size_t)row * streams * h + (size_t)g * h;
+    float* xr = x + base;
+    const float* wr = w + (size_t)g * h;
+    if (COMBINE) {
+        const float a = inj[(size_t)row * streams + g];
+        const float* yr = y + (size_t)row * h;
+        for (int i = tid; i < h; i += nth) {
+            const float v = xr[i] + a * yr[i];
+            xr[i] = v;
+            xs[i] = v;
+        }
+    } else {
+        for (int i = tid; i < h; i += nth) xs[i] = xr[i];
+    }
+    __syncthreads();
+    if (tid < 256) {
+        float acc = 0.f;
+        for (int i = tid; i < h; i += 256) {
+            const float v = xs[i];
+            acc += v * v;
+        }
+        acc = warp_sum(acc);
+        if ((tid & 31) == 0) sh[tid >> 5] = acc;
+    }
+    __syncthreads();
+    const float sum = ((sh[0] + sh[4]) + (sh[2] + sh[6])) + ((sh[1] + sh[5]) + (sh[3] + sh[7]));
+    const float s = rms_scale(sum, h, eps);
+    for (int i = tid; i < h; i += nth) {
+        const float o = (xs[i] * s) * wr[i];
+        xn[base + i] = o;
+        xq[base + i] = f32_to_bf16(o);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+hc_norm_bf16(const float* x, const float* w, float* xn, u16* xq, int h, int streams, float eps) {
+    hc_norm_t<false>((float*)x, nullptr, nullptr, w, xn, xq, h, streams, eps);  // not written
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+hc_combine_norm_bf16(float* x, const float* y, const float* inj, const float* w, float* xn, u16* xq, int h,
+                     int streams, float eps) {
+    hc_norm_t<true>(x, y, inj, w, xn, xq, h, streams, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+hc_down_bf16(const u8* wd, const u8* wi, const u8* xq, u16* aq, float* inj, int rank, int streams, int k, int nt,
+             int rb, float inv_s) {
+    __shared__ float part[UNITS_PART];
+    const int total = rank + streams, row0 = blockIdx.x * rb;
+    if (row0 >= total) return;
+    const u64 rbytes = 2 * (u64)k;
+    auto wrow = [&](int r) -> const u8* {
+        return r < rank ? wd + (size_t)r * rbytes : wi + (size_t)(r - rank) * rbytes;
+    };
+    auto emit = [&](int t, int r, float v) {
+        if (r < rank) aq[(size_t)t * rank + r] = f32_to_bf16(siluf_(v * inv_s));
+        else inj[(size_t)t * streams + (r - rank)] = 2.0f * sigmoidf_(v * inv_s);
+    };
+    units_block<T_BF16>(wrow, emit, row0, min(rb, total - row0), k / 32, xq, rbytes, nt, part);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+hc_up_u_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int streams, int rank, int nt, int J,
+             float inv_s) {
+    __shared__ float part[UNITS_PART];
+    __shared__ float gs[512];
+    const int j0 = blockIdx.x * J;
+    if (j0 >= h) return;
+    const int jn = min(J, h - j0);
+    const u64 rbytes = 2 * (u64)rank;
+    __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
+    aq = stage_act(aq, (u64)nt * rbytes, xsh);
+    auto wrow = [&](int lr) -> const u8* {
+        const int s = lr / jn, jj = lr - s * jn;
+        return wu + ((size_t)s * h + j0 + jj) * rbytes;
+    };
+    auto emit = [&](int t, int lr, float v) { gs[t * streams * jn + lr] = v; };
+    units_block<T_BF16>(wrow, emit, 0, streams * jn, rank / 32, aq, rbytes, nt, part);
+    __syncthreads();
+    const size_t sh = (size_t)streams * h;
+    for (int i = threadIdx.x; i < nt * jn; i += blockDim.x) {
+        const int t = i / jn, jj = i - t * jn;
+        const float* xr = xn + (size_t)t * sh + j0 + jj;
+        float acc = 0.f;
+        for (int s = 0; s < streams; ++s) acc += sigmoidf_(gs[t * streams * jn + s * jn + jj]) * xr[(size_t)s * h];
+        u[(size_t)t * h + j0 + jj] = acc * inv_s;
+    }
+}
 #endif

@@ -251,5 +251,46 @@ XPREP_OPT(2560, FMT_BF16, bf16)
 XPREP_OPT(2560, FMT_Q8_0, q8_0)
 XPREP_OPT(2560, FMT_Q8K, q8_k)
 
+// ---- xprep_multi, swiglu_xprep ---------------------------------------------------------------
+// The activation images of every product of one input in one launch (xprep_multi: `fmts` bit 0
+// BF16, bit 1 Q8_0, bit 2 Q8_K), and the image of a swiglu's output (swiglu_xprep: silu(g)·u,
+// elem.cu's expression). Warp g = (row, 32-element block b) writes block b of the BF16/Q8_0
+// images and, where b % 8 == 0, Q8_K block b / 8, with xprep's element functions: every image
+// equals xprep's bit for bit.
+
+template <typename F>
+__device__ __forceinline__ void prep_blocks(int rows, int n, u8* obf, u8* oq8, u8* oq8k, u8* of32, F val) {
+    const int lane = threadIdx.x & 31;
+    const int g = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int per = n / 32;
+    if (g >= rows * per) return;
+    const int t = g / per, b = g - t * per;
+    const size_t e = (size_t)t * n + 32 * b + lane;
+    const float v = val(e);
+    if (of32) ((float*)of32)[e] = v;
+    if (obf) ((u16*)obf)[e] = f32_to_bf16(v);
+    if (oq8) q8_0_warp(v, oq8 + (size_t)t * 34 * per + 34 * (size_t)b, lane);
+    if (oq8k && (b & 7) == 0) {
+        float w[8];
+        const size_t e8 = (size_t)t * n + 32 * b + 8 * lane;
+        for (int j = 0; j < 8; ++j) w[j] = val(e8 + j);
+        q8k_warp(w, oq8k + (size_t)t * 292 * (n / 256) + 292 * (size_t)(b / 8), lane);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+xprep_multi(const float* x, u8* obf, u8* oq8, u8* oq8k, int rows, int n) {
+    prep_blocks(rows, n, obf, oq8, oq8k, nullptr, [&](size_t i) { return x[i]; });
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+swiglu_xprep(const float* g, const float* u, u8* out, int rows, int n, int fmt) {
+    u8* bf = fmt == FMT_BF16 ? out : nullptr;
+    u8* q8 = fmt == FMT_Q8_0 ? out : nullptr;
+    u8* q8k = fmt == FMT_Q8K ? out : nullptr;
+    u8* f32 = fmt == FMT_F32 ? out : nullptr;
+    prep_blocks(rows, n, bf, q8, q8k, f32, [&](size_t i) { return siluf_(g[i]) * u[i]; });
+}
+
 // The floor of a launch: an empty kernel (timed like the others).
 extern "C" __global__ void noop() {}

@@ -27,7 +27,10 @@ use strata_engine::backend::{
     AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, StepKey, Usage,
 };
 use strata_engine::kernels::ActFmt;
-use strata_engine::qwen4exp::ops::{GdnParams, HcWeights, QsaSelect, Qwen4expOps};
+use strata_engine::qwen4exp::ops::{
+    moe_block_composed, GdnParams, HcWeights, QsaSelect, Qwen4expOps,
+};
+use strata_engine::qwen4exp::weights::MoeW;
 use strata_engine::{EngineError, Result};
 use strata_gguf::{GgufFile, TensorInfo};
 use strata_quant::GgmlType;
@@ -423,6 +426,26 @@ pub struct CudaBackend {
     graphs: bool,
 }
 
+/// The residual a hyper-connection mix reads: as it is, or after the previous block's combine
+/// (`x_s += inj_s · y`), which the mix applies to it first.
+enum Resid<'a> {
+    Plain(&'a CudaBuf),
+    Combine {
+        x: &'a mut CudaBuf,
+        y: &'a CudaBuf,
+        inj: &'a CudaBuf,
+    },
+}
+
+impl Resid<'_> {
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            Resid::Plain(x) => (x.rows, x.cols),
+            Resid::Combine { x, .. } => (x.rows, x.cols),
+        }
+    }
+}
+
 impl CudaBackend {
     /// Opens device `ordinal` (compiling or loading the kernels). Fails with an error naming
     /// what is missing (driver, GPU, NVRTC) and never panics.
@@ -809,6 +832,267 @@ impl CudaBackend {
     }
 
     /// The generic hyper-connection mix (formats the fused launcher does not take).
+    /// The routed experts' scratch for `rows` rows of `k` slots (taken from the cache; put it
+    /// back with its key).
+    fn expert_scratch(
+        &self,
+        devs: &model::ExpertsDev<'_>,
+        rows: usize,
+        k: usize,
+    ) -> Result<(Vec<usize>, model::MoeScratch)> {
+        let key = vec![
+            rows,
+            k,
+            devs.gate.rows,
+            devs.gate.k,
+            devs.down.rows,
+            devs.gate.n_expert,
+            devs.gate.act_row_bytes().map_err(dev)?,
+            devs.up.act_row_bytes().map_err(dev)?,
+            devs.down.act_row_bytes().map_err(dev)?,
+        ];
+        let s = Self::take_scratch(&self.moe_scratch, &key, || {
+            model::MoeScratch::new(&self.gpu, devs, rows, k)
+        })?;
+        Ok((key, s))
+    }
+
+    /// The activation formats the products of `ws` read (odd float weights read `x` itself).
+    fn formats_of(&self, ws: &[&CudaWeight], x: &CudaBuf) -> Result<Vec<ActFmt>> {
+        let mut fmts = Vec::new();
+        for w in ws {
+            Self::check_matmul(w, x)?;
+            if Self::odd_float(w) {
+                continue;
+            }
+            let f = w.dev.act().map_err(dev)?;
+            if !fmts.contains(&f) {
+                fmts.push(f);
+            }
+        }
+        Ok(fmts)
+    }
+
+    /// The activation images of `x` in `fmts`: BF16, Q8_0 and Q8_K together in one launch
+    /// (each image xprep's bits), F32 (and a lone format) by xprep.
+    fn images(&self, x: &CudaBuf, fmts: &[ActFmt]) -> Result<Vec<(ActFmt, Mem<u8>)>> {
+        let n = x.cols;
+        let mut out = Vec::with_capacity(fmts.len());
+        for &f in fmts {
+            let rb = f.row_bytes(n).ok_or_else(|| {
+                shape(
+                    "matmul",
+                    format!("rows of {n} are not whole {} blocks", f.name()),
+                )
+            })?;
+            out.push((f, self.alloc_u8(x.rows * rb)?));
+        }
+        if x.rows == 0 {
+            return Ok(out);
+        }
+        let multi = |f: &ActFmt| matches!(f, ActFmt::Bf16 | ActFmt::Q8_0 | ActFmt::Q8K);
+        if out.iter().filter(|(f, _)| multi(f)).count() >= 2 {
+            let mut slots: [Option<&mut CudaSlice<u8>>; 3] = [None, None, None];
+            for (f, m) in out.iter_mut() {
+                let i = match f {
+                    ActFmt::Bf16 => 0,
+                    ActFmt::Q8_0 => 1,
+                    ActFmt::Q8K => 2,
+                    ActFmt::F32 => continue,
+                };
+                slots[i] = Some(&mut **m);
+            }
+            let [b, q, k] = slots;
+            model::prepare_multi(&self.gpu, &x.data, x.rows, n, b, q, k).map_err(dev)?;
+            for (f, m) in out.iter_mut().filter(|(f, _)| !multi(f)) {
+                ops::xprep(&self.gpu, "optimized", &x.data, m, x.rows, n, *f).map_err(dev)?;
+            }
+        } else {
+            for (f, m) in out.iter_mut() {
+                ops::xprep(&self.gpu, "optimized", &x.data, m, x.rows, n, *f).map_err(dev)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The products of `ws` with `x` from its images: weights of one format and row length
+    /// that run the unit-parallel product share one launch (up to four).
+    fn products_on(
+        &self,
+        ws: &[&CudaWeight],
+        x: &CudaBuf,
+        imgs: &[(ActFmt, Mem<u8>)],
+    ) -> Result<Vec<CudaBuf>> {
+        let n = ws.len();
+        let mut ys: Vec<Option<CudaBuf>> = (0..n).map(|_| None).collect();
+        let mut plan: Vec<Option<usize>> = vec![None; n];
+        for (j, w) in ws.iter().enumerate() {
+            if Self::odd_float(w) {
+                ys[j] = Some(self.matmul_odd(w, x)?);
+                continue;
+            }
+            let f = w.dev.act().map_err(dev)?;
+            plan[j] = Some(
+                imgs.iter()
+                    .position(|(p, _)| *p == f)
+                    .ok_or_else(|| shape("matmul", format!("no {} image", f.name())))?,
+            );
+        }
+        let shared = |j: usize| model::units_preferred(&ws[j].dev, x.rows);
+        for j in 0..n {
+            let (Some(i), None) = (plan[j], &ys[j]) else {
+                continue;
+            };
+            let group: Vec<usize> = if shared(j) {
+                (j..n)
+                    .filter(|&m| {
+                        plan[m] == Some(i)
+                            && ys[m].is_none()
+                            && ws[m].dev.ty == ws[j].dev.ty
+                            && ws[m].dev.k == ws[j].dev.k
+                            && shared(m)
+                    })
+                    .take(4)
+                    .collect()
+            } else {
+                vec![j]
+            };
+            if group.len() == 1 {
+                ys[j] = Some(self.product(ws[j], &imgs[i].1, x.rows)?);
+                continue;
+            }
+            let mut outs = group
+                .iter()
+                .map(|&m| self.buf(x.rows, ws[m].n_rows2()))
+                .collect::<Result<Vec<_>>>()?;
+            {
+                let gw: Vec<&model::DevWeight> = group.iter().map(|&m| &ws[m].dev).collect();
+                let mut gy: Vec<&mut CudaSlice<f32>> =
+                    outs.iter_mut().map(|o| &mut *o.data).collect();
+                model::product_units(&self.gpu, &gw, &mut gy, &imgs[i].1, x.rows).map_err(dev)?;
+            }
+            for (&m, o) in group.iter().zip(outs) {
+                ys[m] = Some(o);
+            }
+        }
+        ys.into_iter()
+            .map(|y| y.ok_or_else(|| shape("matmuls", "a product left out".into())))
+            .collect()
+    }
+
+    /// The mix of [`Qwen4expOps::hc_mix`], of `x` as it is or after the previous block's
+    /// combine (fused into the mix's first launch where the fused mix applies).
+    fn hc_mix_on(
+        &self,
+        hc: &HcWeights<'_, CudaWeight>,
+        x: Resid<'_>,
+    ) -> Result<(CudaBuf, Option<CudaBuf>)> {
+        let (rows, cols) = x.shape();
+        let s = hc.streams;
+        if s == 0 || !cols.is_multiple_of(s) {
+            return Err(shape("hc_mix", format!("rows of {cols} in {s} streams")));
+        }
+        let h = cols / s;
+        // The multi-launch mix takes a BF16 up weight (its activation rounding is fused), an
+        // inject weight sharing the down weight's activation image, and whole-unit rows.
+        let launcher = hc.up.ty == GgmlType::BF16
+            && hc
+                .inject
+                .is_none_or(|wi| wi.dev.act().ok() == hc.down.dev.act().ok())
+            && [Some(hc.down), Some(hc.up), hc.inject]
+                .into_iter()
+                .flatten()
+                .all(|w| !Self::odd_float(w) && w.info.dims.len() == 2);
+        let norm = self.values(hc.norm)?;
+        let devs = model::HcDev {
+            norm,
+            down: &hc.down.dev,
+            up: &hc.up.dev,
+            inject: hc.inject.map(|w| &w.dev),
+            streams: s,
+            h,
+            eps: hc.eps,
+        };
+        let fused = launcher && model::hc_fused_applies(&devs, rows);
+        // A combine that does not fuse runs first, on its own.
+        let x = match x {
+            Resid::Combine { x, y, inj } if !fused => {
+                self.hc_combine(x, y, Some(inj))?;
+                Resid::Plain(x)
+            }
+            x => x,
+        };
+        if !launcher {
+            return match x {
+                Resid::Plain(x) => self.hc_mix_composed(hc, x, h),
+                Resid::Combine { .. } => Err(shape("hc_mix", "an unfused combine".into())),
+            };
+        }
+        let mut u = self.buf(rows, h)?;
+        let mut inj = match hc.inject {
+            Some(_) => Some(self.buf(rows, s)?),
+            None => None,
+        };
+        if rows > 0 {
+            let key = vec![
+                rows,
+                cols,
+                hc.down.dev.rows,
+                hc.down.dev.act_row_bytes().map_err(dev)?,
+                hc.up.dev.act_row_bytes().map_err(dev)?,
+            ];
+            let mut scratch = Self::take_scratch(&self.hc_scratch, &key, || {
+                model::HcScratch::new(&self.gpu, &devs, rows)
+            })?;
+            let inj_out = inj.as_mut().map(|b| &mut *b.data);
+            match (fused, x) {
+                (true, Resid::Plain(x)) => {
+                    let input = model::MixInput::Plain(&x.data);
+                    model::hc_mix_fused(
+                        &self.gpu,
+                        &devs,
+                        input,
+                        rows,
+                        &mut scratch,
+                        &mut u.data,
+                        inj_out,
+                    )
+                }
+                (true, Resid::Combine { x, y, inj }) => {
+                    let input = model::MixInput::Combine {
+                        x: &mut x.data,
+                        y: &y.data,
+                        inj: &inj.data,
+                    };
+                    model::hc_mix_fused(
+                        &self.gpu,
+                        &devs,
+                        input,
+                        rows,
+                        &mut scratch,
+                        &mut u.data,
+                        inj_out,
+                    )
+                }
+                (false, Resid::Plain(x)) => model::hc_mix(
+                    &self.gpu,
+                    &devs,
+                    &x.data,
+                    rows,
+                    &mut scratch,
+                    &mut u.data,
+                    inj_out,
+                ),
+                (false, Resid::Combine { .. }) => {
+                    return Err(shape("hc_mix", "an unfused combine".into()))
+                }
+            }
+            .map_err(dev)?;
+            Self::put_scratch(&self.hc_scratch, key, rows, scratch);
+        }
+        Ok((u, inj))
+    }
+
     fn hc_mix_composed(
         &self,
         hc: &HcWeights<'_, CudaWeight>,
@@ -1281,27 +1565,13 @@ impl Backend for CudaBackend {
         self.product(w, &xq, x.rows)
     }
 
-    /// One activation image per format for all the products of `x`.
+    /// One activation image per format for all the products of `x`; weights of one format and
+    /// row length that run the unit-parallel product share one launch.
     fn matmuls<const N: usize>(&self, ws: [&CudaWeight; N], x: &CudaBuf) -> Result<[CudaBuf; N]> {
-        let mut prepared: Vec<(ActFmt, Mem<u8>)> = Vec::new();
-        let mut ys = Vec::with_capacity(N);
-        for w in ws {
-            Self::check_matmul(w, x)?;
-            if Self::odd_float(w) {
-                ys.push(self.matmul_odd(w, x)?);
-                continue;
-            }
-            let f = w.dev.act().map_err(dev)?;
-            let i = match prepared.iter().position(|(p, _)| *p == f) {
-                Some(i) => i,
-                None => {
-                    prepared.push((f, self.prepare(w, x)?));
-                    prepared.len() - 1
-                }
-            };
-            ys.push(self.product(w, &prepared[i].1, x.rows)?);
-        }
-        ys.try_into()
+        let fmts = self.formats_of(&ws, x)?;
+        let imgs = self.images(x, &fmts)?;
+        self.products_on(&ws, x, &imgs)?
+            .try_into()
             .map_err(|_| shape("matmuls", "product count".into()))
     }
 
@@ -1447,32 +1717,33 @@ impl Backend for CudaBackend {
             up: &ex.up.dev,
             down: &ex.down.dev,
         };
-        let key = vec![
-            x.rows,
-            routes.k,
-            ex.gate.dev.rows,
-            ex.gate.dev.k,
-            ex.down.dev.rows,
-            ex.gate.dev.n_expert,
-            ex.gate.dev.act_row_bytes().map_err(dev)?,
-            ex.up.dev.act_row_bytes().map_err(dev)?,
-            ex.down.dev.act_row_bytes().map_err(dev)?,
-        ];
-        let mut s = Self::take_scratch(&self.moe_scratch, &key, || {
-            model::MoeScratch::new(&self.gpu, &devs, x.rows, routes.k)
-        })?;
+        let (key, mut s) = self.expert_scratch(&devs, x.rows, routes.k)?;
         let mut err = self.err_word();
-        model::moe_experts(
-            &self.gpu,
-            &devs,
-            &x.data,
-            &routes.ids,
-            &routes.wts,
-            &mut s,
-            x.rows > MOE_GROUPED_ABOVE,
-            &mut out.data,
-            &mut err,
-        )
+        let grouped = x.rows > MOE_GROUPED_ABOVE;
+        if !grouped && model::experts_fuse(&devs, routes.k) {
+            model::moe_experts_fused(
+                &self.gpu,
+                &devs,
+                &x.data,
+                &routes.ids,
+                &routes.wts,
+                &mut s,
+                &mut out.data,
+                &mut err,
+            )
+        } else {
+            model::moe_experts(
+                &self.gpu,
+                &devs,
+                &x.data,
+                &routes.ids,
+                &routes.wts,
+                &mut s,
+                grouped,
+                &mut out.data,
+                &mut err,
+            )
+        }
         .map_err(dev)?;
         drop(err);
         Self::put_scratch(&self.moe_scratch, key, x.rows, s);
@@ -1691,66 +1962,112 @@ impl Qwen4expOps for CudaBackend {
         hc: &HcWeights<'_, CudaWeight>,
         x: &CudaBuf,
     ) -> Result<(CudaBuf, Option<CudaBuf>)> {
-        let s = hc.streams;
-        if s == 0 || !x.cols.is_multiple_of(s) {
-            return Err(shape(
-                "hc_mix",
-                format!("rows of {} in {s} streams", x.cols),
-            ));
+        self.hc_mix_on(hc, Resid::Plain(x))
+    }
+
+    fn hc_combine_mix(
+        &self,
+        x: &mut CudaBuf,
+        y: &CudaBuf,
+        inj: Option<&CudaBuf>,
+        hc: &HcWeights<'_, CudaWeight>,
+    ) -> Result<(CudaBuf, Option<CudaBuf>)> {
+        match inj {
+            Some(inj) => self.hc_mix_on(hc, Resid::Combine { x, y, inj }),
+            None => {
+                self.hc_combine(x, y, None)?;
+                self.hc_mix(hc, x)
+            }
         }
-        let h = x.cols / s;
-        // The fused launcher takes a BF16 up weight (its activation rounding is fused), an
-        // inject weight sharing the down weight's activation image, and whole-unit rows.
-        let fused = hc.up.ty == GgmlType::BF16
-            && hc
-                .inject
-                .is_none_or(|wi| wi.dev.act().ok() == hc.down.dev.act().ok())
-            && [Some(hc.down), Some(hc.up), hc.inject]
-                .into_iter()
-                .flatten()
-                .all(|w| !Self::odd_float(w) && w.info.dims.len() == 2);
-        if !fused {
-            return self.hc_mix_composed(hc, x, h);
-        }
-        let norm = self.values(hc.norm)?;
-        let devs = model::HcDev {
-            norm,
-            down: &hc.down.dev,
-            up: &hc.up.dev,
-            inject: hc.inject.map(|w| &w.dev),
-            streams: s,
-            h,
-            eps: hc.eps,
+    }
+
+    /// Decode and verify windows: every product of `u` from one set of images, the router
+    /// and the shared expert's gate in one launch, the shared expert's swiglu fused into its
+    /// down product's image, the routed experts in two launches with the shared expert's add
+    /// in their epilogue (bitwise the composition). Larger batches: the composition.
+    fn moe_block(&self, mw: &MoeW<CudaWeight>, u: &CudaBuf, n_used: usize) -> Result<CudaBuf> {
+        let rows = u.rows;
+        let devs = model::ExpertsDev {
+            gate: &mw.gate_exps.dev,
+            up: &mw.up_exps.dev,
+            down: &mw.down_exps.dev,
         };
-        let mut u = self.buf(x.rows, h)?;
-        let mut inj = match hc.inject {
-            Some(_) => Some(self.buf(x.rows, s)?),
-            None => None,
-        };
-        if x.rows > 0 {
-            let key = vec![
-                x.rows,
-                x.cols,
-                hc.down.dev.rows,
-                hc.down.dev.act_row_bytes().map_err(dev)?,
-                hc.up.dev.act_row_bytes().map_err(dev)?,
-            ];
-            let mut scratch = Self::take_scratch(&self.hc_scratch, &key, || {
-                model::HcScratch::new(&self.gpu, &devs, x.rows)
-            })?;
-            model::hc_mix(
-                &self.gpu,
-                &devs,
-                &x.data,
-                x.rows,
-                &mut scratch,
-                &mut u.data,
-                inj.as_mut().map(|b| &mut *b.data),
-            )
-            .map_err(dev)?;
-            Self::put_scratch(&self.hc_scratch, key, x.rows, scratch);
+        let (h, ffs) = (u.cols, mw.gate_shexp.n_rows2());
+        let shapes = mw.gate_exps.row_len() == h
+            && mw.up_exps.row_len() == h
+            && mw.down_exps.n_rows2() == h
+            && mw.down_exps.row_len() == mw.gate_exps.n_rows2()
+            && mw.up_shexp.n_rows2() == ffs
+            && mw.down_shexp.row_len() == ffs
+            && mw.down_shexp.n_rows2() == h
+            && mw.shexp_gate.n_rows2() == 1
+            && mw.router.n_rows2() == mw.gate_exps.dev.n_expert;
+        let weights = [
+            &mw.router,
+            &mw.gate_shexp,
+            &mw.up_shexp,
+            &mw.shexp_gate,
+            &mw.down_shexp,
+            &mw.gate_exps,
+            &mw.up_exps,
+            &mw.down_exps,
+        ];
+        let fuse = (1..=MOE_GROUPED_ABOVE).contains(&rows)
+            && shapes
+            && weights.iter().all(|w| !Self::odd_float(w))
+            && n_used > 0
+            && n_used <= mw.router.n_rows2()
+            && model::experts_fuse(&devs, n_used);
+        if !fuse {
+            return moe_block_composed(self, mw, u, n_used);
         }
-        Ok((u, inj))
+        let front = [&mw.router, &mw.gate_shexp, &mw.up_shexp, &mw.shexp_gate];
+        let mut fmts = self.formats_of(&front, u)?;
+        let fe = mw.gate_exps.dev.act().map_err(dev)?;
+        if !fmts.contains(&fe) {
+            fmts.push(fe);
+        }
+        let imgs = self.images(u, &fmts)?;
+        let mut ys = self.products_on(&front, u, &imgs)?.into_iter();
+        let (Some(logits), Some(g), Some(up), Some(gate)) =
+            (ys.next(), ys.next(), ys.next(), ys.next())
+        else {
+            return Err(shape("moe_block", "product count".into()));
+        };
+        let routes = self.route(&logits, n_used)?;
+        // The shared expert: swiglu straight into its down product's image.
+        let fd = mw.down_shexp.dev.act().map_err(dev)?;
+        let mut hq = self.alloc_u8(rows * mw.down_shexp.dev.act_row_bytes().map_err(dev)?)?;
+        model::swiglu_prepare(&self.gpu, &g.data, &up.data, rows, ffs, fd, &mut hq).map_err(dev)?;
+        let shared = self.product(&mw.down_shexp, &hq, rows)?;
+        let xg = imgs
+            .iter()
+            .find(|(f, _)| *f == fe)
+            .map(|(_, m)| m)
+            .ok_or_else(|| shape("moe_block", "no image for the experts".into()))?;
+        let (key, mut s) = self.expert_scratch(&devs, rows, n_used)?;
+        let mut out = self.buf(rows, h)?;
+        let mut err = self.err_word();
+        model::moe_experts_fused_on(
+            &self.gpu,
+            &devs,
+            xg,
+            &routes.ids,
+            &routes.wts,
+            rows,
+            n_used,
+            &mut s.aq,
+            Some(model::SharedAdd {
+                y: &shared.data,
+                gate: &gate.data,
+            }),
+            &mut out.data,
+            &mut err,
+        )
+        .map_err(dev)?;
+        drop(err);
+        Self::put_scratch(&self.moe_scratch, key, rows, s);
+        Ok(out)
     }
 
     fn hc_combine(&self, x: &mut CudaBuf, y: &CudaBuf, inj: Option<&CudaBuf>) -> Result<()> {

@@ -496,8 +496,25 @@ pub fn matmul(
     )
 }
 
-/// The product the model runs: the optimized GEMV for 1..=8 rows, the tiled kernel beyond and
-/// for Q3_K (all bitwise the same per row).
+/// Weights of at least this many rows keep the row-parallel optimized GEMV where their shape
+/// has one (a warp per row already fills the GPU); fewer rows, or shapes without one, run the
+/// unit-parallel product.
+const UNITS_BELOW_ROWS: usize = 4096;
+
+/// Whether [`product`] runs `w` at `nt` rows as the unit-parallel product (so that weights of
+/// one format and row length against the same image can share a [`product_units`] launch).
+pub fn units_preferred(w: &DevWeight, nt: usize) -> bool {
+    units_apply(w, nt) && !(opt_shape(w) && w.rows >= UNITS_BELOW_ROWS)
+}
+
+/// Whether the row-parallel optimized GEMV has a kernel for `w`'s shape.
+fn opt_shape(w: &DevWeight) -> bool {
+    (w.k == 2560 && strata_engine::kernels::gemv::GEMV_FORMATS.contains(&w.ty))
+        || (w.k == 10240 && w.ty == GgmlType::BF16)
+}
+
+/// The product the model runs: for 1..=8 rows the unit-parallel product, or the optimized GEMV
+/// for weights of many rows; the tiled kernel beyond (all bitwise the same per row).
 pub fn product(
     gpu: &Gpu,
     w: &DevWeight,
@@ -506,7 +523,8 @@ pub fn product(
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     whole_units("product", w)?;
-    if (1..=8).contains(&nt) && w.ty == GgmlType::BF16 && w.k == 10240 {
+    if (1..=8).contains(&nt) && w.ty == GgmlType::BF16 && w.k == 10240 && w.rows >= UNITS_BELOW_ROWS
+    {
         // The hyper-connection down / inject shape: the optimized BF16 GEMV at K = 10240.
         let k = "product";
         need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
@@ -520,11 +538,184 @@ pub fn product(
             cfg(w.rows.div_ceil(8) as u32, 256),
             [&w.bytes, x, y, &ri]
         )
+    } else if units_preferred(w, nt) {
+        product_units(gpu, &[w], &mut [y], x, nt)
     } else if (1..=8).contains(&nt) && strata_engine::kernels::gemv::GEMV_FORMATS.contains(&w.ty) {
         ops::gemv(gpu, "optimized", w.ty, &w.bytes, w.rows, w.k, x, nt, y)
     } else {
         matmul(gpu, w, x, nt, y)
     }
+}
+
+/// The images of `nt` rows of `n` in BF16, Q8_0 and/or Q8_K (those given) in one launch
+/// (norm.cu xprep_multi): each equals [`prepare`]'s for that format bit for bit.
+pub fn prepare_multi(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    nt: usize,
+    n: usize,
+    bf16: Option<&mut CudaSlice<u8>>,
+    q8_0: Option<&mut CudaSlice<u8>>,
+    q8k: Option<&mut CudaSlice<u8>>,
+) -> Result<(), CudaError> {
+    let k = "prepare_multi";
+    need(k, "x", x.len(), nt * n)?;
+    let ptr = |fmt: ActFmt, o: Option<&mut CudaSlice<u8>>| -> Result<u64, CudaError> {
+        let Some(o) = o else { return Ok(0) };
+        let rb = fmt
+            .row_bytes(n)
+            .ok_or_else(|| bad(k, format!("n = {n} is not whole {} blocks", fmt.name())))?;
+        need(k, fmt.name(), o.len(), nt * rb)?;
+        Ok(addr(gpu, o))
+    };
+    let (pb, pq, pk) = (
+        ptr(ActFmt::Bf16, bf16)?,
+        ptr(ActFmt::Q8_0, q8_0)?,
+        ptr(ActFmt::Q8K, q8k)?,
+    );
+    if nt == 0 {
+        return Ok(());
+    }
+    let (ti, ni) = (i32_of(k, nt)?, i32_of(k, n)?);
+    launch!(
+        gpu,
+        "norm",
+        "xprep_multi",
+        grid(nt * n),
+        [x, &pb, &pq, &pk, &ti, &ni]
+    )
+}
+
+/// The image in `fmt` of `silu(g) · u` (`nt` rows of `n`, norm.cu swiglu_xprep): the bits of
+/// [`swiglu`] then [`prepare`].
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_prepare(
+    gpu: &Gpu,
+    g: &CudaSlice<f32>,
+    u: &CudaSlice<f32>,
+    nt: usize,
+    n: usize,
+    fmt: ActFmt,
+    out: &mut CudaSlice<u8>,
+) -> Result<(), CudaError> {
+    let k = "swiglu_prepare";
+    let rb = fmt
+        .row_bytes(n)
+        .ok_or_else(|| bad(k, format!("n = {n} is not whole {} blocks", fmt.name())))?;
+    need(k, "g", g.len(), nt * n)?;
+    need(k, "u", u.len(), nt * n)?;
+    need(k, "out", out.len(), nt * rb)?;
+    if nt == 0 {
+        return Ok(());
+    }
+    let (ti, ni, fi) = (i32_of(k, nt)?, i32_of(k, n)?, fmt.code() as i32);
+    launch!(
+        gpu,
+        "norm",
+        "swiglu_xprep",
+        grid(nt * n),
+        [g, u, out, &ti, &ni, &fi]
+    )
+}
+
+// ---- unit-parallel products (gemv.cu gemv_units_*, the fused mix and experts) ---------------
+
+/// Shared contributions per block of the unit-parallel kernels (gemv.cu `UNITS_PART`).
+pub const UNITS_PART: usize = 6144;
+
+/// Rows per block of a unit-parallel product of `units` units a row and `nt` activation rows
+/// over `total` rows: enough rows to give the block's 256 threads a unit each where a row has
+/// fewer, within the block's shared contributions (`nt · rows · units ≤ UNITS_PART`). `None`
+/// when not even one row fits (rows of more than 32,768 elements at nt = 8).
+pub fn units_rows_per_block(units: usize, nt: usize, total: usize) -> Option<usize> {
+    if units == 0 || nt == 0 {
+        return None;
+    }
+    let by_smem = UNITS_PART / (nt * units);
+    if by_smem == 0 {
+        return None;
+    }
+    Some(256usize.div_ceil(units).min(by_smem).min(total.max(1)))
+}
+
+/// Threads of a unit-parallel block with `work` unit contributions: one each, in whole warps,
+/// at most 1024 (the kernels loop over the rest).
+fn units_threads(work: usize) -> u32 {
+    (work.div_ceil(32).clamp(1, 32) * 32) as u32
+}
+
+/// A device buffer's address as a kernel argument (for the launchers whose argument list is
+/// fixed but whose buffers vary in number: unused slots repeat the first buffer with 0 rows).
+fn addr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    s.device_ptr(gpu.stream()).0
+}
+
+/// Whether [`product_units`] runs `w` against `nt` activation rows.
+pub fn units_apply(w: &DevWeight, nt: usize) -> bool {
+    (1..=8).contains(&nt)
+        && has_products(w.ty)
+        && w.k.is_multiple_of(32)
+        && units_rows_per_block(w.k / 32, nt, w.rows).is_some()
+}
+
+/// `y_i[t][r] = W_i[r] · x_t` for up to four weights of one format and row length against the
+/// same 1..=8 activation rows (already in the paired format), in one launch of the
+/// unit-parallel kernel: every output has gemv_base's bits.
+pub fn product_units(
+    gpu: &Gpu,
+    ws: &[&DevWeight],
+    ys: &mut [&mut CudaSlice<f32>],
+    x: &CudaSlice<u8>,
+    nt: usize,
+) -> Result<(), CudaError> {
+    let k = "product_units";
+    let (Some(w0), true) = (ws.first(), ws.len() == ys.len() && ws.len() <= 4) else {
+        return Err(bad(
+            k,
+            format!("{} weights for {} outputs (1..=4)", ws.len(), ys.len()),
+        ));
+    };
+    if ws.iter().any(|w| w.ty != w0.ty || w.k != w0.k) {
+        return Err(bad(k, "weights of different formats or row lengths".into()));
+    }
+    whole_units(k, w0)?;
+    let tn = product_module(w0.ty)?;
+    let (wrb, xrb) = (w0.row_bytes()?, w0.act_row_bytes()?);
+    need(k, "x", x.len(), nt * xrb)?;
+    let mut wp = [0u64; 4];
+    let mut yp = [0u64; 4];
+    let mut n = [0i32; 4];
+    for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
+        need(k, "w", w.bytes.len(), w.rows * wrb)?;
+        need(k, "y", y.len(), nt * w.rows)?;
+        wp[i] = addr(gpu, &w.bytes);
+        yp[i] = addr(gpu, y);
+        n[i] = i32_of(k, w.rows)?;
+    }
+    for i in ws.len()..4 {
+        wp[i] = wp[0];
+        yp[i] = yp[0];
+    }
+    let total: usize = ws.iter().map(|w| w.rows).sum();
+    let units = w0.k / 32;
+    let rb = units_rows_per_block(units, nt, total)
+        .ok_or_else(|| bad(k, format!("rows of {} at {nt} activation rows", w0.k)))?;
+    if total == 0 {
+        return Ok(());
+    }
+    let (ni, ki, rbi) = (i32_of(k, nt)?, i32_of(k, w0.k)?, i32_of(k, rb)?);
+    let (wb, xb) = (u64_of(wrb), u64_of(xrb));
+    launch!(
+        gpu,
+        &format!("gemv_{tn}"),
+        format!("gemv_units_{tn}"),
+        cfg(total.div_ceil(rb) as u32, units_threads(rb * units)),
+        [
+            &wp[0], &wp[1], &wp[2], &wp[3], &yp[0], &yp[1], &yp[2], &yp[3], &n[0], &n[1], &n[2],
+            &n[3], x, &ni, &ki, &wb, &xb, &rbi
+        ]
+    )
 }
 
 /// `nt` f32 rows of `w.k` to `w`'s paired activation format.
@@ -661,6 +852,165 @@ pub fn hc_mix(
             "inject weights and the inject output go together".into(),
         )),
     }
+}
+
+/// The residual a fused mix reads: as it is, or after the previous block's combine
+/// (`x_s += inj_s · y`, `y` `rows × h`, `inj` `rows × streams`), which the mix writes back.
+pub enum MixInput<'a> {
+    Plain(&'a CudaSlice<f32>),
+    Combine {
+        x: &'a mut CudaSlice<f32>,
+        y: &'a CudaSlice<f32>,
+        inj: &'a CudaSlice<f32>,
+    },
+}
+
+/// The longest stream the fused mix's norm stages in shared memory (gemv.cu HC_NORM_MAX_H).
+const HC_NORM_MAX_H: usize = 4096;
+
+/// Whether [`hc_mix_fused`] runs this mix at `rows` rows: BF16 down, up and inject weights
+/// (their activation images are BF16), whole 32-element units, 1..=8 rows.
+pub fn hc_fused_applies(hc: &HcDev<'_>, rows: usize) -> bool {
+    let bf16 = |w: &DevWeight| w.ty == GgmlType::BF16;
+    (1..=8).contains(&rows)
+        && bf16(hc.down)
+        && bf16(hc.up)
+        && hc.inject.is_none_or(bf16)
+        && hc.h <= HC_NORM_MAX_H
+        && hc.down.k.is_multiple_of(32)
+        && hc.up.k.is_multiple_of(32)
+        && units_rows_per_block(hc.down.k / 32, rows, 1).is_some()
+        && units_rows_per_block(hc.up.k / 32, rows, hc.up.rows).is_some_and(|r| r >= hc.streams)
+}
+
+/// [`hc_mix`] in three launches (gemv.cu hc_norm_bf16 or hc_combine_norm_bf16, hc_down_bf16,
+/// hc_up_u_bf16) with its bits; with `combine`, the previous block's [`hc_combine`] first
+/// (`x` updated in place, the same bits as the separate launch).
+#[allow(clippy::too_many_arguments)]
+pub fn hc_mix_fused(
+    gpu: &Gpu,
+    hc: &HcDev<'_>,
+    x: MixInput<'_>,
+    rows: usize,
+    s: &mut HcScratch,
+    u: &mut CudaSlice<f32>,
+    inj: Option<&mut CudaSlice<f32>>,
+) -> Result<(), CudaError> {
+    let k = "hc_mix_fused";
+    let (st, h) = (hc.streams, hc.h);
+    let (sh, rank) = (st * h, hc.down.rows);
+    if !hc_fused_applies(hc, rows) || rows > s.rows {
+        return Err(bad(k, format!("{rows} rows of this mix's weights")));
+    }
+    if hc.down.k != sh || hc.up.k != rank || hc.up.rows != sh {
+        return Err(bad(
+            k,
+            format!(
+                "down {}×{}, up {}×{} for {st} streams of {h}",
+                hc.down.rows, hc.down.k, hc.up.rows, hc.up.k
+            ),
+        ));
+    }
+    need(k, "u", u.len(), rows * h)?;
+    let inv_s = 1.0 / st as f32;
+    let (hi, si, ri, ki, ni) = (
+        i32_of(k, h)?,
+        i32_of(k, st)?,
+        i32_of(k, rank)?,
+        i32_of(k, sh)?,
+        i32_of(k, rows)?,
+    );
+    let eps = hc.eps;
+    let blocks = (rows * st) as u32;
+    match x {
+        MixInput::Combine { x, y, inj } => {
+            need(k, "x", x.len(), rows * sh)?;
+            need(k, "y", y.len(), rows * h)?;
+            need(k, "inj", inj.len(), rows * st)?;
+            launch!(
+                gpu,
+                "gemv_bf16",
+                "hc_combine_norm_bf16",
+                cfg(blocks, 1024),
+                [&mut *x, y, inj, hc.norm, &mut s.xn, &mut s.xq, &hi, &si, &eps]
+            )?
+        }
+        MixInput::Plain(x) => {
+            need(k, "x", x.len(), rows * sh)?;
+            launch!(
+                gpu,
+                "gemv_bf16",
+                "hc_norm_bf16",
+                cfg(blocks, 1024),
+                [x, hc.norm, &mut s.xn, &mut s.xq, &hi, &si, &eps]
+            )?
+        }
+    }
+    // The stacked [down; inject] rows (no inject: the final mixer's down alone).
+    let (wi, n_inj, inj_out) = match (hc.inject, inj) {
+        (Some(wi), Some(o)) => {
+            if wi.rows != st || wi.k != sh {
+                return Err(bad(
+                    k,
+                    format!("inject {}×{} for {st} streams", wi.rows, wi.k),
+                ));
+            }
+            need(k, "inj", o.len(), rows * st)?;
+            (wi, st, addr(gpu, o))
+        }
+        (None, None) => (hc.down, 0, addr(gpu, &s.a)),
+        _ => {
+            return Err(bad(
+                k,
+                "inject weights and the inject output go together".into(),
+            ))
+        }
+    };
+    let total = rank + n_inj;
+    let rb = units_rows_per_block(sh / 32, rows, total)
+        .ok_or_else(|| bad(k, format!("rows of {sh}")))?;
+    let (nii, rbi) = (i32_of(k, n_inj)?, i32_of(k, rb)?);
+    launch!(
+        gpu,
+        "gemv_bf16",
+        "hc_down_bf16",
+        cfg(total.div_ceil(rb) as u32, units_threads(rb * sh / 32)),
+        [
+            &hc.down.bytes,
+            &wi.bytes,
+            &s.xq,
+            &mut s.aq,
+            &inj_out,
+            &ri,
+            &nii,
+            &ki,
+            &ni,
+            &rbi,
+            &inv_s
+        ]
+    )?;
+    let rb = units_rows_per_block(rank / 32, rows, sh)
+        .ok_or_else(|| bad(k, format!("rows of {rank}")))?;
+    let j = (rb / st).clamp(1, 512 / (rows * st));
+    let ji = i32_of(k, j)?;
+    launch!(
+        gpu,
+        "gemv_bf16",
+        "hc_up_u_bf16",
+        cfg(h.div_ceil(j) as u32, units_threads(st * j * rank / 32)),
+        [
+            &hc.up.bytes,
+            &s.aq,
+            &s.xn,
+            u,
+            &hi,
+            &si,
+            &ri,
+            &ni,
+            &ji,
+            &inv_s
+        ]
+    )
 }
 
 // ---- Gated DeltaNet -------------------------------------------------------------------------
@@ -1644,7 +1994,7 @@ pub struct MoeScratch {
     g: CudaSlice<f32>,
     u: CudaSlice<f32>,
     act: CudaSlice<f32>,
-    aq: CudaSlice<u8>,
+    pub(crate) aq: CudaSlice<u8>,
     y: CudaSlice<f32>,
     pub groups: MoeGroups,
 }
@@ -1670,6 +2020,209 @@ impl MoeScratch {
             y: gpu.zeros(np * ex.down.rows)?,
             groups: MoeGroups::new(gpu, np, ex.gate.n_expert)?,
         })
+    }
+}
+
+/// Output rows per block of the fused down-and-combine launch (with `kslots` slots of `units`).
+fn down_rows_per_block(kslots: usize, units: usize) -> usize {
+    // About 512 contributions a block: many blocks, each a unit a thread.
+    (512 / (kslots * units).max(1))
+        .clamp(1, 16)
+        .min(256 / kslots.max(1))
+        .min(UNITS_PART / (kslots * units).max(1))
+}
+
+/// Threads of a fused gate/up block for weights of `ty` (gemv.cu GATE_UP_THREADS: the
+/// launch bound that keeps the decoder's registers without spills).
+fn gate_up_threads(ty: GgmlType) -> u32 {
+    if matches!(ty, GgmlType::IQ4_XS | GgmlType::IQ3_XXS) {
+        256
+    } else {
+        512
+    }
+}
+
+/// Whether [`moe_experts_fused`] runs these experts: gate and up of one format with whole-unit
+/// rows that fit a block, a down weight paired with Q8_0 activations (the fused epilogue
+/// writes Q8_0 blocks), and room for a block of output rows for every slot.
+pub fn experts_fuse(ex: &ExpertsDev<'_>, kslots: usize) -> bool {
+    let (h, ff) = (ex.gate.k, ex.gate.rows);
+    kslots > 0
+        && ex.gate.ty == ex.up.ty
+        && has_products(ex.gate.ty)
+        && has_products(ex.down.ty)
+        && ex.down.act().ok() == Some(ActFmt::Q8_0)
+        && h.is_multiple_of(32)
+        && ff.is_multiple_of(32)
+        && 64 * (h / 32) <= UNITS_PART
+        && down_rows_per_block(kslots, ff / 32) > 0
+}
+
+/// The routed experts of a decode step in two launches (gemv.cu moe_gate_up_q8_* and
+/// moe_down_combine_*), with [`moe_experts`]' bits: gate, up, swiglu and the down product's
+/// Q8_0 image per pair, then the down products of a row's pairs and their weighted sum.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_fused(
+    gpu: &Gpu,
+    ex: &ExpertsDev<'_>,
+    x: &CudaSlice<f32>,
+    ids: &CudaSlice<i32>,
+    wts: &CudaSlice<f32>,
+    s: &mut MoeScratch,
+    out: &mut CudaSlice<f32>,
+    err: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    prepare(gpu, ex.gate, x, s.nt, &mut s.xg)?;
+    let (nt, ks) = (s.nt, s.kslots);
+    moe_experts_fused_on(gpu, ex, &s.xg, ids, wts, nt, ks, &mut s.aq, None, out, err)
+}
+
+/// The shared expert's output and gate, added in the routed experts' epilogue (the bits of
+/// add_sigmoid_gated after the experts).
+pub struct SharedAdd<'a> {
+    /// `nt × h`.
+    pub y: &'a CudaSlice<f32>,
+    /// `nt`, before the sigmoid.
+    pub gate: &'a CudaSlice<f32>,
+}
+
+/// [`moe_experts_fused`] from the gate weight's activation image `xg` already prepared, with
+/// the shared expert's add when given.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_fused_on(
+    gpu: &Gpu,
+    ex: &ExpertsDev<'_>,
+    xg: &CudaSlice<u8>,
+    ids: &CudaSlice<i32>,
+    wts: &CudaSlice<f32>,
+    nt: usize,
+    ks: usize,
+    aq: &mut CudaSlice<u8>,
+    shared: Option<SharedAdd<'_>>,
+    out: &mut CudaSlice<f32>,
+    err: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let k = "moe_experts_fused";
+    let (h, ff) = (ex.gate.k, ex.gate.rows);
+    let np = nt * ks;
+    if !experts_fuse(ex, ks) {
+        return Err(bad(k, "experts of these formats and shapes".into()));
+    }
+    need(k, "ids", ids.len(), np)?;
+    need(k, "weights", wts.len(), np)?;
+    need(k, "out", out.len(), nt * h)?;
+    need(k, "x", xg.len(), nt * ex.gate.act_row_bytes()?)?;
+    need(k, "image", aq.len(), np * ex.down.act_row_bytes()?)?;
+    let (gn, dn) = (product_module(ex.gate.ty)?, product_module(ex.down.ty)?);
+    let (gslab, gwrb, gxrb) = (
+        ex.gate.slab_bytes()?,
+        ex.gate.row_bytes()?,
+        ex.gate.act_row_bytes()?,
+    );
+    need(k, "gate", ex.gate.bytes.len(), gslab * ex.gate.n_expert)?;
+    need(
+        k,
+        "up",
+        ex.up.bytes.len(),
+        ex.up.slab_bytes()? * ex.up.n_expert,
+    )?;
+    let (ne, ksi, ffi, hi) = (
+        i32_of(k, ex.gate.n_expert)?,
+        i32_of(k, ks)?,
+        i32_of(k, ff)?,
+        i32_of(k, h)?,
+    );
+    let (sb, wb, xb) = (u64_of(gslab), u64_of(gwrb), u64_of(gxrb));
+    launch!(
+        gpu,
+        &format!("gemv_{gn}"),
+        format!("moe_gate_up_q8_{gn}"),
+        cfg2(
+            (ff / 32) as u32,
+            np as u32,
+            units_threads(64 * h / 32).min(gate_up_threads(ex.gate.ty)),
+        ),
+        [
+            &ex.gate.bytes,
+            &ex.up.bytes,
+            &sb,
+            ids,
+            &ne,
+            xg,
+            &ksi,
+            &mut *aq,
+            &ffi,
+            &hi,
+            &wb,
+            &xb,
+            &mut *err
+        ]
+    )?;
+    let (dslab, dwrb, dxrb) = (
+        ex.down.slab_bytes()?,
+        ex.down.row_bytes()?,
+        ex.down.act_row_bytes()?,
+    );
+    need(k, "down", ex.down.bytes.len(), dslab * ex.down.n_expert)?;
+    let rb = down_rows_per_block(ks, ff / 32);
+    let (dne, rbi) = (i32_of(k, ex.down.n_expert)?, i32_of(k, rb)?);
+    let (dsb, dwb, dxb) = (u64_of(dslab), u64_of(dwrb), u64_of(dxrb));
+    let c = cfg2(
+        h.div_ceil(rb) as u32,
+        nt as u32,
+        units_threads(ks * rb * ff / 32),
+    );
+    match shared {
+        None => launch!(
+            gpu,
+            &format!("gemv_{dn}"),
+            format!("moe_down_combine_{dn}"),
+            c,
+            [
+                &ex.down.bytes,
+                &dsb,
+                ids,
+                &dne,
+                &*aq,
+                wts,
+                &ksi,
+                out,
+                &hi,
+                &ffi,
+                &dwb,
+                &dxb,
+                &rbi,
+                err
+            ]
+        ),
+        Some(sh) => {
+            need(k, "shared", sh.y.len(), nt * h)?;
+            need(k, "shared gate", sh.gate.len(), nt)?;
+            launch!(
+                gpu,
+                &format!("gemv_{dn}"),
+                format!("moe_down_combine_shared_{dn}"),
+                c,
+                [
+                    &ex.down.bytes,
+                    &dsb,
+                    ids,
+                    &dne,
+                    &*aq,
+                    wts,
+                    &ksi,
+                    out,
+                    sh.y,
+                    sh.gate,
+                    &hi,
+                    &ffi,
+                    &dwb,
+                    &dxb,
+                    &rbi,
+                    err
+                ]
+            )
+        }
     }
 }
 
@@ -1726,122 +2279,36 @@ pub fn moe_experts(
     moe_combine(gpu, &s.y, wts, out, nt, ks, h)
 }
 
-// ---- the MoE block (qwen4exp::moe) ------------------------------------------------------------
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// The weights of one MoE block on the device: router `[n_expert, h]` (BF16 in the release),
-/// the routed experts, the shared expert's gate/up `[ff_sh, h]` and down `[h, ff_sh]`, and the
-/// shared expert's gate `[1, h]`.
-pub struct MoeLayerDev<'a> {
-    pub router: DevWeight,
-    pub experts: ExpertsDev<'a>,
-    pub n_used: usize,
-    pub gate_sh: DevWeight,
-    pub up_sh: DevWeight,
-    pub down_sh: DevWeight,
-    pub gate_inp_sh: DevWeight,
-}
-
-/// Scratch of [`moe_layer`] for `nt` rows (fixed addresses: the step replays as a graph).
-pub struct MoeLayerScratch {
-    pub nt: usize,
-    xr: CudaSlice<u8>,
-    xs: CudaSlice<u8>,
-    logits: CudaSlice<f32>,
-    pub ids: CudaSlice<i32>,
-    pub wts: CudaSlice<f32>,
-    g: CudaSlice<f32>,
-    u: CudaSlice<f32>,
-    act: CudaSlice<f32>,
-    aq: CudaSlice<u8>,
-    shared: CudaSlice<f32>,
-    gate: CudaSlice<f32>,
-    pub experts: MoeScratch,
-}
-
-impl MoeLayerScratch {
-    pub fn new(gpu: &Gpu, l: &MoeLayerDev<'_>, nt: usize) -> Result<MoeLayerScratch, CudaError> {
-        let (h, ff) = (l.router.k, l.gate_sh.rows);
-        Ok(MoeLayerScratch {
-            nt,
-            xr: gpu.zeros(nt * l.router.act_row_bytes()?)?,
-            xs: gpu.zeros(nt * l.gate_sh.act_row_bytes()?)?,
-            logits: gpu.zeros(nt * l.router.rows)?,
-            ids: gpu.zeros(nt * l.n_used)?,
-            wts: gpu.zeros(nt * l.n_used)?,
-            g: gpu.zeros(nt * ff)?,
-            u: gpu.zeros(nt * ff)?,
-            act: gpu.zeros(nt * ff)?,
-            aq: gpu.zeros(nt * l.down_sh.act_row_bytes()?)?,
-            shared: gpu.zeros(nt * h)?,
-            gate: gpu.zeros(nt)?,
-            experts: MoeScratch::new(gpu, &l.experts, nt, l.n_used)?,
-        })
+    /// The rows per block of the unit-parallel products: a unit a thread where rows are short,
+    /// within the shared contributions, never more rows than the product has.
+    #[test]
+    fn unit_parallel_blocks_fit_their_shared_memory() {
+        assert_eq!(units_rows_per_block(320, 8, 324), Some(1)); // the mix's down, rows of 10240
+        assert_eq!(units_rows_per_block(80, 1, 513), Some(4)); // the router, rows of 2560
+        assert_eq!(units_rows_per_block(10, 8, 10240), Some(26)); // the mix's up, rows of 320
+        assert_eq!(units_rows_per_block(10, 1, 3), Some(3));
+        assert_eq!(units_rows_per_block(1025, 8, 10), None); // rows of 32,800 at 8 rows
+        assert_eq!(units_rows_per_block(0, 1, 10), None);
+        for units in [1usize, 10, 20, 80, 192, 320, 768] {
+            for nt in 1..=8 {
+                let rb = units_rows_per_block(units, nt, 1 << 20).unwrap();
+                assert!(
+                    nt * rb * units <= UNITS_PART,
+                    "{units} units, {nt} rows: {rb}"
+                );
+            }
+        }
+        assert_eq!(down_rows_per_block(10, 20), 2);
+        for (ks, units) in [(1usize, 1usize), (8, 20), (10, 20), (10, 80), (16, 200)] {
+            let rb = down_rows_per_block(ks, units);
+            assert!(rb >= 1 && ks * rb <= 256 && ks * rb * units <= UNITS_PART);
+        }
+        assert_eq!(units_threads(1), 32);
+        assert_eq!(units_threads(320), 320);
+        assert_eq!(units_threads(5120), 1024);
     }
-}
-
-/// The MoE block of `nt` rows `x` (`[nt, h]`): router → route (the catalogue kernel: softmax,
-/// top-k ties to the lower id, renormalised) → routed experts (decode: one pair a block; with
-/// `grouped`, by expert) → shared expert `down(silu(gate·x) ⊙ up·x)` → `out = y + σ(g·x)·shared`.
-/// The router's ids and weights stay on the device (`s.ids`, `s.wts`).
-pub fn moe_layer(
-    gpu: &Gpu,
-    l: &MoeLayerDev<'_>,
-    x: &CudaSlice<f32>,
-    s: &mut MoeLayerScratch,
-    grouped: bool,
-    out: &mut CudaSlice<f32>,
-    err: &mut CudaSlice<u32>,
-) -> Result<(), CudaError> {
-    let k = "moe_layer";
-    let (nt, h, ff) = (s.nt, l.router.k, l.gate_sh.rows);
-    if l.gate_sh.k != h
-        || l.up_sh.k != h
-        || l.up_sh.rows != ff
-        || l.down_sh.k != ff
-        || l.down_sh.rows != h
-        || l.gate_inp_sh.k != h
-        || l.gate_inp_sh.rows != 1
-        || l.experts.gate.k != h
-        || l.router.rows != l.experts.gate.n_expert
-        || l.gate_sh.act()? != l.up_sh.act()?
-        || l.gate_inp_sh.act()? != l.router.act()?
-    {
-        return Err(bad(k, "weights of mismatched shapes or formats".into()));
-    }
-    need(k, "x", x.len(), nt * h)?;
-    need(k, "out", out.len(), nt * h)?;
-    if nt == 0 {
-        return Ok(());
-    }
-    prepare(gpu, &l.router, x, nt, &mut s.xr)?;
-    product(gpu, &l.router, &s.xr, nt, &mut s.logits)?;
-    ops::route(
-        gpu,
-        "optimized",
-        &s.logits,
-        &mut s.ids,
-        &mut s.wts,
-        nt,
-        l.router.rows,
-        l.n_used,
-    )?;
-    product(gpu, &l.gate_inp_sh, &s.xr, nt, &mut s.gate)?;
-    prepare(gpu, &l.gate_sh, x, nt, &mut s.xs)?;
-    product(gpu, &l.gate_sh, &s.xs, nt, &mut s.g)?;
-    product(gpu, &l.up_sh, &s.xs, nt, &mut s.u)?;
-    swiglu(gpu, &s.g, &s.u, &mut s.act, nt * ff)?;
-    prepare(gpu, &l.down_sh, &s.act, nt, &mut s.aq)?;
-    product(gpu, &l.down_sh, &s.aq, nt, &mut s.shared)?;
-    moe_experts(
-        gpu,
-        &l.experts,
-        x,
-        &s.ids,
-        &s.wts,
-        &mut s.experts,
-        grouped,
-        out,
-        err,
-    )?;
-    add_sigmoid_gated(gpu, out, &s.shared, &s.gate, nt, h)
 }

@@ -22,7 +22,10 @@ use strata_engine::backend::{AttnDims, ExpertWeights, KvType};
 use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
 use strata_engine::kernels::actq::{quantize_row, ActFmt};
 use strata_engine::kernels::testdata::{weight_blocks, Rng};
-use strata_engine::qwen4exp::ops::{GdnDims, GdnParams, HcWeights, QsaRule, QsaSelect};
+use strata_engine::qwen4exp::ops::{
+    moe_block_composed, GdnDims, GdnParams, HcWeights, QsaRule, QsaSelect,
+};
+use strata_engine::qwen4exp::weights::MoeW;
 use strata_engine::{Backend, CpuBackend, CpuBuf, CpuWeight};
 use strata_engine::{DeviceBuf, Qwen4expOps};
 use strata_gguf::{GgmlType, GgufFile, GgufWriter};
@@ -66,13 +69,18 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
         .collect()
 }
 
-/// CPU weights from (name, ggml dims, type, bytes), through an in-memory GGUF file.
-fn weights(specs: Vec<(&str, Vec<u64>, GgmlType, Vec<u8>)>) -> HashMap<String, CpuWeight> {
+/// An in-memory GGUF file of (name, ggml dims, type, bytes).
+fn gguf_of(specs: &[(&str, Vec<u64>, GgmlType, Vec<u8>)]) -> Arc<GgufFile> {
     let mut w = GgufWriter::new();
-    for (name, dims, ty, data) in &specs {
+    for (name, dims, ty, data) in specs {
         w.add_tensor(name, dims, *ty, data).expect("tensor");
     }
-    let file = Arc::new(GgufFile::from_bytes(w.to_bytes().expect("gguf"), "test").expect("read"));
+    Arc::new(GgufFile::from_bytes(w.to_bytes().expect("gguf"), "test").expect("read"))
+}
+
+/// CPU weights from (name, ggml dims, type, bytes), through an in-memory GGUF file.
+fn weights(specs: Vec<(&str, Vec<u64>, GgmlType, Vec<u8>)>) -> HashMap<String, CpuWeight> {
+    let file = gguf_of(&specs);
     let be = cpu();
     file.tensors()
         .iter()
@@ -588,6 +596,224 @@ fn matmul_equals_gemv_and_matches_cpu() {
         within(&format!("matmul {ty} vs CPU"), &got, want.as_slice(), |i| {
             tol[i]
         });
+    }
+}
+
+// ---- unit-parallel products and the fused mix / experts (bitwise against the composed) --------
+
+/// The unit-parallel product (one launch for up to four weights of a format) equals the tiled
+/// kernel (gemv_base's order) bit for bit, for every product format, short and long rows, few
+/// and many rows, 1..=8 activation rows.
+#[test]
+fn unit_parallel_products_equal_the_tiled_kernel() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(31);
+    let mut formats: Vec<GgmlType> = strata_engine::kernels::gemv::GEMV_FORMATS.to_vec();
+    formats.extend([
+        GgmlType::Q3_K,
+        GgmlType::F32,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::IQ4_NL,
+    ]);
+    for ty in formats {
+        let mut shapes = vec![(3usize, 37usize, 2560usize), (200, 1, 6144)];
+        if ty.block_size() == 32 || ty == GgmlType::BF16 || ty == GgmlType::F32 {
+            shapes.extend([(41, 9, 640), (300, 2, 320)]);
+        }
+        for (ra, rbw, k) in shapes {
+            let wa = weight_blocks(ty, ra * k / ty.block_size(), rng.u64());
+            let wb = weight_blocks(ty, rbw * k / ty.block_size(), rng.u64());
+            let da = DevWeight::upload(g, ty, &wa, ra, k, 1).unwrap();
+            let db = DevWeight::upload(g, ty, &wb, rbw, k, 1).unwrap();
+            for nt in [1usize, 2, 5, 8] {
+                let x = tame(rng.f32_vec_special(nt * k, 1.0));
+                let xq = up(g, &act_bytes(ty, &x, nt, k));
+                let (mut ta, mut tb) = (
+                    g.zeros::<f32>(nt * ra).unwrap(),
+                    g.zeros::<f32>(nt * rbw).unwrap(),
+                );
+                m::matmul(g, &da, &xq, nt, &mut ta).unwrap();
+                m::matmul(g, &db, &xq, nt, &mut tb).unwrap();
+                let (mut ua, mut ub) = (
+                    g.zeros::<f32>(nt * ra).unwrap(),
+                    g.zeros::<f32>(nt * rbw).unwrap(),
+                );
+                m::product_units(g, &[&da, &db], &mut [&mut ua, &mut ub], &xq, nt).unwrap();
+                let what = format!("units {ty} {ra}+{rbw}×{k} nt={nt}");
+                bitwise(&format!("{what} (first)"), &down(g, &ua), &down(g, &ta));
+                bitwise(&format!("{what} (second)"), &down(g, &ub), &down(g, &tb));
+            }
+        }
+    }
+}
+
+/// The fused mix (three launches, with and without the previous block's combine, with and
+/// without inject weights) equals the composed mix and combine bit for bit at 1..=8 rows.
+#[test]
+fn fused_hc_mix_equals_the_composed_mix() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(32);
+    let (s, h, rank) = (4usize, 2560usize, 320usize);
+    let sh = s * h;
+    let norm: Vec<f32> = (0..sh).map(|_| 1.0 + 0.02 * rng.normal()).collect();
+    let bf = |v: &[f32], rows: usize, k: usize| {
+        DevWeight::upload(g, GgmlType::BF16, &bf16_bytes(v), rows, k, 1).unwrap()
+    };
+    let down_w = bf(&rng.f32_vec(rank * sh, 0.02), rank, sh);
+    let up_w = bf(&rng.f32_vec(sh * rank, 0.02), sh, rank);
+    let inj_w = bf(&rng.f32_vec(s * sh, 0.02), s, sh);
+    let norm_d = up(g, &norm);
+    for inject in [true, false] {
+        let hc = m::HcDev {
+            norm: &norm_d,
+            down: &down_w,
+            up: &up_w,
+            inject: inject.then_some(&inj_w),
+            streams: s,
+            h,
+            eps: 1e-6,
+        };
+        let mut scratch = m::HcScratch::new(g, &hc, 8).unwrap();
+        for rows in 1..=8usize {
+            assert!(m::hc_fused_applies(&hc, rows));
+            let x = rng.f32_vec_special(rows * sh, 1.0);
+            let y = rng.f32_vec(rows * h, 1.0);
+            let cw: Vec<f32> = (0..rows * s).map(|_| 2.0 * rng.unit()).collect();
+            let (dy, dcw) = (up(g, &y), up(g, &cw));
+            for combine in [false, true] {
+                let what = format!("fused hc_mix, {rows} rows, inject {inject}, combine {combine}");
+                // Composed: combine (when asked), then the eight-launch mix.
+                let mut xc = up(g, &x);
+                if combine {
+                    m::hc_combine(g, &mut xc, &dy, &dcw, rows, h, s).unwrap();
+                }
+                let mut u0 = g.zeros::<f32>(rows * h).unwrap();
+                let mut i0 = g.zeros::<f32>(rows * s).unwrap();
+                m::hc_mix(
+                    g,
+                    &hc,
+                    &xc,
+                    rows,
+                    &mut scratch,
+                    &mut u0,
+                    inject.then_some(&mut i0),
+                )
+                .unwrap();
+                // Fused.
+                let mut xf = up(g, &x);
+                let mut u1 = g.zeros::<f32>(rows * h).unwrap();
+                let mut i1 = g.zeros::<f32>(rows * s).unwrap();
+                let input = if combine {
+                    m::MixInput::Combine {
+                        x: &mut xf,
+                        y: &dy,
+                        inj: &dcw,
+                    }
+                } else {
+                    m::MixInput::Plain(&xf)
+                };
+                m::hc_mix_fused(
+                    g,
+                    &hc,
+                    input,
+                    rows,
+                    &mut scratch,
+                    &mut u1,
+                    inject.then_some(&mut i1),
+                )
+                .unwrap();
+                bitwise(&format!("{what}: u"), &down(g, &u1), &down(g, &u0));
+                if inject {
+                    bitwise(&format!("{what}: inj"), &down(g, &i1), &down(g, &i0));
+                }
+                bitwise(&format!("{what}: x"), &down(g, &xf), &down(g, &xc));
+            }
+        }
+    }
+}
+
+/// The fused routed experts of a decode step (gate/up/swiglu/Q8_0 image, then down and the
+/// weighted sum) equal the composed per-pair launches bit for bit; a bad expert id is reported.
+#[test]
+fn fused_experts_equal_the_composed_experts() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(33);
+    let (h, ff, ne, ks) = (2560usize, 640usize, 16usize, 10usize);
+    for (gty, dty, xs) in [
+        (GgmlType::Q2_0, GgmlType::Q2_0, 1.0f32),
+        (GgmlType::Q4_K, GgmlType::Q8_0, 0.01),
+    ] {
+        let gb = weight_blocks(gty, ne * ff * h / gty.block_size(), rng.u64());
+        let ub = weight_blocks(gty, ne * ff * h / gty.block_size(), rng.u64());
+        let db = weight_blocks(dty, ne * h * ff / dty.block_size(), rng.u64());
+        let ex = m::ExpertsDev {
+            gate: &DevWeight::upload(g, gty, &gb, ff, h, ne).unwrap(),
+            up: &DevWeight::upload(g, gty, &ub, ff, h, ne).unwrap(),
+            down: &DevWeight::upload(g, dty, &db, h, ff, ne).unwrap(),
+        };
+        assert!(m::experts_fuse(&ex, ks));
+        for nt in [1usize, 2, 5, 8] {
+            let x: Vec<f32> = tame(rng.f32_vec_special(nt * h, 1.0))
+                .iter()
+                .map(|v| v * xs)
+                .collect();
+            let mut ids = Vec::new();
+            let mut wts = Vec::new();
+            for _ in 0..nt {
+                ids.extend(rng.distinct(ks, ne));
+                let raw: Vec<f32> = (0..ks).map(|_| 0.1 + rng.unit()).collect();
+                let z: f32 = raw.iter().sum();
+                wts.extend(raw.iter().map(|r| r / z));
+            }
+            let (dx, di, dwt) = (up(g, &x), up(g, &ids), up(g, &wts));
+            let mut err = g.zeros::<u32>(1).unwrap();
+            let mut scratch = m::MoeScratch::new(g, &ex, nt, ks).unwrap();
+            let mut o0 = g.zeros::<f32>(nt * h).unwrap();
+            let mut o1 = g.zeros::<f32>(nt * h).unwrap();
+            m::moe_experts(
+                g,
+                &ex,
+                &dx,
+                &di,
+                &dwt,
+                &mut scratch,
+                false,
+                &mut o0,
+                &mut err,
+            )
+            .unwrap();
+            m::moe_experts_fused(g, &ex, &dx, &di, &dwt, &mut scratch, &mut o1, &mut err).unwrap();
+            assert_eq!(g.download(&err).unwrap(), vec![0], "error word");
+            bitwise(
+                &format!("fused experts {gty}/{dty} nt={nt}"),
+                &down(g, &o1),
+                &down(g, &o0),
+            );
+        }
+        // An expert id past the stack: the error word says so.
+        let mut bad_ids = vec![0i32; ks];
+        bad_ids[3] = ne as i32;
+        let mut err = g.zeros::<u32>(1).unwrap();
+        let mut scratch = m::MoeScratch::new(g, &ex, 1, ks).unwrap();
+        let mut o = g.zeros::<f32>(h).unwrap();
+        let wts = vec![1.0 / ks as f32; ks];
+        m::moe_experts_fused(
+            g,
+            &ex,
+            &up(g, &vec![0.5f32; h]),
+            &up(g, &bad_ids),
+            &up(g, &wts),
+            &mut scratch,
+            &mut o,
+            &mut err,
+        )
+        .unwrap();
+        assert_eq!(
+            g.download(&err).unwrap()[0] & 2,
+            2,
+            "a bad expert id sets the error word"
+        );
     }
 }
 
@@ -1724,8 +1950,9 @@ fn model_op_timings() {
 /// output within the products' bound.
 #[test]
 fn moe_block_matches_cpu() {
-    let Some(g) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     let be = cpu();
+    let cb = strata_cuda::CudaBackend::new(0).expect("CUDA backend");
     let mut rng = Rng::new(23);
     let (h, ff, ne, ku, ffs) = (2560usize, 640usize, 64usize, 8usize, 640usize);
     let q2 = GgmlType::Q2_0;
@@ -1733,88 +1960,82 @@ fn moe_block_matches_cpu() {
         |ty: GgmlType, n: usize, rng: &mut Rng| weight_blocks(ty, n / ty.block_size(), rng.u64());
     let router = rng.f32_vec(ne * h, 0.02);
     let gi = rng.f32_vec(h, 0.02);
-    let (eg, eu, ed) = (
-        blocks(q2, ne * ff * h, &mut rng),
-        blocks(q2, ne * ff * h, &mut rng),
-        blocks(q2, ne * h * ff, &mut rng),
-    );
-    let (sg, su, sd) = (
-        blocks(q2, ffs * h, &mut rng),
-        blocks(q2, ffs * h, &mut rng),
-        blocks(GgmlType::Q8_0, h * ffs, &mut rng),
-    );
     let (h6, f6, e6, fs6) = (h as u64, ff as u64, ne as u64, ffs as u64);
-    let w = weights(vec![
-        ("router", vec![h6, e6], GgmlType::BF16, bf16_bytes(&router)),
-        ("gi", vec![h6, 1], GgmlType::BF16, bf16_bytes(&gi)),
-        ("eg", vec![h6, f6, e6], q2, eg.clone()),
-        ("eu", vec![h6, f6, e6], q2, eu.clone()),
-        ("ed", vec![f6, h6, e6], q2, ed.clone()),
-        ("sg", vec![h6, fs6], q2, sg.clone()),
-        ("su", vec![h6, fs6], q2, su.clone()),
-        ("sd", vec![fs6, h6], GgmlType::Q8_0, sd.clone()),
-    ]);
-    let dw = |ty, b: &[u8], rows, k, n| DevWeight::upload(g, ty, b, rows, k, n).unwrap();
-    let l = m::MoeLayerDev {
-        router: dw(GgmlType::BF16, &bf16_bytes(&router), ne, h, 1),
-        experts: m::ExpertsDev {
-            gate: &dw(q2, &eg, ff, h, ne),
-            up: &dw(q2, &eu, ff, h, ne),
-            down: &dw(q2, &ed, h, ff, ne),
-        },
-        n_used: ku,
-        gate_sh: dw(q2, &sg, ffs, h, 1),
-        up_sh: dw(q2, &su, ffs, h, 1),
-        down_sh: dw(GgmlType::Q8_0, &sd, h, ffs, 1),
-        gate_inp_sh: dw(GgmlType::BF16, &bf16_bytes(&gi), 1, h, 1),
-    };
-    for nt in [1usize, 5, 11] {
-        let x = tame(rng.f32_vec_special(nt * h, 1.0));
-        let xb = buf(nt, h, &x);
-        let [logits, gs, us, gate] = be
-            .matmuls([&w["router"], &w["sg"], &w["su"], &w["gi"]], &xb)
-            .unwrap();
-        let routes = be.route(&logits, ku).unwrap();
-        let mut y = be
-            .moe_experts(
-                &ExpertWeights {
-                    gate: &w["eg"],
-                    up: &w["eu"],
-                    down: &w["ed"],
-                },
-                &xb,
-                &routes,
-            )
-            .unwrap();
-        let shared = be.matmul(&w["sd"], &be.swiglu(&gs, &us).unwrap()).unwrap();
-        be.add_sigmoid_gated(&mut y, &shared, &gate).unwrap();
-        let mut s = m::MoeLayerScratch::new(g, &l, nt).unwrap();
-        let mut err = g.zeros::<u32>(1).unwrap();
-        let dx = up(g, &x);
-        let mut out = g.zeros::<f32>(nt * h).unwrap();
-        let mut out2 = g.zeros::<f32>(nt * h).unwrap();
-        m::moe_layer(g, &l, &dx, &mut s, false, &mut out, &mut err).unwrap();
-        let ids = g.download(&s.ids).unwrap();
-        m::moe_layer(g, &l, &dx, &mut s, true, &mut out2, &mut err).unwrap();
-        assert_eq!(g.download(&err).unwrap(), vec![0]);
-        let want_ids: Vec<i32> = routes
-            .0
-            .iter()
-            .flat_map(|r| r.iter().map(|&(e, _)| e as i32))
-            .collect();
-        assert_eq!(ids, want_ids, "routes of {nt} rows");
-        let got = down(g, &out);
-        bitwise(
-            &format!("moe block {nt} rows: grouped vs decode"),
-            &down(g, &out2),
-            &got,
-        );
-        within(
-            &format!("moe block {nt} rows vs CPU"),
-            &got,
-            y.as_slice(),
-            row_rel(y.as_slice(), h, 2e-3),
-        );
+    // The shared expert in the experts' format (one image for both) and in Q4_K (two).
+    for sty in [q2, GgmlType::Q4_K] {
+        let specs = vec![
+            ("router", vec![h6, e6], GgmlType::BF16, bf16_bytes(&router)),
+            ("gi", vec![h6, 1], GgmlType::BF16, bf16_bytes(&gi)),
+            (
+                "eg",
+                vec![h6, f6, e6],
+                q2,
+                blocks(q2, ne * ff * h, &mut rng),
+            ),
+            (
+                "eu",
+                vec![h6, f6, e6],
+                q2,
+                blocks(q2, ne * ff * h, &mut rng),
+            ),
+            (
+                "ed",
+                vec![f6, h6, e6],
+                q2,
+                blocks(q2, ne * h * ff, &mut rng),
+            ),
+            ("sg", vec![h6, fs6], sty, blocks(sty, ffs * h, &mut rng)),
+            ("su", vec![h6, fs6], sty, blocks(sty, ffs * h, &mut rng)),
+            (
+                "sd",
+                vec![fs6, h6],
+                GgmlType::Q8_0,
+                blocks(GgmlType::Q8_0, h * ffs, &mut rng),
+            ),
+        ];
+        let file = gguf_of(&specs);
+        let load_cpu = |n: &str| be.load_weight(&file, file.tensor(n).unwrap()).unwrap();
+        let load_cuda = |n: &str| cb.load_weight(&file, file.tensor(n).unwrap()).unwrap();
+        fn moe_w<W>(l: impl Fn(&str) -> W) -> MoeW<W> {
+            MoeW {
+                router: l("router"),
+                gate_exps: l("eg"),
+                up_exps: l("eu"),
+                down_exps: l("ed"),
+                gate_shexp: l("sg"),
+                up_shexp: l("su"),
+                down_shexp: l("sd"),
+                shexp_gate: l("gi"),
+            }
+        }
+        let wc = moe_w(load_cpu);
+        let wg = moe_w(load_cuda);
+        let scale = if sty == q2 { 1.0 } else { 0.01 };
+        for nt in [1usize, 3, 8, 11] {
+            let x: Vec<f32> = tame(rng.f32_vec_special(nt * h, 1.0))
+                .iter()
+                .map(|v| v * scale)
+                .collect();
+            let want = be.moe_block(&wc, &buf(nt, h, &x), ku).unwrap();
+            let xg = cb.upload(nt, h, &x).unwrap();
+            // The backend's MoE block (fused for 1..=8 rows) against the composition of the
+            // same backend's core operations: bitwise.
+            let fused = cb.download(&cb.moe_block(&wg, &xg, ku).unwrap()).unwrap();
+            let composed = cb
+                .download(&moe_block_composed(&cb, &wg, &xg, ku).unwrap())
+                .unwrap();
+            bitwise(
+                &format!("moe block {sty} {nt} rows: backend vs composed"),
+                &fused,
+                &composed,
+            );
+            within(
+                &format!("moe block {sty} {nt} rows vs CPU"),
+                &fused,
+                want.as_slice(),
+                row_rel(want.as_slice(), h, 2e-3),
+            );
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use strata_gguf::GgufFile;
 
-use crate::backend::{Backend, DeviceBuf, ExpertWeights, StepInputs, StepKey, StepKind};
+use crate::backend::{Backend, DeviceBuf, StepInputs, StepKey, StepKind};
 use crate::error::{EngineError, Result};
 
 pub use config::{Config, LayerKind, LoadOptions, DOCUMENTED_QSA_RATIO};
@@ -638,26 +638,41 @@ impl<B: Qwen4expOps> Model<B> {
                 ))
             }
         };
-        self.hc_combine(x, &y, inj.as_ref())?;
-        let (u, inj) = self.hc_mix(&lw.hc_ffn, x)?;
+        let (u, inj) = self.hc_combine_mix(x, &y, inj.as_ref(), &lw.hc_ffn)?;
         let y = self.moe(&lw.moe, &u)?;
         self.hc_combine(x, &y, inj.as_ref())
     }
 
     // ---- §4 hyper-connections
 
+    fn hc_weights<'w>(&self, hc: &'w HcW<B::Weight>) -> HcWeights<'w, B::Weight> {
+        HcWeights {
+            norm: &hc.norm,
+            down: &hc.down,
+            up: &hc.up,
+            inject: hc.inject.as_ref(),
+            streams: self.config.hc_streams,
+            eps: self.config.eps,
+        }
+    }
+
     fn hc_mix(&self, hc: &HcW<B::Weight>, x: &B::Buf) -> Result<(B::Buf, Option<B::Buf>)> {
-        self.backend.hc_mix(
-            &HcWeights {
-                norm: &hc.norm,
-                down: &hc.down,
-                up: &hc.up,
-                inject: hc.inject.as_ref(),
-                streams: self.config.hc_streams,
-                eps: self.config.eps,
-            },
-            x,
-        )
+        self.backend.hc_mix(&self.hc_weights(hc), x)
+    }
+
+    /// The token mixer's combine, then the MoE's mix (one backend operation: a GPU fuses the
+    /// combine into the mix's norm).
+    fn hc_combine_mix(
+        &self,
+        x: &mut B::Buf,
+        y: &B::Buf,
+        inj: Option<&B::Buf>,
+        hc: &HcW<B::Weight>,
+    ) -> Result<(B::Buf, Option<B::Buf>)> {
+        let inj =
+            inj.ok_or_else(|| EngineError::shape("hc_combine", "mix without inject weights"))?;
+        self.backend
+            .hc_combine_mix(x, y, Some(inj), &self.hc_weights(hc))
     }
 
     fn hc_combine(&self, x: &mut B::Buf, y: &B::Buf, inj: Option<&B::Buf>) -> Result<()> {
@@ -915,22 +930,10 @@ impl<B: Qwen4expOps> Model<B> {
 
     // ---- §8 MoE
 
+    /// Router → top-k routed experts, plus the gated shared expert (one family operation,
+    /// [`Qwen4expOps::moe_block`], whose default is the composition of core operations).
     fn moe(&self, mw: &MoeW<B::Weight>, u: &B::Buf) -> Result<B::Buf> {
-        let b = &self.backend;
-        let [logits, g, up, gate] = b.matmuls(
-            [&mw.router, &mw.gate_shexp, &mw.up_shexp, &mw.shexp_gate],
-            u,
-        )?;
-        let routes = b.route(&logits, self.config.moe.n_used)?;
-        let experts = ExpertWeights {
-            gate: &mw.gate_exps,
-            up: &mw.up_exps,
-            down: &mw.down_exps,
-        };
-        let mut y = b.moe_experts(&experts, u, &routes)?;
-        let shared = b.matmul(&mw.down_shexp, &b.swiglu(&g, &up)?)?;
-        b.add_sigmoid_gated(&mut y, &shared, &gate)?;
-        Ok(y)
+        self.backend.moe_block(mw, u, self.config.moe.n_used)
     }
 
     // ---- §9 final mixer and LM head

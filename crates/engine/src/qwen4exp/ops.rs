@@ -5,8 +5,9 @@
 //! fused or reordered version is a registered variant checked against the CPU's by the parity
 //! harness.
 
-use crate::backend::{AttnDims, Backend, KvType};
+use crate::backend::{AttnDims, Backend, ExpertWeights, KvType};
 use crate::error::Result;
+use crate::qwen4exp::weights::MoeW;
 
 /// Geometry of a Gated DeltaNet layer (GGUF order: value heads tiled, head `h` uses key head
 /// `h % n_k_heads`).
@@ -101,6 +102,35 @@ pub trait Qwen4expOps: Backend {
     /// `X_s += inj_s · y` for every stream; with no `inj`, unit weights (`X_s += y`, the MTP
     /// head's `Y_s = fc_hidden·hn_s + e`).
     fn hc_combine(&self, x: &mut Self::Buf, y: &Self::Buf, inj: Option<&Self::Buf>) -> Result<()>;
+
+    /// A block's combine and the next block's mix as one operation: [`Self::hc_combine`] of
+    /// `y` into `x`, then [`Self::hc_mix`] of the updated `x` (this default). A backend may fuse
+    /// them (the combine's output is the mix's norm input); the results keep the composed
+    /// operations' bits.
+    fn hc_combine_mix(
+        &self,
+        x: &mut Self::Buf,
+        y: &Self::Buf,
+        inj: Option<&Self::Buf>,
+        hc: &HcWeights<'_, Self::Weight>,
+    ) -> Result<(Self::Buf, Option<Self::Buf>)> {
+        self.hc_combine(x, y, inj)?;
+        self.hc_mix(hc, x)
+    }
+    /// The MoE block (spec §8) of the rows `u`: router logits → `route` (softmax, top
+    /// `n_used`, renormalised) → the routed experts' weighted sum, plus the shared expert
+    /// `down(silu(gate·u) ⊙ up·u)` gated by `σ(shexp_gate·u)`. This default is the composition
+    /// of core operations; a backend may fuse it (one activation image for every product of
+    /// `u`, the shared expert's add in the experts' epilogue) with the composed bits.
+    fn moe_block(
+        &self,
+        mw: &MoeW<Self::Weight>,
+        u: &Self::Buf,
+        n_used: usize,
+    ) -> Result<Self::Buf> {
+        moe_block_composed(self, mw, u, n_used)
+    }
+
     /// Causal depthwise conv over rows (kernel `w` is `[channels, K]`, tap K−1 on the current
     /// row, taps `dilation` rows apart) continuing from `history` (the last `(K−1)·dilation`
     /// input rows, updated in place), then silu.
@@ -163,4 +193,28 @@ pub trait Qwen4expOps: Backend {
         v: &Self::Buf,
         streams: usize,
     ) -> Result<Self::Buf>;
+}
+
+/// [`Qwen4expOps::moe_block`] as the composition of core operations (the default, and the
+/// baseline a fused version keeps the bits of).
+pub fn moe_block_composed<B: Backend + ?Sized>(
+    b: &B,
+    mw: &MoeW<B::Weight>,
+    u: &B::Buf,
+    n_used: usize,
+) -> Result<B::Buf> {
+    let [logits, g, up, gate] = b.matmuls(
+        [&mw.router, &mw.gate_shexp, &mw.up_shexp, &mw.shexp_gate],
+        u,
+    )?;
+    let routes = b.route(&logits, n_used)?;
+    let experts = ExpertWeights {
+        gate: &mw.gate_exps,
+        up: &mw.up_exps,
+        down: &mw.down_exps,
+    };
+    let mut y = b.moe_experts(&experts, u, &routes)?;
+    let shared = b.matmul(&mw.down_shexp, &b.swiglu(&g, &up)?)?;
+    b.add_sigmoid_gated(&mut y, &shared, &gate)?;
+    Ok(y)
 }
