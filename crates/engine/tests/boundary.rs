@@ -423,14 +423,15 @@ fn a_step_past_the_capacity_is_refused_before_it_runs() {
     assert_eq!(st.position(), 8);
 }
 
-/// `route` on the CPU is the catalogue's kernel, chosen through the registry: selecting the
-/// baseline makes the model run it (the registry counts the calls), with bit-identical logits.
-/// (One test in this binary touches the selection, so nothing else races it.)
+/// `route` on the CPU is the catalogue's kernel, chosen through the registry when the backend
+/// is created: selecting the baseline makes the model run it (the registry counts the calls),
+/// with bit-identical logits. (One test in this binary touches the selection, so nothing else
+/// races it; `tests/kernel_selection.rs` covers the other CPU catalogue ops.)
 #[test]
 fn kernel_selection_switches_the_live_route_with_identical_output() {
-    let model = load(CpuBackend::new(1).unwrap(), &LoadOptions::default());
     let prompt: Vec<u32> = (1..20).collect();
     let run = || {
+        let model = load(CpuBackend::new(1).unwrap(), &LoadOptions::default());
         let mut st = model.new_state().unwrap();
         model.forward(&mut st, &prompt).unwrap().logits
     };

@@ -20,6 +20,11 @@ use crate::backend::{
     AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, StepKey, Usage,
 };
 use crate::error::{EngineError, Result};
+use crate::kernels;
+use crate::kernels::embed::EmbedFn;
+use crate::kernels::norm::{RmsNormFn, XprepFn};
+use crate::kernels::registry::Chosen;
+use crate::kernels::route::RouteFn;
 
 /// Element-wise operations split their work only in pieces at least this long (a prefill's
 /// activations; a decode step's rows stay on one thread).
@@ -133,10 +138,34 @@ pub enum FloatActivations {
     F32,
 }
 
+/// The catalogue kernels the CPU runs, each in the variant the registry selected when the
+/// backend was created (`STRATA_KERNELS`, or `kernels::registry::select` before creation):
+/// resolved once, so an operation makes no registry lookup.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuKernels {
+    pub route: Chosen<RouteFn>,
+    pub embed: Chosen<EmbedFn>,
+    pub xprep: Chosen<XprepFn>,
+    pub rms_norm: Chosen<RmsNormFn>,
+}
+
+impl CpuKernels {
+    /// The registry's current selection.
+    pub fn selected() -> Result<CpuKernels> {
+        Ok(CpuKernels {
+            route: kernels::route::ROUTE.resolve()?,
+            embed: kernels::embed::EMBED.resolve()?,
+            xprep: kernels::norm::XPREP.resolve()?,
+            rms_norm: kernels::norm::RMS_NORM.resolve()?,
+        })
+    }
+}
+
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     isa: Isa,
     float_activations: FloatActivations,
+    kernels: CpuKernels,
 }
 
 impl CpuBackend {
@@ -151,7 +180,13 @@ impl CpuBackend {
             pool,
             isa: strata_quant::simd::best(),
             float_activations: FloatActivations::Paired,
+            kernels: CpuKernels::selected()?,
         })
+    }
+
+    /// The catalogue variants this backend runs.
+    pub fn kernels(&self) -> &CpuKernels {
+        &self.kernels
     }
 
     /// Chooses how activations meet F16/BF16 weights (default: [`FloatActivations::Paired`]).
@@ -216,7 +251,14 @@ impl CpuBackend {
         let i = match prepared.iter().position(|p| Some(p.ty) == xty && p.k == k) {
             Some(i) => i,
             None => {
-                prepared.push(matmul::prepare(self.isa, w.ty, x, k, w.name())?);
+                prepared.push(matmul::prepare(
+                    self.isa,
+                    &self.kernels.xprep,
+                    w.ty,
+                    x,
+                    k,
+                    w.name(),
+                )?);
                 prepared.len() - 1
             }
         };
@@ -449,6 +491,8 @@ impl Backend for CpuBackend {
         })?;
         let bytes = table.bytes()?;
         let mut out = vec![0f32; ids.len() * k * copies];
+        // The catalogue's `embed` (its `optimized` variant is `strata_quant::dequantize`).
+        let embed = self.kernels.embed.get();
         self.pool.install(|| {
             out.par_chunks_mut(k * copies)
                 .zip(ids.par_iter())
@@ -462,7 +506,7 @@ impl Backend for CpuBackend {
                     }
                     let src = &bytes[id * row_bytes..(id + 1) * row_bytes];
                     let (first, rest) = o.split_at_mut(k);
-                    strata_quant::dequantize(table.ty, src, first)?;
+                    embed(table.ty, src, k, &[0], first)?;
                     for c in rest.chunks_mut(k) {
                         c.copy_from_slice(first);
                     }
@@ -516,7 +560,7 @@ impl Backend for CpuBackend {
             let xp = if widen {
                 matmul::prepare_f32(&x.data, k, w.name())?
             } else {
-                matmul::prepare(self.isa, w.ty, &x.data, k, w.name())?
+                matmul::prepare(self.isa, &self.kernels.xprep, w.ty, &x.data, k, w.name())?
             };
             matmul::matmul_rows(self.isa, w.ty, w.bytes()?, w.n_rows2(), rows, &xp, w.name())
         })?;
@@ -538,11 +582,9 @@ impl Backend for CpuBackend {
             ));
         }
         let mut out = vec![0f32; x.data.len()];
-        self.pool.install(|| {
-            ops::for_rows(&mut out, x.cols, |r, o| {
-                ops::rms_norm_row(x.row(r), wv, group, eps, o)
-            })
-        });
+        let norm = self.kernels.rms_norm.get();
+        self.pool
+            .install(|| ops::for_rows(&mut out, x.cols, |r, o| norm(x.row(r), wv, group, eps, o)));
         CpuBuf::new(x.rows, x.cols, out)
     }
 
@@ -592,9 +634,9 @@ impl Backend for CpuBackend {
         CpuBuf::new(x.rows, x.cols, data)
     }
 
-    /// The catalogue's `route` kernel (`kernels::route`), in the variant the registry selects
-    /// (`STRATA_KERNELS=route=baseline` runs the baseline): one implementation, so `strata
-    /// parity router-ab` measures what the model runs.
+    /// The catalogue's `route` kernel (`kernels::route`), in the variant the registry selected
+    /// at creation (`STRATA_KERNELS=route=baseline` runs the baseline): one implementation, so
+    /// `strata parity router-ab` measures what the model runs.
     fn route(&self, logits: &CpuBuf, k: usize) -> Result<CpuRoutes> {
         if k == 0 || k > logits.cols {
             return Err(EngineError::shape(
@@ -602,7 +644,7 @@ impl Backend for CpuBackend {
                 format!("top {k} of {} experts", logits.cols),
             ));
         }
-        let f = crate::kernels::route::ROUTE.selected()?;
+        let f = self.kernels.route.get();
         let mut ids = vec![0i32; logits.rows * k];
         let mut weights = vec![0f32; logits.rows * k];
         f(&logits.data, logits.cols, k, &mut ids, &mut weights)?;
