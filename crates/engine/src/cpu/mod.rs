@@ -17,12 +17,14 @@ use strata_gguf::{GgufFile, TensorInfo};
 use strata_quant::{GgmlType, Isa};
 
 use crate::backend::{
-    AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, StepKey, Usage,
+    AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, ExpertWeights, KvType,
+    StepKey, Usage,
 };
 use crate::error::{EngineError, Result};
 use crate::kernels;
 use crate::kernels::embed::EmbedFn;
 use crate::kernels::norm::{RmsNormFn, XprepFn};
+use crate::kernels::pick::PickFn;
 use crate::kernels::registry::Chosen;
 use crate::kernels::route::RouteFn;
 
@@ -147,6 +149,7 @@ pub struct CpuKernels {
     pub embed: Chosen<EmbedFn>,
     pub xprep: Chosen<XprepFn>,
     pub rms_norm: Chosen<RmsNormFn>,
+    pub pick: Chosen<PickFn>,
 }
 
 impl CpuKernels {
@@ -157,6 +160,7 @@ impl CpuKernels {
             embed: kernels::embed::EMBED.resolve()?,
             xprep: kernels::norm::XPREP.resolve()?,
             rms_norm: kernels::norm::RMS_NORM.resolve()?,
+            pick: kernels::pick::PICK.resolve()?,
         })
     }
 }
@@ -785,6 +789,54 @@ impl Backend for CpuBackend {
             }
         }
         Ok(())
+    }
+
+    /// Greedy rows through the catalogue's `pick` (after the trunk's NaN refusal, which makes
+    /// it `sampler::argmax`); draws through the sampler's own code on the row, in place.
+    fn pick_rows(&self, logits: &CpuBuf, pick: DevicePick, first_position: u64) -> Result<CpuIds> {
+        if logits.cols == 0 {
+            return Err(EngineError::Input("pick: no logits".to_string()));
+        }
+        let f = self.kernels.pick.get();
+        let ids = (0..logits.rows)
+            .map(|r| {
+                let row = logits.row(r);
+                match pick {
+                    DevicePick::Greedy => {
+                        if let Some(i) = row.iter().position(|v| v.is_nan()) {
+                            return Err(EngineError::Input(format!(
+                                "sampler: logit of token {i} is NaN"
+                            )));
+                        }
+                        Ok(f(row, &[])?.index as u32)
+                    }
+                    DevicePick::Draw { .. } => {
+                        crate::sampler::pick_row(pick, row, first_position + r as u64)
+                    }
+                }
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        Ok(CpuIds(ids))
+    }
+
+    /// The catalogue's `pick` on each row, mapped through the draft rows.
+    fn pick_draft(&self, logits: &CpuBuf, draft_ids: Option<&CpuIds>) -> Result<CpuIds> {
+        if logits.cols == 0 {
+            return Err(EngineError::Input("pick: no draft logits".to_string()));
+        }
+        let f = self.kernels.pick.get();
+        let ids = (0..logits.rows)
+            .map(|r| {
+                let i = f(logits.row(r), &[])?.index;
+                match draft_ids {
+                    Some(d) => d.0.get(i).copied().ok_or_else(|| {
+                        EngineError::shape("pick_draft", format!("no draft id {i}"))
+                    }),
+                    None => Ok(i as u32),
+                }
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        Ok(CpuIds(ids))
     }
 
     fn attend_causal(

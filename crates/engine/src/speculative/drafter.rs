@@ -19,10 +19,10 @@ use crate::qwen4exp::Model;
 use super::{argmax, softmax_prob, DraftHook, DraftVocab, SpecStats};
 
 /// The first draft of the next window: the MTP's pre-mixer output at the last consumed
-/// position (one row) and its logits over the draft rows.
+/// position (one row) and its logits over the draft rows, both still on the device.
 struct NextDraft<B: Qwen4expOps> {
     hidden: B::Buf,
-    logits: Vec<f32>,
+    logits: B::Buf,
 }
 
 /// A catch-up the head still owes: the trunk states of the kept rows and their next tokens.
@@ -116,10 +116,7 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
                 .mtp_forward_dev(&mut self.mtp, &c.hidden, &c.next, true, rows)?;
         let b = self.model.backend();
         let hidden = b.last_row(hidden)?;
-        self.next_draft = Some(NextDraft {
-            hidden,
-            logits: b.download(&logits)?,
-        });
+        self.next_draft = Some(NextDraft { hidden, logits });
         stats.catchup_time += t0.elapsed();
         Ok(())
     }
@@ -141,15 +138,16 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         self.saved_first = match (&self.next_draft, self.may_rewind) {
             (Some(d), true) => Some(NextDraft {
                 hidden: self.model.backend().copy(&d.hidden)?,
-                logits: d.logits.clone(),
+                logits: self.model.backend().copy(&d.logits)?,
             }),
             _ => None,
         };
         self.chain(consumed, position, pending, max, edit, stats)
     }
 
-    /// Picks a draft from draft-row logits: (token, probability when the floor is on).
-    fn pick(&self, logits: &[f32]) -> (u32, f32) {
+    /// Picks a draft from draft-row logits on the host: (token, probability when the floor is
+    /// on).
+    fn pick_host(&self, logits: &[f32]) -> (u32, f32) {
         // The catalogue's `mtp_pick` semantics (ties to the lower index, NaN never chosen).
         let i = argmax(logits);
         let tok = match &self.vocab {
@@ -166,7 +164,8 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
 
     /// The draft chain; each draft's logits get the judge's edits for the history before it
     /// (the consumed tokens, the pending token and the earlier drafts), so a draft never
-    /// proposes what the sampler has removed.
+    /// proposes what the sampler has removed. When no draft needs an edit and there is no
+    /// floor, each draft is picked on the device and only its id comes back.
     #[allow(clippy::too_many_arguments)]
     fn chain(
         &mut self,
@@ -184,9 +183,12 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         if max == 0 {
             return Ok(drafts);
         }
+        let b = self.model.backend();
+        let edits = self.penalize && edit.device_pick().is_none();
+        let on_device = !edits && self.min_p == 0.0;
         let base = position + 1;
         let mut history = Vec::new();
-        if self.penalize {
+        if edits {
             history.reserve(base + max);
             history.extend_from_slice(consumed);
             history.push(pending);
@@ -195,21 +197,29 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         let mut logits = first.logits;
         loop {
             let j = drafts.len();
-            if self.penalize {
-                let inverse: &[i32] = match &self.vocab {
-                    Some(v) => v.inverse_map(),
-                    None => &self.full_inverse,
-                };
-                edit.edit(&mut logits, inverse, base + j, &history);
-                // Everything removed: no draft can be right.
-                if !logits.iter().any(|&x| x > f32::NEG_INFINITY) {
+            let proposed = if on_device {
+                let ids = b.download_ids(&b.pick_draft(&logits, self.draft_rows.as_ref())?)?;
+                *ids.first()
+                    .ok_or_else(|| crate::error::EngineError::shape("pick_draft", "no row"))?
+            } else {
+                let mut host = b.download(&logits)?;
+                if edits {
+                    let inverse: &[i32] = match &self.vocab {
+                        Some(v) => v.inverse_map(),
+                        None => &self.full_inverse,
+                    };
+                    edit.edit(&mut host, inverse, base + j, &history);
+                    // Everything removed: no draft can be right.
+                    if !host.iter().any(|&x| x > f32::NEG_INFINITY) {
+                        break;
+                    }
+                }
+                let (proposed, p) = self.pick_host(&host);
+                if p < self.min_p {
                     break;
                 }
-            }
-            let (proposed, p) = self.pick(&logits);
-            if p < self.min_p {
-                break;
-            }
+                proposed
+            };
             let tok = match self.hook.as_mut() {
                 Some(h) => match h.draft(base + j, proposed) {
                     Some(t) => t,
@@ -218,7 +228,7 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
                 None => proposed,
             };
             drafts.push(tok);
-            if self.penalize {
+            if edits {
                 history.push(tok);
             }
             if drafts.len() == max {
@@ -229,7 +239,7 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
             let (lg, hid) =
                 self.model
                     .mtp_forward_dev(&mut self.mtp, &hidden, &[tok], true, rows)?;
-            logits = self.model.backend().download(&lg)?;
+            logits = lg;
             hidden = hid;
             stats.draft_steps += 1;
             stats.draft_time += t0.elapsed();

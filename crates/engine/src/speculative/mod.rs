@@ -32,6 +32,7 @@ mod target;
 
 use std::time::{Duration, Instant};
 
+use crate::backend::DevicePick;
 use crate::decode::{self, ByPicker, Decoding, DraftEdit, Judged, Pick, Policy, Stepper};
 use crate::error::{EngineError, Result};
 use crate::generate::{GenOptions, Timings};
@@ -88,6 +89,12 @@ pub trait Picker: Send {
         _history: &[u32],
     ) {
     }
+
+    /// The pick as a device pick, when it is one and edits no draft (greedy, a seeded draw with
+    /// at most a temperature): a verify window then moves only ids. Default: None (host).
+    fn device_pick(&self) -> Option<DevicePick> {
+        None
+    }
 }
 
 /// Greedy decoding: the largest logit, ties to the lower id — the plain loop's greedy pick
@@ -98,6 +105,10 @@ pub struct Greedy;
 impl Picker for Greedy {
     fn pick(&mut self, logits: &[f32], _position: usize, _history: &[u32]) -> Result<u32> {
         crate::sampler::argmax(logits)
+    }
+
+    fn device_pick(&self) -> Option<DevicePick> {
+        Some(DevicePick::Greedy)
     }
 }
 
@@ -131,6 +142,10 @@ impl Picker for Sampler {
             },
             None,
         );
+    }
+
+    fn device_pick(&self) -> Option<DevicePick> {
+        self.config().device_pick()
     }
 }
 
@@ -628,6 +643,12 @@ impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
 
     fn verify(&mut self, window: &[u32]) -> Result<Vec<f32>> {
         self.target.verify(window, self.may_rewind, &mut self.stats)
+    }
+
+    fn verify_picked(&mut self, window: &[u32], pick: DevicePick) -> Result<Option<Vec<u32>>> {
+        self.target
+            .verify_picked(window, pick, self.may_rewind, &mut self.stats)
+            .map(Some)
     }
 
     fn settle(&mut self, seq: &[u32], judged: Judged) -> Result<()> {

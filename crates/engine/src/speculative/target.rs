@@ -10,6 +10,7 @@
 
 use std::time::Instant;
 
+use crate::backend::DevicePick;
 use crate::error::Result;
 use crate::qwen4exp::ops::Qwen4expOps;
 use crate::qwen4exp::{Checkpoint, Model, ReplayLog, State, Want};
@@ -114,8 +115,36 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
         keep_start: bool,
         stats: &mut SpecStats,
     ) -> Result<Vec<f32>> {
-        let n = window.len();
         let t0 = Instant::now();
+        let logits = self.run_window(window, keep_start)?;
+        let logits = self.model.backend().download(&logits)?;
+        stats.verify_time += t0.elapsed();
+        stats.passes += 1;
+        Ok(logits)
+    }
+
+    /// [`Target::verify`] with the picks made where the logits are: one token per row (row
+    /// `i`'s at position `start + 1 + i`), so only ids cross the boundary.
+    pub(crate) fn verify_picked(
+        &mut self,
+        window: &[u32],
+        pick: DevicePick,
+        keep_start: bool,
+        stats: &mut SpecStats,
+    ) -> Result<Vec<u32>> {
+        let t0 = Instant::now();
+        let first = self.state.position() as u64 + 1;
+        let logits = self.run_window(window, keep_start)?;
+        let b = self.model.backend();
+        let ids = b.download_ids(&b.pick_rows(&logits, pick, first)?)?;
+        stats.verify_time += t0.elapsed();
+        stats.passes += 1;
+        Ok(ids)
+    }
+
+    /// The window's forward pass, with what commits it kept (the logits stay on the device).
+    fn run_window(&mut self, window: &[u32], keep_start: bool) -> Result<B::Buf> {
+        let n = window.len();
         let pos0 = self.state.position();
         let checkpoint = if n > 1 || keep_start {
             Some(self.take_checkpoint()?)
@@ -130,7 +159,6 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
         let out =
             self.model
                 .forward_dev(&mut self.state, window, want, (n > 1).then_some(&mut log))?;
-        let logits = self.model.backend().download(&out.logits)?;
         self.verified = Some(Verified {
             pos0,
             rows: n,
@@ -138,9 +166,7 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
             log,
             hidden: out.hidden,
         });
-        stats.verify_time += t0.elapsed();
-        stats.passes += 1;
-        Ok(logits)
+        Ok(out.logits)
     }
 
     /// Whether a verify pass waits for its commit.
