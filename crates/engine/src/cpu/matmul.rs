@@ -54,9 +54,11 @@ pub(crate) fn prepare(
     let mut bytes = vec![0u8; n * row_bytes];
     if let Some(fmt) = ActFmt::for_weight(wty) {
         let f = xprep.get();
-        if n > 1 {
-            x.par_chunks(k)
-                .zip(bytes.par_chunks_mut(row_bytes))
+        // A few runs of whole rows per thread (one call per run, not per row).
+        let per = n.div_ceil(4 * rayon::current_num_threads().max(1)).max(1);
+        if n > per {
+            x.par_chunks(per * k)
+                .zip(bytes.par_chunks_mut(per * row_bytes))
                 .try_for_each(|(src, dst)| f(src, k, fmt, dst))?;
         } else {
             f(x, k, fmt, &mut bytes)?;

@@ -163,6 +163,24 @@ impl CpuKernels {
             pick: kernels::pick::PICK.resolve()?,
         })
     }
+
+    /// The ops not in their default (`optimized`) variant, as `op=variant, …`; None when every
+    /// op runs its default (what `-v` prints beside the backend).
+    pub fn non_default(&self) -> Option<String> {
+        let all = [
+            (self.route.op, self.route.name),
+            (self.embed.op, self.embed.name),
+            (self.xprep.op, self.xprep.name),
+            (self.rms_norm.op, self.rms_norm.name),
+            (self.pick.op, self.pick.name),
+        ];
+        let v: Vec<String> = all
+            .iter()
+            .filter(|(_, n)| *n != kernels::OPTIMIZED)
+            .map(|(o, n)| format!("{o}={n}"))
+            .collect();
+        (!v.is_empty()).then(|| v.join(", "))
+    }
 }
 
 pub struct CpuBackend {
