@@ -103,7 +103,13 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
 }
 
 fn cpu_note(c: &CpuBackend) -> String {
-    format!("cpu ({} threads, {:?})", c.threads(), c.isa())
+    // The catalogue variants chosen by STRATA_KERNELS, when any is not the default.
+    let kernels = c
+        .kernels()
+        .non_default()
+        .map(|k| format!(", kernels {k}"))
+        .unwrap_or_default();
+    format!("cpu ({} threads, {:?}{kernels})", c.threads(), c.isa())
 }
 
 fn cuda_note(c: &CudaBackend) -> String {

@@ -299,6 +299,18 @@ impl std::str::FromStr for KvType {
     }
 }
 
+/// A token choice a backend can make from logits on the device, so that a speculative window
+/// moves only token ids across the boundary (DESIGN.md §3: the same tokens as the host
+/// sampler's for the same chain; chains with other stages stay on the host).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DevicePick {
+    /// The largest logit, ties to the lower id; a NaN logit is an error (`sampler::argmax`).
+    Greedy,
+    /// A draw from `softmax(logits / temperature)` with Philox keyed by (seed, position): the
+    /// sampler chain `[temperature] → draw` (`temperature` 1 has no stage).
+    Draw { seed: u64, temperature: f32 },
+}
+
 /// The routed experts of one MoE layer: 3-D stacks, one `[rows, row_len]` slab per expert.
 pub struct ExpertWeights<'a, W> {
     pub gate: &'a W,
@@ -447,6 +459,58 @@ pub trait Backend: Send + Sync {
     fn add_sigmoid_gated(&self, y: &mut Self::Buf, x: &Self::Buf, gate: &Self::Buf) -> Result<()>;
     /// `x[r] += b` for every row: a projection's bias (`b` has `cols` values).
     fn add_bias(&self, x: &mut Self::Buf, b: &Self::Weight) -> Result<()>;
+    /// One token per row of `logits` chosen by `pick`, row `r` being the token at position
+    /// `first_position + r` (the draw's Philox key): the speculative target's picks, so a
+    /// verify window returns ids, not `rows × n_vocab` floats. The default downloads the logits
+    /// and picks on the host (`sampler::pick_row`); a backend with a pick kernel overrides it.
+    fn pick_rows(
+        &self,
+        logits: &Self::Buf,
+        pick: DevicePick,
+        first_position: u64,
+    ) -> Result<Self::Ids> {
+        let v = self.download(logits)?;
+        let cols = logits.cols();
+        if cols == 0 {
+            return Err(EngineError::Input("pick: no logits".to_string()));
+        }
+        let ids = v
+            .chunks(cols)
+            .enumerate()
+            .map(|(r, row)| crate::sampler::pick_row(pick, row, first_position + r as u64))
+            .collect::<Result<Vec<u32>>>()?;
+        self.upload_ids(&ids)
+    }
+
+    /// The draft chain's greedy pick of each row (the catalogue's `pick`, the report's
+    /// `mtp_pick`: ties to the lower index, NaN never chosen), mapped to full-vocabulary ids
+    /// through `draft_ids` (the draft vocabulary's rows; None: the index is the id). The
+    /// default downloads the logits and runs `kernels::pick::argmax` on the host.
+    fn pick_draft(&self, logits: &Self::Buf, draft_ids: Option<&Self::Ids>) -> Result<Self::Ids> {
+        let v = self.download(logits)?;
+        let cols = logits.cols();
+        if cols == 0 {
+            return Err(EngineError::Input("pick: no draft logits".to_string()));
+        }
+        let map = match draft_ids {
+            Some(d) => Some(self.download_ids(d)?),
+            None => None,
+        };
+        let ids = v
+            .chunks(cols)
+            .map(|row| {
+                let i = crate::kernels::pick::argmax(row);
+                match &map {
+                    Some(m) => m.get(i).copied().ok_or_else(|| {
+                        EngineError::shape("pick_draft", format!("no draft id {i}"))
+                    }),
+                    None => Ok(i as u32),
+                }
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        self.upload_ids(&ids)
+    }
+
     /// Dense causal softmax attention (GQA): query row `r` attends to cache rows
     /// `0..=positions[r]`, which `write_kv` wrote at precision `kv` (with F16 the query and the
     /// probabilities take F16 values too).

@@ -23,6 +23,7 @@
 
 use std::time::Instant;
 
+use crate::backend::DevicePick;
 use crate::error::{EngineError, Result};
 use crate::generate::{GenOptions, StopReason, Timings};
 use crate::sampler::guard::GuardStop;
@@ -47,6 +48,12 @@ pub trait Pick {
         ctx: &SampleContext<'_>,
         slop: Option<&SlopState>,
     );
+    /// The pick as a device pick, when the backend can make it from the logits alone (greedy,
+    /// or a seeded draw with at most a temperature) and it edits no draft: then a speculative
+    /// window moves only token ids ([`Stepper::verify_picked`]). None: picks on the host.
+    fn device_pick(&self) -> Option<DevicePick> {
+        None
+    }
 }
 
 impl Pick for Sampler {
@@ -66,6 +73,9 @@ impl Pick for Sampler {
         slop: Option<&SlopState>,
     ) {
         Sampler::penalize_draft(self, draft_logits, inverse, ctx, slop)
+    }
+    fn device_pick(&self) -> Option<DevicePick> {
+        self.config().device_pick()
     }
 }
 
@@ -96,6 +106,9 @@ impl Pick for ByPicker<'_> {
         self.0
             .penalize_draft(draft_logits, inverse, ctx.position as usize, ctx.history)
     }
+    fn device_pick(&self) -> Option<DevicePick> {
+        self.0.device_pick()
+    }
 }
 
 /// The draft editor a stepper's drafter calls for each draft (the judge: its pick and slop
@@ -103,6 +116,11 @@ impl Pick for ByPicker<'_> {
 /// drafts.
 pub trait DraftEdit {
     fn edit(&mut self, draft_logits: &mut [f32], inverse: &[i32], position: usize, history: &[u32]);
+    /// The trunk's pick when it is a device pick and drafts need no edit (no slop state, no
+    /// penalties): the drafter may then pick drafts on the device and download only ids.
+    fn device_pick(&self) -> Option<DevicePick> {
+        None
+    }
 }
 
 /// What one verify pass judged, for the stepper's statistics.
@@ -134,6 +152,13 @@ pub trait Stepper {
     fn propose(&mut self, pending: u32, max: usize, edit: &mut dyn DraftEdit) -> Result<Vec<u32>>;
     /// Consumes `window` and returns one logits row per token (`window.len() · n_vocab`).
     fn verify(&mut self, window: &[u32]) -> Result<Vec<f32>>;
+    /// Consumes `window` and returns the token `pick` chooses after each row, picked where
+    /// the logits are (only ids cross the boundary); row `i`'s token sits at position
+    /// `tokens().len() + 1 + i` before the call. None: this stepper cannot, and the loop calls
+    /// [`Stepper::verify`] instead (nothing was consumed).
+    fn verify_picked(&mut self, _window: &[u32], _pick: DevicePick) -> Result<Option<Vec<u32>>> {
+        Ok(None)
+    }
     /// Makes the sequence hold `seq` but its last token (which is pending), after the judge
     /// ruled on the last window (or on the prefill's logits, with no window yet).
     fn settle(&mut self, seq: &[u32], judged: Judged) -> Result<()>;
@@ -214,6 +239,12 @@ impl DraftEdit for Judge<'_, '_> {
             self.t.slop.as_ref(),
         )
     }
+    fn device_pick(&self) -> Option<DevicePick> {
+        match self.t.slop {
+            Some(_) => None,
+            None => self.pick.device_pick(),
+        }
+    }
 }
 
 impl Tally {
@@ -262,10 +293,15 @@ impl Judge<'_, '_> {
             },
             self.t.slop.as_ref(),
         );
+        self.t.timings.sample += ts.elapsed();
+        self.record(sampled?, pos)
+    }
+
+    /// Records `sampled`, the choice for position `pos`: rewinds, stop rules, streaming.
+    fn record(&mut self, sampled: Sampled, pos: usize) -> Result<Verdict> {
         let t = &mut *self.t;
-        t.timings.sample += ts.elapsed();
         t.timings.sampled_tokens += 1;
-        let tok = match (sampled?, t.slop.as_mut()) {
+        let tok = match (sampled, t.slop.as_mut()) {
             (Sampled::Token(tok), _) => tok,
             (Sampled::DeadEnd, Some(s)) => match s.dead_end() {
                 DeadEnd::Rewound { position, .. } => {
@@ -324,6 +360,11 @@ impl Judge<'_, '_> {
         }
         Ok(Verdict::Kept(tok))
     }
+}
+
+/// The judge's pick as a device pick (see [`Pick::device_pick`]).
+fn pick_of(j: &Judge<'_, '_>) -> Option<DevicePick> {
+    j.pick.device_pick()
 }
 
 /// Refuses an empty prompt or one that leaves no room in the context.
@@ -499,7 +540,16 @@ impl Progress {
         window.push(pending);
         window.extend_from_slice(&drafts);
         let n = window.len();
-        let logits = stepper.verify(&window)?;
+        // A pick the device can make with no slop state to follow: the window comes back as
+        // one token per row (ids only across the boundary).
+        let device = match (j.t.slop.is_none(), pick_of(&j)) {
+            (true, Some(p)) => stepper.verify_picked(&window, p)?,
+            _ => None,
+        };
+        let logits = match device {
+            Some(_) => Vec::new(),
+            None => stepper.verify(&window)?,
+        };
         j.t.timings.decode += td.elapsed();
         j.t.timings.decoded_tokens += n;
         let v = logits.len() / n;
@@ -515,10 +565,21 @@ impl Progress {
         let gen0 = j.t.gen.len();
         j.t.low = gen0;
         for i in 0..n {
-            let row = logits
-                .get(i * v..(i + 1) * v)
-                .ok_or_else(|| EngineError::shape("verify", format!("no logits row {i} of {n}")))?;
-            match j.judge(row, history)? {
+            let verdict = match &device {
+                Some(ids) => {
+                    let tok = *ids.get(i).ok_or_else(|| {
+                        EngineError::shape("verify", format!("no pick for row {i} of {n}"))
+                    })?;
+                    j.record(Sampled::Token(tok), history.len())?
+                }
+                None => {
+                    let row = logits.get(i * v..(i + 1) * v).ok_or_else(|| {
+                        EngineError::shape("verify", format!("no logits row {i} of {n}"))
+                    })?;
+                    j.judge(row, history)?
+                }
+            };
+            match verdict {
                 Verdict::Kept(t) => {
                     judged.kept += 1;
                     if drafts.get(i) != Some(&t) {

@@ -15,11 +15,16 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use common::tiny_dir;
-use strata_engine::backend::{AttnDims, ExpertWeights, StepKey};
+use strata_convert::{convert_mtp, ConvertOptions, OutType};
+use strata_engine::backend::{AttnDims, DevicePick, ExpertWeights, StepKey};
 use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
 use strata_engine::kernels::registry;
 use strata_engine::qwen4exp::ops::{GdnParams, HcWeights, QsaSelect};
 use strata_engine::qwen4exp::{LoadOptions, Model, Want};
+use strata_engine::sampler::{
+    self, Pick as SamplerPick, SampleContext, Sampler, SamplerConfig, Stage,
+};
+use strata_engine::speculative::{DraftHook, SpecConfig, SpecDecoder};
 use strata_engine::{
     Backend, CpuBackend, CpuBuf, CpuWeight, DeviceBuf, EngineError, KvType, Qwen4expOps, Usage,
 };
@@ -37,6 +42,11 @@ struct Log {
     steps: Vec<(StepKey, Trace)>,
     /// Host transfers attempted inside a step.
     violations: Vec<&'static str>,
+    /// Downloads anywhere (inside a step or not): of float buffers (logits, hidden rows), and
+    /// of id vectors (picked tokens) with the ids they carried.
+    float_downloads: usize,
+    id_downloads: usize,
+    ids_downloaded: usize,
 }
 
 struct Recording {
@@ -116,11 +126,27 @@ impl Backend for Recording {
     }
     fn download(&self, x: &CpuBuf) -> R<Vec<f32>> {
         self.host("download");
+        self.log.lock().unwrap().float_downloads += 1;
         self.cpu.download(x)
     }
     fn download_ids(&self, ids: &CpuIds) -> R<Vec<u32>> {
         self.host("download_ids");
+        {
+            let mut l = self.log.lock().unwrap();
+            l.id_downloads += 1;
+            l.ids_downloaded += ids.0.len();
+        }
         self.cpu.download_ids(ids)
+    }
+    // The CPU's own picks (the catalogue kernels on its buffers): what a device backend's
+    // kernels do, so the log shows what crosses the boundary.
+    fn pick_rows(&self, logits: &CpuBuf, pick: DevicePick, first_position: u64) -> R<CpuIds> {
+        self.buf("pick_rows", logits);
+        self.cpu.pick_rows(logits, pick, first_position)
+    }
+    fn pick_draft(&self, logits: &CpuBuf, draft_ids: Option<&CpuIds>) -> R<CpuIds> {
+        self.buf("pick_draft", logits);
+        self.cpu.pick_draft(logits, draft_ids)
     }
     fn copy(&self, x: &CpuBuf) -> R<CpuBuf> {
         self.buf("copy", x);
@@ -423,14 +449,156 @@ fn a_step_past_the_capacity_is_refused_before_it_runs() {
     assert_eq!(st.position(), 8);
 }
 
-/// `route` on the CPU is the catalogue's kernel, chosen through the registry: selecting the
-/// baseline makes the model run it (the registry counts the calls), with bit-identical logits.
-/// (One test in this binary touches the selection, so nothing else races it.)
+/// Drafts forced to the true token, or off by one at every third position.
+struct Forced {
+    truth: Vec<u32>,
+}
+
+impl DraftHook for Forced {
+    fn draft(&mut self, position: usize, _proposed: u32) -> Option<u32> {
+        let right = *self.truth.get(position)?;
+        Some(if position % 3 == 0 {
+            (right + 1) % 320
+        } else {
+            right
+        })
+    }
+}
+
+fn with_head<B: Qwen4expOps>(mut m: Model<B>) -> Model<B> {
+    let (w, _) = convert_mtp(
+        &tiny_dir().join("hf"),
+        &ConvertOptions {
+            out_type: OutType::F32,
+            include_shared: false,
+        },
+    )
+    .unwrap();
+    m.attach_mtp(Arc::new(
+        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
+    ))
+    .unwrap();
+    m
+}
+
+/// Picking behind the boundary (issue "Boundary", point 4): with a greedy or a seeded-draw
+/// chain, a speculative verify window moves only token ids to the host — each draft's pick
+/// and the window's picks, never a logits row — and the tokens are those of plain decoding
+/// picked on the host from downloaded logits (the oracle: one forward call per token and the
+/// sampler's own code).
+#[test]
+fn a_device_pick_window_moves_only_ids_and_emits_the_plain_tokens() {
+    let model = with_head(load(Recording::new(), &LoadOptions::default()));
+    // The golden prompt, on which the tiny head's drafts are often right.
+    let prompt: Vec<u32> =
+        common::Golden::open(tiny_dir().join("golden.safetensors")).ids("input_ids")[..30].to_vec();
+    const NEW: usize = 24;
+    let seeded = || {
+        Sampler::new(SamplerConfig {
+            stages: vec![Stage::Temperature { t: 0.8 }],
+            pick: SamplerPick::Draw { seed: 7 },
+        })
+        .unwrap()
+    };
+    for (name, window) in [
+        ("greedy", 4usize),
+        ("seeded", 4),
+        ("greedy", 8),
+        ("seeded", 2),
+    ] {
+        // The oracle: plain steps, logits downloaded, picked by the sampler on the host.
+        let mut oracle = seeded();
+        let mut host_pick = |logits: &[f32], pos: usize, hist: &[u32]| -> u32 {
+            if name == "greedy" {
+                sampler::argmax(logits).unwrap()
+            } else {
+                oracle
+                    .sample(
+                        logits,
+                        &SampleContext {
+                            position: pos as u64,
+                            history: hist,
+                        },
+                    )
+                    .unwrap()
+            }
+        };
+        let mut st = model.new_state().unwrap();
+        let nv = model.config().n_vocab;
+        let all = model.forward(&mut st, &prompt).unwrap().logits;
+        let mut logits = all[all.len() - nv..].to_vec();
+        let mut want = Vec::new();
+        while want.len() < NEW {
+            let t = host_pick(&logits, st.position(), st.tokens());
+            want.push(t);
+            logits = model.forward(&mut st, &[t]).unwrap().logits;
+        }
+
+        let cfg = SpecConfig {
+            window,
+            ..SpecConfig::default()
+        };
+        // The tiny head's own drafts are seldom right: drafts are forced to the plain tokens
+        // except at every third position, so windows accept prefixes and roll the rest back
+        // (the device pick still runs: the hook sees its proposal).
+        let mut truth = prompt.clone();
+        truth.extend(&want);
+        let mut dec = SpecDecoder::new(&model, cfg)
+            .unwrap()
+            .with_draft_hook(Forced { truth });
+        if name == "seeded" {
+            dec = dec.with_picker(seeded());
+        }
+        let mut got = vec![dec.prefill(&prompt).unwrap()];
+        model.backend().take();
+        let mut passes = 0;
+        while got.len() < NEW {
+            let out = dec
+                .step(NEW - got.len(), &mut |t| {
+                    got.push(t);
+                    true
+                })
+                .unwrap();
+            passes += 1;
+            let log = model.backend().take();
+            assert_eq!(
+                log.float_downloads, 0,
+                "{name} window {window}: a verify window downloaded floats"
+            );
+            assert!(
+                log.id_downloads >= 1 && log.id_downloads <= window,
+                "{name} window {window}: {} id downloads for one window",
+                log.id_downloads
+            );
+            // The drafts' picks (one id each) and the window's (one per row).
+            assert!(log.ids_downloaded <= out.offered + (out.offered + 1));
+        }
+        assert_eq!(got, want, "{name} window {window}: not the plain tokens");
+        let s = dec.stats();
+        let (acc, off) = (
+            s.accepted.iter().sum::<u64>(),
+            s.offered.iter().sum::<u64>(),
+        );
+        assert!(
+            acc > 0 && acc < off,
+            "{name} window {window}: {acc} of {off} drafts accepted"
+        );
+        assert!(
+            passes < NEW,
+            "{name} window {window}: no window held a draft"
+        );
+    }
+}
+
+/// `route` on the CPU is the catalogue's kernel, chosen through the registry when the backend
+/// is created: selecting the baseline makes the model run it (the registry counts the calls),
+/// with bit-identical logits. (One test in this binary touches the selection, so nothing else
+/// races it; `tests/kernel_selection.rs` covers the other CPU catalogue ops.)
 #[test]
 fn kernel_selection_switches_the_live_route_with_identical_output() {
-    let model = load(CpuBackend::new(1).unwrap(), &LoadOptions::default());
     let prompt: Vec<u32> = (1..20).collect();
     let run = || {
+        let model = load(CpuBackend::new(1).unwrap(), &LoadOptions::default());
         let mut st = model.new_state().unwrap();
         model.forward(&mut st, &prompt).unwrap().logits
     };
@@ -453,4 +621,45 @@ fn kernel_selection_switches_the_live_route_with_identical_output() {
         .zip(&baseline)
         .all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(same && optimized.len() == baseline.len());
+}
+
+/// The CPU's device picks are the host sampler's choices: greedy rows through the catalogue's
+/// `pick` equal `sampler::argmax` (ties to the lower id, −0.0 tying +0.0, a NaN refused), draws
+/// equal `sampler::pick_row` keyed by each row's position, and draft picks map through the
+/// draft rows.
+#[test]
+fn cpu_device_picks_equal_the_host_sampler() {
+    let cpu = CpuBackend::new(1).unwrap();
+    let rows: Vec<Vec<f32>> = vec![
+        vec![0.5, 2.0, -1.0, 2.0, 1.0],
+        vec![-0.0, 0.0, -3.0, -0.0, -1.0],
+        vec![f32::NEG_INFINITY; 5],
+        vec![1.0, -2.0, 3.5, 0.25, 3.5],
+    ];
+    let flat: Vec<f32> = rows.concat();
+    let buf = cpu.upload(rows.len(), 5, &flat).unwrap();
+    let got = cpu.pick_rows(&buf, DevicePick::Greedy, 10).unwrap().0;
+    let want: Vec<u32> = rows.iter().map(|r| sampler::argmax(r).unwrap()).collect();
+    assert_eq!(got, want);
+    assert_eq!(got, vec![1, 0, 0, 2]);
+    let draw = DevicePick::Draw {
+        seed: 3,
+        temperature: 0.7,
+    };
+    let finite: Vec<f32> = (0..4 * 5).map(|i| ((i * 7) % 11) as f32 * 0.3).collect();
+    let buf = cpu.upload(4, 5, &finite).unwrap();
+    let got = cpu.pick_rows(&buf, draw, 40).unwrap().0;
+    for (r, row) in finite.chunks(5).enumerate() {
+        assert_eq!(got[r], sampler::pick_row(draw, row, 40 + r as u64).unwrap());
+    }
+    let mut nan = flat.clone();
+    nan[7] = f32::NAN;
+    let buf = cpu.upload(rows.len(), 5, &nan).unwrap();
+    let err = cpu.pick_rows(&buf, DevicePick::Greedy, 0).unwrap_err();
+    assert!(err.to_string().contains("NaN"), "{err}");
+    // Draft picks: NaN never chosen, mapped through the draft rows.
+    let buf = cpu.upload(rows.len(), 5, &nan).unwrap();
+    let map = CpuIds(vec![100, 101, 102, 103, 104]);
+    let got = cpu.pick_draft(&buf, Some(&map)).unwrap().0;
+    assert_eq!(got, vec![101, 100, 100, 102]);
 }

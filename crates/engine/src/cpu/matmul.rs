@@ -7,6 +7,9 @@ use rayon::prelude::*;
 use strata_quant::{GgmlType, Isa};
 
 use crate::error::{EngineError, Result};
+use crate::kernels::norm::XprepFn;
+use crate::kernels::registry::Chosen;
+use crate::kernels::ActFmt;
 
 /// Activation rows in a weight's paired format.
 pub(crate) struct Prepared {
@@ -17,10 +20,13 @@ pub(crate) struct Prepared {
     pub bytes: Vec<u8>,
 }
 
-/// Quantize `n` rows of `k` f32 values to the activation type that `wty` pairs with (by the
-/// `isa` version of the quantizer: bitwise the reference's).
+/// Quantize `n` rows of `k` f32 values to the activation type that `wty` pairs with: through
+/// the catalogue's `xprep` in the variant the backend resolved (its `optimized` variant is the
+/// `isa` quantizer, bitwise the reference's) for the four catalogue formats, and through the
+/// same `strata_quant` quantizer directly for the pairings outside the catalogue (F16, Q8_1).
 pub(crate) fn prepare(
     isa: Isa,
+    xprep: &Chosen<XprepFn>,
     wty: GgmlType,
     x: &[f32],
     k: usize,
@@ -46,8 +52,17 @@ pub(crate) fn prepare(
     }
     let n = x.len() / k;
     let mut bytes = vec![0u8; n * row_bytes];
-    if xty == GgmlType::F32 {
-        bytes.copy_from_slice(bytemuck::cast_slice(x));
+    if let Some(fmt) = ActFmt::for_weight(wty) {
+        let f = xprep.get();
+        // A few runs of whole rows per thread (one call per run, not per row).
+        let per = n.div_ceil(4 * rayon::current_num_threads().max(1)).max(1);
+        if n > per {
+            x.par_chunks(per * k)
+                .zip(bytes.par_chunks_mut(per * row_bytes))
+                .try_for_each(|(src, dst)| f(src, k, fmt, dst))?;
+        } else {
+            f(x, k, fmt, &mut bytes)?;
+        }
     } else {
         // Looked up once; every row is `k` values into `row_bytes` bytes (checked above).
         let quantize_row = strata_quant::quantize_fn(xty, isa).ok_or_else(|| {

@@ -17,9 +17,16 @@ use strata_gguf::{GgufFile, TensorInfo};
 use strata_quant::{GgmlType, Isa};
 
 use crate::backend::{
-    AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, StepKey, Usage,
+    AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, ExpertWeights, KvType,
+    StepKey, Usage,
 };
 use crate::error::{EngineError, Result};
+use crate::kernels;
+use crate::kernels::embed::EmbedFn;
+use crate::kernels::norm::{RmsNormFn, XprepFn};
+use crate::kernels::pick::PickFn;
+use crate::kernels::registry::Chosen;
+use crate::kernels::route::RouteFn;
 
 /// Element-wise operations split their work only in pieces at least this long (a prefill's
 /// activations; a decode step's rows stay on one thread).
@@ -133,10 +140,54 @@ pub enum FloatActivations {
     F32,
 }
 
+/// The catalogue kernels the CPU runs, each in the variant the registry selected when the
+/// backend was created (`STRATA_KERNELS`, or `kernels::registry::select` before creation):
+/// resolved once, so an operation makes no registry lookup.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuKernels {
+    pub route: Chosen<RouteFn>,
+    pub embed: Chosen<EmbedFn>,
+    pub xprep: Chosen<XprepFn>,
+    pub rms_norm: Chosen<RmsNormFn>,
+    pub pick: Chosen<PickFn>,
+}
+
+impl CpuKernels {
+    /// The registry's current selection.
+    pub fn selected() -> Result<CpuKernels> {
+        Ok(CpuKernels {
+            route: kernels::route::ROUTE.resolve()?,
+            embed: kernels::embed::EMBED.resolve()?,
+            xprep: kernels::norm::XPREP.resolve()?,
+            rms_norm: kernels::norm::RMS_NORM.resolve()?,
+            pick: kernels::pick::PICK.resolve()?,
+        })
+    }
+
+    /// The ops not in their default (`optimized`) variant, as `op=variant, …`; None when every
+    /// op runs its default (what `-v` prints beside the backend).
+    pub fn non_default(&self) -> Option<String> {
+        let all = [
+            (self.route.op, self.route.name),
+            (self.embed.op, self.embed.name),
+            (self.xprep.op, self.xprep.name),
+            (self.rms_norm.op, self.rms_norm.name),
+            (self.pick.op, self.pick.name),
+        ];
+        let v: Vec<String> = all
+            .iter()
+            .filter(|(_, n)| *n != kernels::OPTIMIZED)
+            .map(|(o, n)| format!("{o}={n}"))
+            .collect();
+        (!v.is_empty()).then(|| v.join(", "))
+    }
+}
+
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     isa: Isa,
     float_activations: FloatActivations,
+    kernels: CpuKernels,
 }
 
 impl CpuBackend {
@@ -151,7 +202,13 @@ impl CpuBackend {
             pool,
             isa: strata_quant::simd::best(),
             float_activations: FloatActivations::Paired,
+            kernels: CpuKernels::selected()?,
         })
+    }
+
+    /// The catalogue variants this backend runs.
+    pub fn kernels(&self) -> &CpuKernels {
+        &self.kernels
     }
 
     /// Chooses how activations meet F16/BF16 weights (default: [`FloatActivations::Paired`]).
@@ -216,7 +273,14 @@ impl CpuBackend {
         let i = match prepared.iter().position(|p| Some(p.ty) == xty && p.k == k) {
             Some(i) => i,
             None => {
-                prepared.push(matmul::prepare(self.isa, w.ty, x, k, w.name())?);
+                prepared.push(matmul::prepare(
+                    self.isa,
+                    &self.kernels.xprep,
+                    w.ty,
+                    x,
+                    k,
+                    w.name(),
+                )?);
                 prepared.len() - 1
             }
         };
@@ -449,6 +513,8 @@ impl Backend for CpuBackend {
         })?;
         let bytes = table.bytes()?;
         let mut out = vec![0f32; ids.len() * k * copies];
+        // The catalogue's `embed` (its `optimized` variant is `strata_quant::dequantize`).
+        let embed = self.kernels.embed.get();
         self.pool.install(|| {
             out.par_chunks_mut(k * copies)
                 .zip(ids.par_iter())
@@ -462,7 +528,7 @@ impl Backend for CpuBackend {
                     }
                     let src = &bytes[id * row_bytes..(id + 1) * row_bytes];
                     let (first, rest) = o.split_at_mut(k);
-                    strata_quant::dequantize(table.ty, src, first)?;
+                    embed(table.ty, src, k, &[0], first)?;
                     for c in rest.chunks_mut(k) {
                         c.copy_from_slice(first);
                     }
@@ -516,7 +582,7 @@ impl Backend for CpuBackend {
             let xp = if widen {
                 matmul::prepare_f32(&x.data, k, w.name())?
             } else {
-                matmul::prepare(self.isa, w.ty, &x.data, k, w.name())?
+                matmul::prepare(self.isa, &self.kernels.xprep, w.ty, &x.data, k, w.name())?
             };
             matmul::matmul_rows(self.isa, w.ty, w.bytes()?, w.n_rows2(), rows, &xp, w.name())
         })?;
@@ -538,11 +604,9 @@ impl Backend for CpuBackend {
             ));
         }
         let mut out = vec![0f32; x.data.len()];
-        self.pool.install(|| {
-            ops::for_rows(&mut out, x.cols, |r, o| {
-                ops::rms_norm_row(x.row(r), wv, group, eps, o)
-            })
-        });
+        let norm = self.kernels.rms_norm.get();
+        self.pool
+            .install(|| ops::for_rows(&mut out, x.cols, |r, o| norm(x.row(r), wv, group, eps, o)));
         CpuBuf::new(x.rows, x.cols, out)
     }
 
@@ -592,9 +656,9 @@ impl Backend for CpuBackend {
         CpuBuf::new(x.rows, x.cols, data)
     }
 
-    /// The catalogue's `route` kernel (`kernels::route`), in the variant the registry selects
-    /// (`STRATA_KERNELS=route=baseline` runs the baseline): one implementation, so `strata
-    /// parity router-ab` measures what the model runs.
+    /// The catalogue's `route` kernel (`kernels::route`), in the variant the registry selected
+    /// at creation (`STRATA_KERNELS=route=baseline` runs the baseline): one implementation, so
+    /// `strata parity router-ab` measures what the model runs.
     fn route(&self, logits: &CpuBuf, k: usize) -> Result<CpuRoutes> {
         if k == 0 || k > logits.cols {
             return Err(EngineError::shape(
@@ -602,7 +666,7 @@ impl Backend for CpuBackend {
                 format!("top {k} of {} experts", logits.cols),
             ));
         }
-        let f = crate::kernels::route::ROUTE.selected()?;
+        let f = self.kernels.route.get();
         let mut ids = vec![0i32; logits.rows * k];
         let mut weights = vec![0f32; logits.rows * k];
         f(&logits.data, logits.cols, k, &mut ids, &mut weights)?;
@@ -743,6 +807,54 @@ impl Backend for CpuBackend {
             }
         }
         Ok(())
+    }
+
+    /// Greedy rows through the catalogue's `pick` (after the trunk's NaN refusal, which makes
+    /// it `sampler::argmax`); draws through the sampler's own code on the row, in place.
+    fn pick_rows(&self, logits: &CpuBuf, pick: DevicePick, first_position: u64) -> Result<CpuIds> {
+        if logits.cols == 0 {
+            return Err(EngineError::Input("pick: no logits".to_string()));
+        }
+        let f = self.kernels.pick.get();
+        let ids = (0..logits.rows)
+            .map(|r| {
+                let row = logits.row(r);
+                match pick {
+                    DevicePick::Greedy => {
+                        if let Some(i) = row.iter().position(|v| v.is_nan()) {
+                            return Err(EngineError::Input(format!(
+                                "sampler: logit of token {i} is NaN"
+                            )));
+                        }
+                        Ok(f(row, &[])?.index as u32)
+                    }
+                    DevicePick::Draw { .. } => {
+                        crate::sampler::pick_row(pick, row, first_position + r as u64)
+                    }
+                }
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        Ok(CpuIds(ids))
+    }
+
+    /// The catalogue's `pick` on each row, mapped through the draft rows.
+    fn pick_draft(&self, logits: &CpuBuf, draft_ids: Option<&CpuIds>) -> Result<CpuIds> {
+        if logits.cols == 0 {
+            return Err(EngineError::Input("pick: no draft logits".to_string()));
+        }
+        let f = self.kernels.pick.get();
+        let ids = (0..logits.rows)
+            .map(|r| {
+                let i = f(logits.row(r), &[])?.index;
+                match draft_ids {
+                    Some(d) => d.0.get(i).copied().ok_or_else(|| {
+                        EngineError::shape("pick_draft", format!("no draft id {i}"))
+                    }),
+                    None => Ok(i as u32),
+                }
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        Ok(CpuIds(ids))
     }
 
     fn attend_causal(

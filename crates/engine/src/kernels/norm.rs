@@ -8,6 +8,11 @@
 //! what a 256-thread CUDA block with warp butterflies computes, so the CUDA kernels give these
 //! exact bits. Then `r = 1/sqrt(sum/n + eps)` and `y = (x·r)·w`, where `w` is the norm weight
 //! as GGUF stores it (the `1 + w` of the checkpoint already folded).
+//!
+//! `rms_norm` is the core RMS norm the CPU backend runs (`Backend::rms_norm`, and the GDN
+//! output norm): its `baseline` sums the squares sequentially, in element order, which is the
+//! order the CPU has always used and the bits every CPU golden holds. The canonical lane order
+//! above is its named variant `lanes` (a GPU block's order: other bits, checked within a bound).
 
 use super::actq::{self, ActFmt};
 use super::registry::{Op, Variant, BASELINE, OPTIMIZED};
@@ -64,6 +69,73 @@ pub fn sumsq_optimized(x: &[f32]) -> f32 {
     }
     reduce_lanes(&lanes)
 }
+
+/// Sum of squares in element order, one accumulator (the CPU's live order: `rms_norm`'s
+/// baseline).
+#[inline]
+pub fn sumsq_sequential(x: &[f32]) -> f32 {
+    x.iter().map(|v| v * v).sum()
+}
+
+/// The name of `rms_norm`'s canonical-lane-order variant.
+pub const LANES_VARIANT: &str = "lanes";
+
+/// `rms_norm`: one row of `cols` values in groups of `group` (a per-head norm; `group = cols`
+/// for a whole-row norm), each group scaled by [`rms_scale`] of its sum of squares, then `× w`
+/// (`cols` values, or `group` broadcast over the groups): `y = (x·r)·w`. The caller has checked
+/// the shapes (`group` divides `cols`; `w` holds `cols` or `group` values; `out` holds `cols`).
+pub type RmsNormFn = fn(row: &[f32], w: &[f32], group: usize, eps: f32, out: &mut [f32]);
+
+#[inline]
+fn rms_norm_with(
+    sumsq: impl Fn(&[f32]) -> f32,
+    row: &[f32],
+    w: &[f32],
+    group: usize,
+    eps: f32,
+    out: &mut [f32],
+) {
+    for (gi, (xs, os)) in row.chunks(group).zip(out.chunks_mut(group)).enumerate() {
+        let s = rms_scale(sumsq(xs), xs.len(), eps);
+        let ws = if w.len() == group {
+            w
+        } else {
+            &w[gi * group..(gi + 1) * group]
+        };
+        for ((o, &x), &wv) in os.iter_mut().zip(xs).zip(ws) {
+            *o = x * s * wv;
+        }
+    }
+}
+
+/// The sequential order (the CPU's bits). It has no faster form with the same bits (a
+/// sequential sum does not vectorize), so `optimized` names this function too.
+pub fn rms_norm_baseline(row: &[f32], w: &[f32], group: usize, eps: f32, out: &mut [f32]) {
+    rms_norm_with(sumsq_sequential, row, w, group, eps, out)
+}
+
+/// The canonical lane order ([`sumsq_optimized`]): what a 256-thread GPU block computes.
+pub fn rms_norm_lanes(row: &[f32], w: &[f32], group: usize, eps: f32, out: &mut [f32]) {
+    rms_norm_with(sumsq_optimized, row, w, group, eps, out)
+}
+
+pub static RMS_NORM: Op<RmsNormFn> = Op {
+    name: "rms_norm",
+    variants: &[
+        Variant {
+            name: BASELINE,
+            f: rms_norm_baseline,
+        },
+        Variant {
+            name: OPTIMIZED,
+            f: rms_norm_baseline,
+        },
+        Variant {
+            name: LANES_VARIANT,
+            f: rms_norm_lanes,
+        },
+    ],
+};
 
 /// `1/sqrt(sum/n + eps)`.
 #[inline]
@@ -314,27 +386,34 @@ fn xprep_check(
     Ok((nt, rb))
 }
 
-/// Row by row through `strata_quant::quantize` (the reference quantizers).
+/// All rows at once through the block quantizers of [`actq`], the transcription the GPU
+/// kernels mirror operation for operation (its tests bind it to `strata_quant::quantize`, the
+/// reference): the named oracle.
 pub fn xprep_baseline(x: &[f32], n: usize, fmt: ActFmt, out: &mut [u8]) -> Result<(), KernelError> {
-    let (_, rb) = xprep_check(x, n, fmt, out)?;
-    for (xr, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(rb)) {
-        strata_quant::quantize(fmt.ggml_type(), xr, o).map_err(|source| KernelError::Quant {
-            kernel: "xprep",
-            source,
-        })?;
-    }
+    xprep_check(x, n, fmt, out)?;
+    actq::quantize_row(fmt, x, out);
     Ok(())
 }
 
-/// All rows at once through the block quantizers of [`actq`].
+/// Row by row through `strata_quant`'s quantizer for the best ISA of this CPU (the SIMD Q8_0
+/// quantizer where there is one, bitwise the reference; F32 as a plain copy): the CPU
+/// backend's live activation quantizer (`cpu::matmul::prepare` calls it for these formats).
 pub fn xprep_optimized(
     x: &[f32],
     n: usize,
     fmt: ActFmt,
     out: &mut [u8],
 ) -> Result<(), KernelError> {
-    xprep_check(x, n, fmt, out)?;
-    actq::quantize_row(fmt, x, out);
+    let (_, rb) = xprep_check(x, n, fmt, out)?;
+    if fmt == ActFmt::F32 {
+        out.copy_from_slice(bytemuck::cast_slice(x));
+        return Ok(());
+    }
+    let q = strata_quant::quantize_fn(fmt.ggml_type(), strata_quant::simd::best())
+        .ok_or_else(|| invalid("xprep", format!("{} has no quantizer", fmt.name())))?;
+    for (xr, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(rb)) {
+        q(xr, o);
+    }
     Ok(())
 }
 

@@ -13,13 +13,19 @@ pub struct Picked {
     pub value: f32,
 }
 
-/// `logits`: `nv` draft logits; `draft_ids`: `nv` token ids.
+/// `logits`: `nv` draft logits; `draft_ids`: `nv` token ids, or none (the index is the token:
+/// a pick over the full vocabulary, the trunk's greedy).
 pub type PickFn = fn(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, KernelError>;
 
 fn done(logits: &[f32], draft_ids: &[i32], index: usize) -> Picked {
+    let token = if draft_ids.is_empty() {
+        i32::try_from(index).unwrap_or(-1)
+    } else {
+        draft_ids.get(index).copied().unwrap_or(-1)
+    };
     Picked {
         index,
-        token: draft_ids.get(index).copied().unwrap_or(-1),
+        token,
         value: logits.get(index).copied().unwrap_or(f32::NAN),
     }
 }
@@ -42,8 +48,15 @@ pub fn argmax(logits: &[f32]) -> usize {
     }
 }
 
+fn check_ids(logits: &[f32], draft_ids: &[i32]) -> Result<(), KernelError> {
+    if draft_ids.is_empty() {
+        return Ok(());
+    }
+    check_len("pick", "draft ids", draft_ids.len(), logits.len())
+}
+
 pub fn pick_baseline(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, KernelError> {
-    check_len("pick", "draft ids", draft_ids.len(), logits.len())?;
+    check_ids(logits, draft_ids)?;
     Ok(done(logits, draft_ids, argmax(logits)))
 }
 
@@ -51,7 +64,7 @@ pub fn pick_baseline(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, Kernel
 /// strict `>`), merged by (value, lower index). A maximum of −∞ (every value −∞ or NaN) takes
 /// the baseline's path, which settles that case.
 pub fn pick_optimized(logits: &[f32], draft_ids: &[i32]) -> Result<Picked, KernelError> {
-    check_len("pick", "draft ids", draft_ids.len(), logits.len())?;
+    check_ids(logits, draft_ids)?;
     if logits.len() >= u32::MAX as usize {
         return pick_baseline(logits, draft_ids);
     }

@@ -5,8 +5,13 @@
 //! environment variable (`op=variant,op=variant`, `*=variant` for every op), then `optimized`.
 //! A backend looks the chosen name up in its own table (the CPU functions in [`Op`], the CUDA
 //! kernels in `strata-cuda`), so a name valid for one backend is valid for all.
+//!
+//! A backend resolves its choice once ([`Op::resolve`], at creation), never per call: the hot
+//! path holds a [`Chosen`] function and counts its calls in a relaxed atomic. [`lookups`]
+//! counts resolutions, so a test can show that a forward pass makes none.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, RwLock};
 
 use super::KernelError;
@@ -24,6 +29,13 @@ pub const CATALOGUE: &[(&str, &[&str])] = &[
     ("pick", &[BASELINE, OPTIMIZED]),
     ("route", &[BASELINE, OPTIMIZED]),
     ("gemv", &[BASELINE, OPTIMIZED]),
+    // The core RMS norm (the CPU's `rms_norm`): `baseline` and `optimized` are its live,
+    // sequential summation order; `lanes` is the canonical 256-lane order of [`super::norm`]
+    // (a GPU block's), which gives other bits: a named oracle, not a same-bits variant.
+    (
+        "rms_norm",
+        &[BASELINE, OPTIMIZED, super::norm::LANES_VARIANT],
+    ),
 ];
 
 /// One named implementation of an op.
@@ -62,14 +74,61 @@ impl<F: Copy> Op<F> {
         self.variants[0].f
     }
 
-    /// The variant chosen by [`selected_variant`] (counted in [`use_count`]: a live path that
-    /// asks here is one that `STRATA_KERNELS` switches).
-    pub fn selected(&self) -> Result<F, KernelError> {
+    /// The variant chosen by [`selected_variant`], resolved once: what a backend keeps at
+    /// creation and calls through [`Chosen::get`] (counted in [`use_count`]: a live path that
+    /// holds one is one that `STRATA_KERNELS` switches).
+    pub fn resolve(&self) -> Result<Chosen<F>, KernelError> {
         let name = selected_variant(self.name)?;
-        let f = self.variant(&name)?;
-        let mut uses = use_counts().lock().unwrap_or_else(|p| p.into_inner());
-        *uses.entry((self.name, name)).or_insert(0) += 1;
-        Ok(f)
+        let v = self
+            .variants
+            .iter()
+            .find(|v| v.name == name)
+            .ok_or_else(|| KernelError::UnknownVariant {
+                op: self.name.to_string(),
+                variant: name.clone(),
+                origin: "the CPU registry",
+                known: self
+                    .variants
+                    .iter()
+                    .map(|v| v.name)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })?;
+        Ok(Chosen {
+            f: v.f,
+            op: self.name,
+            name: v.name,
+            uses: counter(self.name, v.name),
+        })
+    }
+
+    /// [`Op::resolve`] and one call's worth of [`Chosen::get`] (for a path that is not hot).
+    pub fn selected(&self) -> Result<F, KernelError> {
+        Ok(self.resolve()?.get())
+    }
+}
+
+/// An op's variant as a backend holds it after [`Op::resolve`].
+#[derive(Clone, Copy)]
+pub struct Chosen<F: 'static> {
+    f: F,
+    pub op: &'static str,
+    pub name: &'static str,
+    uses: &'static AtomicU64,
+}
+
+impl<F: Copy> Chosen<F> {
+    /// The function, counting the use (one relaxed atomic add: no lookup, no lock).
+    #[inline]
+    pub fn get(&self) -> F {
+        self.uses.fetch_add(1, Ordering::Relaxed);
+        self.f
+    }
+}
+
+impl<F> std::fmt::Debug for Chosen<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.op, self.name)
     }
 }
 
@@ -136,18 +195,36 @@ pub fn parse_selection(
     Ok(out)
 }
 
-fn use_counts() -> &'static Mutex<HashMap<(&'static str, String), u64>> {
-    static U: OnceLock<Mutex<HashMap<(&'static str, String), u64>>> = OnceLock::new();
+type Counters = Mutex<HashMap<(&'static str, &'static str), &'static AtomicU64>>;
+
+fn use_counts() -> &'static Counters {
+    static U: OnceLock<Counters> = OnceLock::new();
     U.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// How many times this process ran `op`'s `variant` through [`Op::selected`].
+/// The use counter of `op`'s `variant` (one per pair for the process: the map holds at most
+/// the catalogue's pairs, so the leak is bounded).
+fn counter(op: &'static str, variant: &'static str) -> &'static AtomicU64 {
+    let mut uses = use_counts().lock().unwrap_or_else(|p| p.into_inner());
+    uses.entry((op, variant))
+        .or_insert_with(|| Box::leak(Box::new(AtomicU64::new(0))))
+}
+
+/// How many times this process called `op`'s `variant` through a [`Chosen`].
 pub fn use_count(op: &str, variant: &str) -> u64 {
     let uses = use_counts().lock().unwrap_or_else(|p| p.into_inner());
     uses.iter()
-        .filter(|((o, v), _)| *o == op && v == variant)
-        .map(|(_, n)| *n)
+        .filter(|((o, v), _)| *o == op && *v == variant)
+        .map(|(_, n)| n.load(Ordering::Relaxed))
         .sum()
+}
+
+static LOOKUPS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times this process looked a selection up ([`selected_variant`], which every
+/// [`Op::resolve`] calls): a hot path that resolved its variants up front adds none.
+pub fn lookups() -> u64 {
+    LOOKUPS.load(Ordering::Relaxed)
 }
 
 fn overrides() -> &'static RwLock<HashMap<String, String>> {
@@ -243,6 +320,7 @@ pub fn clear_selection() {
 
 /// The variant name in force for `op`.
 pub fn selected_variant(op: &str) -> Result<String, KernelError> {
+    LOOKUPS.fetch_add(1, Ordering::Relaxed);
     check(op, BASELINE, "the API")?;
     {
         let o = overrides().read().unwrap_or_else(|p| p.into_inner());

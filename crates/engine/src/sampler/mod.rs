@@ -274,6 +274,54 @@ impl Sampler {
     }
 }
 
+/// The token `pick` chooses from one row of logits for position `position`: exactly what a
+/// [`Sampler`] with the chain `pick` names chooses (it is that sampler's code), so a backend's
+/// device pick can be checked against it, and the default `Backend::pick_rows` is it.
+pub fn pick_row(pick: crate::backend::DevicePick, logits: &[f32], position: u64) -> Result<u32> {
+    match pick {
+        crate::backend::DevicePick::Greedy => argmax(logits),
+        crate::backend::DevicePick::Draw { seed, temperature } => {
+            let mut stages = Vec::new();
+            if temperature != 1.0 {
+                stages.push(Stage::Temperature { t: temperature });
+            }
+            let mut s = Sampler::new(SamplerConfig {
+                stages,
+                pick: Pick::Draw { seed },
+            })?;
+            s.sample(
+                logits,
+                &SampleContext {
+                    position,
+                    history: &[],
+                },
+            )
+        }
+    }
+}
+
+impl SamplerConfig {
+    /// The chain as a device pick, when it is one: greedy, or a draw after at most a
+    /// temperature (no stage that edits or filters by the history or the vocabulary).
+    pub fn device_pick(&self) -> Option<crate::backend::DevicePick> {
+        use crate::backend::DevicePick;
+        match (&self.pick, self.stages.as_slice()) {
+            (Pick::Greedy, []) => Some(DevicePick::Greedy),
+            (Pick::Draw { seed }, []) => Some(DevicePick::Draw {
+                seed: *seed,
+                temperature: 1.0,
+            }),
+            (Pick::Draw { seed }, [Stage::Temperature { t }]) if *t > 0.0 => {
+                Some(DevicePick::Draw {
+                    seed: *seed,
+                    temperature: *t,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
 /// The highest logit, ties to the lower id (the first in index order).
 pub fn argmax(logits: &[f32]) -> Result<u32> {
     match view::first_max(logits) {

@@ -18,24 +18,35 @@
 //!
 //! Invariant between steps: the trunk state and the MTP state both hold exactly the consumed
 //! tokens (`position()` equal), as if the sequence had been decoded one token at a time.
+//!
+//! Two objects do the work, and the decoding loop ([`crate::decode`]) drives both through the
+//! [`Stepper`] that [`SpecDecoder`] is: the drafter ([`drafter`], steps 1 and 5: propose, catch
+//! up) and the target ([`target`], steps 2 and 4: verify a window, commit what the judge kept).
+//! Step 3 is the loop's judge. Neither side reads the other's state: the target hands the
+//! drafter the committed tokens and its pre-mixer rows, and the drafter hands the loop tokens.
 
 pub mod draft_vocab;
+mod drafter;
 pub mod guarded;
+mod target;
 
 use std::time::{Duration, Instant};
 
+use crate::backend::DevicePick;
 use crate::decode::{self, ByPicker, Decoding, DraftEdit, Judged, Pick, Policy, Stepper};
 use crate::error::{EngineError, Result};
 use crate::generate::{GenOptions, Timings};
 use crate::qwen4exp::mtp::MtpState;
 use crate::qwen4exp::ops::Qwen4expOps;
-use crate::qwen4exp::{Checkpoint, Model, ReplayLog, State, Want};
+use crate::qwen4exp::{Model, State};
 use crate::sampler::{SampleContext, Sampler};
 
 /// The draft chain's pick (ties to the lower index, NaN never chosen): the catalogue's
 /// `mtp_pick`, re-exported under the name callers know.
 pub use crate::kernels::pick::argmax;
 pub use draft_vocab::DraftVocab;
+use drafter::MtpDrafter;
+use target::{Committed, Target};
 
 /// The largest verify window (rows of one trunk pass).
 pub const MAX_WINDOW: usize = 8;
@@ -78,6 +89,12 @@ pub trait Picker: Send {
         _history: &[u32],
     ) {
     }
+
+    /// The pick as a device pick, when it is one and edits no draft (greedy, a seeded draw with
+    /// at most a temperature): a verify window then moves only ids. Default: None (host).
+    fn device_pick(&self) -> Option<DevicePick> {
+        None
+    }
 }
 
 /// Greedy decoding: the largest logit, ties to the lower id — the plain loop's greedy pick
@@ -88,6 +105,10 @@ pub struct Greedy;
 impl Picker for Greedy {
     fn pick(&mut self, logits: &[f32], _position: usize, _history: &[u32]) -> Result<u32> {
         crate::sampler::argmax(logits)
+    }
+
+    fn device_pick(&self) -> Option<DevicePick> {
+        Some(DevicePick::Greedy)
     }
 }
 
@@ -121,6 +142,10 @@ impl Picker for Sampler {
             },
             None,
         );
+    }
+
+    fn device_pick(&self) -> Option<DevicePick> {
+        self.config().device_pick()
     }
 }
 
@@ -273,63 +298,28 @@ pub struct StepOutcome {
     pub stopped: bool,
 }
 
-/// The first draft of the next window: the MTP's pre-mixer output at the last consumed
-/// position (one row) and its logits over the draft rows.
-struct NextDraft<B: Qwen4expOps> {
-    hidden: B::Buf,
-    logits: Vec<f32>,
-}
-
-/// A verify pass waiting for the judge's ruling.
-struct Verified<B: Qwen4expOps> {
-    pos0: usize,
-    rows: usize,
-    checkpoint: Option<Checkpoint<B>>,
-    log: ReplayLog<B>,
-    hidden: Option<B::Buf>,
-}
-
-/// A catch-up the MTP still owes: the trunk states of the kept rows and their next tokens.
-struct Catchup<B: Qwen4expOps> {
-    hidden: B::Buf,
-    next: Vec<u32>,
-}
-
-/// Speculative decoding of one sequence.
+/// Speculative decoding of one sequence: a [`Target`] (the trunk: verify a window, commit what
+/// the judge kept) and, with the MTP head, an [`MtpDrafter`] (propose drafts, catch up on the
+/// committed rows), driven by the decoding loop of [`crate::decode`] through [`Stepper`].
+/// The decoder itself only passes what one side leaves to the other: the committed tokens and
+/// the trunk's pre-mixer rows.
 pub struct SpecDecoder<'m, B: Qwen4expOps> {
     model: &'m Model<B>,
     window: usize,
-    min_p: f32,
-    vocab: Option<DraftVocab>,
-    /// The draft vocabulary's ids on the device (the LM-head rows a draft computes).
-    draft_rows: Option<B::Ids>,
-    state: State<B>,
-    /// The checkpoint of the last verify window, kept to be filled again (a window allocates
-    /// no state copies: [`Model::checkpoint_into`]).
-    spare_checkpoint: Option<Checkpoint<B>>,
-    /// The trunk's pre-mixer rows of the prefill, until the first token is known (its MTP
+    target: Target<'m, B>,
+    /// The head's side; present exactly when the sequence has an MTP state (a window of 1 on a
+    /// resumed sequence keeps its head in step, for the caller's next request).
+    drafter: Option<MtpDrafter<'m, B>>,
+    /// The trunk's pre-mixer rows of the prefill, until the first token is known (the head's
     /// catch-up pairs them with the tokens after them).
     prefill_hidden: Option<B::Buf>,
     /// Where the last prefill started (a resumed sequence's prefix was consumed before).
     prefill_from: usize,
-    /// What the last verify pass left to settle: its start, rows, checkpoint, replay log and
-    /// pre-mixer rows.
-    verified: Option<Verified<B>>,
-    /// The judge may rewind (slop mode 2): keep the first draft of each window, so that a
-    /// rewind to the window's start needs no replay.
+    /// The judge may rewind (slop mode 2): the target checkpoints even one-row windows.
     may_rewind: bool,
-    saved_first: Option<NextDraft<B>>,
-    mtp: Option<MtpState<B>>,
     /// The last emitted token, which the trunk has not consumed yet.
     pending: Option<u32>,
-    next_draft: Option<NextDraft<B>>,
-    catchup: Option<Catchup<B>>,
     picker: Box<dyn Picker + 'm>,
-    hook: Option<Box<dyn DraftHook + 'm>>,
-    /// Apply the sampler's edits to the drafts (off only to measure what they buy).
-    penalize: bool,
-    /// The identity map, for drafts over the full vocabulary.
-    full_inverse: Vec<i32>,
     stats: SpecStats,
 }
 
@@ -388,45 +378,27 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
             None if cfg.window > 1 => Some(model.new_mtp_state()?),
             None => None,
         };
-        let full_inverse = if cfg.window > 1 && cfg.draft_vocab.is_none() {
-            let n = i32::try_from(model.config().n_vocab).map_err(|_| {
-                EngineError::Input("the vocabulary has more than 2^31 tokens".to_string())
-            })?;
-            (0..n).collect()
-        } else {
-            Vec::new()
-        };
-        // The window's checkpoint, allocated up front and refilled every window.
-        let spare_checkpoint = if cfg.window > 1 {
-            Some(model.checkpoint(&state)?)
-        } else {
-            None
-        };
-        let draft_rows = match &cfg.draft_vocab {
-            Some(v) if cfg.window > 1 => Some(model.backend().upload_ids(v.ids())?),
-            _ => None,
+        let target = Target::new(model, state, cfg.window, mtp.is_some())?;
+        let drafter = match mtp {
+            Some(m) => Some(MtpDrafter::new(
+                model,
+                m,
+                cfg.min_p,
+                cfg.draft_vocab,
+                cfg.window > 1,
+            )?),
+            None => None,
         };
         Ok(SpecDecoder {
             model,
             window: cfg.window,
-            min_p: cfg.min_p,
-            vocab: cfg.draft_vocab,
-            draft_rows,
-            state,
-            spare_checkpoint,
+            target,
+            drafter,
             prefill_hidden: None,
             prefill_from: 0,
-            verified: None,
             may_rewind: false,
-            saved_first: None,
-            mtp,
             pending: None,
-            next_draft: None,
-            catchup: None,
             picker: Box::new(Greedy),
-            hook: None,
-            penalize: true,
-            full_inverse,
             stats: SpecStats::new(cfg.window),
         })
     }
@@ -439,14 +411,18 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
 
     /// Installs a hook over the drafts (tests, forced-acceptance benchmarks).
     pub fn with_draft_hook(mut self, hook: impl DraftHook + 'm) -> Self {
-        self.hook = Some(Box::new(hook));
+        if let Some(d) = self.drafter.as_mut() {
+            d.hook = Some(Box::new(hook));
+        }
         self
     }
 
     /// Turns the sampler's edits of the drafts off (on by default): for tests and benchmarks
     /// that measure what they buy; the output does not change, only the acceptance.
     pub fn with_draft_penalties(mut self, on: bool) -> Self {
-        self.penalize = on;
+        if let Some(d) = self.drafter.as_mut() {
+            d.penalize = on;
+        }
         self
     }
 
@@ -456,11 +432,11 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
 
     /// The trunk state: the consumed tokens (all emitted tokens but the last).
     pub fn state(&self) -> &State<B> {
-        &self.state
+        &self.target.state
     }
 
     pub fn mtp_state(&self) -> Option<&MtpState<B>> {
-        self.mtp.as_ref()
+        self.drafter.as_ref().map(|d| &d.mtp)
     }
 
     /// The last emitted token (not yet consumed by the trunk).
@@ -470,7 +446,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
 
     /// Runs the prompt and returns the first generated token.
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32> {
-        if self.pending.is_some() || self.state.position() > 0 {
+        if self.pending.is_some() || self.target.position() > 0 {
             return Err(EngineError::Input(
                 "prefill: the sequence has already started".to_string(),
             ));
@@ -490,159 +466,39 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
             return Err(EngineError::Input("prefill: empty prompt".to_string()));
         }
         // The MTP state must hold every consumed token before new rows are appended.
-        self.run_catchup()?;
-        self.next_draft = None;
+        self.sync_mtp()?;
+        if let Some(d) = self.drafter.as_mut() {
+            d.forget_first();
+        }
         let t0 = Instant::now();
-        let (logits, hidden) = self.run_rows(&input)?;
-        let pos = self.state.position();
-        let tok = self.picker.pick(&logits, pos, self.state.tokens())?;
+        let (logits, hidden) = self.target.run_rows(&input)?;
+        let pos = self.target.position();
+        let tok = self.picker.pick(&logits, pos, self.target.tokens())?;
         self.stats.prefill_time += t0.elapsed();
         self.stats.emitted += 1;
         self.pending = Some(tok);
-        if let Some(hidden) = hidden {
+        if let (Some(hidden), Some(d)) = (hidden, self.drafter.as_mut()) {
             let mut next = input[1..].to_vec();
             next.push(tok);
-            self.catchup = Some(Catchup { hidden, next });
-            self.run_catchup()?;
+            d.owe(hidden, next);
+            d.catch_up(&mut self.stats)?;
         }
         Ok(tok)
     }
 
     /// Brings the MTP state up to the trunk's (after a step that stopped early).
     pub fn sync_mtp(&mut self) -> Result<()> {
-        self.run_catchup()
+        match self.drafter.as_mut() {
+            Some(d) => d.catch_up(&mut self.stats),
+            None => Ok(()),
+        }
     }
 
     /// The trunk's and the head's states, for a caller that keeps the sequence (call
     /// [`SpecDecoder::sync_mtp`] first so the head holds what the trunk does). The pending
     /// token is not consumed.
     pub fn into_states(self) -> (State<B>, Option<MtpState<B>>) {
-        (self.state, self.mtp)
-    }
-
-    fn run_catchup(&mut self) -> Result<()> {
-        let (Some(c), Some(mtp)) = (self.catchup.take(), self.mtp.as_mut()) else {
-            return Ok(());
-        };
-        let t0 = Instant::now();
-        let rows = self.draft_rows.as_ref();
-        let (logits, hidden) = self
-            .model
-            .mtp_forward_dev(mtp, &c.hidden, &c.next, true, rows)?;
-        let b = self.model.backend();
-        let hidden = b.last_row(hidden)?;
-        self.next_draft = Some(NextDraft {
-            hidden,
-            logits: b.download(&logits)?,
-        });
-        self.stats.catchup_time += t0.elapsed();
-        Ok(())
-    }
-
-    /// Runs `tokens` through the trunk: the logits after the last of them, and (with a head)
-    /// every row's pre-mixer state for the head's catch-up.
-    fn run_rows(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, Option<B::Buf>)> {
-        let want = Want {
-            hidden: self.mtp.is_some(),
-            last_only: true,
-            ..Want::default()
-        };
-        let out = self
-            .model
-            .forward_dev(&mut self.state, tokens, want, None)?;
-        Ok((self.model.backend().download(&out.logits)?, out.hidden))
-    }
-
-    /// A checkpoint of the trunk state now, in the buffers of the last one when there is one.
-    pub(crate) fn take_checkpoint(&mut self) -> Result<Checkpoint<B>> {
-        match self.spare_checkpoint.take() {
-            Some(mut cp) => {
-                self.model.checkpoint_into(&self.state, &mut cp)?;
-                Ok(cp)
-            }
-            None => self.model.checkpoint(&self.state),
-        }
-    }
-
-    /// Picks a draft from draft-row logits: (token, probability when the floor is on).
-    fn pick_draft(&self, logits: &[f32]) -> (u32, f32) {
-        // The catalogue's `mtp_pick` semantics (ties to the lower index, NaN never chosen).
-        let i = argmax(logits);
-        let tok = match &self.vocab {
-            Some(v) => v.ids().get(i).copied().unwrap_or(0),
-            None => i as u32,
-        };
-        let p = if self.min_p > 0.0 {
-            softmax_prob(logits, i)
-        } else {
-            1.0
-        };
-        (tok, p)
-    }
-
-    /// Up to `max` drafts for the positions after the pending token; each draft's logits get
-    /// the sampler's edits for the history before it (the consumed tokens, the pending token and
-    /// the earlier drafts), so a draft never proposes what the sampler has removed.
-    fn draft_chain(&mut self, max: usize, edit: &mut dyn DraftEdit) -> Result<Vec<u32>> {
-        let Some(first) = self.next_draft.take() else {
-            return Ok(Vec::new());
-        };
-        let mut drafts = Vec::with_capacity(max);
-        if max == 0 {
-            return Ok(drafts);
-        }
-        let base = self.state.position() + 1;
-        let mut history = Vec::new();
-        if self.penalize {
-            history.reserve(base + max);
-            history.extend_from_slice(self.state.tokens());
-            history.extend(self.pending);
-        }
-        let mut hidden = first.hidden;
-        let mut logits = first.logits;
-        loop {
-            let j = drafts.len();
-            if self.penalize {
-                let inverse: &[i32] = match &self.vocab {
-                    Some(v) => v.inverse_map(),
-                    None => &self.full_inverse,
-                };
-                edit.edit(&mut logits, inverse, base + j, &history);
-                // Everything removed: no draft can be right.
-                if !logits.iter().any(|&x| x > f32::NEG_INFINITY) {
-                    break;
-                }
-            }
-            let (proposed, p) = self.pick_draft(&logits);
-            if p < self.min_p {
-                break;
-            }
-            let tok = match self.hook.as_mut() {
-                Some(h) => match h.draft(base + j, proposed) {
-                    Some(t) => t,
-                    None => break,
-                },
-                None => proposed,
-            };
-            drafts.push(tok);
-            if self.penalize {
-                history.push(tok);
-            }
-            if drafts.len() == max {
-                break;
-            }
-            let t0 = Instant::now();
-            let Some(mtp) = self.mtp.as_mut() else { break };
-            let rows = self.draft_rows.as_ref();
-            let (lg, hid) = self
-                .model
-                .mtp_forward_dev(mtp, &hidden, &[tok], true, rows)?;
-            logits = self.model.backend().download(&lg)?;
-            hidden = hid;
-            self.stats.draft_steps += 1;
-            self.stats.draft_time += t0.elapsed();
-        }
-        Ok(drafts)
+        (self.target.state, self.drafter.map(|d| d.mtp))
     }
 
     /// One verify pass: emits 1..=`max_emit` tokens through `on_token` (which returns false to
@@ -661,7 +517,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
                 "step: max_emit must be at least 1".to_string(),
             ));
         }
-        let mut seq = self.state.tokens().to_vec();
+        let mut seq = self.target.tokens().to_vec();
         seq.push(pending);
         let start = seq.len();
         let window = self.window;
@@ -695,14 +551,10 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         out
     }
 
-    /// Keeps what the judge ruled on the last pass: the trunk and the head end holding `seq`
-    /// but its last token (pending). Inside the window by the window roll-back, to the
-    /// window's start from the checkpoint (and the saved first draft), else by a replay of the
-    /// kept sequence into fresh states (batched rows give the bits of single steps, so a
-    /// replay is exact).
-    fn settle_verified(&mut self, v: Verified<B>, seq: &[u32], judged: Judged) -> Result<()> {
-        let model = self.model;
-        let b = model.backend();
+    /// Keeps what the judge ruled on the last pass: the target commits (a prefix of the
+    /// window, its start, or a rebuild) and the drafter follows it there; both end holding
+    /// `seq` but its last token (pending).
+    fn settle_verified(&mut self, seq: &[u32], judged: Judged) -> Result<()> {
         for k in 0..judged.drafts {
             self.stats.offered[k] += 1;
             if k <= judged.accepted {
@@ -714,98 +566,44 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         }
         self.stats.emitted += judged.kept as u64;
         let t1 = Instant::now();
-        let (pos0, n) = (v.pos0, v.rows);
-        let len = seq.len();
-        // Without a rewind the kept tokens are the window's own prefix (no full comparison).
-        let in_window = len > pos0
-            && len - 1 <= pos0 + n
-            && (!judged.rewound || self.state.tokens().get(..len - 1) == seq.get(..len - 1));
-        let keep = (len - 1).saturating_sub(pos0);
-        let saved = self.saved_first.take();
-        let rewound = u64::from(judged.rewound);
-        match (in_window, keep, v.checkpoint) {
-            (true, 1.., cp) => {
-                self.stats.rewinds_in_window += rewound;
-                if let Some(cp) = cp {
-                    if n > 1 {
-                        model.rollback_window(&mut self.state, &cp, v.log, keep)?;
-                    }
-                    self.spare_checkpoint = Some(cp);
+        let can_restart = self.drafter.as_ref().is_none_or(|d| d.can_restart());
+        let committed = self
+            .target
+            .commit(seq, judged.rewound, can_restart, &mut self.stats)?;
+        if let Some(d) = self.drafter.as_mut() {
+            match committed {
+                Committed::Prefix { pos0, hidden } => {
+                    d.follow_prefix(pos0, hidden, seq[pos0 + 1..].to_vec())?
                 }
-                if let (Some(mtp), Some(mut hidden)) = (self.mtp.as_mut(), v.hidden) {
-                    model.mtp_truncate(mtp, pos0)?;
-                    b.truncate_rows(&mut hidden, keep)?;
-                    self.catchup = Some(Catchup {
-                        hidden,
-                        next: seq[pos0 + 1..].to_vec(),
-                    });
+                Committed::Start { pos0 } => d.follow_start(pos0)?,
+                Committed::Rebuilt { hidden } => {
+                    d.follow_rebuild(hidden, seq.get(1..).unwrap_or_default().to_vec())?
                 }
-            }
-            (true, 0, Some(cp)) if self.mtp.is_none() || saved.is_some() => {
-                self.stats.rewinds_at_start += rewound;
-                model.restore(&mut self.state, &cp)?;
-                self.spare_checkpoint = Some(cp);
-                if let Some(mtp) = self.mtp.as_mut() {
-                    model.mtp_truncate(mtp, pos0)?;
-                }
-                self.catchup = None;
-                self.next_draft = saved;
-            }
-            _ => {
-                self.stats.rewinds_rebuilt += rewound;
-                self.replay(seq)?;
             }
         }
         self.pending = seq.last().copied();
         self.stats.rollback_time += t1.elapsed();
         Ok(())
     }
-
-    /// Rebuilds the trunk and MTP states from nothing so that they hold `seq` but its last
-    /// token (which becomes the pending one).
-    fn replay(&mut self, seq: &[u32]) -> Result<()> {
-        let model = self.model;
-        self.state = model.new_state()?;
-        if self.mtp.is_some() {
-            self.mtp = Some(model.new_mtp_state()?);
-        }
-        self.next_draft = None;
-        self.catchup = None;
-        if seq.len() >= 2 {
-            let want = Want {
-                hidden: self.mtp.is_some(),
-                last_only: true,
-                ..Want::default()
-            };
-            let out = model.forward_dev(&mut self.state, &seq[..seq.len() - 1], want, None)?;
-            if let Some(hidden) = out.hidden {
-                self.catchup = Some(Catchup {
-                    hidden,
-                    next: seq[1..].to_vec(),
-                });
-            }
-        }
-        Ok(())
-    }
 }
 
-/// The speculative decoder as the decoding loop's stepper: drafts from the MTP head, a verify
-/// window on the trunk, and exact settling onto the judged sequence.
+/// The speculative decoder as the decoding loop's stepper: `propose` is the drafter's,
+/// `verify` the target's, and `settle` commits the target and has the drafter follow.
 impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
     fn n_ctx(&self) -> usize {
         self.model.config().n_ctx
     }
 
     fn tokens(&self) -> &[u32] {
-        self.state.tokens()
+        self.target.tokens()
     }
 
     fn prefill(&mut self, prompt: &[u32], _opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>> {
         // A resumed sequence continues with the prompt's rest; it must be a prefix of it.
-        let from = self.state.position();
+        let from = self.target.position();
         if self.pending.is_some()
             || prompt.len() <= from
-            || prompt.get(..from) != Some(self.state.tokens())
+            || prompt.get(..from) != Some(self.target.tokens())
         {
             return Err(EngineError::Input(
                 "speculative generation: the sequence already holds tokens that are not a prefix \
@@ -815,7 +613,7 @@ impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
         }
         self.prefill_from = from;
         let t0 = Instant::now();
-        let (logits, hidden) = self.run_rows(&prompt[from..])?;
+        let (logits, hidden) = self.target.run_rows(&prompt[from..])?;
         self.prefill_hidden = hidden;
         self.stats.prefill_time += t0.elapsed();
         t.prompt = t0.elapsed();
@@ -830,75 +628,56 @@ impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
                 "speculative step: the pending token does not match the sequence".to_string(),
             ));
         }
-        self.run_catchup()?;
-        self.saved_first = match (&self.next_draft, self.may_rewind) {
-            (Some(d), true) => Some(NextDraft {
-                hidden: self.model.backend().copy(&d.hidden)?,
-                logits: d.logits.clone(),
-            }),
-            _ => None,
-        };
-        self.draft_chain(max, edit)
+        match self.drafter.as_mut() {
+            Some(d) => d.propose(
+                self.target.tokens(),
+                self.target.position(),
+                pending,
+                max,
+                edit,
+                &mut self.stats,
+            ),
+            None => Ok(Vec::new()),
+        }
     }
 
     fn verify(&mut self, window: &[u32]) -> Result<Vec<f32>> {
-        let n = window.len();
-        let t0 = Instant::now();
-        let pos0 = self.state.position();
-        let checkpoint = if n > 1 || self.may_rewind {
-            Some(self.take_checkpoint()?)
-        } else {
-            None
-        };
-        let mut log = ReplayLog::new();
-        let want = Want {
-            hidden: self.mtp.is_some(),
-            ..Want::default()
-        };
-        let out =
-            self.model
-                .forward_dev(&mut self.state, window, want, (n > 1).then_some(&mut log))?;
-        let logits = self.model.backend().download(&out.logits)?;
-        self.verified = Some(Verified {
-            pos0,
-            rows: n,
-            checkpoint,
-            log,
-            hidden: out.hidden,
-        });
-        self.stats.verify_time += t0.elapsed();
-        self.stats.passes += 1;
-        Ok(logits)
+        self.target.verify(window, self.may_rewind, &mut self.stats)
+    }
+
+    fn verify_picked(&mut self, window: &[u32], pick: DevicePick) -> Result<Option<Vec<u32>>> {
+        self.target
+            .verify_picked(window, pick, self.may_rewind, &mut self.stats)
+            .map(Some)
     }
 
     fn settle(&mut self, seq: &[u32], judged: Judged) -> Result<()> {
-        match self.verified.take() {
-            Some(v) => self.settle_verified(v, seq, judged)?,
+        if self.target.has_verified() {
+            self.settle_verified(seq, judged)?;
+        } else {
             // The prefill's ruling: the first token is pending, the head catches up over the
             // prompt's rows with the tokens after them.
-            None => {
-                self.stats.emitted += judged.kept as u64;
-                let hidden = self.prefill_hidden.take();
-                if seq.len() > self.state.position() {
-                    self.pending = seq.last().copied();
-                    if let Some(hidden) = hidden {
-                        self.catchup = Some(Catchup {
-                            hidden,
-                            next: seq[self.prefill_from + 1..].to_vec(),
-                        });
-                    }
+            self.stats.emitted += judged.kept as u64;
+            let hidden = self.prefill_hidden.take();
+            if seq.len() > self.target.position() {
+                self.pending = seq.last().copied();
+                if let (Some(hidden), Some(d)) = (hidden, self.drafter.as_mut()) {
+                    d.owe(hidden, seq[self.prefill_from + 1..].to_vec());
                 }
             }
         }
         // The head follows at once unless the caller stopped (then `sync_mtp` brings it up).
         if !judged.stopped {
-            self.run_catchup()?;
+            self.sync_mtp()?;
         }
         Ok(())
     }
 
     fn may_rewind(&mut self, yes: bool) {
         self.may_rewind = yes;
+        if let Some(d) = self.drafter.as_mut() {
+            d.may_rewind = yes;
+        }
     }
 }
 

@@ -1,0 +1,289 @@
+//! The drafter of speculative decoding: the MTP head's side. It proposes up to `N − 1` tokens
+//! after the pending one (the first from its catch-up pass, each further one from one more
+//! head step on its own pre-mixer output and the previous draft), each draft's logits edited
+//! the way the judge will edit the trunk's at that position; and it catches up on what the
+//! target committed: its cache cut back to the window's start, then the kept rows run through
+//! the head with the trunk's pre-mixer states and the now-known next tokens (the last row is
+//! the next window's first draft).
+//!
+//! It never touches the trunk: the target ([`super::target`]) hands it the rows to catch up on.
+
+use std::time::Instant;
+
+use crate::decode::DraftEdit;
+use crate::error::Result;
+use crate::qwen4exp::mtp::MtpState;
+use crate::qwen4exp::ops::Qwen4expOps;
+use crate::qwen4exp::Model;
+
+use super::{argmax, softmax_prob, DraftHook, DraftVocab, SpecStats};
+
+/// The first draft of the next window: the MTP's pre-mixer output at the last consumed
+/// position (one row) and its logits over the draft rows, both still on the device.
+struct NextDraft<B: Qwen4expOps> {
+    hidden: B::Buf,
+    logits: B::Buf,
+}
+
+/// A catch-up the head still owes: the trunk states of the kept rows and their next tokens.
+struct Catchup<B: Qwen4expOps> {
+    hidden: B::Buf,
+    next: Vec<u32>,
+}
+
+/// The MTP head of one speculative sequence.
+pub(crate) struct MtpDrafter<'m, B: Qwen4expOps> {
+    model: &'m Model<B>,
+    pub(crate) mtp: MtpState<B>,
+    min_p: f32,
+    vocab: Option<DraftVocab>,
+    /// The draft vocabulary's ids on the device (the LM-head rows a draft computes).
+    draft_rows: Option<B::Ids>,
+    /// The identity map, for drafts over the full vocabulary.
+    full_inverse: Vec<i32>,
+    next_draft: Option<NextDraft<B>>,
+    catchup: Option<Catchup<B>>,
+    /// The judge may rewind (slop mode 2): keep each window's first draft, so that a rewind
+    /// to the window's start needs no replay.
+    pub(crate) may_rewind: bool,
+    saved_first: Option<NextDraft<B>>,
+    pub(crate) hook: Option<Box<dyn DraftHook + 'm>>,
+    /// Apply the judge's edits to the drafts (off only to measure what they buy).
+    pub(crate) penalize: bool,
+}
+
+impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
+    /// The drafter over `mtp` (at the trunk's position). `drafts`: the window can hold drafts
+    /// (above 1), so the draft vocabulary's rows and the identity map are made up front.
+    pub(crate) fn new(
+        model: &'m Model<B>,
+        mtp: MtpState<B>,
+        min_p: f32,
+        vocab: Option<DraftVocab>,
+        drafts: bool,
+    ) -> Result<Self> {
+        let full_inverse = if drafts && vocab.is_none() {
+            let n = i32::try_from(model.config().n_vocab).map_err(|_| {
+                crate::error::EngineError::Input(
+                    "the vocabulary has more than 2^31 tokens".to_string(),
+                )
+            })?;
+            (0..n).collect()
+        } else {
+            Vec::new()
+        };
+        let draft_rows = match &vocab {
+            Some(v) if drafts => Some(model.backend().upload_ids(v.ids())?),
+            _ => None,
+        };
+        Ok(MtpDrafter {
+            model,
+            mtp,
+            min_p,
+            vocab,
+            draft_rows,
+            full_inverse,
+            next_draft: None,
+            catchup: None,
+            may_rewind: false,
+            saved_first: None,
+            hook: None,
+            penalize: true,
+        })
+    }
+
+    /// Owes a catch-up over `hidden` (the trunk's pre-mixer rows) with `next`, the token after
+    /// each row.
+    pub(crate) fn owe(&mut self, hidden: B::Buf, next: Vec<u32>) {
+        self.catchup = Some(Catchup { hidden, next });
+    }
+
+    /// Forgets the next first draft (the sequence goes on with rows the head has not seen).
+    pub(crate) fn forget_first(&mut self) {
+        self.next_draft = None;
+    }
+
+    /// Runs the owed catch-up: the head then holds every consumed token, and its last row is
+    /// the next window's first draft.
+    pub(crate) fn catch_up(&mut self, stats: &mut SpecStats) -> Result<()> {
+        let Some(c) = self.catchup.take() else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        let rows = self.draft_rows.as_ref();
+        let (logits, hidden) =
+            self.model
+                .mtp_forward_dev(&mut self.mtp, &c.hidden, &c.next, true, rows)?;
+        let b = self.model.backend();
+        let hidden = b.last_row(hidden)?;
+        self.next_draft = Some(NextDraft { hidden, logits });
+        stats.catchup_time += t0.elapsed();
+        Ok(())
+    }
+
+    /// Up to `max` drafts after `pending`, the trunk holding `consumed` (its positions
+    /// `..position`): catches up first, keeps the first draft when the judge may rewind, then
+    /// runs the chain.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn propose(
+        &mut self,
+        consumed: &[u32],
+        position: usize,
+        pending: u32,
+        max: usize,
+        edit: &mut dyn DraftEdit,
+        stats: &mut SpecStats,
+    ) -> Result<Vec<u32>> {
+        self.catch_up(stats)?;
+        self.saved_first = match (&self.next_draft, self.may_rewind) {
+            (Some(d), true) => Some(NextDraft {
+                hidden: self.model.backend().copy(&d.hidden)?,
+                logits: self.model.backend().copy(&d.logits)?,
+            }),
+            _ => None,
+        };
+        self.chain(consumed, position, pending, max, edit, stats)
+    }
+
+    /// Picks a draft from draft-row logits on the host: (token, probability when the floor is
+    /// on).
+    fn pick_host(&self, logits: &[f32]) -> (u32, f32) {
+        // The catalogue's `mtp_pick` semantics (ties to the lower index, NaN never chosen).
+        let i = argmax(logits);
+        let tok = match &self.vocab {
+            Some(v) => v.ids().get(i).copied().unwrap_or(0),
+            None => i as u32,
+        };
+        let p = if self.min_p > 0.0 {
+            softmax_prob(logits, i)
+        } else {
+            1.0
+        };
+        (tok, p)
+    }
+
+    /// The draft chain; each draft's logits get the judge's edits for the history before it
+    /// (the consumed tokens, the pending token and the earlier drafts), so a draft never
+    /// proposes what the sampler has removed. When no draft needs an edit and there is no
+    /// floor, each draft is picked on the device and only its id comes back.
+    #[allow(clippy::too_many_arguments)]
+    fn chain(
+        &mut self,
+        consumed: &[u32],
+        position: usize,
+        pending: u32,
+        max: usize,
+        edit: &mut dyn DraftEdit,
+        stats: &mut SpecStats,
+    ) -> Result<Vec<u32>> {
+        let Some(first) = self.next_draft.take() else {
+            return Ok(Vec::new());
+        };
+        let mut drafts = Vec::with_capacity(max);
+        if max == 0 {
+            return Ok(drafts);
+        }
+        let b = self.model.backend();
+        let edits = self.penalize && edit.device_pick().is_none();
+        let on_device = !edits && self.min_p == 0.0;
+        let base = position + 1;
+        let mut history = Vec::new();
+        if edits {
+            history.reserve(base + max);
+            history.extend_from_slice(consumed);
+            history.push(pending);
+        }
+        let mut hidden = first.hidden;
+        let mut logits = first.logits;
+        loop {
+            let j = drafts.len();
+            let proposed = if on_device {
+                let ids = b.download_ids(&b.pick_draft(&logits, self.draft_rows.as_ref())?)?;
+                *ids.first()
+                    .ok_or_else(|| crate::error::EngineError::shape("pick_draft", "no row"))?
+            } else {
+                let mut host = b.download(&logits)?;
+                if edits {
+                    let inverse: &[i32] = match &self.vocab {
+                        Some(v) => v.inverse_map(),
+                        None => &self.full_inverse,
+                    };
+                    edit.edit(&mut host, inverse, base + j, &history);
+                    // Everything removed: no draft can be right.
+                    if !host.iter().any(|&x| x > f32::NEG_INFINITY) {
+                        break;
+                    }
+                }
+                let (proposed, p) = self.pick_host(&host);
+                if p < self.min_p {
+                    break;
+                }
+                proposed
+            };
+            let tok = match self.hook.as_mut() {
+                Some(h) => match h.draft(base + j, proposed) {
+                    Some(t) => t,
+                    None => break,
+                },
+                None => proposed,
+            };
+            drafts.push(tok);
+            if edits {
+                history.push(tok);
+            }
+            if drafts.len() == max {
+                break;
+            }
+            let t0 = Instant::now();
+            let rows = self.draft_rows.as_ref();
+            let (lg, hid) =
+                self.model
+                    .mtp_forward_dev(&mut self.mtp, &hidden, &[tok], true, rows)?;
+            logits = lg;
+            hidden = hid;
+            stats.draft_steps += 1;
+            stats.draft_time += t0.elapsed();
+        }
+        Ok(drafts)
+    }
+
+    /// Whether the head can follow the target back to the window's start (it kept the
+    /// window's first draft).
+    pub(crate) fn can_restart(&self) -> bool {
+        self.saved_first.is_some()
+    }
+
+    /// The target kept a prefix of the window from `pos0`: the head's cache is cut back there
+    /// and it owes a catch-up over the kept rows with `next`.
+    pub(crate) fn follow_prefix(
+        &mut self,
+        pos0: usize,
+        hidden: Option<B::Buf>,
+        next: Vec<u32>,
+    ) -> Result<()> {
+        self.saved_first = None;
+        if let Some(hidden) = hidden {
+            self.model.mtp_truncate(&mut self.mtp, pos0)?;
+            self.catchup = Some(Catchup { hidden, next });
+        }
+        Ok(())
+    }
+
+    /// The target went back to the window's start `pos0`: so does the head, with the window's
+    /// first draft again.
+    pub(crate) fn follow_start(&mut self, pos0: usize) -> Result<()> {
+        self.model.mtp_truncate(&mut self.mtp, pos0)?;
+        self.catchup = None;
+        self.next_draft = self.saved_first.take();
+        Ok(())
+    }
+
+    /// The target was rebuilt: a fresh head that owes a catch-up over every consumed row.
+    pub(crate) fn follow_rebuild(&mut self, hidden: Option<B::Buf>, next: Vec<u32>) -> Result<()> {
+        self.mtp = self.model.new_mtp_state()?;
+        self.saved_first = None;
+        self.next_draft = None;
+        self.catchup = hidden.map(|hidden| Catchup { hidden, next });
+        Ok(())
+    }
+}
