@@ -24,7 +24,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
 use strata_engine::backend::{
-    AttnDims, Backend, DeviceBuf, DeviceIds, DeviceWeight, ExpertWeights, KvType, StepKey, Usage,
+    AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, ExpertWeights, KvType,
+    StepKey, Usage,
 };
 use strata_engine::kernels::ActFmt;
 use strata_engine::qwen4exp::ops::{
@@ -36,7 +37,7 @@ use strata_gguf::{GgufFile, TensorInfo};
 use strata_quant::GgmlType;
 
 use crate::device::{cfg, Gpu};
-use crate::model::{self, DevWeight, ERR_CAPACITY, ERR_EXPERT};
+use crate::model::{self, DevWeight, ERR_CAPACITY, ERR_EXPERT, ERR_NAN_LOGIT};
 use crate::ops;
 use crate::record;
 use crate::CudaError;
@@ -510,7 +511,10 @@ impl CudaBackend {
         if bits & ERR_EXPERT != 0 {
             what.push("an expert id outside the layer's experts");
         }
-        if bits & !(ERR_CAPACITY | ERR_EXPERT) != 0 {
+        if bits & ERR_NAN_LOGIT != 0 {
+            what.push("a NaN logit where a greedy pick refuses one");
+        }
+        if bits & !(ERR_CAPACITY | ERR_EXPERT | ERR_NAN_LOGIT) != 0 {
             what.push("an id outside its table");
         }
         Err(EngineError::Input(format!(
@@ -855,6 +859,45 @@ impl CudaBackend {
             model::MoeScratch::new(&self.gpu, devs, rows, k)
         })?;
         Ok((key, s))
+    }
+
+    /// A token id per row of `logits` by the device's pick (sample.cu pick_rows), through the
+    /// draft vocabulary's rows when given; `nan_err`: a NaN logit is an error (reported with
+    /// the ids' download), else never chosen.
+    fn pick_on_device(
+        &self,
+        logits: &CudaBuf,
+        map: Option<&CudaIds>,
+        nan_err: bool,
+    ) -> Result<CudaIds> {
+        if logits.cols == 0 {
+            return Err(EngineError::Input("pick: no logits".to_string()));
+        }
+        if let Some(m) = map {
+            if m.len != logits.cols {
+                return Err(shape(
+                    "pick_draft",
+                    format!("{} draft ids for rows of {}", m.len, logits.cols),
+                ));
+            }
+        }
+        let mut out = CudaIds {
+            len: logits.rows,
+            data: self.mem::<u32>(logits.rows)?,
+        };
+        let mut err = self.err_word();
+        model::pick_rows(
+            &self.gpu,
+            &logits.data,
+            logits.rows,
+            logits.cols,
+            map.map(|m| &*m.data),
+            nan_err,
+            &mut out.data,
+            &mut err,
+        )
+        .map_err(dev)?;
+        Ok(out)
     }
 
     /// The activation formats the products of `ws` read (odd float weights read `x` itself).
@@ -1768,6 +1811,25 @@ impl Backend for CudaBackend {
         }
         model::add_sigmoid_gated(&self.gpu, &mut y.data, &x.data, &gate.data, rows, cols)
             .map_err(dev)
+    }
+
+    /// Greedy picks on the device (only the ids cross); seeded draws take the host's path.
+    fn pick_rows(
+        &self,
+        logits: &CudaBuf,
+        pick: DevicePick,
+        first_position: u64,
+    ) -> Result<CudaIds> {
+        match pick {
+            DevicePick::Greedy => self.pick_on_device(logits, None, true),
+            DevicePick::Draw { .. } => {
+                strata_engine::backend::pick_rows_on_host(self, logits, pick, first_position)
+            }
+        }
+    }
+
+    fn pick_draft(&self, logits: &CudaBuf, draft_ids: Option<&CudaIds>) -> Result<CudaIds> {
+        self.pick_on_device(logits, draft_ids, false)
     }
 
     fn add_bias(&self, x: &mut CudaBuf, b: &CudaWeight) -> Result<()> {

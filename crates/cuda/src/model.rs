@@ -27,6 +27,8 @@ use crate::CudaError;
 pub const ERR_CAPACITY: u32 = 1;
 /// `err` bit: an expert id outside the layer's experts.
 pub const ERR_EXPERT: u32 = 2;
+/// Error-word bit: a NaN logit met by a greedy pick that refuses NaN (sample.cu pick_rows).
+pub const ERR_NAN_LOGIT: u32 = 8;
 
 /// Blocks of 256 threads for a grid-stride loop over `n` elements.
 fn grid(n: usize) -> LaunchConfig {
@@ -615,6 +617,43 @@ pub fn swiglu_prepare(
         "swiglu_xprep",
         grid(nt * n),
         [g, u, out, &ti, &ni, &fi]
+    )
+}
+
+/// A token id per row of `logits` (`rows × nv`, sample.cu pick_rows): the largest logit, ties
+/// to the lower index, through `map` when given; `nan_err` makes a NaN logit set
+/// [`ERR_NAN_LOGIT`] (the host sampler's greedy refuses NaN), else NaN is never chosen.
+#[allow(clippy::too_many_arguments)]
+pub fn pick_rows(
+    gpu: &Gpu,
+    logits: &CudaSlice<f32>,
+    rows: usize,
+    nv: usize,
+    map: Option<&CudaSlice<u32>>,
+    nan_err: bool,
+    out: &mut CudaSlice<u32>,
+    err: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let k = "pick_rows";
+    if nv == 0 {
+        return Err(bad(k, "no logits".into()));
+    }
+    need(k, "logits", logits.len(), rows * nv)?;
+    need(k, "out", out.len(), rows)?;
+    if let Some(m) = map {
+        need(k, "map", m.len(), nv)?;
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let (nvi, um, ne) = (i32_of(k, nv)?, map.is_some() as i32, nan_err as i32);
+    let mp = map.map(|m| addr(gpu, m)).unwrap_or(0);
+    launch!(
+        gpu,
+        "sample",
+        "pick_rows",
+        cfg(rows as u32, 1024),
+        [logits, &nvi, &mp, &um, out, &ne, err]
     )
 }
 

@@ -18,7 +18,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::CudaSlice;
 use strata_cuda::model::{self as m, DevWeight};
 use strata_cuda::{ops, Gpu};
-use strata_engine::backend::{AttnDims, ExpertWeights, KvType};
+use strata_engine::backend::{AttnDims, DevicePick, ExpertWeights, KvType};
 use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
 use strata_engine::kernels::actq::{quantize_row, ActFmt};
 use strata_engine::kernels::testdata::{weight_blocks, Rng};
@@ -2139,4 +2139,66 @@ fn gdn_chunked_matches_sequential() {
             row_rel(want.as_slice(), 128, 2e-4),
         );
     }
+}
+
+// ---- picks on the device -----------------------------------------------------------------------
+
+/// The backend's device picks: greedy rows equal the host sampler's argmax (ties to the lower
+/// id, -inf rows), a NaN logit is an error there as on the host; draft picks equal the
+/// catalogue's pick through the draft rows (NaN never chosen).
+#[test]
+fn device_picks_equal_the_host_picks() {
+    let Some(_) = gpu() else { return };
+    let cb = strata_cuda::CudaBackend::new(0).expect("CUDA backend");
+    let mut rng = Rng::new(41);
+    let nv = 248_320usize;
+    for rows in [1usize, 3, 8] {
+        let mut v = rng.f32_vec(rows * nv, 4.0);
+        // Row 0: a tie between two maxima; the last row: all -inf but one late finite value.
+        v[17] = 50.0;
+        v[nv - 5] = 50.0;
+        let last = (rows - 1) * nv;
+        if rows > 1 {
+            v[last..last + nv].fill(f32::NEG_INFINITY);
+            v[last + nv - 1] = -1.0;
+        }
+        let want: Vec<u32> = v
+            .chunks(nv)
+            .map(|r| strata_engine::sampler::argmax(r).unwrap())
+            .collect();
+        let x = cb.upload(rows, nv, &v).unwrap();
+        let got = cb.pick_rows(&x, DevicePick::Greedy, 0).unwrap();
+        assert_eq!(
+            cb.download_ids(&got).unwrap(),
+            want,
+            "greedy picks of {rows} rows"
+        );
+        // Draft picks through a draft vocabulary (every 7th id), NaN never chosen.
+        let nd = nv / 7;
+        let map: Vec<u32> = (0..nd as u32).map(|i| 7 * i).collect();
+        let mut d = rng.f32_vec(rows * nd, 4.0);
+        d[3] = f32::NAN;
+        let want: Vec<u32> = d
+            .chunks(nd)
+            .map(|r| map[strata_engine::kernels::pick::argmax(r)])
+            .collect();
+        let dx = cb.upload(rows, nd, &d).unwrap();
+        let dm = cb.upload_ids(&map).unwrap();
+        let got = cb.pick_draft(&dx, Some(&dm)).unwrap();
+        assert_eq!(
+            cb.download_ids(&got).unwrap(),
+            want,
+            "draft picks of {rows} rows"
+        );
+    }
+    // A NaN logit: the greedy pick is an error, as the host sampler's is.
+    let mut v = rng.f32_vec(nv, 1.0);
+    v[1000] = f32::NAN;
+    assert!(strata_engine::sampler::argmax(&v).is_err());
+    let x = cb.upload(1, nv, &v).unwrap();
+    let r = cb
+        .pick_rows(&x, DevicePick::Greedy, 0)
+        .and_then(|ids| cb.download_ids(&ids));
+    let e = r.expect_err("a NaN logit must be refused");
+    assert!(e.to_string().contains("NaN"), "{e}");
 }

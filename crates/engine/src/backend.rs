@@ -469,17 +469,7 @@ pub trait Backend: Send + Sync {
         pick: DevicePick,
         first_position: u64,
     ) -> Result<Self::Ids> {
-        let v = self.download(logits)?;
-        let cols = logits.cols();
-        if cols == 0 {
-            return Err(EngineError::Input("pick: no logits".to_string()));
-        }
-        let ids = v
-            .chunks(cols)
-            .enumerate()
-            .map(|(r, row)| crate::sampler::pick_row(pick, row, first_position + r as u64))
-            .collect::<Result<Vec<u32>>>()?;
-        self.upload_ids(&ids)
+        pick_rows_on_host(self, logits, pick, first_position)
     }
 
     /// The draft chain's greedy pick of each row (the catalogue's `pick`, the report's
@@ -523,4 +513,26 @@ pub trait Backend: Send + Sync {
         dims: AttnDims,
         kv: KvType,
     ) -> Result<Self::Buf>;
+}
+
+/// [`Backend::pick_rows`] on the host: the logits downloaded, each row picked by the host
+/// sampler's code (`sampler::pick_row`), the ids uploaded (the default, and the path of a
+/// backend for the picks it has no kernel for).
+pub fn pick_rows_on_host<B: Backend + ?Sized>(
+    b: &B,
+    logits: &B::Buf,
+    pick: DevicePick,
+    first_position: u64,
+) -> Result<B::Ids> {
+    let v = b.download(logits)?;
+    let cols = logits.cols();
+    if cols == 0 {
+        return Err(EngineError::Input("pick: no logits".to_string()));
+    }
+    let ids = v
+        .chunks(cols)
+        .enumerate()
+        .map(|(r, row)| crate::sampler::pick_row(pick, row, first_position + r as u64))
+        .collect::<Result<Vec<u32>>>()?;
+    b.upload_ids(&ids)
 }
