@@ -273,7 +273,45 @@ impl Loaded {
             }),
             Chosen::Cuda(b) => {
                 let mem0 = b.mem_info().ok();
-                match bind_on(
+                let need = weight_bytes(o, mtp)?;
+                if let Some((free, total)) = mem0 {
+                    if let Err(why) = fits(need, free, total) {
+                        let what = format!(
+                            "{}: {why} on cuda:{} (placing part of a model in host memory is \
+                             not supported yet: use a smaller quantization, or --backend cpu)",
+                            path.display(),
+                            b.ordinal()
+                        );
+                        if backend.kind != BackendKind::Auto {
+                            bail!(what);
+                        }
+                        let cpu = CpuBackend::new(threads)?;
+                        let note = format!("{} (auto: {what})", cpu_note(&cpu));
+                        return Ok(Loaded {
+                            model: bind_on(
+                                o,
+                                path,
+                                cpu,
+                                kv_type,
+                                mtp,
+                                ctx_size,
+                                Bound::Qwen2,
+                                Bound::Qwen4exp,
+                            )?,
+                            backend_note: note,
+                        });
+                    }
+                }
+                // A progress bar over the weights' bytes (drawn only on a terminal).
+                let bar = indicatif::ProgressBar::new(need as u64).with_style(
+                    indicatif::ProgressStyle::with_template(
+                        "uploading weights {bar:30} {bytes}/{total_bytes} {bytes_per_sec}",
+                    )
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                );
+                let tick = bar.clone();
+                b.on_upload(Some(Box::new(move |n| tick.inc(n as u64))));
+                let bound = bind_on(
                     o,
                     path,
                     *b,
@@ -282,7 +320,14 @@ impl Loaded {
                     ctx_size,
                     Bound::Qwen2Cuda,
                     Bound::Qwen4expCuda,
-                ) {
+                );
+                bar.finish_and_clear();
+                match &bound {
+                    Ok(Bound::Qwen2Cuda(m)) => m.backend().on_upload(None),
+                    Ok(Bound::Qwen4expCuda(m)) => m.backend().on_upload(None),
+                    _ => {}
+                }
+                match bound {
                     Ok(model) => {
                         let note = format!("{note}; {}", vram_note(&model, mem0));
                         Ok(Loaded {
@@ -397,6 +442,35 @@ fn describe_qwen4exp<B: Qwen4expOps>(m: &qwen4exp::Model<B>) -> String {
         "qwen4exp, {} layers, {} embd, vocab {}",
         c.n_layer, c.n_embd, c.n_vocab
     )
+}
+
+/// The weights' bytes of a file (and of an MTP head file beside it): what a GPU load uploads.
+fn weight_bytes(o: &Opened, mtp: Option<&Path>) -> Result<usize> {
+    let mut n: u64 = o.file.tensors().iter().map(|t| t.n_bytes).sum();
+    if let Some(p) = mtp {
+        let f = strata_gguf::GgufFile::open(p)
+            .with_context(|| format!("opening the MTP head {}", p.display()))?;
+        n += f.tensors().iter().map(|t| t.n_bytes).sum::<u64>();
+    }
+    Ok(n as usize)
+}
+
+/// Whether weights of `need` bytes fit a device with `free` of `total` bytes free, with room
+/// left for the caches and scratch (1 GiB, or 5 % of the device): else the numbers, as words.
+fn fits(need: usize, free: usize, total: usize) -> std::result::Result<(), String> {
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let reserve = (1usize << 30).max(total / 20);
+    if need.saturating_add(reserve) <= free {
+        return Ok(());
+    }
+    Err(format!(
+        "the weights need {:.2} GiB and the caches and scratch about {:.2} GiB more; the \
+         device has {:.2} GiB free of {:.2} GiB",
+        gib(need),
+        gib(reserve),
+        gib(free),
+        gib(total)
+    ))
 }
 
 /// What a CUDA model holds on the device: its weights, and what the load took of the memory.
@@ -523,4 +597,28 @@ pub fn check_context(what: &str, n_tokens: usize, n_ctx: usize) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fits;
+
+    const GIB: usize = 1 << 30;
+
+    /// A model fits when its weights and the reserve for caches and scratch fit the free
+    /// memory; otherwise the refusal gives the numbers (need, reserve, free, total).
+    #[test]
+    fn a_model_that_does_not_fit_is_refused_with_the_numbers() {
+        assert!(fits(35 * GIB, 104 * GIB, 140 * GIB).is_ok());
+        // 38 GiB of weights on a 40 GiB card with 39 GiB free: 2 GiB (5 %) kept for caches.
+        let e = fits(38 * GIB, 39 * GIB, 40 * GIB).unwrap_err();
+        assert!(e.contains("38.00 GiB"), "{e}");
+        assert!(e.contains("2.00 GiB"), "{e}");
+        assert!(e.contains("39.00 GiB free of 40.00 GiB"), "{e}");
+        // A small card: the reserve is at least 1 GiB.
+        assert!(fits(7 * GIB + 1, 8 * GIB, 8 * GIB).is_err());
+        assert!(fits(7 * GIB, 8 * GIB, 8 * GIB).is_ok());
+        assert!(fits(6 * GIB, 8 * GIB - 1, 8 * GIB).is_ok());
+        assert!(fits(usize::MAX, 8 * GIB, 8 * GIB).is_err());
+    }
 }

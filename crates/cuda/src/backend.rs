@@ -410,6 +410,8 @@ pub struct CudaBackend {
     freqs: Mutex<Vec<(FreqKey, Arc<CudaSlice<f64>>)>>,
     /// Bytes of weights uploaded.
     weight_bytes: Mutex<usize>,
+    /// Told the bytes of each weight as it is uploaded (a load's progress bar).
+    on_upload: Mutex<Option<UploadHook>>,
     /// Scratch kept between steps for the decode and verify shapes (one stream runs the
     /// operations in order, so one scratch serves every layer).
     hc_scratch: Mutex<Vec<(Vec<usize>, model::HcScratch)>>,
@@ -426,6 +428,9 @@ pub struct CudaBackend {
     /// read once at start.
     graphs: bool,
 }
+
+/// A callback told the bytes of each weight the backend uploads.
+pub type UploadHook = Box<dyn Fn(usize) + Send + Sync>;
 
 /// The residual a hyper-connection mix reads: as it is, or after the previous block's combine
 /// (`x_s += inj_s · y`), which the mix applies to it first.
@@ -459,6 +464,7 @@ impl CudaBackend {
             err: Mutex::new(err),
             freqs: Mutex::new(Vec::new()),
             weight_bytes: Mutex::new(0),
+            on_upload: Mutex::new(None),
             hc_scratch: Mutex::new(Vec::new()),
             moe_scratch: Mutex::new(Vec::new()),
             attn_scratch: Mutex::new(Vec::new()),
@@ -469,6 +475,11 @@ impl CudaBackend {
             step_lock: Mutex::new(()),
             graphs: std::env::var_os("STRATA_CUDA_GRAPHS").is_none_or(|v| v != "0"),
         })
+    }
+
+    /// Sets (or clears) the callback told the bytes of each weight as it is uploaded.
+    pub fn on_upload(&self, f: Option<UploadHook>) {
+        *self.on_upload.lock().unwrap_or_else(|p| p.into_inner()) = f;
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -1247,6 +1258,14 @@ impl Backend for CudaBackend {
                 e => EngineError::Input(format!("CUDA: weight '{}': {e}", info.name)),
             })?;
         *self.weight_bytes.lock().unwrap_or_else(|p| p.into_inner()) += bytes.len();
+        if let Some(f) = self
+            .on_upload
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            f(bytes.len());
+        }
         Ok(CudaWeight {
             info: info.clone(),
             ty,
