@@ -50,6 +50,7 @@ macro_rules! each_model {
         }
     };
 }
+pub(crate) use each_model;
 
 /// A backend, opened as `--backend` and `--device` say.
 pub enum Chosen {

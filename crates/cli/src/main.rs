@@ -19,6 +19,7 @@ mod logits;
 mod model_cache;
 mod output;
 mod parity;
+mod parity_model;
 mod report;
 mod run;
 mod selftest;
@@ -56,7 +57,8 @@ enum Command {
     Logits(logits::Args),
     /// Tokenize a text with a model's tokenizer; prints the ids as a JSON array
     Tokenize(tokenize::Args),
-    /// Bitwise A/B of kernel variants with paired timing: mtp-ab | router-ab | sample | gemv | all
+    /// Bitwise A/B of kernel variants with paired timing: mtp-ab | router-ab | sample | gemv | all;
+    /// a whole model's prefill and verify windows against single steps: prompt | verify
     Parity(parity::Args),
     /// Convert the MTP head (mtp.*) of a Hugging Face qwen4_exp checkpoint to a GGUF for --mtp
     ConvertMtp(convert_mtp::Args),

@@ -11,11 +11,18 @@ use crate::outln;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// mtp-ab | router-ab | sample | gemv | all
+    /// mtp-ab | router-ab | sample | gemv | all (kernels), or prompt | verify (a whole model:
+    /// prefill and verify windows against single steps, bitwise)
     pub suite: String,
     /// cpu | cuda | wgpu (adapter: STRATA_WGPU_ADAPTER, an index or part of its name)
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// The model of the prompt and verify suites (default: the default model)
+    #[arg(short = 'm', long, value_name = "MODEL.gguf")]
+    pub model: Option<std::path::PathBuf>,
+    /// The CUDA device or wgpu adapter of the prompt and verify suites
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub device: usize,
     /// Rotate 16 copies of weights and tables so launches read from memory
     #[arg(long)]
     pub cold: bool,
@@ -37,6 +44,15 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    if a.suite == "prompt" || a.suite == "verify" {
+        return run_model(a);
+    }
+    if a.model.is_some() {
+        bail!(
+            "-m is for the prompt and verify suites; '{}' runs the kernel catalogue",
+            a.suite
+        );
+    }
     let Some(backend) = BackendKind::from_name(&a.backend) else {
         bail!(
             "unknown backend '{}': expected cpu, cuda or wgpu",
@@ -48,7 +64,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     } else {
         vec![Suite::from_name(&a.suite).with_context(|| {
             format!(
-                "unknown suite '{}': expected mtp-ab, router-ab, sample, gemv or all",
+                "unknown suite '{}': expected mtp-ab, router-ab, sample, gemv, all, prompt or verify",
                 a.suite
             )
         })?]
@@ -86,6 +102,78 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         outln!("{}", serde_json::to_string_pretty(&v)?)?;
     }
     if failed {
+        eprintln!("strata parity: at least one parity check FAILED");
+        return Ok(ExitCode::from(2));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The model suites (`prompt`, `verify`): the model loaded on the backend asked for, the
+/// suite run, the report printed; status 2 when a row is not bitwise.
+fn run_model(a: Args) -> anyhow::Result<ExitCode> {
+    use crate::args::backend::{BackendChoice, BackendKind as Kind};
+    let kind = match a.backend.as_str() {
+        "cpu" => Kind::Cpu,
+        "cuda" => Kind::Cuda,
+        "wgpu" => Kind::Wgpu,
+        "auto" => Kind::Auto,
+        b => bail!("unknown backend '{b}': expected cpu, cuda, wgpu or auto"),
+    };
+    if a.cold {
+        bail!(
+            "--cold rotates kernel weights; the {} suite runs a whole model",
+            a.suite
+        );
+    }
+    let path = match &a.model {
+        Some(p) => {
+            crate::output::check_input("-m", p)?;
+            p.clone()
+        }
+        None => crate::model_cache::default_model_path(true)?,
+    };
+    let choice = BackendChoice {
+        kind,
+        device: a.device,
+    };
+    let opened = crate::load::open(&path)?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let loaded = crate::load::Loaded::bind(
+        &opened,
+        &path,
+        threads,
+        strata_engine::backend::KvType::default(),
+        None,
+        Some(if a.quick { 256 } else { 1024 }),
+        &choice,
+    )?;
+    let seed = a.seed.unwrap_or(1);
+    let mut rep = strata_parity::Report {
+        suite: a.suite.clone(),
+        backend: loaded.backend_name().to_string(),
+        device: format!("{} ({})", path.display(), loaded.backend_note),
+        ..Default::default()
+    };
+    let (n, prefix) = if a.quick { (24, 11) } else { (96, 37) };
+    let prompt_suite = a.suite == "prompt";
+    crate::load::each_model!(&loaded.model, m => {
+        if prompt_suite {
+            crate::parity_model::prompt_suite(m.as_ref(), n, seed, &mut rep)?
+        } else {
+            crate::parity_model::verify_suite(m.as_ref(), prefix, seed, &mut rep)?
+        }
+    });
+    rep.notes.push(
+        "baseline: the same tokens as single steps from a fresh state (the oracle); candidate: \
+         the call under test; times are wall clock of one run each"
+            .to_string(),
+    );
+    if a.json {
+        outln!("{}", serde_json::to_string_pretty(&rep.json())?)?;
+    } else {
+        outln!("{}", rep.markdown())?;
+    }
+    if rep.failed() {
         eprintln!("strata parity: at least one parity check FAILED");
         return Ok(ExitCode::from(2));
     }
