@@ -110,15 +110,39 @@ pub const MODULES: &[Module] = &[
     m("gemv_q4_k", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q4_K")),
     m("gemv_q5_k", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q5_K")),
     m("gemv_q6_k", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q6_K")),
-    m("gemv_iq4_xs", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_IQ4_XS")),
-    m("gemv_iq3_s", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_IQ3_S")),
-    m("gemv_iq3_xxs", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_IQ3_XXS")),
+    m(
+        "gemv_iq4_xs",
+        "gemv.cu+mmq.cu",
+        GEMV,
+        true,
+        Some("GEMV_IQ4_XS"),
+    ),
+    m(
+        "gemv_iq3_s",
+        "gemv.cu+mmq.cu",
+        GEMV,
+        true,
+        Some("GEMV_IQ3_S"),
+    ),
+    m(
+        "gemv_iq3_xxs",
+        "gemv.cu+mmq.cu",
+        GEMV,
+        true,
+        Some("GEMV_IQ3_XXS"),
+    ),
     m("gemv_bf16", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_BF16")),
     m("gemv_q3_k", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q3_K")),
     m("gemv_f32", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_F32")),
     m("gemv_q4_0", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q4_0")),
     m("gemv_q5_0", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q5_0")),
-    m("gemv_iq4_nl", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_IQ4_NL")),
+    m(
+        "gemv_iq4_nl",
+        "gemv.cu+mmq.cu",
+        GEMV,
+        true,
+        Some("GEMV_IQ4_NL"),
+    ),
 ];
 
 /// The lookup tables as CUDA `__device__` arrays.

@@ -63,7 +63,9 @@ fn optimized_kernels_do_not_spill() {
                 eprintln!("{:>8} {func}: {}", m.name, line.trim());
                 let spill =
                     !line.contains("0 bytes spill stores") || !line.contains("0 bytes spill loads");
-                let checked = func.contains("_opt") || func.starts_with("mmq_") || func.starts_with("moe_mmq_");
+                let checked = func.contains("_opt")
+                    || func.starts_with("mmq_")
+                    || func.starts_with("moe_mmq_");
                 if checked && (spill || !line.contains(" 0 bytes stack frame")) {
                     bad.push(format!("{func}: {}", line.trim()));
                 }
