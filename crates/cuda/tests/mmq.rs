@@ -1,7 +1,7 @@
 //! The exact tensor-core products (kernels/mmq.cu, `model::matmul` beyond 8 rows and
 //! `model::moe_matmul`) against the kernels whose order they reproduce: the tiled product
 //! (`model::matmul_tiled`, bound to the GEMV and the CPU by tests/model_ops.rs), the GEMV itself
-//! (`ops::gemv`, base variant) on the first rows, and the per-pair expert GEMV (`moe_gemv`).
+//! (`ops::gemv`, baseline variant) on the first rows, and the per-pair expert GEMV (`moe_gemv`).
 //! Every comparison is bitwise, for every integer-dot format, on random valid blocks
 //! (`testdata::weight_blocks`) and activations with −0.0, denormals and large magnitudes, at odd
 //! row counts (partial 32-row tiles) and row lengths whose unit counts end mid-chunk.
@@ -123,10 +123,10 @@ fn mmq_equals_tiled_and_gemv_bitwise() {
                     &down(g, &yt),
                 );
                 if strata_engine::kernels::gemv::GEMV_FORMATS.contains(&ty) {
-                    // The GEMV (base variant: runtime shapes) on the first 8 rows.
+                    // The GEMV (baseline variant: runtime shapes) on the first 8 rows.
                     let mut yg = g.zeros::<f32>(8 * rows).unwrap();
                     let x8 = up(g, &xq[..8 * (xq.len() / nt)]);
-                    ops::gemv(g, "base", ty, &dw.bytes, rows, k, &x8, 8, &mut yg).unwrap();
+                    ops::gemv(g, "baseline", ty, &dw.bytes, rows, k, &x8, 8, &mut yg).unwrap();
                     bitwise(
                         &format!("mmq {ty} k={k} nt={nt} vs gemv"),
                         &got[..8 * rows],
