@@ -1609,7 +1609,7 @@ impl MoeGroups {
             gpu,
             "moe",
             "moe_group",
-            cfg(1, 32),
+            cfg(1, 256),
             [
                 ids,
                 &np,
