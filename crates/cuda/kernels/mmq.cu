@@ -291,6 +291,89 @@ __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* 
     mmq_tile<T, BN>(w + (size_t)e * slab_bytes, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow);
 }
 
+// ---- BF16 beyond the GEMV window -------------------------------------------------------------
+//
+// No tensor cores here (a BF16 MMA does not add in unit_dot's order), but the tiled kernel's
+// cost was its loads (one 2-byte global load per FMA). This one keeps gemv_base's order exactly
+// — lane l takes units l, l+32, …; a unit's value is bf16_unit's fmaf chain over its 32
+// elements from 0.f; acc += value; warp_sum — and gives each lane a register tile of 4 weight
+// rows × 8 tokens, so every 16-byte load feeds 8 or 4 chains (32 independent FMAs per element
+// step). A block of 8 warps owns 32 rows × 8 tokens. Rows and tokens past the matrix are
+// computed from the last valid one and not stored.
+__device__ __forceinline__ void mmt_bf16_t(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
+                                         u64 xrb) {
+    constexpr int RB = 4, TB = 8;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r0 = blockIdx.x * (8 * RB) + warp * RB, t0 = blockIdx.y * TB;
+    if (r0 >= rows) return;  // whole warp
+    const uint4* wr[RB];
+    const uint4* xr[TB];
+#pragma unroll
+    for (int i = 0; i < RB; ++i) wr[i] = (const uint4*)(w + (size_t)min(r0 + i, rows - 1) * wrb);
+#pragma unroll
+    for (int t = 0; t < TB; ++t) xr[t] = (const uint4*)(x + (size_t)min(t0 + t, nt - 1) * xrb);
+    float acc[RB][TB];
+#pragma unroll
+    for (int i = 0; i < RB; ++i)
+#pragma unroll
+        for (int t = 0; t < TB; ++t) acc[i][t] = 0.f;
+    const int units = k / 32;
+    for (int u = lane; u < units; u += 32) {
+        float a[RB][TB];
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+            for (int t = 0; t < TB; ++t) a[i][t] = 0.f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            uint4 wv[RB], xv[TB];
+#pragma unroll
+            for (int i = 0; i < RB; ++i) wv[i] = wr[i][4 * u + q];
+#pragma unroll
+            for (int t = 0; t < TB; ++t) xv[t] = xr[t][4 * u + q];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                // Elements 8q + 2m (low half of word m) and 8q + 2m + 1 (high half), in order.
+#pragma unroll
+                for (int hi = 0; hi < 2; ++hi) {
+#pragma unroll
+                    for (int i = 0; i < RB; ++i) {
+                        const u32 ww = m == 0 ? wv[i].x : m == 1 ? wv[i].y : m == 2 ? wv[i].z : wv[i].w;
+                        const float wf = __uint_as_float(hi ? ww & 0xffff0000u : ww << 16);
+#pragma unroll
+                        for (int t = 0; t < TB; ++t) {
+                            const u32 xw = m == 0 ? xv[t].x : m == 1 ? xv[t].y : m == 2 ? xv[t].z : xv[t].w;
+                            const float xf = __uint_as_float(hi ? xw & 0xffff0000u : xw << 16);
+                            a[i][t] = fmaf(wf, xf, a[i][t]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+            for (int t = 0; t < TB; ++t) acc[i][t] += a[i][t];
+    }
+#pragma unroll
+    for (int i = 0; i < RB; ++i)
+#pragma unroll
+        for (int t = 0; t < TB; ++t) {
+            const float s = warp_sum(acc[i][t]);
+            if (lane == ((i * TB + t) & 31) && r0 + i < rows && t0 + t < nt)
+                y[(size_t)(t0 + t) * rows + r0 + i] = dot_post<T_BF16>(s);
+        }
+}
+
+#if defined(GEMV_BF16)
+// y[t][r] = W[r]·x_t, BF16 weights and activations; grid (ceil(rows / 32), ceil(nt / 8)), 256
+// threads.
+extern "C" __global__ void __launch_bounds__(256)
+mmt_bf16(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
+    mmt_bf16_t(w, x, y, rows, k, nt, wrb, xrb);
+}
+#endif
+
 #define MMQ(T, NAME)                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                          \
     mmq_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) { \

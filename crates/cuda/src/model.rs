@@ -467,8 +467,9 @@ fn whole_units(kernel: &str, w: &DevWeight) -> Result<(), CudaError> {
 }
 
 /// Weight formats whose products beyond the GEMV window run the exact tensor-core kernels
-/// (kernels/mmq.cu: int8 MMA on the units' integer dots, bitwise the GEMV's result). BF16 and
-/// F32 keep the tiled kernel (a float MMA would not add in the GEMV's order).
+/// (kernels/mmq.cu: int8 MMA on the units' integer dots, bitwise the GEMV's result). BF16 runs
+/// a register-tiled CUDA-core kernel beyond the window (a float MMA would not add in the GEMV's
+/// order), F32 the tiled one.
 pub fn has_mmq(ty: GgmlType) -> bool {
     matches!(
         ty,
@@ -504,6 +505,12 @@ pub fn mmq_grid(rows: usize, nt: usize) -> (u32, u32) {
     )
 }
 
+/// Grid of the BF16 register-tiled product (kernels/mmq.cu `mmt_bf16`): one block per 32 weight
+/// rows × 8 activation rows.
+pub fn mmt_grid(rows: usize, nt: usize) -> (u32, u32) {
+    (rows.div_ceil(MMQ_ROWS) as u32, nt.div_ceil(8) as u32)
+}
+
 /// Checks of a dense product's arguments; returns (row bytes, activation row bytes).
 fn matmul_args(
     k: &str,
@@ -520,9 +527,10 @@ fn matmul_args(
     Ok((wrb, xrb))
 }
 
-/// `y[t][r] = W[r] · x_t` for `nt` activation rows already in the paired format: beyond
-/// [`MMQ_MIN_ROWS`] − 1 rows the tensor-core kernel for the integer-dot formats, else the tiled
-/// kernel. Bitwise the GEMV's result for every row (any `nt`).
+/// `y[t][r] = W[r] · x_t` for `nt` activation rows already in the paired format: from
+/// [`MMQ_MIN_ROWS`] rows on the tensor-core kernel for the integer-dot formats and the
+/// register-tiled one for BF16, else the tiled kernel. Bitwise the GEMV's result for every row
+/// (any `nt`).
 pub fn matmul(
     gpu: &Gpu,
     w: &DevWeight,
@@ -530,27 +538,32 @@ pub fn matmul(
     nt: usize,
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    if nt < MMQ_MIN_ROWS || !has_mmq(w.ty) {
+    let (kernel, (gx, gy)) = if nt < MMQ_MIN_ROWS {
         return matmul_tiled(gpu, w, x, nt, y);
-    }
+    } else if has_mmq(w.ty) {
+        ("mmq", mmq_grid(w.rows, nt))
+    } else if w.ty == GgmlType::BF16 {
+        ("mmt", mmt_grid(w.rows, nt))
+    } else {
+        return matmul_tiled(gpu, w, x, nt, y);
+    };
     let k = "matmul";
     let tn = product_module(w.ty)?;
     let (wrb, xrb) = matmul_args(k, w, x, nt, y)?;
     let (ri, ki, ni) = (i32_of(k, w.rows)?, i32_of(k, w.k)?, i32_of(k, nt)?);
     let (wb, xb) = (u64_of(wrb), u64_of(xrb));
-    let (gx, gy) = mmq_grid(w.rows, nt);
     launch!(
         gpu,
         &format!("gemv_{tn}"),
-        format!("mmq_{tn}"),
+        format!("{kernel}_{tn}"),
         cfg2(gx, gy, 256),
         [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb]
     )
 }
 
 /// [`matmul`] by the tiled kernel (gemv.cu `matmul_*`: one warp a weight row, 8 activation rows
-/// a tile): the live path for BF16 / F32 and small batches, and the baseline the tensor-core
-/// kernel is tested against.
+/// a tile): the live path for F32 and small batches, and the baseline the tensor-core and BF16
+/// kernels are tested against.
 pub fn matmul_tiled(
     gpu: &Gpu,
     w: &DevWeight,
@@ -2024,6 +2037,12 @@ mod tests {
         }
         assert_eq!(mmq_grid(64, 32), (2, 2));
         assert_eq!(mmq_grid(65, 33), (3, 3));
+        for (rows, nt) in [(4, 9), (320, 512), (10240, 17), (33, 8)] {
+            let (gx, gy) = mmt_grid(rows, nt);
+            let (gx, gy) = (gx as usize, gy as usize);
+            assert!(gx * 32 >= rows && (gx - 1) * 32 < rows, "{rows} rows");
+            assert!(gy * 8 >= nt && (gy - 1) * 8 < nt, "{nt} tokens");
+        }
     }
 
     /// moe_group's tiles (per expert, ⌈count / 8⌉ tiles) never exceed the bound the launch

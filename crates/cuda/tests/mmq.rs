@@ -1,5 +1,5 @@
 //! The exact tensor-core products (kernels/mmq.cu, `model::matmul` beyond 8 rows and
-//! `model::moe_matmul`) against the kernels whose order they reproduce: the tiled product
+//! `model::moe_matmul`; and the register-tiled BF16 product beside them) against the kernels whose order they reproduce: the tiled product
 //! (`model::matmul_tiled`, bound to the GEMV and the CPU by tests/model_ops.rs), the GEMV itself
 //! (`ops::gemv`, baseline variant) on the first rows, and the per-pair expert GEMV (`moe_gemv`).
 //! Every comparison is bitwise, for every integer-dot format, on random valid blocks
@@ -136,6 +136,41 @@ fn mmq_equals_tiled_and_gemv_bitwise() {
             }
             eprintln!("mmq {ty} k={k}: bitwise at nt 9, 17, 64, 200, 512");
         }
+    }
+}
+
+/// BF16 beyond the GEMV window (the register-tiled kernel, `model::matmul` from 9 rows) against
+/// the tiled kernel, bitwise, at the model's shapes: the hyper-connection up (K = 320: 10 units,
+/// most lanes idle) and down / inject (K = 10240), the router (K = 2560), at row counts that end
+/// mid-warp and mid-block.
+#[test]
+fn bf16_products_equal_tiled_bitwise() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(43);
+    let ty = GgmlType::BF16;
+    for (rows, k) in [
+        (75usize, 320usize),
+        (4, 10240),
+        (37, 10240),
+        (75, 2560),
+        (320, 640),
+    ] {
+        let wb = weight_blocks(ty, rows * k / ty.block_size(), rng.u64());
+        let dw = DevWeight::upload(g, ty, &wb, rows, k, 1).unwrap();
+        for nt in [9usize, 17, 64, 200, 512] {
+            let x = tame(rng.f32_vec_special(nt * k, 1.0));
+            let dx = up(g, &act_bytes(ty, &x, nt, k));
+            let mut y = g.zeros::<f32>(nt * rows).unwrap();
+            let mut yt = g.zeros::<f32>(nt * rows).unwrap();
+            m::matmul(g, &dw, &dx, nt, &mut y).unwrap();
+            m::matmul_tiled(g, &dw, &dx, nt, &mut yt).unwrap();
+            bitwise(
+                &format!("bf16 {rows}x{k} nt={nt} vs tiled"),
+                &down(g, &y),
+                &down(g, &yt),
+            );
+        }
+        eprintln!("bf16 {rows}x{k}: bitwise at nt 9, 17, 64, 200, 512");
     }
 }
 

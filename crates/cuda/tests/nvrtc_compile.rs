@@ -65,7 +65,8 @@ fn optimized_kernels_do_not_spill() {
                     !line.contains("0 bytes spill stores") || !line.contains("0 bytes spill loads");
                 let checked = func.contains("_opt")
                     || func.starts_with("mmq_")
-                    || func.starts_with("moe_mmq_");
+                    || func.starts_with("moe_mmq_")
+                    || func.starts_with("mmt_");
                 if checked && (spill || !line.contains(" 0 bytes stack frame")) {
                     bad.push(format!("{func}: {}", line.trim()));
                 }
