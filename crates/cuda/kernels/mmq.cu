@@ -19,7 +19,9 @@
 // folds them at the end to the tree's level-8 sum s8[w] = (v[w] + v[w+16]) + (v[w+8] + v[w+24]);
 // the block then finishes s4, s2, s1 from the 8 warps' sums in shared memory. Units are
 // staged 16 at a time: weights decoded once per tile (decode_for_dot) into int8 words, the
-// activations' words and scales beside them. A unit's 8 words are stored in the order
+// activations' words and scales beside them; a warp stages 16 consecutive units of two rows
+// (or tokens), so its loads touch a few contiguous lines (one line per lane, rows apart, made
+// the first version's staging L1-bound: 23 µs a chunk on Q5_K). A unit's 8 words are stored in the order
 // 0,4,1,5,2,6,3,7 so a lane's two fragment words (t and 4+t) are one 8-byte load (rows or
 // tokens 32 bytes apart: conflict-free).
 
@@ -129,25 +131,35 @@ template <int T, int BN>
 __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, const u8* x, u64 xrb, float* y,
                                          int r0, const int* xrow, const int* yrow) {
     constexpr int NI = BN / 8, MI = MMQ_BM / 16, CPW = 32 / MMQ_NW;
-    constexpr int WQ = MMQ_KC * MMQ_BM * 4, XQ = MMQ_KC * BN * 4;  // uint2 each
-    constexpr int BYTES = 8 * WQ + 16 * MMQ_KC * MMQ_BM + 8 * XQ + 8 * MMQ_KC * BN;
+    // Per staged unit: a row's 4 uint2 (or a token's), strides padded to odd counts so the
+    // staging stores of 16 consecutive units hit distinct banks.
+    constexpr int SWQ = MMQ_BM * 4 + 1, SWS = MMQ_BM + 1, SXQ = BN * 4 + 1, SXS = BN + 1;
+    constexpr int WQ = MMQ_KC * SWQ, XQ = MMQ_KC * SXQ;  // uint2 each
+    constexpr int BYTES = 8 * WQ + 16 * MMQ_KC * SWS + 8 * XQ + 8 * MMQ_KC * SXS;
     static_assert(MMQ_NW * MMQ_BM * BN * 4 <= BYTES, "the class sums fit in the staging space");
     __shared__ __align__(16) u8 smem[BYTES];
     uint2* wq = (uint2*)smem;
     float4* ws = (float4*)(smem + 8 * WQ);
-    uint2* xq = (uint2*)(smem + 8 * WQ + 16 * MMQ_KC * MMQ_BM);
-    float2* xs = (float2*)(smem + 8 * WQ + 16 * MMQ_KC * MMQ_BM + 8 * XQ);
+    uint2* xq = (uint2*)(smem + 8 * WQ + 16 * MMQ_KC * SWS);
+    float2* xs = (float2*)(smem + 8 * WQ + 16 * MMQ_KC * SWS + 8 * XQ);
     float* part = (float*)smem;  // after the loop: [warp][row][token] level-8 sums
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
     const int units = k / 32;
 
-    // This thread's staging jobs: weight row tid % 32 for units tid / 32 and tid / 32 + 8;
-    // activation token tid % BN for unit tid / BN (threads below BN · 16).
-    const int sr = tid % MMQ_BM, su = tid / MMQ_BM;
-    const u8* wr = r0 + sr < rows ? w + (size_t)(r0 + sr) * wrb : nullptr;
-    const int st = tid % BN, sxu = tid / BN;
+    // This thread's staging jobs: unit tid % 16 of weight rows tid / 16 and tid / 16 + 16, and
+    // of activation token tid / 16 (threads below BN · 16). A warp reads 16 consecutive units of
+    // two rows: a few contiguous lines per load, not one line per lane.
+    const int su = tid % MMQ_KC, sr = tid / MMQ_KC;
+    constexpr int SROWS = 256 / MMQ_KC;  // rows a staging pass covers
+    const u8* wrs[MMQ_BM / SROWS];
+#pragma unroll
+    for (int j = 0; j < MMQ_BM / SROWS; ++j) {
+        const int r = r0 + sr + SROWS * j;
+        wrs[j] = r < rows ? w + (size_t)r * wrb : nullptr;
+    }
+    const int st = tid / MMQ_KC, sxu = tid % MMQ_KC;
     const bool xjob = tid < BN * MMQ_KC;
     const u8* xr = xjob && xrow[st] >= 0 ? x + (size_t)xrow[st] * xrb : nullptr;
 
@@ -168,13 +180,13 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
             if (cb < units) {
                 __syncthreads();  // the previous chunk is consumed
 #pragma unroll
-                for (int j = 0; j < MMQ_KC / (256 / MMQ_BM); ++j) {
-                    const int ul = su + j * (256 / MMQ_BM), u = cb + ul;
-                    mmq_stage_w<T>(u < units ? wr : nullptr, u, wq + (ul * MMQ_BM + sr) * 4, ws + ul * MMQ_BM + sr);
+                for (int j = 0; j < MMQ_BM / SROWS; ++j) {
+                    const int u = cb + su, r = sr + SROWS * j;
+                    mmq_stage_w<T>(u < units ? wrs[j] : nullptr, u, wq + su * SWQ + r * 4, ws + su * SWS + r);
                 }
                 if (xjob) {
                     const int u = cb + sxu;
-                    mmq_stage_x<T>(u < units ? xr : nullptr, u, xq + (sxu * BN + st) * 4, xs + sxu * BN + st);
+                    mmq_stage_x<T>(u < units ? xr : nullptr, u, xq + sxu * SXQ + st * 4, xs + sxu * SXS + st);
                 }
                 __syncthreads();
 #pragma unroll
@@ -186,19 +198,19 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
                     if (u < units) {
                         uint2 b[NI];
 #pragma unroll
-                        for (int ni = 0; ni < NI; ++ni) b[ni] = xq[(ul * BN + 8 * ni + g) * 4 + tq];
+                        for (int ni = 0; ni < NI; ++ni) b[ni] = xq[ul * SXQ + (8 * ni + g) * 4 + tq];
                         float2 xsc[NI][2];
 #pragma unroll
                         for (int ni = 0; ni < NI; ++ni) {
-                            xsc[ni][0] = xs[ul * BN + 8 * ni + 2 * tq];
-                            xsc[ni][1] = xs[ul * BN + 8 * ni + 2 * tq + 1];
+                            xsc[ni][0] = xs[ul * SXS + 8 * ni + 2 * tq];
+                            xsc[ni][1] = xs[ul * SXS + 8 * ni + 2 * tq + 1];
                         }
 #pragma unroll
                         for (int mi = 0; mi < MI; ++mi) {
-                            const uint2 alo = wq[(ul * MMQ_BM + 16 * mi + g) * 4 + tq];
-                            const uint2 ahi = wq[(ul * MMQ_BM + 16 * mi + g + 8) * 4 + tq];
-                            const float4 wlo = ws[ul * MMQ_BM + 16 * mi + g];
-                            const float4 whi = ws[ul * MMQ_BM + 16 * mi + g + 8];
+                            const uint2 alo = wq[ul * SWQ + (16 * mi + g) * 4 + tq];
+                            const uint2 ahi = wq[ul * SWQ + (16 * mi + g + 8) * 4 + tq];
+                            const float4 wlo = ws[ul * SWS + 16 * mi + g];
+                            const float4 whi = ws[ul * SWS + 16 * mi + g + 8];
 #pragma unroll
                             for (int ni = 0; ni < NI; ++ni) {
                                 int ca[4], cbv[4] = {0, 0, 0, 0};
