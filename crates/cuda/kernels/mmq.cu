@@ -20,8 +20,8 @@
 // the block then finishes s4, s2, s1 from the 8 warps' sums in shared memory. Units are
 // staged 16 at a time: weights decoded once per tile (decode_for_dot) into int8 words, the
 // activations' words and scales beside them; a warp stages 16 consecutive units of two rows
-// (or tokens), so its loads touch a few contiguous lines (one line per lane, rows apart, made
-// the first version's staging L1-bound: 23 µs a chunk on Q5_K). A unit's 8 words are stored in the order
+// (or tokens), so its loads touch a few contiguous lines (the first version mapped lanes to
+// rows: every 2-byte load touched 32 lines, which by that count made its staging L1-bound). A unit's 8 words are stored in the order
 // 0,4,1,5,2,6,3,7 so a lane's two fragment words (t and 4+t) are one 8-byte load (rows or
 // tokens 32 bytes apart: conflict-free).
 
