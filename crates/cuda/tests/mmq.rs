@@ -179,10 +179,8 @@ fn bf16_products_equal_tiled_bitwise() {
 fn uneven_routes(rng: &mut Rng, nt: usize, ks: usize, ne: usize) -> Vec<i32> {
     let mut ids = Vec::with_capacity(nt * ks);
     for _ in 0..nt {
-        ids.push(0);
-        for e in rng.distinct(ks - 1, ne / 2 - 1) {
-            ids.push(e + 1);
-        }
+        let others = rng.distinct(ks - 1, ne / 2 - 1);
+        ids.extend(std::iter::once(0).chain(others.into_iter().map(|e| e + 1)));
     }
     ids
 }
