@@ -312,11 +312,18 @@ __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* 
 // rows × 8 tokens, so every 16-byte load feeds 8 or 4 chains (32 independent FMAs per element
 // step). A block of 8 warps owns 32 rows × 8 tokens. Rows and tokens past the matrix are
 // computed from the last valid one and not stored.
+//
+// HALVES (rows of at most 16 units, the hyper-connection up product's K = 320): lane classes
+// 16..31 hold no unit, so the butterfly's first step adds +0 to each of lanes 0..15; the two
+// half-warps then take 8 tokens each, form v + 0 themselves and finish with steps 8, 4, 2, 1
+// inside the half — the same operations on the same values (the block owns 32 × 16).
+template <bool HALVES>
 __device__ __forceinline__ void mmt_bf16_t(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
-                                         u64 xrb) {
+                                           u64 xrb) {
     constexpr int RB = 4, TB = 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r0 = blockIdx.x * (8 * RB) + warp * RB, t0 = blockIdx.y * TB;
+    const int half = HALVES ? lane >> 4 : 0;
+    const int r0 = blockIdx.x * (8 * RB) + warp * RB, t0 = blockIdx.y * (HALVES ? 2 * TB : TB) + half * TB;
     if (r0 >= rows) return;  // whole warp
     const uint4* wr[RB];
     const uint4* xr[TB];
@@ -330,7 +337,7 @@ __device__ __forceinline__ void mmt_bf16_t(const u8* w, const u8* x, float* y, i
 #pragma unroll
         for (int t = 0; t < TB; ++t) acc[i][t] = 0.f;
     const int units = k / 32;
-    for (int u = lane; u < units; u += 32) {
+    for (int u = HALVES ? lane & 15 : lane; u < units; u += 32) {  // HALVES: units ≤ 16, once
         float a[RB][TB];
 #pragma unroll
         for (int i = 0; i < RB; ++i)
@@ -371,18 +378,29 @@ __device__ __forceinline__ void mmt_bf16_t(const u8* w, const u8* x, float* y, i
     for (int i = 0; i < RB; ++i)
 #pragma unroll
         for (int t = 0; t < TB; ++t) {
-            const float s = warp_sum(acc[i][t]);
-            if (lane == ((i * TB + t) & 31) && r0 + i < rows && t0 + t < nt)
-                y[(size_t)(t0 + t) * rows + r0 + i] = dot_post<T_BF16>(s);
+            float s;
+            if (HALVES) {
+                s = acc[i][t] + 0.f;  // the xor-16 step: class l + class l + 16 (no unit: +0)
+#pragma unroll
+                for (int d = 8; d > 0; d >>= 1) s += __shfl_xor_sync(FULL_MASK, s, d);
+            } else {
+                s = warp_sum(acc[i][t]);
+            }
+            const int owner = HALVES ? (lane & 15) == ((i * TB + t) & 15) : lane == ((i * TB + t) & 31);
+            if (owner && r0 + i < rows && t0 + t < nt) y[(size_t)(t0 + t) * rows + r0 + i] = dot_post<T_BF16>(s);
         }
 }
 
 #if defined(GEMV_BF16)
 // y[t][r] = W[r]·x_t, BF16 weights and activations; grid (ceil(rows / 32), ceil(nt / 8)), 256
-// threads.
+// threads; mmt_bf16_h for rows of at most 16 units, grid (ceil(rows / 32), ceil(nt / 16)).
 extern "C" __global__ void __launch_bounds__(256)
 mmt_bf16(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
-    mmt_bf16_t(w, x, y, rows, k, nt, wrb, xrb);
+    mmt_bf16_t<false>(w, x, y, rows, k, nt, wrb, xrb);
+}
+extern "C" __global__ void __launch_bounds__(256)
+mmt_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
+    mmt_bf16_t<true>(w, x, y, rows, k, nt, wrb, xrb);
 }
 #endif
 

@@ -505,10 +505,16 @@ pub fn mmq_grid(rows: usize, nt: usize) -> (u32, u32) {
     )
 }
 
-/// Grid of the BF16 register-tiled product (kernels/mmq.cu `mmt_bf16`): one block per 32 weight
-/// rows × 8 activation rows.
-pub fn mmt_grid(rows: usize, nt: usize) -> (u32, u32) {
-    (rows.div_ceil(MMQ_ROWS) as u32, nt.div_ceil(8) as u32)
+/// The BF16 register-tiled product (kernels/mmq.cu) for rows of `k`: its kernel and grid, one
+/// block per 32 weight rows × 8 activation rows, or × 16 for rows of at most 16 units
+/// (`mmt_bf16_h`: the half-warps take 8 tokens each).
+pub fn mmt_kernel(rows: usize, nt: usize, k: usize) -> (&'static str, (u32, u32)) {
+    let halves = k <= 16 * 32;
+    let tokens = if halves { 16 } else { 8 };
+    (
+        if halves { "mmt_bf16_h" } else { "mmt_bf16" },
+        (rows.div_ceil(MMQ_ROWS) as u32, nt.div_ceil(tokens) as u32),
+    )
 }
 
 /// Checks of a dense product's arguments; returns (row bytes, activation row bytes).
@@ -538,24 +544,25 @@ pub fn matmul(
     nt: usize,
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
+    let tn = product_module(w.ty)?;
     let (kernel, (gx, gy)) = if nt < MMQ_MIN_ROWS {
         return matmul_tiled(gpu, w, x, nt, y);
     } else if has_mmq(w.ty) {
-        ("mmq", mmq_grid(w.rows, nt))
+        (format!("mmq_{tn}"), mmq_grid(w.rows, nt))
     } else if w.ty == GgmlType::BF16 {
-        ("mmt", mmt_grid(w.rows, nt))
+        let (name, grid) = mmt_kernel(w.rows, nt, w.k);
+        (name.to_string(), grid)
     } else {
         return matmul_tiled(gpu, w, x, nt, y);
     };
     let k = "matmul";
-    let tn = product_module(w.ty)?;
     let (wrb, xrb) = matmul_args(k, w, x, nt, y)?;
     let (ri, ki, ni) = (i32_of(k, w.rows)?, i32_of(k, w.k)?, i32_of(k, nt)?);
     let (wb, xb) = (u64_of(wrb), u64_of(xrb));
     launch!(
         gpu,
         &format!("gemv_{tn}"),
-        format!("{kernel}_{tn}"),
+        kernel,
         cfg2(gx, gy, 256),
         [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb]
     )
@@ -2037,11 +2044,18 @@ mod tests {
         }
         assert_eq!(mmq_grid(64, 32), (2, 2));
         assert_eq!(mmq_grid(65, 33), (3, 3));
-        for (rows, nt) in [(4, 9), (320, 512), (10240, 17), (33, 8)] {
-            let (gx, gy) = mmt_grid(rows, nt);
+        for (rows, nt, k, name, tokens) in [
+            (4, 9, 10240, "mmt_bf16", 8),
+            (320, 512, 10240, "mmt_bf16", 8),
+            (10240, 17, 320, "mmt_bf16_h", 16),
+            (33, 9, 512, "mmt_bf16_h", 16),
+            (33, 200, 544, "mmt_bf16", 8),
+        ] {
+            let (kn, (gx, gy)) = mmt_kernel(rows, nt, k);
             let (gx, gy) = (gx as usize, gy as usize);
+            assert_eq!(kn, name, "k = {k}");
             assert!(gx * 32 >= rows && (gx - 1) * 32 < rows, "{rows} rows");
-            assert!(gy * 8 >= nt && (gy - 1) * 8 < nt, "{nt} tokens");
+            assert!(gy * tokens >= nt && (gy - 1) * tokens < nt, "{nt} tokens");
         }
     }
 

@@ -141,8 +141,8 @@ fn mmq_equals_tiled_and_gemv_bitwise() {
 
 /// BF16 beyond the GEMV window (the register-tiled kernel, `model::matmul` from 9 rows) against
 /// the tiled kernel, bitwise, at the model's shapes: the hyper-connection up (K = 320: 10 units,
-/// most lanes idle) and down / inject (K = 10240), the router (K = 2560), at row counts that end
-/// mid-warp and mid-block.
+/// the half-warp kernel; K = 512, its limit), down / inject (K = 10240), the router (K = 2560),
+/// at row counts that end mid-warp and mid-block.
 #[test]
 fn bf16_products_equal_tiled_bitwise() {
     let Some(g) = gpu() else { return };
@@ -150,6 +150,7 @@ fn bf16_products_equal_tiled_bitwise() {
     let ty = GgmlType::BF16;
     for (rows, k) in [
         (75usize, 320usize),
+        (37, 512),
         (4, 10240),
         (37, 10240),
         (75, 2560),
