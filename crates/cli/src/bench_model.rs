@@ -37,7 +37,8 @@ pub struct Args {
     /// Tokens per forward call in prompts and depth fills (llama-bench's ubatch)
     #[arg(short = 'u', long, default_value_t = 512)]
     pub ubatch: usize,
-    /// Per-kernel device time per decode token at each depth (CUDA backend), on stderr
+    /// Per-kernel device time per decode token at each depth, and per token of one prefill of
+    /// the first -p size (CUDA backend), on stderr
     #[arg(long)]
     pub profile: bool,
     /// Skip the untimed warm-up run
@@ -141,6 +142,42 @@ fn once(loaded: &Loaded, t: Test, ubatch: usize, rng: &mut SplitMix64) -> Result
         Kind::Gen => feed(s.as_mut(), rng, t.n, 1)?,
     }
     Ok((w0.elapsed().as_nanos() as u64, cpu_ns().saturating_sub(c0)))
+}
+
+/// The 15 kernels with the most device time, per token (`per` tokens profiled, `total` µs of
+/// kernel time a token).
+fn profile_table(ks: &[strata_cuda::KernelTime], per: f64, total: f64) {
+    eprintln!("| kernel | launches/token | µs/token | share |");
+    eprintln!("| --- | ---: | ---: | ---: |");
+    // Every kernel of at least 0.5 % (at most 40 rows), then the rest in one row.
+    let share = |us: f64| 100.0 * us / per / total.max(1e-9);
+    let shown = ks
+        .iter()
+        .take(40)
+        .take_while(|k| share(k.us) >= 0.5)
+        .count();
+    for k in &ks[..shown] {
+        eprintln!(
+            "| {} | {:.1} | {:.1} | {:.1} % |",
+            k.name,
+            k.launches as f64 / per,
+            k.us / per,
+            share(k.us)
+        );
+    }
+    if shown < ks.len() {
+        let rest = &ks[shown..];
+        let (l, us) = rest
+            .iter()
+            .fold((0usize, 0.0f64), |(a, b), k| (a + k.launches, b + k.us));
+        eprintln!(
+            "| ({} other kernels) | {:.1} | {:.1} | {:.1} % |",
+            rest.len(),
+            l as f64 / per,
+            us / per,
+            share(us)
+        );
+    }
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
@@ -259,38 +296,24 @@ pub fn run(a: Args) -> Result<ExitCode> {
                  of kernel time per token; {wall:.0} µs wall per token with the events on (the \
                  rest is host time and launch gaps)"
             );
-            eprintln!("| kernel | launches/token | µs/token | share |");
-            eprintln!("| --- | ---: | ---: | ---: |");
-            // Every kernel of at least 0.5 % (at most 40 rows), then the rest in one row.
-            let share = |us: f64| 100.0 * us / n as f64 / total.max(1e-9);
-            let shown = ks
-                .iter()
-                .take(40)
-                .take_while(|k| share(k.us) >= 0.5)
-                .count();
-            for k in &ks[..shown] {
-                eprintln!(
-                    "| {} | {:.1} | {:.1} | {:.1} % |",
-                    k.name,
-                    k.launches as f64 / n as f64,
-                    k.us / n as f64,
-                    share(k.us)
-                );
-            }
-            if shown < ks.len() {
-                let rest = &ks[shown..];
-                let (l, us): (usize, f64) = rest
-                    .iter()
-                    .map(|k| (k.launches, k.us))
-                    .fold((0, 0.0), |(a, b), (c, d)| (a + c, b + d));
-                eprintln!(
-                    "| ({} other kernels) | {:.1} | {:.1} | {:.1} % |",
-                    rest.len(),
-                    l as f64 / n as f64,
-                    us / n as f64,
-                    share(us)
-                );
-            }
+            profile_table(&ks, n as f64, total);
+        }
+        // One prefill of the first -p size, the same way: where a prompt's time goes.
+        if let Some(&p) = a.n_prompt.iter().find(|&&p| p > 0) {
+            let mut s = loaded.session(n_ctx)?;
+            gpu.profile_start();
+            let w0 = Instant::now();
+            feed(s.as_mut(), &mut rng, p, a.ubatch)?;
+            let wall = w0.elapsed().as_secs_f64() * 1e6 / p as f64;
+            let ks = gpu.profile_stop()?;
+            let total: f64 = ks.iter().map(|k| k.us).sum::<f64>() / p as f64;
+            let launches: usize = ks.iter().map(|k| k.launches).sum();
+            eprintln!(
+                "profile, prefill of {p} tokens (ubatch {}): {launches} launches and {total:.0} µs \
+                 of kernel time per token; {wall:.0} µs wall per token with the events on",
+                a.ubatch
+            );
+            profile_table(&ks, p as f64, total);
         }
     }
 

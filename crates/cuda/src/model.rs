@@ -468,9 +468,112 @@ fn whole_units(kernel: &str, w: &DevWeight) -> Result<(), CudaError> {
     Ok(())
 }
 
-/// `y[t][r] = W[r] · x_t` for `nt` activation rows already in the paired format, by the tiled
-/// kernel: bitwise the GEMV's result for every row (any `nt`).
+/// Weight formats whose products beyond the GEMV window run the exact tensor-core kernels
+/// (kernels/mmq.cu: int8 MMA on the units' integer dots, bitwise the GEMV's result). BF16 runs
+/// a register-tiled CUDA-core kernel beyond the window (a float MMA would not add in the GEMV's
+/// order), F32 the tiled one.
+pub fn has_mmq(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::IQ4_NL
+            | GgmlType::Q2_0
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_XS
+            | GgmlType::IQ3_S
+            | GgmlType::IQ3_XXS
+    )
+}
+
+/// Batches above this many activation rows run the tensor-core product in [`matmul`] (at or
+/// below it the tiled kernel, whose one-warp-a-row decode suits decode-sized batches).
+pub const MMQ_MIN_ROWS: usize = 9;
+
+/// The tensor-core kernels' tiles (kernels/mmq.cu): weight rows a block, activation rows a
+/// dense tile (the expert product takes moe_group's tiles of up to 8 pairs).
+pub const MMQ_ROWS: usize = 32;
+pub const MMQ_TOKENS: usize = 16;
+
+/// Grid of the dense tensor-core product: one block per 32 weight rows × 16 activation rows.
+pub fn mmq_grid(rows: usize, nt: usize) -> (u32, u32) {
+    (
+        rows.div_ceil(MMQ_ROWS) as u32,
+        nt.div_ceil(MMQ_TOKENS) as u32,
+    )
+}
+
+/// The BF16 register-tiled product (kernels/mmq.cu) for rows of `k`: its kernel and grid, one
+/// block per 32 weight rows × 8 activation rows, or × 16 for rows of at most 16 units
+/// (`mmt_bf16_h`: the half-warps take 8 tokens each).
+pub fn mmt_kernel(rows: usize, nt: usize, k: usize) -> (&'static str, (u32, u32)) {
+    let halves = k <= 16 * 32;
+    let tokens = if halves { 16 } else { 8 };
+    (
+        if halves { "mmt_bf16_h" } else { "mmt_bf16" },
+        (rows.div_ceil(MMQ_ROWS) as u32, nt.div_ceil(tokens) as u32),
+    )
+}
+
+/// Checks of a dense product's arguments; returns (row bytes, activation row bytes).
+fn matmul_args(
+    k: &str,
+    w: &DevWeight,
+    x: &CudaSlice<u8>,
+    nt: usize,
+    y: &CudaSlice<f32>,
+) -> Result<(usize, usize), CudaError> {
+    whole_units(k, w)?;
+    let (wrb, xrb) = (w.row_bytes()?, w.act_row_bytes()?);
+    need(k, "w", w.bytes.len(), w.rows * wrb)?;
+    need(k, "x", x.len(), nt * xrb)?;
+    need(k, "y", y.len(), nt * w.rows)?;
+    Ok((wrb, xrb))
+}
+
+/// `y[t][r] = W[r] · x_t` for `nt` activation rows already in the paired format: from
+/// [`MMQ_MIN_ROWS`] rows on the tensor-core kernel for the integer-dot formats and the
+/// register-tiled one for BF16, else the tiled kernel. Bitwise the GEMV's result for every row
+/// (any `nt`).
 pub fn matmul(
+    gpu: &Gpu,
+    w: &DevWeight,
+    x: &CudaSlice<u8>,
+    nt: usize,
+    y: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let tn = product_module(w.ty)?;
+    let (kernel, (gx, gy)) = if nt < MMQ_MIN_ROWS {
+        return matmul_tiled(gpu, w, x, nt, y);
+    } else if has_mmq(w.ty) {
+        (format!("mmq_{tn}"), mmq_grid(w.rows, nt))
+    } else if w.ty == GgmlType::BF16 {
+        let (name, grid) = mmt_kernel(w.rows, nt, w.k);
+        (name.to_string(), grid)
+    } else {
+        return matmul_tiled(gpu, w, x, nt, y);
+    };
+    let k = "matmul";
+    let (wrb, xrb) = matmul_args(k, w, x, nt, y)?;
+    let (ri, ki, ni) = (i32_of(k, w.rows)?, i32_of(k, w.k)?, i32_of(k, nt)?);
+    let (wb, xb) = (u64_of(wrb), u64_of(xrb));
+    launch!(
+        gpu,
+        &format!("gemv_{tn}"),
+        kernel,
+        cfg2(gx, gy, 256),
+        [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb]
+    )
+}
+
+/// [`matmul`] by the tiled kernel (gemv.cu `matmul_*`: one warp a weight row, 8 activation rows
+/// a tile): the live path for F32 and small batches, and the baseline the tensor-core and BF16
+/// kernels are tested against.
+pub fn matmul_tiled(
     gpu: &Gpu,
     w: &DevWeight,
     x: &CudaSlice<u8>,
@@ -479,11 +582,7 @@ pub fn matmul(
 ) -> Result<(), CudaError> {
     let k = "matmul";
     let tn = product_module(w.ty)?;
-    whole_units(k, w)?;
-    let (wrb, xrb) = (w.row_bytes()?, w.act_row_bytes()?);
-    need(k, "w", w.bytes.len(), w.rows * wrb)?;
-    need(k, "x", x.len(), nt * xrb)?;
-    need(k, "y", y.len(), nt * w.rows)?;
+    let (wrb, xrb) = matmul_args(k, w, x, nt, y)?;
     if nt == 0 {
         return Ok(());
     }
@@ -516,7 +615,8 @@ fn opt_shape(w: &DevWeight) -> bool {
 }
 
 /// The product the model runs: for 1..=8 rows the unit-parallel product, or the optimized GEMV
-/// for weights of many rows; the tiled kernel beyond (all bitwise the same per row).
+/// for weights of many rows; [`matmul`] beyond (the tensor-core kernel) and for the formats
+/// without a GEMV (all bitwise the same per row).
 pub fn product(
     gpu: &Gpu,
     w: &DevWeight,
@@ -1870,6 +1970,13 @@ pub fn moe_gemv(
     )
 }
 
+/// The bound on moe_group's tiles (up to 8 pairs of one expert each) for `npairs` pairs over
+/// `n_expert` experts: each expert's last tile may be partial, so at most npairs/8 full tiles
+/// plus one partial tile per expert that has any pair.
+pub fn moe_max_tiles(npairs: usize, n_expert: usize) -> usize {
+    npairs / 8 + n_expert.min(npairs)
+}
+
 /// The grouping of a prefill's pairs by expert (device buffers, sized for `npairs` pairs).
 pub struct MoeGroups {
     pub npairs: usize,
@@ -1883,9 +1990,7 @@ pub struct MoeGroups {
 
 impl MoeGroups {
     pub fn new(gpu: &Gpu, npairs: usize, n_expert: usize) -> Result<MoeGroups, CudaError> {
-        // Each expert's last tile may be partial: at most npairs/8 full tiles plus one partial
-        // tile per expert that has any pair.
-        let max_tiles = npairs / 8 + n_expert.min(npairs);
+        let max_tiles = moe_max_tiles(npairs, n_expert);
         Ok(MoeGroups {
             npairs,
             n_expert,
@@ -1914,7 +2019,7 @@ impl MoeGroups {
             gpu,
             "moe",
             "moe_group",
-            cfg(1, 32),
+            cfg(1, 256),
             [
                 ids,
                 &np,
@@ -1931,10 +2036,71 @@ impl MoeGroups {
 }
 
 /// [`moe_gemv`] grouped by expert (prefill): each expert's weight units decoded once per tile
-/// of up to 8 of its pairs. Bitwise the same outputs as [`moe_gemv`].
+/// of up to 8 of its pairs, by the tensor-core kernel for the integer-dot formats (mmq.cu
+/// `moe_mmq_*`), else the tiled one. Bitwise the same outputs as [`moe_gemv`].
 #[allow(clippy::too_many_arguments)]
 pub fn moe_matmul(
     gpu: &Gpu,
+    w: &DevWeight,
+    groups: &MoeGroups,
+    x: &CudaSlice<u8>,
+    x_per_slot: bool,
+    kslots: usize,
+    y: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let (kernel, rows_a_block, threads) = if has_mmq(w.ty) {
+        ("moe_mmq", MMQ_ROWS, 256)
+    } else {
+        ("moe_matmul", 4, 128)
+    };
+    moe_grouped(
+        gpu,
+        kernel,
+        rows_a_block,
+        threads,
+        w,
+        groups,
+        x,
+        x_per_slot,
+        kslots,
+        y,
+    )
+}
+
+/// [`moe_matmul`] by the tiled kernel (gemv.cu `moe_matmul_*`): the baseline the tensor-core
+/// kernel is tested against.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_matmul_tiled(
+    gpu: &Gpu,
+    w: &DevWeight,
+    groups: &MoeGroups,
+    x: &CudaSlice<u8>,
+    x_per_slot: bool,
+    kslots: usize,
+    y: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    moe_grouped(
+        gpu,
+        "moe_matmul",
+        4,
+        128,
+        w,
+        groups,
+        x,
+        x_per_slot,
+        kslots,
+        y,
+    )
+}
+
+/// One launch of an expert-grouped product kernel `{kernel}_{type}`: grid (weight rows /
+/// `rows_a_block`, the groups' tile bound).
+#[allow(clippy::too_many_arguments)]
+fn moe_grouped(
+    gpu: &Gpu,
+    kernel: &str,
+    rows_a_block: usize,
+    threads: u32,
     w: &DevWeight,
     groups: &MoeGroups,
     x: &CudaSlice<u8>,
@@ -1973,8 +2139,12 @@ pub fn moe_matmul(
     launch!(
         gpu,
         &format!("gemv_{tn}"),
-        format!("moe_matmul_{tn}"),
-        cfg2(w.rows.div_ceil(4) as u32, groups.max_tiles as u32, 128),
+        format!("{kernel}_{tn}"),
+        cfg2(
+            w.rows.div_ceil(rows_a_block) as u32,
+            groups.max_tiles as u32,
+            threads
+        ),
         [
             &w.bytes,
             &sb,
@@ -2349,5 +2519,86 @@ mod tests {
         assert_eq!(units_threads(1), 32);
         assert_eq!(units_threads(320), 320);
         assert_eq!(units_threads(5120), 1024);
+    }
+
+    /// The dense tensor-core grid covers every (row, token) exactly once: blocks of 32 × 16,
+    /// the last ones partial, none empty.
+    #[test]
+    fn mmq_grid_covers_the_product() {
+        for (rows, nt) in [
+            (1, 9),
+            (31, 16),
+            (32, 17),
+            (33, 512),
+            (2560, 4096),
+            (151_936, 9),
+        ] {
+            let (gx, gy) = mmq_grid(rows, nt);
+            let (gx, gy) = (gx as usize, gy as usize);
+            assert!(
+                gx * MMQ_ROWS >= rows && (gx - 1) * MMQ_ROWS < rows,
+                "{rows} rows"
+            );
+            assert!(
+                gy * MMQ_TOKENS >= nt && (gy - 1) * MMQ_TOKENS < nt,
+                "{nt} tokens"
+            );
+        }
+        assert_eq!(mmq_grid(64, 32), (2, 2));
+        assert_eq!(mmq_grid(65, 33), (3, 3));
+        for (rows, nt, k, name, tokens) in [
+            (4, 9, 10240, "mmt_bf16", 8),
+            (320, 512, 10240, "mmt_bf16", 8),
+            (10240, 17, 320, "mmt_bf16_h", 16),
+            (33, 9, 512, "mmt_bf16_h", 16),
+            (33, 200, 544, "mmt_bf16", 8),
+        ] {
+            let (kn, (gx, gy)) = mmt_kernel(rows, nt, k);
+            let (gx, gy) = (gx as usize, gy as usize);
+            assert_eq!(kn, name, "k = {k}");
+            assert!(gx * 32 >= rows && (gx - 1) * 32 < rows, "{rows} rows");
+            assert!(gy * tokens >= nt && (gy - 1) * tokens < nt, "{nt} tokens");
+        }
+    }
+
+    /// moe_group's tiles (per expert, ⌈count / 8⌉ tiles) never exceed the bound the launch
+    /// grid and the tile buffer are sized by, for even, skewed and one-expert routings.
+    #[test]
+    fn moe_tile_bound_holds() {
+        let tiles = |counts: &[usize]| counts.iter().map(|c| c.div_ceil(8)).sum::<usize>();
+        let mut rng = strata_engine::kernels::testdata::Rng::new(3);
+        for (nt, ks, ne) in [(512, 10, 512), (9, 10, 512), (4096, 10, 512), (100, 4, 16)] {
+            let np = nt * ks;
+            let bound = moe_max_tiles(np, ne);
+            let mut cases: Vec<Vec<usize>> = Vec::new();
+            // Every pair on one expert; spread evenly; 9 pairs on as many experts as possible
+            // (the most partial tiles); random.
+            let mut one = vec![0; ne];
+            one[0] = np;
+            cases.push(one);
+            cases.push(
+                (0..ne)
+                    .map(|e| np / ne + usize::from(e < np % ne))
+                    .collect(),
+            );
+            let mut nine = vec![0; ne];
+            let mut left = np;
+            for c in nine.iter_mut() {
+                let n = left.min(9);
+                *c = n;
+                left -= n;
+            }
+            nine[0] += left;
+            cases.push(nine);
+            let mut rand = vec![0; ne];
+            for _ in 0..np {
+                rand[rng.below(ne)] += 1;
+            }
+            cases.push(rand);
+            for c in &cases {
+                assert_eq!(c.iter().sum::<usize>(), np);
+                assert!(tiles(c) <= bound, "{} tiles > bound {bound}", tiles(c));
+            }
+        }
     }
 }

@@ -21,7 +21,13 @@ pub struct Module {
     define: Option<&'static str>,
 }
 
-const GEMV: &str = include_str!("../kernels/gemv.cu");
+/// The GEMV file with the exact tensor-core products appended (mmq.cu instantiates its kernels
+/// for the integer-dot formats under the same `GEMV_<NAME>` defines).
+const GEMV: &str = concat!(
+    include_str!("../kernels/gemv.cu"),
+    "\n",
+    include_str!("../kernels/mmq.cu")
+);
 
 const fn m(
     name: &'static str,
@@ -40,7 +46,8 @@ const fn m(
 }
 
 /// Every module, in load order. `gemv_<type>` holds the GEMV kernels of one weight type and its
-/// products beyond the GEMV window (matmul, the MoE expert products).
+/// products beyond the GEMV window (matmul, the MoE expert products: the tiled baseline and,
+/// for the integer-dot formats, the tensor-core kernels of mmq.cu).
 pub const MODULES: &[Module] = &[
     m(
         "norm",
@@ -98,20 +105,44 @@ pub const MODULES: &[Module] = &[
         false,
         None,
     ),
-    m("gemv_q2_0", "gemv.cu", GEMV, true, Some("GEMV_Q2_0")),
-    m("gemv_q8_0", "gemv.cu", GEMV, true, Some("GEMV_Q8_0")),
-    m("gemv_q4_k", "gemv.cu", GEMV, true, Some("GEMV_Q4_K")),
-    m("gemv_q5_k", "gemv.cu", GEMV, true, Some("GEMV_Q5_K")),
-    m("gemv_q6_k", "gemv.cu", GEMV, true, Some("GEMV_Q6_K")),
-    m("gemv_iq4_xs", "gemv.cu", GEMV, true, Some("GEMV_IQ4_XS")),
-    m("gemv_iq3_s", "gemv.cu", GEMV, true, Some("GEMV_IQ3_S")),
-    m("gemv_iq3_xxs", "gemv.cu", GEMV, true, Some("GEMV_IQ3_XXS")),
-    m("gemv_bf16", "gemv.cu", GEMV, true, Some("GEMV_BF16")),
-    m("gemv_q3_k", "gemv.cu", GEMV, true, Some("GEMV_Q3_K")),
-    m("gemv_f32", "gemv.cu", GEMV, true, Some("GEMV_F32")),
-    m("gemv_q4_0", "gemv.cu", GEMV, true, Some("GEMV_Q4_0")),
-    m("gemv_q5_0", "gemv.cu", GEMV, true, Some("GEMV_Q5_0")),
-    m("gemv_iq4_nl", "gemv.cu", GEMV, true, Some("GEMV_IQ4_NL")),
+    m("gemv_q2_0", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q2_0")),
+    m("gemv_q8_0", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q8_0")),
+    m("gemv_q4_k", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q4_K")),
+    m("gemv_q5_k", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q5_K")),
+    m("gemv_q6_k", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q6_K")),
+    m(
+        "gemv_iq4_xs",
+        "gemv.cu+mmq.cu",
+        GEMV,
+        true,
+        Some("GEMV_IQ4_XS"),
+    ),
+    m(
+        "gemv_iq3_s",
+        "gemv.cu+mmq.cu",
+        GEMV,
+        true,
+        Some("GEMV_IQ3_S"),
+    ),
+    m(
+        "gemv_iq3_xxs",
+        "gemv.cu+mmq.cu",
+        GEMV,
+        true,
+        Some("GEMV_IQ3_XXS"),
+    ),
+    m("gemv_bf16", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_BF16")),
+    m("gemv_q3_k", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q3_K")),
+    m("gemv_f32", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_F32")),
+    m("gemv_q4_0", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q4_0")),
+    m("gemv_q5_0", "gemv.cu+mmq.cu", GEMV, true, Some("GEMV_Q5_0")),
+    m(
+        "gemv_iq4_nl",
+        "gemv.cu+mmq.cu",
+        GEMV,
+        true,
+        Some("GEMV_IQ4_NL"),
+    ),
 ];
 
 /// The lookup tables as CUDA `__device__` arrays.
