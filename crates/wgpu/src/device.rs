@@ -35,6 +35,9 @@ pub struct Wgpu {
 pub struct Buf {
     pub buf: wgpu::Buffer,
     pub bytes: u64,
+    /// Stands for data held in other buffers (a store split under the binding limit): binding
+    /// or downloading it is refused, so no kernel can read a part as if it were the whole.
+    pub placeholder: bool,
 }
 
 /// One dispatch, bound and ready to record.
@@ -218,6 +221,7 @@ impl Wgpu {
         Ok(Buf {
             buf,
             bytes: data.len() as u64,
+            placeholder: false,
         })
     }
 
@@ -232,7 +236,18 @@ impl Wgpu {
                 | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         });
-        Ok(Buf { buf, bytes })
+        Ok(Buf {
+            buf,
+            bytes,
+            placeholder: false,
+        })
+    }
+
+    /// A 4-byte buffer standing for data split into other buffers (see [`Buf::placeholder`]).
+    pub fn placeholder(&self, what: &str) -> Result<Buf, WgpuError> {
+        let mut b = self.alloc(what, 4)?;
+        b.placeholder = true;
+        Ok(b)
     }
 
     pub fn upload<T: bytemuck::Pod>(&self, what: &str, data: &[T]) -> Result<Buf, WgpuError> {
@@ -254,6 +269,12 @@ impl Wgpu {
 
     /// The buffer's bytes back on the host (waits for all submitted work).
     pub fn download_bytes(&self, b: &Buf) -> Result<Vec<u8>, WgpuError> {
+        if b.placeholder {
+            return Err(WgpuError::Launch {
+                kernel: "download".into(),
+                what: "a split store read as one buffer".into(),
+            });
+        }
         let size = b.bytes.max(4).div_ceil(4) * 4;
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("download"),
@@ -414,6 +435,14 @@ impl Wgpu {
                     bufs.len(),
                     params.len()
                 ),
+            });
+        }
+        if bufs.iter().any(|b| b.placeholder) {
+            return Err(WgpuError::Launch {
+                kernel: format!("{module}::{entry}"),
+                what: "a store split under the binding limit was passed whole (this operation \
+                       takes one buffer)"
+                    .into(),
             });
         }
         let maxg = self.limits.max_compute_workgroups_per_dimension;
