@@ -129,6 +129,7 @@ fn a_greedy_completion_on_wgpu_equals_run_on_wgpu() {
     assert!(run.status.success(), "{run_err}");
     let want = String::from_utf8(run.stdout).unwrap();
     let want = want.strip_suffix('\n').unwrap_or(&want);
+    assert!(!want.is_empty(), "run printed nothing");
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(["serve", "-m"])

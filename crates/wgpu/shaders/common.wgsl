@@ -9,9 +9,10 @@
 // the bit patterns (an implementation may assume floats are finite). Reductions use fixed trees
 // in workgroup memory, never subgroup operations, so the bits do not depend on the subgroup size.
 
-// Thirty-two parameter words; word 31 is always 0 (the `nc` barrier).
+// Thirty-two parameter words; word 31 is always 0 (the `nc` barrier). `P` itself is declared
+// by strata-wgpu before this file: immediates where the device has them, else a uniform buffer
+// at binding 0 (shaders.rs, `source_for`).
 struct Params { v: array<vec4<u32>, 8> }
-@group(0) @binding(0) var<uniform> P: Params;
 
 fn pu(i: u32) -> u32 { return P.v[i >> 2u][i & 3u]; }
 fn pi(i: u32) -> i32 { return bitcast<i32>(pu(i)); }

@@ -25,6 +25,11 @@ pub struct Wgpu {
     pub limits: wgpu::Limits,
     /// Largest storage binding the kernels may use (the adapter's, or less when forced).
     pub max_binding: u64,
+    /// Parameters as immediates (push constants: no buffer, no bind-group entry, no queue
+    /// write per dispatch) where the adapter offers 128 bytes of them; else a uniform buffer
+    /// per dispatch. `STRATA_WGPU_IMMEDIATES=0` forces the buffer. The kernels read the same
+    /// words either way.
+    pub immediates: bool,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
     /// Pipeline compile times (module key, seconds), for the report's notes.
     pub compiles: Mutex<Vec<(String, f64)>>,
@@ -47,8 +52,21 @@ pub struct Launch {
     groups: (u32, u32, u32),
     /// `module::entry`, for profiles.
     pub name: String,
-    // Kept alive with the bind group.
-    _params: wgpu::Buffer,
+    /// The parameter words, set as immediates when the device uses them.
+    words: [u32; PARAM_WORDS],
+    /// The uniform parameter buffer (without immediates), kept alive with the bind group.
+    params: Option<wgpu::Buffer>,
+}
+
+impl Launch {
+    fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipe);
+        if self.params.is_none() {
+            pass.set_immediates(0, bytemuck::cast_slice(&self.words));
+        }
+        pass.set_bind_group(0, &self.bind, &[]);
+        pass.dispatch_workgroups(self.groups.0, self.groups.1, self.groups.2);
+    }
 }
 
 /// The adapters this process can see, one line each (for messages and `--list`).
@@ -128,9 +146,17 @@ impl Wgpu {
         let adapter = &ads[pick];
         let info = adapter.get_info();
         let limits = adapter.limits();
+        let immediates = adapter.features().contains(wgpu::Features::IMMEDIATES)
+            && limits.max_immediate_size >= (PARAM_WORDS * 4) as u32
+            && std::env::var("STRATA_WGPU_IMMEDIATES").as_deref() != Ok("0");
+        let features = if immediates {
+            wgpu::Features::IMMEDIATES
+        } else {
+            wgpu::Features::empty()
+        };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("strata"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -151,6 +177,7 @@ impl Wgpu {
             info,
             limits,
             max_binding,
+            immediates,
             pipelines: Mutex::new(HashMap::new()),
             compiles: Mutex::new(Vec::new()),
             errors,
@@ -326,7 +353,7 @@ impl Wgpu {
         entry: &str,
         spec: &[(&str, String)],
     ) -> Result<Arc<wgpu::ComputePipeline>, WgpuError> {
-        let src = shaders::source(module, spec)?;
+        let src = shaders::source_for(module, spec, self.immediates)?;
         let key = format!("{module}/{entry}/{spec:?}");
         if let Some(p) = self
             .pipelines
@@ -350,7 +377,11 @@ impl Wgpu {
             .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
                 label: Some(module),
                 bind_group_layouts: &[Some(&layout)],
-                immediate_size: 0,
+                immediate_size: if self.immediates {
+                    (PARAM_WORDS * 4) as u32
+                } else {
+                    0
+                },
             });
         let pipe = self
             .device
@@ -385,16 +416,19 @@ impl Wgpu {
     /// layout; the shaders declare which they only read).
     fn layout(&self, module: &str) -> Result<wgpu::BindGroupLayout, WgpuError> {
         let n = shaders::storage_bindings(module)?;
-        let mut entries = vec![wgpu::BindGroupLayoutEntry {
-            binding: 0,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Uniform,
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        }];
+        let mut entries = Vec::new();
+        if !self.immediates {
+            entries.push(wgpu::BindGroupLayoutEntry {
+                binding: 0,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            });
+        }
         for i in 0..n {
             entries.push(wgpu::BindGroupLayoutEntry {
                 binding: 1 + i as u32,
@@ -455,18 +489,26 @@ impl Wgpu {
         let pipe = self.pipeline(module, entry, spec)?;
         let mut words = [0u32; PARAM_WORDS];
         words[..params.len()].copy_from_slice(params);
-        let pbuf = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("params"),
-            size: (PARAM_WORDS * 4) as u64,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        self.queue
-            .write_buffer(&pbuf, 0, bytemuck::cast_slice(&words));
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: pbuf.as_entire_binding(),
-        }];
+        let mut entries = Vec::with_capacity(bufs.len() + 1);
+        let params = if self.immediates {
+            None
+        } else {
+            let pbuf = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("params"),
+                size: (PARAM_WORDS * 4) as u64,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            self.queue
+                .write_buffer(&pbuf, 0, bytemuck::cast_slice(&words));
+            Some(pbuf)
+        };
+        if let Some(pb) = &params {
+            entries.push(wgpu::BindGroupEntry {
+                binding: 0,
+                resource: pb.as_entire_binding(),
+            });
+        }
         for (i, b) in bufs.iter().enumerate() {
             entries.push(wgpu::BindGroupEntry {
                 binding: 1 + i as u32,
@@ -490,7 +532,8 @@ impl Wgpu {
             bind,
             groups: (groups.0, groups.1.max(1), groups.2.max(1)),
             name: format!("{module}::{entry}"),
-            _params: pbuf,
+            words,
+            params,
         })
     }
 
@@ -504,9 +547,7 @@ impl Wgpu {
         {
             let mut pass = enc.begin_compute_pass(&Default::default());
             for l in launches {
-                pass.set_pipeline(&l.pipe);
-                pass.set_bind_group(0, &l.bind, &[]);
-                pass.dispatch_workgroups(l.groups.0, l.groups.1, l.groups.2);
+                l.record(&mut pass);
             }
         }
         self.queue.submit([enc.finish()]);
@@ -521,9 +562,7 @@ impl Wgpu {
             let mut pass = enc.begin_compute_pass(&Default::default());
             for _ in 0..repeat.max(1) {
                 for l in launches {
-                    pass.set_pipeline(&l.pipe);
-                    pass.set_bind_group(0, &l.bind, &[]);
-                    pass.dispatch_workgroups(l.groups.0, l.groups.1, l.groups.2);
+                    l.record(&mut pass);
                 }
             }
         }

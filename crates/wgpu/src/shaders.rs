@@ -158,10 +158,24 @@ pub const FLOAT_FORMATS: [(&str, GgmlType); 3] = [
 ];
 
 /// The full source of `module` with the specialization `spec` (constants not given are 1,
-/// false for booleans: the baseline entry does not read them).
+/// false for booleans: the baseline entry does not read them), parameters in a uniform buffer.
 pub fn source(module: &str, spec: &[(&str, String)]) -> Result<String, WgpuError> {
+    source_for(module, spec, false)
+}
+
+/// [`source`] with the parameter block as immediates (push constants) when `immediates`.
+pub fn source_for(
+    module: &str,
+    spec: &[(&str, String)],
+    immediates: bool,
+) -> Result<String, WgpuError> {
     let m = find(module)?;
     let mut s = String::new();
+    s.push_str(if immediates {
+        "var<immediate> P: Params;\n"
+    } else {
+        "@group(0) @binding(0) var<uniform> P: Params;\n"
+    });
     for (name, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
         s.push_str(&format!("const {name}: u32 = {}u;\n", ty.id()));
     }
