@@ -316,7 +316,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
                     100.0 * k.secs * 1e6 / n as f64 / total.max(1e-9)
                 );
             }
-            let launches = |v: &[strata_wgpu::KernelStat]| v.iter().map(|k| k.launches).sum::<u64>();
+            let launches =
+                |v: &[strata_wgpu::KernelStat]| v.iter().map(|k| k.launches).sum::<u64>();
             eprintln!(
                 "({} kernels; {} dispatches in the one-stream run, {} in the timed run)",
                 timed.len(),

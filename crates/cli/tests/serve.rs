@@ -173,7 +173,9 @@ fn a_greedy_completion_on_wgpu_equals_run_on_wgpu() {
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     let json = resp.split("\r\n\r\n").nth(1).unwrap_or("");
     let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {resp}"));
-    let got = v["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("{v}"));
+    let got = v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"));
     assert_eq!(got, want, "serve --backend wgpu vs run --backend wgpu");
     assert!(status.success(), "exit {status:?}");
 }

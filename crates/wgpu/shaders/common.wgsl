@@ -21,6 +21,11 @@ fn pf(i: u32) -> f32 { return bitcast<f32>(pu(i)); }
 // A product (or any value) that no driver may fuse into a following add.
 fn nc(x: f32) -> f32 { return bitcast<f32>(bitcast<u32>(x) ^ P.v[7].w); }
 
+// 1 / (1 + exp(-x)): the CPU's sigmoid (only exp is the driver's), and silu; shared by
+// model.wgsl's element-wise ops and the products' epilogues (mq.wgsl), so both give one value.
+fn sigm(x: f32) -> f32 { return div_rn(1.0, 1.0 + exp(-x)); }
+fn silu(x: f32) -> f32 { return x * sigm(x); }
+
 fn f_nan() -> f32 { return bitcast<f32>(0x7fc00000u); }
 fn f_neg_inf() -> f32 { return bitcast<f32>(0xff800000u); }
 fn is_nan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }

@@ -22,9 +22,6 @@ const NONE: u32 = 0xffffffffu;
 
 fn lin(g: vec3<u32>, n: vec3<u32>, l: u32) -> u32 { return (g.y * n.x + g.x) * 64u + l; }
 
-// 1 / (1 + exp(-x)): the CPU's sigmoid (only exp is the driver's).
-fn sigm(x: f32) -> f32 { return div_rn(1.0, 1.0 + exp(-x)); }
-fn silu(x: f32) -> f32 { return x * sigm(x); }
 fn softplus(x: f32) -> f32 {
     if (x > 20.0) { return x; }
     return log(1.0 + exp(x));
@@ -83,8 +80,8 @@ fn eltwise(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3
         case 2u: { C[i] = A[i] * sigm(B[i]); }
         case 3u: { C[i] = silu(A[i]) * B[i]; }
         case 4u: { A[i] = A[i] + nc(sigm(C[i / pu(2u)]) * B[i]); }
-        case 5u: { A[i] = silu(A[i] * pf(3u)); }
-        case 6u: { A[i] = 2.0 * sigm(A[i] * pf(3u)); }
+        case 5u: { A[i] = silu(nc(A[i] * pf(3u))); }
+        case 6u: { A[i] = 2.0 * sigm(nc(A[i] * pf(3u))); }
         case 7u: { C[i] = f16r(A[i]); }
         default: {}
     }

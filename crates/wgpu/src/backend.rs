@@ -208,10 +208,23 @@ pub struct WgpuBackend {
     weight_limit: u64,
     /// Largest part of a store (likewise).
     store_limit: u64,
+    /// Fused variants on (element-wise ops folded into product epilogues); off, the baseline
+    /// dispatches (`STRATA_WGPU_FUSE=0`): the same bits either way (tests/model.rs).
+    pub(crate) fuse: bool,
     split_stores: AtomicUsize,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
     /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
     profile: Mutex<Option<Profile>>,
+}
+
+/// What a product applies to each output before storing it (mq.wgsl `epi`): `NONE`, or
+/// model.wgsl's eltwise op 5 (silu(y·s)) or 6 (2σ(y·s)) folded in: the same bits, one
+/// dispatch fewer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Epi(pub(crate) u32, pub(crate) f32);
+
+impl Epi {
+    pub(crate) const NONE: Epi = Epi(0, 0.0);
 }
 
 /// How a product's activations are imaged: a catalogue format (`kernels::actq`), or for F16
@@ -289,6 +302,7 @@ impl WgpuBackend {
             failed: Mutex::new(None),
             weight_limit: u64::MAX,
             store_limit: u64::MAX,
+            fuse: std::env::var("STRATA_WGPU_FUSE").as_deref() != Ok("0"),
             split_stores: AtomicUsize::new(0),
             profile: Mutex::new(std::env::var_os("STRATA_WGPU_PROFILE").map(|_| Profile {
                 timed: true,
@@ -306,6 +320,12 @@ impl WgpuBackend {
     /// Splits weights into parts of at most `bytes` (below the adapter's binding limit).
     pub fn with_weight_part_limit(mut self, bytes: u64) -> WgpuBackend {
         self.weight_limit = bytes;
+        self
+    }
+
+    /// Fused variants on or off (the baseline dispatches; the same bits).
+    pub fn with_fusion(mut self, on: bool) -> WgpuBackend {
+        self.fuse = on;
         self
     }
 
@@ -631,6 +651,7 @@ impl WgpuBackend {
         ids: Option<(&Buf, usize)>,
         rows_per_expert: usize,
         x_div: usize,
+        epi: Epi,
     ) -> Result<()> {
         let op = "matmul";
         if nt == 0 {
@@ -666,6 +687,8 @@ impl WgpuBackend {
                 u32_of(op, x_div.max(1))?,
                 gx,
                 u32_of(op, total)?,
+                epi.0,
+                epi.1.to_bits(),
             ];
             let idb = ids.map_or(&self.dummies[0], |(b, _)| b);
             let bufs = [&part.b, xq, y, &self.tab, idb];
@@ -721,6 +744,42 @@ impl WgpuBackend {
         let b = Arc::new(self.g.upload("rope table", &v).map_err(dev)?);
         t.insert((rot, theta.to_bits()), (b.clone(), want));
         Ok((b, want))
+    }
+}
+
+impl WgpuBackend {
+    /// Products of `x` by each weight (one activation image per format, shared, as the CPU
+    /// shares it), each with its epilogue.
+    pub(crate) fn matmuls_epi<const N: usize>(
+        &self,
+        ws: [(&WWeight, Epi); N],
+        x: &WBuf,
+    ) -> Result<[WBuf; N]> {
+        let mut images: Vec<(Img, Arc<Buf>, usize, ActFmt)> = Vec::new();
+        let mut out = Vec::with_capacity(N);
+        for (w, epi) in ws {
+            Self::check_matmul(w, x)?;
+            let img = img_for(w.ty).ok_or_else(|| {
+                shape(
+                    "matmul",
+                    format!("{}: {} has no product on wgpu", w.name, w.ty),
+                )
+            })?;
+            let (xq, xrb, fmt) = match images.iter().find(|(f, _, _, _)| *f == img) {
+                Some((_, b, rb, fmt)) => (b.clone(), *rb, *fmt),
+                None => {
+                    let (b, rb, fmt) = self.image(x, w.ty, &w.name)?;
+                    images.push((img, b.clone(), rb, fmt));
+                    (b, rb, fmt)
+                }
+            };
+            let m = w.n_rows2();
+            let y = self.buf("matmul", x.rows, m)?;
+            self.mm(w, &xq, xrb, fmt, &y.b, m, x.rows, 0, m, None, 0, 1, epi)?;
+            out.push(y);
+        }
+        out.try_into()
+            .map_err(|_| shape("matmuls", "product count"))
     }
 }
 
@@ -1137,31 +1196,7 @@ impl Backend for WgpuBackend {
 
     /// One activation image per format, shared by the products (as the CPU shares it).
     fn matmuls<const N: usize>(&self, ws: [&WWeight; N], x: &WBuf) -> Result<[WBuf; N]> {
-        let mut images: Vec<(Img, Arc<Buf>, usize, ActFmt)> = Vec::new();
-        let mut out = Vec::with_capacity(N);
-        for w in ws {
-            Self::check_matmul(w, x)?;
-            let img = img_for(w.ty).ok_or_else(|| {
-                shape(
-                    "matmul",
-                    format!("{}: {} has no product on wgpu", w.name, w.ty),
-                )
-            })?;
-            let (xq, xrb, fmt) = match images.iter().find(|(f, _, _, _)| *f == img) {
-                Some((_, b, rb, fmt)) => (b.clone(), *rb, *fmt),
-                None => {
-                    let (b, rb, fmt) = self.image(x, w.ty, &w.name)?;
-                    images.push((img, b.clone(), rb, fmt));
-                    (b, rb, fmt)
-                }
-            };
-            let m = w.n_rows2();
-            let y = self.buf("matmul", x.rows, m)?;
-            self.mm(w, &xq, xrb, fmt, &y.b, m, x.rows, 0, m, None, 0, 1)?;
-            out.push(y);
-        }
-        out.try_into()
-            .map_err(|_| shape("matmuls", "product count"))
+        self.matmuls_epi(ws.map(|w| (w, Epi::NONE)), x)
     }
 
     fn matmul_rows(&self, w: &WWeight, rows: &WIds, x: &WBuf) -> Result<WBuf> {
@@ -1182,6 +1217,7 @@ impl Backend for WgpuBackend {
                 Some((&rows.b, rows.off)),
                 0,
                 1,
+                Epi::NONE,
             )?;
         }
         Ok(y)
@@ -1370,6 +1406,7 @@ impl Backend for WgpuBackend {
                 Some((&routes.ids, 0)),
                 m,
                 k,
+                Epi::NONE,
             )?;
             gu.push(y);
         }
@@ -1389,6 +1426,7 @@ impl Backend for WgpuBackend {
             Some((&routes.ids, 0)),
             hdim,
             1,
+            Epi::NONE,
         )?;
         let p = [u32_of(op, x.rows)?, u32_of(op, k)?, u32_of(op, hdim)?];
         self.model_n(
@@ -1525,11 +1563,8 @@ impl WgpuBackend {
             Sel::Sparse { b, stride, .. } => (1, stride, 0, None, Some(b)),
         };
         let (kp, vp) = (k_cache.row_parts(), v_cache.row_parts());
-        let same = kp.len() == vp.len()
-            && kp
-                .iter()
-                .zip(&vp)
-                .all(|(a, b)| a.1 == b.1 && a.2 == b.2);
+        let same =
+            kp.len() == vp.len() && kp.iter().zip(&vp).all(|(a, b)| a.1 == b.1 && a.2 == b.2);
         if !same {
             return Err(shape(op, "the K and V caches are split differently"));
         }
@@ -1555,13 +1590,7 @@ impl WgpuBackend {
             self.model_n(
                 "attend",
                 &p,
-                [
-                    Some(&q.b),
-                    Some(kp[0].0),
-                    Some(vp[0].0),
-                    Some(&out.b),
-                    None,
-                ],
+                [Some(&q.b), Some(kp[0].0), Some(vp[0].0), Some(&out.b), None],
                 [ib, jb, None],
                 n,
             )?;

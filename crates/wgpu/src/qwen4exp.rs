@@ -9,7 +9,7 @@ use strata_engine::backend::{AttnDims, Backend, KvType};
 use strata_engine::qwen4exp::ops::{GdnParams, HcWeights, QsaRule, QsaSelect, Qwen4expOps};
 use strata_engine::Result;
 
-use crate::backend::{shape, u32_of, Sel, WBuf, WIds, WWeight, WgpuBackend};
+use crate::backend::{shape, u32_of, Epi, Sel, WBuf, WIds, WWeight, WgpuBackend};
 use crate::device::Buf;
 
 /// QSA decisions: dense causal rows, or per row `[count, tokens ascending]` on the device.
@@ -36,21 +36,33 @@ impl Qwen4expOps for WgpuBackend {
         let h = x.cols / s;
         let xn = self.rms_norm(x, hc.norm, h, hc.eps)?;
         let inv_s = 1.0 / s as f32;
-        // The down and inject products share xn's activation image (one image dispatch).
+        // The down and inject products share xn's activation image (one image dispatch). Fused:
+        // silu(a/S) and 2σ(inj/S) are the products' epilogues; else element-wise dispatches
+        // after them (the baseline; the same bits).
+        let (da, di) = if self.fuse {
+            (Epi(5, inv_s), Epi(6, inv_s))
+        } else {
+            (Epi::NONE, Epi::NONE)
+        };
         let (a, inj) = match hc.inject {
             Some(wi) => {
-                let [a, inj] = self.matmuls([hc.down, wi], &xn)?;
+                let [a, inj] = self.matmuls_epi([(hc.down, da), (wi, di)], &xn)?;
                 (a, Some(inj))
             }
-            None => (self.matmul(hc.down, &xn)?, None),
+            None => {
+                let [a] = self.matmuls_epi([(hc.down, da)], &xn)?;
+                (a, None)
+            }
         };
-        self.model_n(
-            "eltwise",
-            &[u32_of("hc_mix", a.rows * a.cols)?, 5, 0, inv_s.to_bits()],
-            [Some(&a.b), None, None, None, None],
-            [None; 3],
-            a.rows * a.cols,
-        )?;
+        if !self.fuse {
+            self.model_n(
+                "eltwise",
+                &[u32_of("hc_mix", a.rows * a.cols)?, 5, 0, inv_s.to_bits()],
+                [Some(&a.b), None, None, None, None],
+                [None; 3],
+                a.rows * a.cols,
+            )?;
+        }
         let g = self.matmul(hc.up, &a)?;
         if g.rows != xn.rows || g.cols != xn.cols {
             return Err(shape(
@@ -79,13 +91,15 @@ impl Qwen4expOps for WgpuBackend {
                         format!("{} inject weights for {s} streams", inj.cols),
                     ));
                 }
-                self.model_n(
-                    "eltwise",
-                    &[u32_of("hc_mix", inj.rows * s)?, 6, 0, inv_s.to_bits()],
-                    [Some(&inj.b), None, None, None, None],
-                    [None; 3],
-                    inj.rows * s,
-                )?;
+                if !self.fuse {
+                    self.model_n(
+                        "eltwise",
+                        &[u32_of("hc_mix", inj.rows * s)?, 6, 0, inv_s.to_bits()],
+                        [Some(&inj.b), None, None, None, None],
+                        [None; 3],
+                        inj.rows * s,
+                    )?;
+                }
                 Some(inj)
             }
             None => None,

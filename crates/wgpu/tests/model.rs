@@ -256,9 +256,16 @@ fn stores_split_under_a_small_binding_limit_give_the_same_bits() {
         let (head, tail) = toks.split_at(toks.len() - 4);
         let run = |m: &Model<WgpuBackend>| {
             let mut st = m.new_state().unwrap();
-            let mut v = m.forward_with(&mut st, head, Want::default()).unwrap().logits;
+            let mut v = m
+                .forward_with(&mut st, head, Want::default())
+                .unwrap()
+                .logits;
             for &t in tail {
-                v.extend(m.forward_with(&mut st, &[t], Want::default()).unwrap().logits);
+                v.extend(
+                    m.forward_with(&mut st, &[t], Want::default())
+                        .unwrap()
+                        .logits,
+                );
             }
             v
         };
@@ -271,7 +278,11 @@ fn stores_split_under_a_small_binding_limit_give_the_same_bits() {
         let split = m.backend().split_stores();
         assert!(split >= 4, "{split} stores split at 1280 bytes");
         assert!(
-            got.len() == whole.len() && got.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()),
+            got.len() == whole.len()
+                && got
+                    .iter()
+                    .zip(&whole)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
             "split stores changed the logits ({:?})",
             opts.qsa_rule
         );
@@ -324,13 +335,25 @@ fn split_stores_attend_like_whole_ones_and_are_refused_where_one_buffer_is_neede
             outs.push((b.download(&a).unwrap(), b.download(&k).unwrap()));
             if std::ptr::eq(b, &split) {
                 assert_eq!(k.parts(), 8);
-                let e = b.copy(&k).err().expect("a split store copied whole").to_string();
+                let e = b
+                    .copy(&k)
+                    .err()
+                    .expect("a split store copied whole")
+                    .to_string();
                 assert!(e.contains("split"), "{e}");
             }
         }
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&outs[0].1), bits(&outs[1].1), "{kv:?}: the stores' rows differ");
-        assert_eq!(bits(&outs[0].0), bits(&outs[1].0), "{kv:?}: attention differs");
+        assert_eq!(
+            bits(&outs[0].1),
+            bits(&outs[1].1),
+            "{kv:?}: the stores' rows differ"
+        );
+        assert_eq!(
+            bits(&outs[0].0),
+            bits(&outs[1].0),
+            "{kv:?}: attention differs"
+        );
     }
 }
 
@@ -365,7 +388,8 @@ fn tiny_f16_file() -> PathBuf {
         }
     }
     assert!(n16 > 20, "{n16} F16 matrices");
-    let path = std::env::temp_dir().join(format!("strata-wgpu-tiny-f16-{}.gguf", std::process::id()));
+    let path =
+        std::env::temp_dir().join(format!("strata-wgpu-tiny-f16-{}.gguf", std::process::id()));
     w.write_file(&path).unwrap();
     path
 }
@@ -398,7 +422,9 @@ fn an_f16_product_is_the_f64_dot_of_f16_rounded_activations() {
     let file = Arc::new(GgufFile::open(&path).unwrap());
     let wt = b.load_weight(&file, file.tensor("w").unwrap()).unwrap();
     std::fs::remove_file(&path).ok();
-    let y = b.download(&b.matmul(&wt, &b.upload(rows, k, &x).unwrap()).unwrap()).unwrap();
+    let y = b
+        .download(&b.matmul(&wt, &b.upload(rows, k, &x).unwrap()).unwrap())
+        .unwrap();
     // The oracle: both sides rounded to F16 (the CPU's pairing), the dot in f64.
     let mut xb = vec![0u8; 2 * x.len()];
     strata_quant::quantize(GgmlType::F16, &x, &mut xb).unwrap();
@@ -414,7 +440,10 @@ fn an_f16_product_is_the_f64_dot_of_f16_rounded_activations() {
                 mag += p.abs();
             }
             let got = y[r * m + o] as f64;
-            assert!((got - d).abs() <= 2e-7 * mag, "row {r} out {o}: {got} vs {d} (Σ|w·x| {mag})");
+            assert!(
+                (got - d).abs() <= 2e-7 * mag,
+                "row {r} out {o}: {got} vs {d} (Σ|w·x| {mag})"
+            );
         }
     }
 }
@@ -436,6 +465,42 @@ fn f16_weights_in_products_match_the_cpu() {
     // model's products, moves an activation by an F16 step (2^-11 relative). Measured on
     // lavapipe: 6.2e-4; the bound allows three steps.
     assert!(r <= 1.5e-3, "wgpu vs CPU: {r:.3e}");
+}
+
+#[test]
+fn fused_dispatches_give_the_baselines_bits_with_fewer_dispatches() {
+    // Fused (element-wise ops folded into product epilogues) vs the baseline dispatches, on
+    // the f32 and bf16 tiny models: the same logits bit for bit, fewer dispatches.
+    let Some(_) = backend() else { return };
+    for file in ["model-f32.gguf", "model-bf16.gguf"] {
+        let mut seen = Vec::new();
+        for fuse in [false, true] {
+            let b = WgpuBackend::with_device(Wgpu::new().unwrap())
+                .unwrap()
+                .with_fusion(fuse);
+            let m = load_wgpu(file, b, &LoadOptions::default());
+            let d0 = m.backend().counters().dispatches;
+            let l = all_logits(&m, &prompt());
+            seen.push((l, m.backend().counters().dispatches - d0));
+        }
+        let (base, fused) = (&seen[0], &seen[1]);
+        assert!(
+            base.0.len() == fused.0.len()
+                && base
+                    .0
+                    .iter()
+                    .zip(&fused.0)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{file}: fused logits differ from the baseline's"
+        );
+        assert!(
+            fused.1 < base.1,
+            "{file}: {} fused vs {} dispatches",
+            fused.1,
+            base.1
+        );
+        eprintln!("{file}: {} → {} dispatches, same bits", base.1, fused.1);
+    }
 }
 
 const MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
