@@ -1,8 +1,9 @@
 //! [`WgpuBackend`]: the core [`Backend`] of `strata_engine` on wgpu, so `qwen2::Model` and
 //! `qwen4exp::Model` run unchanged on Vulkan, Metal or lavapipe. This module owns the device
-//! buffers of the boundary (activations, ids, weights in their file formats split under the
-//! binding limit, routes), the recording of a step's dispatches into one command stream, and the
-//! core operations; qwen4exp's family operations are in [`crate::qwen4exp`].
+//! buffers of the boundary (activations, ids, weights in their file formats and stores, both
+//! split by rows under the binding limit, routes), the recording of a step's dispatches into one
+//! command stream, and the core operations; qwen4exp's family operations are in
+//! [`crate::qwen4exp`].
 //!
 //! **Steps.** Operations never submit: each appends its dispatches to the pending list, and the
 //! list is submitted as one compute pass when a step ends (or when a download needs the
