@@ -35,7 +35,7 @@ mkdir -p "$LOG"
 say() { echo "== $(date -u +%H:%M:%S) $*"; }
 
 [ -x "$S" ] || { echo "no binary at $S (see the header of this script)"; exit 2; }
-if ! ldconfig -p | grep -q libvulkan; then
+if ! ldconfig -p | grep libvulkan >/dev/null; then
     ls "$DEV"/gl/*.deb >/dev/null 2>&1 || { echo "no Vulkan loader and no $DEV/gl/*.deb"; exit 2; }
     for f in "$DEV"/gl/*.deb; do dpkg -x "$f" /; done
     ldconfig
@@ -83,7 +83,7 @@ for step in $STEPS; do
     profile)
         [ -s "$FULL" ] || { echo "no $FULL: run the bench step first"; continue; }
         say "bench model --backend wgpu --profile"
-        "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 8 -r 1 --ctx 4096 --profile 2>&1 | tee "$LOG/profile.txt" | head -60
+        "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 8 -r 1 --ctx 4096 --profile 2>&1 | tee "$LOG/profile.txt"
         ;;
     *) echo "unknown step $step" ;;
     esac
