@@ -17,6 +17,14 @@
 @group(0) @binding(4) var<storage, read_write> TAB: array<u32>;
 @group(0) @binding(5) var<storage, read_write> IDS: array<u32>;
 
+// The f16 scales of weight blocks and Q8_0 images: the integer decoder (baseline), or with
+// SPEC_HWF16 the hardware's unpack2x16float, the same value for every finite f16 (exact
+// widening), so the same bits (tests/model.rs checks every format both ways).
+fn f16v(h: u32) -> f32 {
+    if (SPEC_HWF16) { return unpack2x16float(h).x; }
+    return f16_to_f32(h);
+}
+
 fn xb(o: u32) -> u32 { return (XQ[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
 fn xh(o: u32) -> u32 { return xb(o) | (xb(o + 1u) << 8u); }
 
@@ -27,7 +35,7 @@ fn xv(fmt: u32, xrb: u32, tok: u32, i: u32) -> f32 {
     if (fmt == 1u) { return bf16_to_f32(xh(r + 2u * i)); }
     if (fmt == 2u) {
         let b = r + 34u * (i / 32u);
-        return f32(sext8(xb(b + 2u + i % 32u))) * f16_to_f32(xh(b));
+        return f32(sext8(xb(b + 2u + i % 32u))) * f16v(xh(b));
     }
     let b = r + 292u * (i / 256u);
     return bitcast<f32>(XQ[b >> 2u]) * f32(sext8(xb(b + 4u + i % 256u)));

@@ -9,7 +9,9 @@
 fn wb(o: u32) -> u32 { return (W[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
 fn wh(o: u32) -> u32 { return wb(o) | (wb(o + 1u) << 8u); }
 fn ww(o: u32) -> u32 { return wh(o) | (wh(o + 2u) << 16u); }
-fn wf16(o: u32) -> f32 { return f16_to_f32(wh(o)); }
+// `f16v` is the including module's f16 decoder: the integer one (common.wgsl), or in mq.wgsl's
+// optimized variant the hardware's.
+fn wf16(o: u32) -> f32 { return f16v(wh(o)); }
 
 fn kv4(q: u32) -> f32 { return f32(bitcast<i32>(TAB[896u + (q & 15u)])); }
 

@@ -212,6 +212,10 @@ pub struct WgpuBackend {
     /// Fused variants on (element-wise ops folded into product epilogues); off, the baseline
     /// dispatches (`STRATA_WGPU_FUSE=0`): the same bits either way (tests/model.rs).
     pub(crate) fuse: bool,
+    /// The products' and gathers' f16 scales by the hardware's conversion (mq.wgsl
+    /// SPEC_HWF16) instead of the integer decoder: the same bits (a test checks every format
+    /// both ways); on with `fuse`, off with `STRATA_WGPU_HWF16=0`.
+    hw_f16: bool,
     split_stores: AtomicUsize,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
     /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
@@ -304,6 +308,8 @@ impl WgpuBackend {
             weight_limit: u64::MAX,
             store_limit: u64::MAX,
             fuse: std::env::var("STRATA_WGPU_FUSE").as_deref() != Ok("0"),
+            hw_f16: std::env::var("STRATA_WGPU_FUSE").as_deref() != Ok("0")
+                && std::env::var("STRATA_WGPU_HWF16").as_deref() != Ok("0"),
             split_stores: AtomicUsize::new(0),
             profile: Mutex::new(std::env::var_os("STRATA_WGPU_PROFILE").map(|_| Profile {
                 timed: true,
@@ -324,9 +330,11 @@ impl WgpuBackend {
         self
     }
 
-    /// Fused variants on or off (the baseline dispatches; the same bits).
+    /// Optimized variants on or off (fused dispatches, hardware f16 scales), or the
+    /// baselines: the same bits.
     pub fn with_fusion(mut self, on: bool) -> WgpuBackend {
         self.fuse = on;
+        self.hw_f16 = on;
         self
     }
 
@@ -693,7 +701,10 @@ impl WgpuBackend {
             ];
             let idb = ids.map_or(&self.dummies[0], |(b, _)| b);
             let bufs = [&part.b, xq, y, &self.tab, idb];
-            let spec = [("SPEC_TY", w.ty.id().to_string())];
+            let spec = [
+                ("SPEC_TY", w.ty.id().to_string()),
+                ("SPEC_HWF16", self.hw_f16.to_string()),
+            ];
             let l = if self.lane_products {
                 self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total))
             } else {
@@ -1179,7 +1190,10 @@ impl Backend for WgpuBackend {
                 .launch(
                     "mq",
                     "gather",
-                    &[("SPEC_TY", table.ty.id().to_string())],
+                    &[
+                        ("SPEC_TY", table.ty.id().to_string()),
+                        ("SPEC_HWF16", self.hw_f16.to_string()),
+                    ],
                     &p,
                     &[&part.b, &self.dummies[0], &out.b, &self.tab, &ids.b],
                     (ids.len as u32, 1, 1),

@@ -101,7 +101,7 @@ const MODULES: &[Module] = &[
         src: include_str!("../shaders/mq.wgsl"),
         storage: 5,
         quants: true,
-        spec: &[("SPEC_TY", "u32")],
+        spec: &[("SPEC_TY", "u32"), ("SPEC_HWF16", "bool")],
     },
     Module {
         name: "pick",
@@ -324,7 +324,16 @@ pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
     }
     for (_, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
         for entry in ["mm", "mm1", "gather"] {
-            v.push(("mq", entry, vec![("SPEC_TY", ty.id().to_string())]));
+            for hw in [false, true] {
+                v.push((
+                    "mq",
+                    entry,
+                    vec![
+                        ("SPEC_TY", ty.id().to_string()),
+                        ("SPEC_HWF16", hw.to_string()),
+                    ],
+                ));
+            }
         }
     }
     for n in [2560usize, 10240] {

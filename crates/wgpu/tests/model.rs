@@ -359,6 +359,12 @@ fn split_stores_attend_like_whole_ones_and_are_refused_where_one_buffer_is_neede
 
 /// The tiny f32 model with every matrix (2-D and expert 3-D tensors) stored as F16.
 fn tiny_f16_file() -> PathBuf {
+    tiny_file_as(strata_quant::GgmlType::F16, 20)
+}
+
+/// The tiny f32 model with its matrices (2-D and expert 3-D tensors whose rows are whole
+/// blocks) stored as `ty`; at least `min` of them.
+fn tiny_file_as(ty: strata_quant::GgmlType, min: usize) -> PathBuf {
     use strata_gguf::{GgufFile, GgufWriter};
     use strata_quant::GgmlType;
     let src = GgufFile::open(tiny_dir().join("model-f32.gguf")).unwrap();
@@ -372,24 +378,28 @@ fn tiny_f16_file() -> PathBuf {
     let mut n16 = 0;
     for t in src.tensors() {
         let data = src.tensor_data(t).unwrap();
-        if src.tensor_type(t).unwrap() == GgmlType::F32 && t.dims.len() >= 2 {
+        let whole = (t.dims[0] as usize).is_multiple_of(ty.block_size());
+        if src.tensor_type(t).unwrap() == GgmlType::F32 && t.dims.len() >= 2 && whole {
             let v: Vec<f32> = data
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
-            let mut out = vec![0u8; v.len() * 2];
-            strata_quant::quantize(GgmlType::F16, &v, &mut out).unwrap();
-            w.add_tensor_owned(&t.name, &t.dims, GgmlType::F16, out)
-                .unwrap();
+            let rb = ty.row_bytes(t.dims[0] as usize).unwrap();
+            let mut out = vec![0u8; v.len() / t.dims[0] as usize * rb];
+            strata_quant::quantize(ty, &v, &mut out).unwrap();
+            w.add_tensor_owned(&t.name, &t.dims, ty, out).unwrap();
             n16 += 1;
         } else {
             w.add_tensor(&t.name, &t.dims, src.tensor_type(t).unwrap(), data)
                 .unwrap();
         }
     }
-    assert!(n16 > 20, "{n16} F16 matrices");
-    let path =
-        std::env::temp_dir().join(format!("strata-wgpu-tiny-f16-{}.gguf", std::process::id()));
+    assert!(n16 >= min, "{n16} {ty} matrices");
+    let path = std::env::temp_dir().join(format!(
+        "strata-wgpu-tiny-{}-{}.gguf",
+        ty.name(),
+        std::process::id()
+    ));
     w.write_file(&path).unwrap();
     path
 }
@@ -469,10 +479,14 @@ fn f16_weights_in_products_match_the_cpu() {
 
 #[test]
 fn fused_dispatches_give_the_baselines_bits_with_fewer_dispatches() {
-    // Fused (element-wise ops folded into product epilogues) vs the baseline dispatches, on
-    // the f32 and bf16 tiny models: the same logits bit for bit, fewer dispatches.
+    // Optimized (element-wise ops folded into product epilogues, hardware f16 scales) vs the
+    // baselines, on the f32 and bf16 tiny models and the tiny model with Q8_0 matrices (f16
+    // block scales in weights and activation images): the same logits bit for bit, fewer
+    // dispatches.
     let Some(_) = backend() else { return };
-    for file in ["model-f32.gguf", "model-bf16.gguf"] {
+    let q8 = tiny_file_as(strata_quant::GgmlType::Q8_0, 8);
+    let q8 = q8.to_str().unwrap().to_string();
+    for file in ["model-f32.gguf", "model-bf16.gguf", q8.as_str()] {
         let mut seen = Vec::new();
         for fuse in [false, true] {
             let b = WgpuBackend::with_device(Wgpu::new().unwrap())
@@ -501,6 +515,7 @@ fn fused_dispatches_give_the_baselines_bits_with_fewer_dispatches() {
         );
         eprintln!("{file}: {} → {} dispatches, same bits", base.1, fused.1);
     }
+    std::fs::remove_file(&q8).ok();
 }
 
 const MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
@@ -736,26 +751,32 @@ fn every_decoder_matches_strata_quant_bitwise() {
             1,
             rows as u32,
         ];
-        let spec = [("SPEC_TY", ty.id().to_string())];
-        let l = g
-            .launch(
-                "mq",
-                "gather",
-                &spec,
-                &p,
-                &[&w, &dummy, &y, &tab, &ids],
-                (rows as u32, 1, 1),
-            )
-            .unwrap();
-        g.run(&[&l], 1).unwrap();
-        let got: Vec<f32> = g.download(&y).unwrap();
-        for (slot, src) in [2usize, 0, 1].into_iter().enumerate() {
-            for j in 0..n {
-                let (a, b) = (got[slot * n + j], want[src * n + j]);
-                assert!(
-                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                    "{ty} row {src} element {j}: {a} vs {b}"
-                );
+        // The integer f16 decoder (baseline) and the hardware's (SPEC_HWF16).
+        for hw in [false, true] {
+            let spec = [
+                ("SPEC_TY", ty.id().to_string()),
+                ("SPEC_HWF16", hw.to_string()),
+            ];
+            let l = g
+                .launch(
+                    "mq",
+                    "gather",
+                    &spec,
+                    &p,
+                    &[&w, &dummy, &y, &tab, &ids],
+                    (rows as u32, 1, 1),
+                )
+                .unwrap();
+            g.run(&[&l], 1).unwrap();
+            let got: Vec<f32> = g.download(&y).unwrap();
+            for (slot, src) in [2usize, 0, 1].into_iter().enumerate() {
+                for j in 0..n {
+                    let (a, b) = (got[slot * n + j], want[src * n + j]);
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "{ty} (hardware f16: {hw}) row {src} element {j}: {a} vs {b}"
+                    );
+                }
             }
         }
     }
