@@ -197,7 +197,7 @@ impl Wgpu {
     /// One line naming the adapter, its driver and the limits that shape the kernels.
     pub fn describe(&self) -> String {
         format!(
-            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, subgroup {}..{})",
+            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, subgroup {}..{}, parameters {})",
             self.info.name,
             self.info.device_type,
             self.info.backend,
@@ -205,7 +205,12 @@ impl Wgpu {
             self.info.driver_info,
             self.max_binding >> 20,
             self.info.subgroup_min_size,
-            self.info.subgroup_max_size
+            self.info.subgroup_max_size,
+            if self.immediates {
+                "as immediates"
+            } else {
+                "in a uniform buffer"
+            }
         )
     }
 
