@@ -8,6 +8,7 @@
 //! silently truncated binding. Validation errors are caught in error scopes and returned.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -34,7 +35,14 @@ pub struct Wgpu {
     /// Pipeline compile times (module key, seconds), for the report's notes.
     pub compiles: Mutex<Vec<(String, f64)>>,
     errors: Arc<Mutex<Vec<String>>>,
+    /// Bytes written with `write_buffer` since the last submit: wgpu stages them in host memory
+    /// until a submit, so a model's load (35 GiB for the full-size file) is flushed and waited
+    /// for every [`STAGE_FLUSH`] bytes instead of staging it all at once.
+    staged: AtomicU64,
 }
+
+/// Staged upload bytes after which an upload submits and waits (see `Wgpu::staged`).
+const STAGE_FLUSH: u64 = 256 << 20;
 
 /// A storage buffer and the bytes it holds (rounded up to 4 on the device).
 pub struct Buf {
@@ -181,6 +189,7 @@ impl Wgpu {
             pipelines: Mutex::new(HashMap::new()),
             compiles: Mutex::new(Vec::new()),
             errors,
+            staged: AtomicU64::new(0),
         })
     }
 
@@ -250,6 +259,11 @@ impl Wgpu {
         let mut padded = data.to_vec();
         padded.resize(size as usize, 0);
         self.queue.write_buffer(&buf, 0, &padded);
+        if self.staged.fetch_add(size, Ordering::Relaxed) + size > STAGE_FLUSH {
+            self.staged.store(0, Ordering::Relaxed);
+            self.queue.submit(std::iter::empty::<wgpu::CommandBuffer>());
+            self.wait()?;
+        }
         Ok(Buf {
             buf,
             bytes: data.len() as u64,
@@ -556,6 +570,7 @@ impl Wgpu {
             }
         }
         self.queue.submit([enc.finish()]);
+        self.staged.store(0, Ordering::Relaxed);
         self.check_errors("dispatch")
     }
 
