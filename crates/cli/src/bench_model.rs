@@ -231,10 +231,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
         load::Bound::Qwen4expCuda(m) => Some(m.backend().gpu()),
         _ => None,
     };
-    if a.profile && profiler.is_none() {
+    let wgpu = match &loaded.model {
+        load::Bound::Qwen2Wgpu(m) => Some(m.backend()),
+        load::Bound::Qwen4expWgpu(m) => Some(m.backend()),
+        _ => None,
+    };
+    if a.profile && profiler.is_none() && wgpu.is_none() {
         bail!(
-            "--profile (per-kernel device times per decode token) needs the CUDA backend; the \
-             CPU backend reports no per-kernel times"
+            "--profile (per-kernel device times per decode token) needs the CUDA or wgpu \
+             backend; the CPU backend reports no per-kernel times"
         );
     }
     let backend = loaded.backend_name().to_uppercase();
@@ -314,6 +319,55 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 a.ubatch
             );
             profile_table(&ks, p as f64, total);
+        }
+    }
+
+    if let (true, Some(w)) = (a.profile, wgpu) {
+        // Dispatches per decode token (the one-stream run, counted), then each kernel's wall
+        // time with every dispatch submitted and waited for on its own.
+        let n = a.n_gen.iter().copied().max().unwrap_or(0).max(8);
+        let per = |x: u64| x as f64 / n as f64;
+        for &d in &a.n_depth {
+            let mut s = loaded.session(n_ctx)?;
+            feed(s.as_mut(), &mut rng, d, a.ubatch)?;
+            feed(s.as_mut(), &mut rng, 1, 1)?;
+            let c0 = w.counters();
+            w.profile_start(false)?;
+            let w0 = Instant::now();
+            feed(s.as_mut(), &mut rng, n, 1)?;
+            let counted = w.profile_stop()?;
+            let wall = w0.elapsed().as_secs_f64() * 1e6 / n as f64;
+            let c1 = w.counters();
+            w.profile_start(true)?;
+            feed(s.as_mut(), &mut rng, n, 1)?;
+            let timed = w.profile_stop()?;
+            let total: f64 = timed.iter().map(|k| k.secs).sum::<f64>() * 1e6 / n as f64;
+            eprintln!(
+                "profile (wgpu), decode at depth {d} ({n} tokens): {:.1} dispatches and {:.1} \
+                 submits per token, {wall:.0} µs wall per token; with each dispatch waited for \
+                 on its own, {total:.0} µs per token",
+                per(c1.dispatches - c0.dispatches),
+                per(c1.submits - c0.submits),
+            );
+            eprintln!("| kernel | dispatches/token | µs/token (waited singly) | share |");
+            eprintln!("| --- | ---: | ---: | ---: |");
+            for k in &timed {
+                eprintln!(
+                    "| {} | {:.1} | {:.1} | {:.1} % |",
+                    k.name,
+                    per(k.launches),
+                    k.secs * 1e6 / n as f64,
+                    100.0 * k.secs * 1e6 / n as f64 / total.max(1e-9)
+                );
+            }
+            let launches =
+                |v: &[strata_wgpu::KernelStat]| v.iter().map(|k| k.launches).sum::<u64>();
+            eprintln!(
+                "({} kernels; {} dispatches in the one-stream run, {} in the timed run)",
+                timed.len(),
+                launches(&counted),
+                launches(&timed)
+            );
         }
     }
 

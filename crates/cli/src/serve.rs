@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use strata_cuda::CudaBackend;
 use strata_engine::CpuBackend;
 use strata_server::{ModelHandle, ServerConfig};
+use strata_wgpu::WgpuBackend;
 
 use crate::args::backend::BackendKind;
 use crate::args::model::ModelArgs;
@@ -142,7 +143,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
             }
         }
         BackendKind::Wgpu => {
-            bail!("strata serve --backend wgpu: not available yet; use cpu or cuda")
+            let sel = (choice.backend.device > 0).then(|| choice.backend.device.to_string());
+            if let Err(e) = WgpuBackend::new(sel.as_deref()) {
+                bail!("--backend wgpu: {e}");
+            }
         }
         BackendKind::Cpu => {}
     }
@@ -160,6 +164,19 @@ pub fn run(args: Args) -> Result<ExitCode> {
                     path.display(),
                     loaded.backend_note
                 ),
+            };
+            Ok((model, tok))
+        });
+        strata_server::serve(cfg, loader)?;
+    } else if choice.backend.kind == BackendKind::Wgpu {
+        let loader: strata_server::Loader<WgpuBackend, WgpuBackend> = Box::new(move || {
+            let path = choice.path()?;
+            let (loaded, tok) = load::model_with_mtp(&path, &choice, mtp.as_deref())?;
+            eprintln!("backend: {}", loaded.backend_note);
+            let model = match loaded.model {
+                Bound::Qwen2Wgpu(m) => ModelHandle::Qwen2(m),
+                Bound::Qwen4expWgpu(m) => ModelHandle::Qwen4exp(m),
+                _ => bail!("strata serve: the model was bound on another backend"),
             };
             Ok((model, tok))
         });

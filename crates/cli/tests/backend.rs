@@ -146,3 +146,48 @@ fn wgpu_gives_the_cpus_greedy_text_on_the_tiny_model() {
     assert!(c.status.success(), "{}", stderr(&c));
     assert_eq!(w.stdout, c.stdout, "wgpu and cpu greedy text differ");
 }
+
+#[test]
+fn wgpu_takes_a_context_whose_caches_exceed_the_binding_limit() {
+    // 600,000 positions: the tiny model's K and V caches are 154 MB each, over lavapipe's
+    // 128 MiB storage binding, so they are split into parts; the greedy text is the one of
+    // the file's own (smaller) context.
+    let m = tiny();
+    let m = m.to_str().unwrap();
+    let args = |ctx: Option<&'static str>| {
+        let mut a = vec![
+            "run",
+            "-m",
+            m,
+            "-p",
+            "hello",
+            "-n",
+            "8",
+            "--temp",
+            "0",
+            "--backend",
+            "wgpu",
+        ];
+        if let Some(c) = ctx {
+            a.extend(["--ctx", c]);
+        }
+        a
+    };
+    let long = strata(&args(Some("600000")), None);
+    let e = stderr(&long);
+    if !long.status.success()
+        && e.contains("--backend wgpu")
+        && e.to_lowercase().contains("adapter")
+    {
+        eprintln!("SKIP: no wgpu adapter here ({e})");
+        return;
+    }
+    assert!(long.status.success(), "{e}");
+    let short = strata(&args(None), None);
+    assert!(short.status.success(), "{}", stderr(&short));
+    assert!(!long.stdout.is_empty());
+    assert_eq!(
+        long.stdout, short.stdout,
+        "--ctx 600000 changed the greedy text"
+    );
+}

@@ -1,6 +1,7 @@
 //! `strata bench model` and `strata synth` end to end: the bench runs on the tiny fixture with
 //! tiny sizes and its JSON has llama-bench's fields with consistent values; `--profile` and an
-//! over-long depth are refused with a clear message before any output; `synth --dry-run`
+//! over-long depth are refused with a clear message before any output (`--profile` on the CPU;
+//! on wgpu it counts dispatches per decode token); `synth --dry-run`
 //! reports the README's totals and `synth` refuses to replace a file.
 
 mod common;
@@ -160,4 +161,59 @@ fn synth_dry_run_reports_the_full_size_and_refuses_to_overwrite() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
     assert_eq!(std::fs::read(&p).unwrap(), b"x");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bench_model_profile_on_wgpu_counts_dispatches_per_token() {
+    // The dispatch count per decode token is the profile's first number; the per-kernel
+    // dispatches add up to the same total. Skipped where no wgpu adapter exists.
+    let m = tiny();
+    let m = m.to_str().unwrap();
+    let args = [
+        "bench",
+        "model",
+        "-m",
+        m,
+        "-p",
+        "0",
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "--backend",
+        "wgpu",
+        "--profile",
+    ];
+    let out = strata(&args, None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success()
+        && err.contains("--backend wgpu")
+        && err.to_lowercase().contains("adapter")
+    {
+        eprintln!("SKIP: no wgpu adapter here ({err})");
+        return;
+    }
+    assert!(out.status.success(), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("profile (wgpu)"))
+        .unwrap_or_else(|| panic!("no profile line: {err}"));
+    let per_token: f64 = line
+        .split("tokens): ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    // 8 profiled tokens (the profile runs at least 8); the table rows are per token.
+    let rows: f64 = err
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| kernel") && !l.starts_with("| ---"))
+        .filter_map(|l| l.split('|').nth(2)?.trim().parse::<f64>().ok())
+        .sum();
+    assert!(per_token > 50.0, "{line}");
+    assert!(
+        (rows - per_token).abs() < 0.5,
+        "table {rows} vs {per_token}: {err}"
+    );
+    assert!(line.contains("1.0 submits per token"), "{line}");
 }

@@ -104,3 +104,78 @@ fn refuses_what_it_cannot_do() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }
+
+/// A greedy completion through `strata serve --backend wgpu` (lavapipe here) is the text
+/// `strata run --backend wgpu` prints for the same prompt: the server's wgpu wiring runs the
+/// same model on the same loop. Skipped, saying so, where no wgpu adapter exists.
+#[test]
+fn a_greedy_completion_on_wgpu_equals_run_on_wgpu() {
+    let m = tiny();
+    let run = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["run", "-m"])
+        .arg(&m)
+        .args(["-p", "hello", "-n", "8", "--temp", "0", "--no-echo"])
+        .args(["--backend", "wgpu"])
+        .output()
+        .unwrap();
+    let run_err = String::from_utf8_lossy(&run.stderr);
+    if !run.status.success()
+        && run_err.contains("--backend wgpu")
+        && run_err.to_lowercase().contains("adapter")
+    {
+        eprintln!("SKIP: no wgpu adapter here ({run_err})");
+        return;
+    }
+    assert!(run.status.success(), "{run_err}");
+    let want = String::from_utf8(run.stdout).unwrap();
+    let want = want.strip_suffix('\n').unwrap_or(&want);
+    assert!(!want.is_empty(), "run printed nothing");
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "-m"])
+        .arg(&m)
+        .args(["--port", "0", "--backend", "wgpu"])
+        .env("STRATA_LOG", "warn")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let (mut addr, mut loaded, mut seen) = (None, false, String::new());
+    for _ in 0..10 {
+        let mut l = String::new();
+        if err.read_line(&mut l).unwrap() == 0 {
+            break;
+        }
+        seen.push_str(&l);
+        if let Some(rest) = l.split("listening on http://").nth(1) {
+            addr = rest.split_whitespace().next().map(str::to_string);
+        }
+        loaded |= l.contains("model loaded");
+        if loaded && addr.is_some() {
+            break;
+        }
+    }
+    let addr = addr.unwrap_or_else(|| panic!("no address in {seen}"));
+    assert!(seen.contains("wgpu"), "the backend is not named: {seen}");
+    let body = r#"{"prompt":"hello","max_tokens":8,"temperature":0}"#;
+    let resp = get(
+        &addr,
+        &format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    );
+    // SAFETY: sending a signal to the child this test spawned, by its own pid.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let status = child.wait().unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    let json = resp.split("\r\n\r\n").nth(1).unwrap_or("");
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {resp}"));
+    let got = v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(got, want, "serve --backend wgpu vs run --backend wgpu");
+    assert!(status.success(), "exit {status:?}");
+}

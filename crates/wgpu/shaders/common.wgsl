@@ -9,9 +9,10 @@
 // the bit patterns (an implementation may assume floats are finite). Reductions use fixed trees
 // in workgroup memory, never subgroup operations, so the bits do not depend on the subgroup size.
 
-// Thirty-two parameter words; word 31 is always 0 (the `nc` barrier).
+// Thirty-two parameter words; word 31 is always 0 (the `nc` barrier). `P` itself is declared
+// by strata-wgpu before this file: immediates where the device has them, else a uniform buffer
+// at binding 0 (shaders.rs, `source_for`).
 struct Params { v: array<vec4<u32>, 8> }
-@group(0) @binding(0) var<uniform> P: Params;
 
 fn pu(i: u32) -> u32 { return P.v[i >> 2u][i & 3u]; }
 fn pi(i: u32) -> i32 { return bitcast<i32>(pu(i)); }
@@ -19,6 +20,11 @@ fn pf(i: u32) -> f32 { return bitcast<f32>(pu(i)); }
 
 // A product (or any value) that no driver may fuse into a following add.
 fn nc(x: f32) -> f32 { return bitcast<f32>(bitcast<u32>(x) ^ P.v[7].w); }
+
+// 1 / (1 + exp(-x)): the CPU's sigmoid (only exp is the driver's), and silu; shared by
+// model.wgsl's element-wise ops and the products' epilogues (mq.wgsl), so both give one value.
+fn sigm(x: f32) -> f32 { return div_rn(1.0, 1.0 + exp(-x)); }
+fn silu(x: f32) -> f32 { return x * sigm(x); }
 
 fn f_nan() -> f32 { return bitcast<f32>(0x7fc00000u); }
 fn f_neg_inf() -> f32 { return bitcast<f32>(0xff800000u); }

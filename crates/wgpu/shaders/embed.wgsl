@@ -3,6 +3,9 @@
 // Parameters: 0 format id, 1 row length, 2 row bytes, 3 table rows, 4 block size,
 // 5 block bytes. One workgroup per id.
 
+// The block decoders' f16 scales: the integer decoder.
+fn f16v(h: u32) -> f32 { return f16_to_f32(h); }
+
 @group(0) @binding(1) var<storage, read_write> W: array<u32>;
 @group(0) @binding(2) var<storage, read_write> IDS: array<u32>;
 @group(0) @binding(3) var<storage, read_write> Y: array<f32>;

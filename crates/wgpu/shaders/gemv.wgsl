@@ -6,6 +6,9 @@
 // Parameters: 0 weight format id, 1 rows, 2 k, 3 tokens, 4 weight row bytes, 5 activation
 // row bytes, 6 weight block size, 7 weight block bytes, 8 activation format code.
 
+// The block decoders' f16 scales: the integer decoder.
+fn f16v(h: u32) -> f32 { return f16_to_f32(h); }
+
 @group(0) @binding(1) var<storage, read_write> W: array<u32>;
 @group(0) @binding(2) var<storage, read_write> XQ: array<u32>;
 @group(0) @binding(3) var<storage, read_write> Y: array<f32>;

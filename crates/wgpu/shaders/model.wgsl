@@ -22,9 +22,6 @@ const NONE: u32 = 0xffffffffu;
 
 fn lin(g: vec3<u32>, n: vec3<u32>, l: u32) -> u32 { return (g.y * n.x + g.x) * 64u + l; }
 
-// 1 / (1 + exp(-x)): the CPU's sigmoid (only exp is the driver's).
-fn sigm(x: f32) -> f32 { return div_rn(1.0, 1.0 + exp(-x)); }
-fn silu(x: f32) -> f32 { return x * sigm(x); }
 fn softplus(x: f32) -> f32 {
     if (x > 20.0) { return x; }
     return log(1.0 + exp(x));
@@ -51,7 +48,8 @@ fn copy_rows(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: ve
     B[r * pu(4u) + pu(5u) + c] = A[r * pu(2u) + pu(3u) + c];
 }
 
-// Row r of A (p0 rows of p1) into row I[p3 + r] of B (p2 rows); NONE skips; p4: round to F16.
+// Row r of A (p0 rows of p1) into row I[p3 + r] − p5 of B, a store's part holding rows
+// p5..p5 + p2 (a row outside it is another part's, or NONE: skipped); p4: round to F16.
 @compute @workgroup_size(64)
 fn write_rows(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
               @builtin(local_invocation_index) l: u32) {
@@ -60,16 +58,17 @@ fn write_rows(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: v
     if (i >= pu(0u) * cols) { return; }
     let r = i / cols;
     let slot = I[pu(3u) + r];
-    if (slot == NONE || slot >= pu(2u)) { return; }
+    if (slot == NONE || slot < pu(5u) || slot - pu(5u) >= pu(2u)) { return; }
     var v = A[i];
     if (pu(4u) != 0u) { v = f16r(v); }
-    B[slot * cols + i % cols] = v;
+    B[(slot - pu(5u)) * cols + i % cols] = v;
 }
 
 // ---- element-wise -------------------------------------------------------------------------
 
 // p0 values; p1 op: 0 A += B, 1 A += B[i % p2] (bias), 2 C = A·σ(B), 3 C = silu(A)·B,
-// 4 A += σ(C[i / p2])·B, 5 A = silu(A·p3), 6 A = 2σ(A·p3).
+// 4 A += σ(C[i / p2])·B, 5 A = silu(A·p3), 6 A = 2σ(A·p3), 7 C = A rounded to F16 (the
+// activation image of F16 weights).
 @compute @workgroup_size(64)
 fn eltwise(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
            @builtin(local_invocation_index) l: u32) {
@@ -81,8 +80,9 @@ fn eltwise(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3
         case 2u: { C[i] = A[i] * sigm(B[i]); }
         case 3u: { C[i] = silu(A[i]) * B[i]; }
         case 4u: { A[i] = A[i] + nc(sigm(C[i / pu(2u)]) * B[i]); }
-        case 5u: { A[i] = silu(A[i] * pf(3u)); }
-        case 6u: { A[i] = 2.0 * sigm(A[i] * pf(3u)); }
+        case 5u: { A[i] = silu(nc(A[i] * pf(3u))); }
+        case 6u: { A[i] = 2.0 * sigm(nc(A[i] * pf(3u))); }
+        case 7u: { C[i] = f16r(A[i]); }
         default: {}
     }
 }
@@ -141,8 +141,8 @@ fn rope(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u3
 var<private> qv: array<f32, 256>;
 var<private> ov: array<f32, 256>;
 
-// Query qv against key row t (head offset off, rows of kvc): the CPU's eight interleaved
-// partial sums (attend_causal), or its sequential sum (attend).
+// Query qv against key row t of the bound part (head offset off, rows of kvc): the CPU's
+// eight interleaved partial sums (attend_causal), or its sequential sum (attend).
 fn score(t: u32, kvc: u32, off: u32, d: u32, eight: bool) -> f32 {
     let kb = t * kvc + off;
     if (!eight) {
@@ -170,9 +170,17 @@ fn token(row: u32, idx: u32) -> u32 {
     return J[row * pu(6u) + 1u + idx];
 }
 
+// Whether token t is in the bound part of the caches (rows p10..p10 + p11 of p7).
+fn in_part(t: u32) -> bool { return t < pu(7u) && t >= pu(10u) && t - pu(10u) < pu(11u); }
+
 // One invocation per (row, head): p0 rows, p1 heads, p2 KV heads, p3 head dim (<= 256),
 // p4 F16, p5 selection mode, p6 selection stride, p7 cache rows, p8 positions offset,
 // p9 the CPU's attend_causal arithmetic (1) or attend's (0). q A, caches B/C, out D.
+// The caches bound are the part holding rows p10..p10 + p11. p12 phase: 0 all in one (one
+// part); a split store runs phase 1 (the max), 2 (the sum) and 3 (the weighted values) over
+// each part in row order, carrying (m, z, o[d]) per (row, head) in E (rows of d + 2), with
+// p13 = 1 on the first part and p14 = 1 on the last: the same sequential sums in the same
+// order as phase 0, so the same bits.
 @compute @workgroup_size(64)
 fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
           @builtin(local_invocation_index) l: u32) {
@@ -186,6 +194,10 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
     let causal_ar = pu(9u) != 0u;
     let kvc = pu(2u) * d;
     let off = (h / (nh / pu(2u))) * d;
+    let row0 = pu(10u);
+    let phase = pu(12u);
+    let first = pu(13u) != 0u;
+    let sb = i * (d + 2u);
     var cnt = 0u;
     if (pu(5u) == 0u) { cnt = I[pu(8u) + row] + 1u; } else { cnt = J[row * pu(6u)]; }
     for (var j = 0u; j < d; j = j + 1u) {
@@ -196,31 +208,52 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
     }
     let scale = div_rn(1.0, sqrt_rn(f32(d)));
     var m = f_neg_inf();
-    for (var x = 0u; x < cnt; x = x + 1u) {
-        let t = token(row, x);
-        if (t >= pu(7u)) { continue; }
-        m = fmax(m, score(t, kvc, off, d, causal_ar) * scale);
+    if (phase >= 2u || (phase == 1u && !first)) { m = E[sb]; }
+    if (phase <= 1u) {
+        for (var x = 0u; x < cnt; x = x + 1u) {
+            let t = token(row, x);
+            if (!in_part(t)) { continue; }
+            m = fmax(m, score(t - row0, kvc, off, d, causal_ar) * scale);
+        }
+        if (phase == 1u) {
+            E[sb] = m;
+            return;
+        }
     }
     var z = 0.0;
-    for (var x = 0u; x < cnt; x = x + 1u) {
-        let t = token(row, x);
-        if (t >= pu(7u)) { continue; }
-        z = z + exp(score(t, kvc, off, d, causal_ar) * scale - m);
+    if (phase == 3u || (phase == 2u && !first)) { z = E[sb + 1u]; }
+    if (phase == 0u || phase == 2u) {
+        for (var x = 0u; x < cnt; x = x + 1u) {
+            let t = token(row, x);
+            if (!in_part(t)) { continue; }
+            z = z + exp(score(t - row0, kvc, off, d, causal_ar) * scale - m);
+        }
+        if (phase == 2u) {
+            E[sb + 1u] = z;
+            return;
+        }
+    }
+    if (phase == 3u && !first) {
+        for (var j = 0u; j < d; j = j + 1u) { ov[j] = E[sb + 2u + j]; }
     }
     let inv = div_rn(1.0, z);
     for (var x = 0u; x < cnt; x = x + 1u) {
         let t = token(row, x);
-        if (t >= pu(7u)) { continue; }
-        let p = exp(score(t, kvc, off, d, causal_ar) * scale - m);
+        if (!in_part(t)) { continue; }
+        let p = exp(score(t - row0, kvc, off, d, causal_ar) * scale - m);
         var w = 0.0;
         if (causal_ar) { w = p * inv; } else { w = div_rn(p, z); }
         if (f16) { w = f16r(w); }
-        let vb = t * kvc + off;
+        let vb = (t - row0) * kvc + off;
         for (var j = 0u; j < d; j = j + 1u) {
             var v = C[vb + j];
             if (f16 && !causal_ar) { v = f16r(v); }
             ov[j] = ov[j] + nc(w * v);
         }
+    }
+    if (phase == 3u && pu(14u) == 0u) {
+        for (var j = 0u; j < d; j = j + 1u) { E[sb + 2u + j] = ov[j]; }
+        return;
     }
     for (var j = 0u; j < d; j = j + 1u) { D[i * d + j] = ov[j]; }
 }
@@ -381,7 +414,9 @@ fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: 
 }
 
 // Mean of the p2 raw keys (A, p3 rows of p1) of the block row r's position I[p4 + r] completes;
-// zeros for a row that completes none, NaN for a block the store does not hold. Out B.
+// zeros for a row that completes none, NaN for a block the store does not hold. Out B. A is
+// the store's part holding rows p5..p5 + p6; a split store runs this over each part in row
+// order, the sum carried in B (p7 = 1 on the first part starts it, p8 = 1 on the last divides).
 @compute @workgroup_size(64)
 fn qsa_pool(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
             @builtin(local_invocation_index) l: u32) {
@@ -401,9 +436,13 @@ fn qsa_pool(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec
         B[i] = f_nan();
         return;
     }
+    let row0 = pu(5u);
     var acc = 0.0;
-    for (var q = b * ratio; q < (b + 1u) * ratio; q = q + 1u) { acc = acc + A[q * d + c]; }
-    B[i] = div_rn(acc, f32(ratio));
+    if (pu(7u) == 0u) { acc = B[i]; }
+    let q0 = max(b * ratio, row0);
+    let q1 = min((b + 1u) * ratio, row0 + pu(6u));
+    for (var q = q0; q < q1; q = q + 1u) { acc = acc + A[(q - row0) * d + c]; }
+    if (pu(8u) != 0u) { B[i] = div_rn(acc, f32(ratio)); } else { B[i] = acc; }
 }
 
 // Scratch of qsa_select: block scores C (p9 a row), heap indices and flags K (2·p10 a row).
@@ -457,7 +496,9 @@ fn tkey(x: f32) -> u32 {
 
 // QSA selection, one invocation per query row: queries A (p0 rows of p1, heads of p2), pooled
 // blocks B (p7 rows), positions I from p8, block size p3, budget p4, rule p5 (0 reference,
-// 1 llama.cpp). Out J: per row [count, tokens ascending] in rows of p6.
+// 1 llama.cpp). Out J: per row [count, tokens ascending] in rows of p6. B is the store's part
+// holding rows p11..p11 + p12: a split store scores each part's blocks in turn and selects
+// with the last (p13 = 1: select after scoring).
 @compute @workgroup_size(64)
 fn qsa_select(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
               @builtin(local_invocation_index) l: u32) {
@@ -471,15 +512,17 @@ fn qsa_select(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: v
     let nb = min((pos + 1u) / ratio, pu(7u));
     let scale = div_rn(1.0, sqrt_rn(f32(d)));
     let sbase = row * pu(9u);
-    for (var b = 0u; b < nb; b = b + 1u) {
+    let row0 = pu(11u);
+    for (var b = row0; b < min(nb, row0 + pu(12u)); b = b + 1u) {
         var s = 0.0;
         for (var h = 0u; h < qc / d; h = h + 1u) {
             var dot = 0.0;
-            for (var j = 0u; j < d; j = j + 1u) { dot = dot + nc(A[row * qc + h * d + j] * B[b * d + j]); }
+            for (var j = 0u; j < d; j = j + 1u) { dot = dot + nc(A[row * qc + h * d + j] * B[(b - row0) * d + j]); }
             s = s + fmax(dot, 0.0);
         }
         C[sbase + b] = s * scale;
     }
+    if (pu(13u) == 0u) { return; }
     let kb = row * 2u * pu(10u);
     let fl = kb + pu(10u);
     let ob = row * pu(6u);

@@ -17,6 +17,14 @@
 @group(0) @binding(4) var<storage, read_write> TAB: array<u32>;
 @group(0) @binding(5) var<storage, read_write> IDS: array<u32>;
 
+// The f16 scales of weight blocks and Q8_0 images: the integer decoder (baseline), or with
+// SPEC_HWF16 the hardware's unpack2x16float, the same value for every finite f16 (exact
+// widening), so the same bits (tests/model.rs checks every format both ways).
+fn f16v(h: u32) -> f32 {
+    if (SPEC_HWF16) { return unpack2x16float(h).x; }
+    return f16_to_f32(h);
+}
+
 fn xb(o: u32) -> u32 { return (XQ[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
 fn xh(o: u32) -> u32 { return xb(o) | (xb(o + 1u) << 8u); }
 
@@ -27,16 +35,27 @@ fn xv(fmt: u32, xrb: u32, tok: u32, i: u32) -> f32 {
     if (fmt == 1u) { return bf16_to_f32(xh(r + 2u * i)); }
     if (fmt == 2u) {
         let b = r + 34u * (i / 32u);
-        return f32(sext8(xb(b + 2u + i % 32u))) * f16_to_f32(xh(b));
+        return f32(sext8(xb(b + 2u + i % 32u))) * f16v(xh(b));
     }
     let b = r + 292u * (i / 256u);
     return bitcast<f32>(XQ[b >> 2u]) * f32(sext8(xb(b + 4u + i % 256u)));
 }
 
+// A product's epilogue, p18: 0 none; 5 silu(y·p19) and 6 2σ(y·p19), model.wgsl's eltwise ops
+// 5 and 6 on the same value (the same expression through the same helpers), so the same bits
+// with the element-wise dispatch folded away.
+fn epi(y: f32) -> f32 {
+    switch pu(18u) {
+        case 5u: { return silu(nc(y * pf(19u))); }
+        case 6u: { return 2.0 * sigm(nc(y * pf(19u))); }
+        default: { return y; }
+    }
+}
+
 // Y[t·p12 + col] = W[row] · x_{t / p15} for output item o of token t (groups: x·y items, z
 // tokens). p0 format, p1 items, p2 k, p4 weight row bytes, p5 image row bytes, p6 block size,
 // p7 block bytes, p8 image format, p9 mode, p10 the part's first row, p11 its rows, p13 IDS
-// offset, p14 rows per expert, p16 groups in x. Mode 0: row p10 + o into column p10 + o;
+// offset, p14 rows per expert, p16 groups in x, p18/p19 the epilogue. Mode 0: row p10 + o into column p10 + o;
 // 1: row IDS[p13 + o] into column o; 2: row IDS[p13 + t]·p14 + o (an expert's slab) into o.
 @compute @workgroup_size(256)
 fn mm(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
@@ -71,7 +90,7 @@ fn mm(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u
         }
     }
     let s = block_sum256(acc, t);
-    if (t == 0u && live) { Y[tok * pu(12u) + col] = s; }
+    if (t == 0u && live) { Y[tok * pu(12u) + col] = epi(s); }
 }
 
 // Rows IDS[p7 + slot] of the table, each written p8 times along the output row: p0 format,
@@ -147,5 +166,5 @@ fn mm1(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u3
             if (32u * (t + s) < nl) { lanes[32u * t] = lanes[32u * t] + lanes[32u * (t + s)]; }
         }
     }
-    Y[tok * pu(12u) + col] = lanes[0];
+    Y[tok * pu(12u) + col] = epi(lanes[0]);
 }

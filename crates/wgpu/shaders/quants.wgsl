@@ -2,12 +2,16 @@
 // strata_engine::kernels::embed::dequant_block (products `(d·s)·q`, then `− m` after an `nc`
 // barrier: never fused). The module that includes this declares `W` (the quantized bytes as
 // little-endian u32 words) and `TAB` (the grids: IQ3_S at 0, IQ3_XXS at 512, the IQ2_XS sign
-// table at 768, the IQ4_NL values at 896). The format ids `T_*` are prepended by strata-wgpu.
+// table at 768, the IQ4_NL values at 896, IQ2_XS's grid at 912, IQ2_S's at 1936, two words an
+// entry). The format ids `T_*` are prepended by strata-wgpu. IQ2_S, MXFP4 and NVFP4 follow
+// strata_quant's decoders (iquants.rs, lowbit.rs) the same way.
 
 fn wb(o: u32) -> u32 { return (W[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
 fn wh(o: u32) -> u32 { return wb(o) | (wb(o + 1u) << 8u); }
 fn ww(o: u32) -> u32 { return wh(o) | (wh(o + 2u) << 16u); }
-fn wf16(o: u32) -> f32 { return f16_to_f32(wh(o)); }
+// `f16v` is the including module's f16 decoder: the integer one (common.wgsl), or in mq.wgsl's
+// optimized variant the hardware's.
+fn wf16(o: u32) -> f32 { return f16v(wh(o)); }
 
 fn kv4(q: u32) -> f32 { return f32(bitcast<i32>(TAB[896u + (q & 15u)])); }
 
@@ -22,6 +26,33 @@ fn scale_min_k4(j: u32, q: u32) -> vec2<u32> {
     if (j < 4u) { return vec2<u32>(wb(q + j) & 63u, wb(q + j + 4u) & 63u); }
     return vec2<u32>((wb(q + j + 4u) & 15u) | ((wb(q + j - 4u) >> 6u) << 4u),
                      (wb(q + j + 4u) >> 4u) | ((wb(q + j) >> 6u) << 4u));
+}
+
+// 2^k as f32 for k >= -149 (subnormal below -126), exactly: strata_quant's pow2.
+fn pow2f(k: i32) -> f32 {
+    if (k >= -126) { return bitcast<f32>(u32(k + 127) << 23u); }
+    return bitcast<f32>(1u << u32(k + 149));
+}
+
+// The FP4 (E2M1) values, doubled: strata_quant's KVALUES_FP4.
+fn kv_fp4(q: u32) -> f32 {
+    let m = q & 7u;
+    var v = f32(m);
+    if (m == 5u) { v = 6.0; }
+    if (m == 6u) { v = 8.0; }
+    if (m == 7u) { v = 12.0; }
+    if (q >= 8u && m != 0u) { v = -v; }
+    return v;
+}
+
+// A UE4M3 sub-scale, halved (ggml_ue4m3_to_fp32): 0 and 0x7F read as 0, the top bit ignored.
+fn ue4m3(x: u32) -> f32 {
+    if (x == 0u || x == 0x7fu) { return 0.0; }
+    let e = (x >> 3u) & 15u;
+    let man = f32(x & 7u);
+    var raw = 0.0;
+    if (e == 0u) { raw = man * pow2f(-9); } else { raw = (1.0 + man * 0.125) * pow2f(i32(e) - 7); }
+    return raw * 0.5;
 }
 
 fn signed_grid(g: u32, signs: u32, k: u32, jj: u32) -> f32 {
@@ -109,6 +140,42 @@ fn deq(ty: u32, b: u32, j: u32) -> f32 {
             var v = f32(i32((g >> (8u * (jj % 4u))) & 255u));
             if ((TAB[768u + (q >> 9u)] & (1u << jj)) != 0u) { v = -v; }
             return db * v;
+        }
+        case T_IQ2_S: {
+            // decode_iq2_s: a 10-bit grid index (qs and two bits of qh), an explicit sign
+            // byte per 8 values, sub-block scale (d·(0.5 + s))·0.25.
+            let d = wf16(b);
+            let ib = j / 32u;
+            let r = j % 32u;
+            let l = r / 8u;
+            let jj = r % 8u;
+            let sc = wb(b + 74u + ib);
+            var s = sc & 15u;
+            if (r >= 16u) { s = sc >> 4u; }
+            let db = (d * (0.5 + f32(s))) * 0.25;
+            let idx = wb(b + 2u + 4u * ib + l) | ((wb(b + 66u + ib) << (8u - 2u * l)) & 0x300u);
+            let gi = 1936u + 2u * idx;
+            var g = TAB[gi];
+            if (jj >= 4u) { g = TAB[gi + 1u]; }
+            var v = f32(i32((g >> (8u * (jj % 4u))) & 255u));
+            if ((wb(b + 34u + 4u * ib + l) & (1u << jj)) != 0u) { v = -v; }
+            return db * v;
+        }
+        case T_MXFP4: {
+            // 32 values: an E8M0 exponent, then nibbles split (low: 0..15, high: 16..31).
+            let q = wb(b + 1u + j % 16u);
+            var nib = q & 15u;
+            if (j >= 16u) { nib = q >> 4u; }
+            return kv_fp4(nib) * pow2f(i32(wb(b)) - 128);
+        }
+        case T_NVFP4: {
+            // 64 values: four UE4M3 sub-scales, then per 16 values 8 bytes, nibbles split.
+            let s = j / 16u;
+            let r = j % 16u;
+            let q = wb(b + 4u + 8u * s + r % 8u);
+            var nib = q & 15u;
+            if (r >= 8u) { nib = q >> 4u; }
+            return kv_fp4(nib) * ue4m3(wb(b + s));
         }
         case T_IQ3_XXS: {
             let d = wf16(b);

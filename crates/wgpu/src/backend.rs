@@ -1,8 +1,9 @@
 //! [`WgpuBackend`]: the core [`Backend`] of `strata_engine` on wgpu, so `qwen2::Model` and
 //! `qwen4exp::Model` run unchanged on Vulkan, Metal or lavapipe. This module owns the device
-//! buffers of the boundary (activations, ids, weights in their file formats split under the
-//! binding limit, routes), the recording of a step's dispatches into one command stream, and the
-//! core operations; qwen4exp's family operations are in [`crate::qwen4exp`].
+//! buffers of the boundary (activations, ids, weights in their file formats and stores, both
+//! split by rows under the binding limit, routes), the recording of a step's dispatches into one
+//! command stream, and the core operations; qwen4exp's family operations are in
+//! [`crate::qwen4exp`].
 //!
 //! **Steps.** Operations never submit: each appends its dispatches to the pending list, and the
 //! list is submitted as one compute pass when a step ends (or when a download needs the
@@ -54,12 +55,29 @@ pub(crate) fn u32_of(op: &'static str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| shape(op, format!("{v} exceeds the kernels' 32-bit indices")))
 }
 
-/// A 2-D f32 activation buffer: the first `rows·cols` values of `b`.
+/// A 2-D f32 activation buffer: the first `rows·cols` values of `b`; or a store split by rows
+/// under the binding limit (`parts`; `b` is then a placeholder that no kernel may bind).
 #[derive(Clone)]
 pub struct WBuf {
     pub(crate) b: Arc<Buf>,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
+    pub(crate) parts: Option<Arc<Vec<Part>>>,
+}
+
+impl WBuf {
+    /// The row parts (buffer, first row, rows); an unsplit buffer is one part.
+    pub(crate) fn row_parts(&self) -> Vec<(&Buf, usize, usize)> {
+        match &self.parts {
+            Some(p) => p.iter().map(|p| (&p.b, p.row0, p.rows)).collect(),
+            None => vec![(&*self.b, 0, self.rows)],
+        }
+    }
+
+    /// How many storage buffers hold the rows.
+    pub fn parts(&self) -> usize {
+        self.parts.as_ref().map_or(1, |p| p.len())
+    }
 }
 
 impl DeviceBuf for WBuf {
@@ -146,6 +164,19 @@ pub struct WRoutes {
     pub(crate) k: usize,
 }
 
+/// One kernel's line of a profile: launches and (timed profiles) seconds.
+#[derive(Debug, Clone)]
+pub struct KernelStat {
+    pub name: String,
+    pub launches: u64,
+    pub secs: f64,
+}
+
+struct Profile {
+    timed: bool,
+    by: HashMap<String, (u64, f64)>,
+}
+
 /// Counters of the command streams (for the tests and PERF notes).
 #[derive(Default, Debug, Clone, Copy)]
 pub struct Counters {
@@ -176,8 +207,45 @@ pub struct WgpuBackend {
     failed: Mutex<Option<String>>,
     /// Largest part of a weight (the binding limit, or less: a test forces small parts).
     weight_limit: u64,
-    /// Per-kernel (count, seconds) when `STRATA_WGPU_PROFILE` is set.
-    profile: Option<Mutex<HashMap<String, (u64, f64)>>>,
+    /// Largest part of a store (likewise).
+    store_limit: u64,
+    /// Fused variants on (element-wise ops folded into product epilogues); off, the baseline
+    /// dispatches (`STRATA_WGPU_FUSE=0`): the same bits either way (tests/model.rs).
+    pub(crate) fuse: bool,
+    /// The products' and gathers' f16 scales by the hardware's conversion (mq.wgsl
+    /// SPEC_HWF16) instead of the integer decoder: the same bits (a test checks every format
+    /// both ways); on with `fuse`, off with `STRATA_WGPU_HWF16=0`.
+    hw_f16: bool,
+    split_stores: AtomicUsize,
+    /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
+    /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
+    profile: Mutex<Option<Profile>>,
+}
+
+/// What a product applies to each output before storing it (mq.wgsl `epi`): `NONE`, or
+/// model.wgsl's eltwise op 5 (silu(y·s)) or 6 (2σ(y·s)) folded in: the same bits, one
+/// dispatch fewer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Epi(pub(crate) u32, pub(crate) f32);
+
+impl Epi {
+    pub(crate) const NONE: Epi = Epi(0, 0.0);
+}
+
+/// How a product's activations are imaged: a catalogue format (`kernels::actq`), or for F16
+/// weights the rows rounded to F16 and kept as f32 values (the CPU pairs F16 weights with F16
+/// activations; an f16·f16 product is exact in f32, so only the summation order differs).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Img {
+    Act(ActFmt),
+    F16,
+}
+
+fn img_for(ty: GgmlType) -> Option<Img> {
+    if ty == GgmlType::F16 {
+        return Some(Img::F16);
+    }
+    ActFmt::for_weight(ty).map(Img::Act)
 }
 
 /// The formats the decoders read (`quants.wgsl`).
@@ -238,7 +306,15 @@ impl WgpuBackend {
             lane_products,
             failed: Mutex::new(None),
             weight_limit: u64::MAX,
-            profile: std::env::var_os("STRATA_WGPU_PROFILE").map(|_| Mutex::new(HashMap::new())),
+            store_limit: u64::MAX,
+            fuse: std::env::var("STRATA_WGPU_FUSE").as_deref() != Ok("0"),
+            hw_f16: std::env::var("STRATA_WGPU_FUSE").as_deref() != Ok("0")
+                && std::env::var("STRATA_WGPU_HWF16").as_deref() != Ok("0"),
+            split_stores: AtomicUsize::new(0),
+            profile: Mutex::new(std::env::var_os("STRATA_WGPU_PROFILE").map(|_| Profile {
+                timed: true,
+                by: HashMap::new(),
+            })),
         })
     }
 
@@ -254,6 +330,25 @@ impl WgpuBackend {
         self
     }
 
+    /// Optimized variants on or off (fused dispatches, hardware f16 scales), or the
+    /// baselines: the same bits.
+    pub fn with_fusion(mut self, on: bool) -> WgpuBackend {
+        self.fuse = on;
+        self.hw_f16 = on;
+        self
+    }
+
+    /// Splits stores (caches) into parts of at most `bytes` (below the adapter's limit).
+    pub fn with_store_part_limit(mut self, bytes: u64) -> WgpuBackend {
+        self.store_limit = bytes;
+        self
+    }
+
+    /// Stores made so far whose rows span more than one storage buffer.
+    pub fn split_stores(&self) -> usize {
+        self.split_stores.load(Ordering::Relaxed)
+    }
+
     pub fn device(&self) -> &Wgpu {
         &self.g
     }
@@ -265,17 +360,56 @@ impl WgpuBackend {
         }
     }
 
-    /// Per-kernel dispatch counts and seconds, slowest first (with `STRATA_WGPU_PROFILE`).
-    pub fn profile(&self) -> Vec<(String, u64, f64)> {
-        let Some(p) = &self.profile else {
-            return Vec::new();
+    /// Per-kernel dispatch counts and seconds so far, slowest (then most launched) first;
+    /// empty when no profile runs.
+    pub fn profile(&self) -> Vec<KernelStat> {
+        let mut v: Vec<KernelStat> = match self.profile.lock() {
+            Ok(p) => p
+                .as_ref()
+                .map(|p| {
+                    p.by.iter()
+                        .map(|(k, (n, s))| KernelStat {
+                            name: k.clone(),
+                            launches: *n,
+                            secs: *s,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            Err(_) => Vec::new(),
         };
-        let mut v: Vec<_> = p
-            .lock()
-            .map(|m| m.iter().map(|(k, (n, s))| (k.clone(), *n, *s)).collect())
-            .unwrap_or_default();
-        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v.sort_by(|a, b| {
+            b.secs
+                .total_cmp(&a.secs)
+                .then(b.launches.cmp(&a.launches))
+                .then(a.name.cmp(&b.name))
+        });
         v
+    }
+
+    /// Starts counting dispatches per kernel; `timed`: each dispatch is also submitted on its
+    /// own and waited for, its wall time kept (host time included: on a fast GPU that is mostly
+    /// submit and wait, so the counts are the measurement and the times only rank kernels).
+    pub fn profile_start(&self, timed: bool) -> Result<()> {
+        self.flush()?;
+        *self.profile.lock().map_err(|_| dev(WgpuError::Poisoned))? = Some(Profile {
+            timed,
+            by: HashMap::new(),
+        });
+        Ok(())
+    }
+
+    /// Ends the profile, returning what [`WgpuBackend::profile`] would.
+    pub fn profile_stop(&self) -> Result<Vec<KernelStat>> {
+        self.flush()?;
+        self.g.wait().map_err(dev)?;
+        let v = self.profile();
+        *self.profile.lock().map_err(|_| dev(WgpuError::Poisoned))? = None;
+        Ok(v)
+    }
+
+    fn profiling(&self) -> bool {
+        self.profile.lock().map(|p| p.is_some()).unwrap_or(false)
     }
 
     /// Weights loaded so far whose bytes span more than one storage buffer.
@@ -284,17 +418,31 @@ impl WgpuBackend {
     }
 
     pub(crate) fn push(&self, l: Launch) -> Result<()> {
-        if let Some(p) = &self.profile {
-            // Profiling: every dispatch on its own, waited for (breaks the one-stream rule on
-            // purpose; only with STRATA_WGPU_PROFILE set).
+        let timed = {
+            let mut p = self.profile.lock().map_err(|_| dev(WgpuError::Poisoned))?;
+            match p.as_mut() {
+                Some(p) if !p.timed => {
+                    p.by.entry(l.name.clone()).or_insert((0, 0.0)).0 += 1;
+                    false
+                }
+                Some(_) => true,
+                None => false,
+            }
+        };
+        if timed {
+            // Timed profile: every dispatch on its own, waited for (breaks the one-stream rule
+            // on purpose; only while a timed profile runs).
             self.flush()?;
             let t = std::time::Instant::now();
             self.g.submit(std::slice::from_ref(&l)).map_err(dev)?;
             self.g.wait().map_err(dev)?;
-            let mut p = p.lock().map_err(|_| dev(WgpuError::Poisoned))?;
-            let e = p.entry(l.name.clone()).or_insert((0, 0.0));
-            e.0 += 1;
-            e.1 += t.elapsed().as_secs_f64();
+            let secs = t.elapsed().as_secs_f64();
+            let mut p = self.profile.lock().map_err(|_| dev(WgpuError::Poisoned))?;
+            if let Some(p) = p.as_mut() {
+                let e = p.by.entry(l.name.clone()).or_insert((0, 0.0));
+                e.0 += 1;
+                e.1 += secs;
+            }
             self.dispatches.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
@@ -342,6 +490,7 @@ impl WgpuBackend {
             b: self.alloc(what, rows * cols)?,
             rows,
             cols,
+            parts: None,
         })
     }
 
@@ -358,10 +507,13 @@ impl WgpuBackend {
         for (i, b) in f.iter().chain(u.iter()).enumerate() {
             bufs.push(b.unwrap_or(&self.dummies[i]));
         }
-        let l = self
+        let mut l = self
             .g
             .launch("model", entry, &[], params, &bufs, groups)
             .map_err(dev)?;
+        if entry == "eltwise" && self.profiling() {
+            l.name = format!("{} {}", l.name, params.get(1).copied().unwrap_or(0));
+        }
         self.push(l)
     }
 
@@ -422,16 +574,23 @@ impl WgpuBackend {
         ty: GgmlType,
         name: &str,
     ) -> Result<(Arc<Buf>, usize, ActFmt)> {
-        let fmt = ActFmt::for_weight(ty).ok_or_else(|| {
+        let img = img_for(ty).ok_or_else(|| {
             shape(
                 "matmul",
                 format!("{name}: {ty} has no activation format on wgpu"),
             )
         })?;
         let k = x.cols;
-        if fmt == ActFmt::F32 {
-            return Ok((x.b.clone(), 4 * k, fmt));
-        }
+        let fmt = match img {
+            Img::Act(ActFmt::F32) => return Ok((x.b.clone(), 4 * k, ActFmt::F32)),
+            Img::F16 => {
+                let n = x.rows * x.cols;
+                let out = self.buf("f16 activation image", x.rows, x.cols)?;
+                self.eltwise(7, n, &[], [Some(&x.b), None, Some(&out.b), None, None])?;
+                return Ok((out.b, 4 * k, ActFmt::F32));
+            }
+            Img::Act(f) => f,
+        };
         // The images are block-local, so rows may be imaged in pairs (as one row of 2k): that
         // keeps a Q8_0 image whose row is an odd number of 34-byte blocks in whole words.
         let rb = fmt.row_bytes(k).filter(|_| k > 0);
@@ -501,6 +660,7 @@ impl WgpuBackend {
         ids: Option<(&Buf, usize)>,
         rows_per_expert: usize,
         x_div: usize,
+        epi: Epi,
     ) -> Result<()> {
         let op = "matmul";
         if nt == 0 {
@@ -536,10 +696,15 @@ impl WgpuBackend {
                 u32_of(op, x_div.max(1))?,
                 gx,
                 u32_of(op, total)?,
+                epi.0,
+                epi.1.to_bits(),
             ];
             let idb = ids.map_or(&self.dummies[0], |(b, _)| b);
             let bufs = [&part.b, xq, y, &self.tab, idb];
-            let spec = [("SPEC_TY", w.ty.id().to_string())];
+            let spec = [
+                ("SPEC_TY", w.ty.id().to_string()),
+                ("SPEC_HWF16", self.hw_f16.to_string()),
+            ];
             let l = if self.lane_products {
                 self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total))
             } else {
@@ -548,8 +713,8 @@ impl WgpuBackend {
             }
             .map_err(dev)?;
             let mut l = l;
-            if self.profile.is_some() {
-                l.name = format!("{} {}: {n_items}×{nt} k {k} mode {mode}", l.name, w.name);
+            if self.profiling() {
+                l.name = format!("{} {}", l.name, w.ty);
             }
             self.push(l)?;
         }
@@ -594,6 +759,42 @@ impl WgpuBackend {
     }
 }
 
+impl WgpuBackend {
+    /// Products of `x` by each weight (one activation image per format, shared, as the CPU
+    /// shares it), each with its epilogue.
+    pub(crate) fn matmuls_epi<const N: usize>(
+        &self,
+        ws: [(&WWeight, Epi); N],
+        x: &WBuf,
+    ) -> Result<[WBuf; N]> {
+        let mut images: Vec<(Img, Arc<Buf>, usize, ActFmt)> = Vec::new();
+        let mut out = Vec::with_capacity(N);
+        for (w, epi) in ws {
+            Self::check_matmul(w, x)?;
+            let img = img_for(w.ty).ok_or_else(|| {
+                shape(
+                    "matmul",
+                    format!("{}: {} has no product on wgpu", w.name, w.ty),
+                )
+            })?;
+            let (xq, xrb, fmt) = match images.iter().find(|(f, _, _, _)| *f == img) {
+                Some((_, b, rb, fmt)) => (b.clone(), *rb, *fmt),
+                None => {
+                    let (b, rb, fmt) = self.image(x, w.ty, &w.name)?;
+                    images.push((img, b.clone(), rb, fmt));
+                    (b, rb, fmt)
+                }
+            };
+            let m = w.n_rows2();
+            let y = self.buf("matmul", x.rows, m)?;
+            self.mm(w, &xq, xrb, fmt, &y.b, m, x.rows, 0, m, None, 0, 1, epi)?;
+            out.push(y);
+        }
+        out.try_into()
+            .map_err(|_| shape("matmuls", "product count"))
+    }
+}
+
 impl Backend for WgpuBackend {
     type Buf = WBuf;
     type Weight = WWeight;
@@ -606,7 +807,7 @@ impl Backend for WgpuBackend {
 
     fn supports(&self, ty: GgmlType, usage: Usage) -> bool {
         match usage {
-            Usage::MatMul => readable(ty) && ActFmt::for_weight(ty).is_some(),
+            Usage::MatMul => readable(ty) && img_for(ty).is_some(),
             Usage::Rows => readable(ty),
             Usage::Values => strata_quant::format_fns(ty).dequantize.is_some(),
         }
@@ -692,10 +893,45 @@ impl Backend for WgpuBackend {
         self.buf("zeros", rows, cols)
     }
 
-    /// All `cap` rows are allocated up front (zeros); the RoPE tables grow to cover them.
+    /// All `cap` rows are allocated up front (zeros); the RoPE tables grow to cover them. A
+    /// store larger than the binding limit is split by rows (parts of a multiple of 256 rows
+    /// when a part holds that many), which the store's readers and writers take part by part.
     fn store(&self, cap: usize, cols: usize) -> Result<WBuf> {
         self.max_cap.fetch_max(cap, Ordering::Relaxed);
-        self.buf("store", cap, cols)
+        let row_bytes = cols.max(1) * 4;
+        let limit = self.store_limit.min(self.g.max_binding) as usize;
+        if cap * row_bytes <= limit {
+            return self.buf("store", cap, cols);
+        }
+        let mut per = limit / row_bytes;
+        if per == 0 {
+            return Err(dev(WgpuError::TooLarge {
+                what: format!("a store row of {cols} values"),
+                bytes: row_bytes as u64,
+                limit: limit as u64,
+            }));
+        }
+        if per >= 256 {
+            per -= per % 256;
+        }
+        let mut parts = Vec::new();
+        let mut row0 = 0;
+        while row0 < cap {
+            let rows = per.min(cap - row0);
+            let b = self
+                .g
+                .alloc("store part", (rows * row_bytes) as u64)
+                .map_err(dev)?;
+            parts.push(Part { b, row0, rows });
+            row0 += rows;
+        }
+        self.split_stores.fetch_add(1, Ordering::Relaxed);
+        Ok(WBuf {
+            b: Arc::new(self.g.placeholder("split store").map_err(dev)?),
+            rows: cap,
+            cols,
+            parts: Some(Arc::new(parts)),
+        })
     }
 
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<WBuf> {
@@ -709,6 +945,7 @@ impl Backend for WgpuBackend {
             b: Arc::new(self.g.upload("upload", data).map_err(dev)?),
             rows,
             cols,
+            parts: None,
         })
     }
 
@@ -737,7 +974,12 @@ impl Backend for WgpuBackend {
     fn download(&self, x: &WBuf) -> Result<Vec<f32>> {
         self.take_failure()?;
         self.flush()?;
-        let mut v: Vec<f32> = self.g.download(&x.b).map_err(dev)?;
+        let mut v = Vec::with_capacity(x.rows * x.cols);
+        for (b, _, rows) in x.row_parts() {
+            let mut p: Vec<f32> = self.g.download(b).map_err(dev)?;
+            p.truncate(rows * x.cols);
+            v.extend(p);
+        }
         v.truncate(x.rows * x.cols);
         Ok(v)
     }
@@ -774,7 +1016,15 @@ impl Backend for WgpuBackend {
                 format!("{}×{} as {rows}×{cols}", x.rows, x.cols),
             ));
         }
-        Ok(WBuf { b: x.b, rows, cols })
+        if x.parts.is_some() {
+            return Err(shape("reshape", "a split store keeps its rows"));
+        }
+        Ok(WBuf {
+            b: x.b,
+            rows,
+            cols,
+            parts: None,
+        })
     }
 
     fn truncate_rows(&self, dst: &mut WBuf, rows: usize) -> Result<()> {
@@ -841,20 +1091,24 @@ impl Backend for WgpuBackend {
             ));
         }
         let op = "write_rows";
-        let p = [
-            u32_of(op, x.rows)?,
-            u32_of(op, x.cols)?,
-            u32_of(op, cache.rows)?,
-            u32_of(op, at.off)?,
-            (kv == KvType::F16) as u32,
-        ];
-        self.model_n(
-            "write_rows",
-            &p,
-            [Some(&x.b), Some(&cache.b), None, None, None],
-            [Some(&at.b), None, None],
-            x.rows * x.cols,
-        )
+        for (part, row0, rows) in cache.row_parts() {
+            let p = [
+                u32_of(op, x.rows)?,
+                u32_of(op, x.cols)?,
+                u32_of(op, rows)?,
+                u32_of(op, at.off)?,
+                (kv == KvType::F16) as u32,
+                u32_of(op, row0)?,
+            ];
+            self.model_n(
+                "write_rows",
+                &p,
+                [Some(&x.b), Some(part), None, None, None],
+                [Some(&at.b), None, None],
+                x.rows * x.cols,
+            )?;
+        }
+        Ok(())
     }
 
     /// One command stream per step: the body records, the end submits.
@@ -936,7 +1190,10 @@ impl Backend for WgpuBackend {
                 .launch(
                     "mq",
                     "gather",
-                    &[("SPEC_TY", table.ty.id().to_string())],
+                    &[
+                        ("SPEC_TY", table.ty.id().to_string()),
+                        ("SPEC_HWF16", self.hw_f16.to_string()),
+                    ],
                     &p,
                     &[&part.b, &self.dummies[0], &out.b, &self.tab, &ids.b],
                     (ids.len as u32, 1, 1),
@@ -954,31 +1211,7 @@ impl Backend for WgpuBackend {
 
     /// One activation image per format, shared by the products (as the CPU shares it).
     fn matmuls<const N: usize>(&self, ws: [&WWeight; N], x: &WBuf) -> Result<[WBuf; N]> {
-        let mut images: Vec<(ActFmt, Arc<Buf>, usize)> = Vec::new();
-        let mut out = Vec::with_capacity(N);
-        for w in ws {
-            Self::check_matmul(w, x)?;
-            let fmt = ActFmt::for_weight(w.ty).ok_or_else(|| {
-                shape(
-                    "matmul",
-                    format!("{}: {} has no product on wgpu", w.name, w.ty),
-                )
-            })?;
-            let (xq, xrb) = match images.iter().find(|(f, _, _)| *f == fmt) {
-                Some((_, b, rb)) => (b.clone(), *rb),
-                None => {
-                    let (b, rb, _) = self.image(x, w.ty, &w.name)?;
-                    images.push((fmt, b.clone(), rb));
-                    (b, rb)
-                }
-            };
-            let m = w.n_rows2();
-            let y = self.buf("matmul", x.rows, m)?;
-            self.mm(w, &xq, xrb, fmt, &y.b, m, x.rows, 0, m, None, 0, 1)?;
-            out.push(y);
-        }
-        out.try_into()
-            .map_err(|_| shape("matmuls", "product count"))
+        self.matmuls_epi(ws.map(|w| (w, Epi::NONE)), x)
     }
 
     fn matmul_rows(&self, w: &WWeight, rows: &WIds, x: &WBuf) -> Result<WBuf> {
@@ -999,6 +1232,7 @@ impl Backend for WgpuBackend {
                 Some((&rows.b, rows.off)),
                 0,
                 1,
+                Epi::NONE,
             )?;
         }
         Ok(y)
@@ -1165,8 +1399,14 @@ impl Backend for WgpuBackend {
             return Ok(out);
         }
         let mut gu = Vec::new();
+        // Gate and up share x's activation image when their formats pair with the same one.
+        let gate_img = self.image(x, ex.gate.ty, &ex.gate.name)?;
         for w in [ex.gate, ex.up] {
-            let (xq, xrb, fmt) = self.image(x, w.ty, &w.name)?;
+            let (xq, xrb, fmt) = if img_for(w.ty) == img_for(ex.gate.ty) {
+                gate_img.clone()
+            } else {
+                self.image(x, w.ty, &w.name)?
+            };
             let y = self.buf(op, nrk, m)?;
             self.mm(
                 w,
@@ -1181,6 +1421,7 @@ impl Backend for WgpuBackend {
                 Some((&routes.ids, 0)),
                 m,
                 k,
+                Epi::NONE,
             )?;
             gu.push(y);
         }
@@ -1200,6 +1441,7 @@ impl Backend for WgpuBackend {
             Some((&routes.ids, 0)),
             hdim,
             1,
+            Epi::NONE,
         )?;
         let p = [u32_of(op, x.rows)?, u32_of(op, k)?, u32_of(op, hdim)?];
         self.model_n(
@@ -1335,7 +1577,13 @@ impl WgpuBackend {
             Sel::Causal(p) => (0u32, 0usize, p.off, Some(&*p.b), None),
             Sel::Sparse { b, stride, .. } => (1, stride, 0, None, Some(b)),
         };
-        let p = [
+        let (kp, vp) = (k_cache.row_parts(), v_cache.row_parts());
+        let same =
+            kp.len() == vp.len() && kp.iter().zip(&vp).all(|(a, b)| a.1 == b.1 && a.2 == b.2);
+        if !same {
+            return Err(shape(op, "the K and V caches are split differently"));
+        }
+        let mut p = vec![
             u32_of(op, q.rows)?,
             u32_of(op, n_head)?,
             u32_of(op, n_head_kv)?,
@@ -1346,20 +1594,49 @@ impl WgpuBackend {
             u32_of(op, k_cache.rows)?,
             u32_of(op, ids_off)?,
             causal_arith as u32,
+            0,
+            u32_of(op, k_cache.rows)?,
+            0,
+            1,
+            1,
         ];
-        self.model_n(
-            "attend",
-            &p,
-            [
-                Some(&q.b),
-                Some(&k_cache.b),
-                Some(&v_cache.b),
-                Some(&out.b),
-                None,
-            ],
-            [ib, jb, None],
-            q.rows * n_head,
-        )?;
+        let n = q.rows * n_head;
+        if kp.len() == 1 {
+            self.model_n(
+                "attend",
+                &p,
+                [Some(&q.b), Some(kp[0].0), Some(vp[0].0), Some(&out.b), None],
+                [ib, jb, None],
+                n,
+            )?;
+            return Ok(out);
+        }
+        // A split store: the max, the sum and the weighted values each over the parts in
+        // row order, the running (m, z, o) carried in `state`.
+        let state = self.alloc("attention state", n * (head_dim + 2))?;
+        let last = kp.len() - 1;
+        for phase in 1..=3u32 {
+            for (j, (kb, row0, rows)) in kp.iter().enumerate() {
+                p[10] = u32_of(op, *row0)?;
+                p[11] = u32_of(op, *rows)?;
+                p[12] = phase;
+                p[13] = (j == 0) as u32;
+                p[14] = (j == last) as u32;
+                self.model_n(
+                    "attend",
+                    &p,
+                    [
+                        Some(&q.b),
+                        Some(kb),
+                        Some(vp[j].0),
+                        Some(&out.b),
+                        Some(&state),
+                    ],
+                    [ib, jb, None],
+                    n,
+                )?;
+            }
+        }
         Ok(out)
     }
 }

@@ -8,6 +8,7 @@
 //! silently truncated binding. Validation errors are caught in error scopes and returned.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -25,16 +26,31 @@ pub struct Wgpu {
     pub limits: wgpu::Limits,
     /// Largest storage binding the kernels may use (the adapter's, or less when forced).
     pub max_binding: u64,
+    /// Parameters as immediates (push constants: no buffer, no bind-group entry, no queue
+    /// write per dispatch) where the adapter offers 128 bytes of them; else a uniform buffer
+    /// per dispatch. `STRATA_WGPU_IMMEDIATES=0` forces the buffer. The kernels read the same
+    /// words either way.
+    pub immediates: bool,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
     /// Pipeline compile times (module key, seconds), for the report's notes.
     pub compiles: Mutex<Vec<(String, f64)>>,
     errors: Arc<Mutex<Vec<String>>>,
+    /// Bytes written with `write_buffer` since the last submit: wgpu stages them in host memory
+    /// until a submit, so a model's load (35 GiB for the full-size file) is flushed and waited
+    /// for every [`STAGE_FLUSH`] bytes instead of staging it all at once.
+    staged: AtomicU64,
 }
+
+/// Staged upload bytes after which an upload submits and waits (see `Wgpu::staged`).
+const STAGE_FLUSH: u64 = 256 << 20;
 
 /// A storage buffer and the bytes it holds (rounded up to 4 on the device).
 pub struct Buf {
     pub buf: wgpu::Buffer,
     pub bytes: u64,
+    /// Stands for data held in other buffers (a store split under the binding limit): binding
+    /// or downloading it is refused, so no kernel can read a part as if it were the whole.
+    pub placeholder: bool,
 }
 
 /// One dispatch, bound and ready to record.
@@ -44,8 +60,21 @@ pub struct Launch {
     groups: (u32, u32, u32),
     /// `module::entry`, for profiles.
     pub name: String,
-    // Kept alive with the bind group.
-    _params: wgpu::Buffer,
+    /// The parameter words, set as immediates when the device uses them.
+    words: [u32; PARAM_WORDS],
+    /// The uniform parameter buffer (without immediates), kept alive with the bind group.
+    params: Option<wgpu::Buffer>,
+}
+
+impl Launch {
+    fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipe);
+        if self.params.is_none() {
+            pass.set_immediates(0, bytemuck::cast_slice(&self.words));
+        }
+        pass.set_bind_group(0, &self.bind, &[]);
+        pass.dispatch_workgroups(self.groups.0, self.groups.1, self.groups.2);
+    }
 }
 
 /// The adapters this process can see, one line each (for messages and `--list`).
@@ -125,9 +154,17 @@ impl Wgpu {
         let adapter = &ads[pick];
         let info = adapter.get_info();
         let limits = adapter.limits();
+        let immediates = adapter.features().contains(wgpu::Features::IMMEDIATES)
+            && limits.max_immediate_size >= (PARAM_WORDS * 4) as u32
+            && std::env::var("STRATA_WGPU_IMMEDIATES").as_deref() != Ok("0");
+        let features = if immediates {
+            wgpu::Features::IMMEDIATES
+        } else {
+            wgpu::Features::empty()
+        };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("strata"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -148,9 +185,11 @@ impl Wgpu {
             info,
             limits,
             max_binding,
+            immediates,
             pipelines: Mutex::new(HashMap::new()),
             compiles: Mutex::new(Vec::new()),
             errors,
+            staged: AtomicU64::new(0),
         })
     }
 
@@ -167,7 +206,7 @@ impl Wgpu {
     /// One line naming the adapter, its driver and the limits that shape the kernels.
     pub fn describe(&self) -> String {
         format!(
-            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, subgroup {}..{})",
+            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, subgroup {}..{}, parameters {})",
             self.info.name,
             self.info.device_type,
             self.info.backend,
@@ -175,7 +214,12 @@ impl Wgpu {
             self.info.driver_info,
             self.max_binding >> 20,
             self.info.subgroup_min_size,
-            self.info.subgroup_max_size
+            self.info.subgroup_max_size,
+            if self.immediates {
+                "as immediates"
+            } else {
+                "in a uniform buffer"
+            }
         )
     }
 
@@ -215,9 +259,15 @@ impl Wgpu {
         let mut padded = data.to_vec();
         padded.resize(size as usize, 0);
         self.queue.write_buffer(&buf, 0, &padded);
+        if self.staged.fetch_add(size, Ordering::Relaxed) + size > STAGE_FLUSH {
+            self.staged.store(0, Ordering::Relaxed);
+            self.queue.submit(std::iter::empty::<wgpu::CommandBuffer>());
+            self.wait()?;
+        }
         Ok(Buf {
             buf,
             bytes: data.len() as u64,
+            placeholder: false,
         })
     }
 
@@ -232,7 +282,18 @@ impl Wgpu {
                 | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         });
-        Ok(Buf { buf, bytes })
+        Ok(Buf {
+            buf,
+            bytes,
+            placeholder: false,
+        })
+    }
+
+    /// A 4-byte buffer standing for data split into other buffers (see [`Buf::placeholder`]).
+    pub fn placeholder(&self, what: &str) -> Result<Buf, WgpuError> {
+        let mut b = self.alloc(what, 4)?;
+        b.placeholder = true;
+        Ok(b)
     }
 
     pub fn upload<T: bytemuck::Pod>(&self, what: &str, data: &[T]) -> Result<Buf, WgpuError> {
@@ -254,6 +315,12 @@ impl Wgpu {
 
     /// The buffer's bytes back on the host (waits for all submitted work).
     pub fn download_bytes(&self, b: &Buf) -> Result<Vec<u8>, WgpuError> {
+        if b.placeholder {
+            return Err(WgpuError::Launch {
+                kernel: "download".into(),
+                what: "a split store read as one buffer".into(),
+            });
+        }
         let size = b.bytes.max(4).div_ceil(4) * 4;
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("download"),
@@ -305,7 +372,7 @@ impl Wgpu {
         entry: &str,
         spec: &[(&str, String)],
     ) -> Result<Arc<wgpu::ComputePipeline>, WgpuError> {
-        let src = shaders::source(module, spec)?;
+        let src = shaders::source_for(module, spec, self.immediates)?;
         let key = format!("{module}/{entry}/{spec:?}");
         if let Some(p) = self
             .pipelines
@@ -329,7 +396,11 @@ impl Wgpu {
             .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
                 label: Some(module),
                 bind_group_layouts: &[Some(&layout)],
-                immediate_size: 0,
+                immediate_size: if self.immediates {
+                    (PARAM_WORDS * 4) as u32
+                } else {
+                    0
+                },
             });
         let pipe = self
             .device
@@ -364,16 +435,19 @@ impl Wgpu {
     /// layout; the shaders declare which they only read).
     fn layout(&self, module: &str) -> Result<wgpu::BindGroupLayout, WgpuError> {
         let n = shaders::storage_bindings(module)?;
-        let mut entries = vec![wgpu::BindGroupLayoutEntry {
-            binding: 0,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Uniform,
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        }];
+        let mut entries = Vec::new();
+        if !self.immediates {
+            entries.push(wgpu::BindGroupLayoutEntry {
+                binding: 0,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            });
+        }
         for i in 0..n {
             entries.push(wgpu::BindGroupLayoutEntry {
                 binding: 1 + i as u32,
@@ -416,6 +490,14 @@ impl Wgpu {
                 ),
             });
         }
+        if bufs.iter().any(|b| b.placeholder) {
+            return Err(WgpuError::Launch {
+                kernel: format!("{module}::{entry}"),
+                what: "a store split under the binding limit was passed whole (this operation \
+                       takes one buffer)"
+                    .into(),
+            });
+        }
         let maxg = self.limits.max_compute_workgroups_per_dimension;
         if groups.0 == 0 || groups.0 > maxg || groups.1 > maxg || groups.2 > maxg {
             return Err(WgpuError::Launch {
@@ -426,18 +508,26 @@ impl Wgpu {
         let pipe = self.pipeline(module, entry, spec)?;
         let mut words = [0u32; PARAM_WORDS];
         words[..params.len()].copy_from_slice(params);
-        let pbuf = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("params"),
-            size: (PARAM_WORDS * 4) as u64,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        self.queue
-            .write_buffer(&pbuf, 0, bytemuck::cast_slice(&words));
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: pbuf.as_entire_binding(),
-        }];
+        let mut entries = Vec::with_capacity(bufs.len() + 1);
+        let params = if self.immediates {
+            None
+        } else {
+            let pbuf = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("params"),
+                size: (PARAM_WORDS * 4) as u64,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            self.queue
+                .write_buffer(&pbuf, 0, bytemuck::cast_slice(&words));
+            Some(pbuf)
+        };
+        if let Some(pb) = &params {
+            entries.push(wgpu::BindGroupEntry {
+                binding: 0,
+                resource: pb.as_entire_binding(),
+            });
+        }
         for (i, b) in bufs.iter().enumerate() {
             entries.push(wgpu::BindGroupEntry {
                 binding: 1 + i as u32,
@@ -461,7 +551,8 @@ impl Wgpu {
             bind,
             groups: (groups.0, groups.1.max(1), groups.2.max(1)),
             name: format!("{module}::{entry}"),
-            _params: pbuf,
+            words,
+            params,
         })
     }
 
@@ -475,12 +566,11 @@ impl Wgpu {
         {
             let mut pass = enc.begin_compute_pass(&Default::default());
             for l in launches {
-                pass.set_pipeline(&l.pipe);
-                pass.set_bind_group(0, &l.bind, &[]);
-                pass.dispatch_workgroups(l.groups.0, l.groups.1, l.groups.2);
+                l.record(&mut pass);
             }
         }
         self.queue.submit([enc.finish()]);
+        self.staged.store(0, Ordering::Relaxed);
         self.check_errors("dispatch")
     }
 
@@ -492,9 +582,7 @@ impl Wgpu {
             let mut pass = enc.begin_compute_pass(&Default::default());
             for _ in 0..repeat.max(1) {
                 for l in launches {
-                    pass.set_pipeline(&l.pipe);
-                    pass.set_bind_group(0, &l.bind, &[]);
-                    pass.dispatch_workgroups(l.groups.0, l.groups.1, l.groups.2);
+                    l.record(&mut pass);
                 }
             }
         }

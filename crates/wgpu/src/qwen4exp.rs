@@ -9,7 +9,7 @@ use strata_engine::backend::{AttnDims, Backend, KvType};
 use strata_engine::qwen4exp::ops::{GdnParams, HcWeights, QsaRule, QsaSelect, Qwen4expOps};
 use strata_engine::Result;
 
-use crate::backend::{shape, u32_of, Sel, WBuf, WIds, WWeight, WgpuBackend};
+use crate::backend::{shape, u32_of, Epi, Sel, WBuf, WIds, WWeight, WgpuBackend};
 use crate::device::Buf;
 
 /// QSA decisions: dense causal rows, or per row `[count, tokens ascending]` on the device.
@@ -36,14 +36,33 @@ impl Qwen4expOps for WgpuBackend {
         let h = x.cols / s;
         let xn = self.rms_norm(x, hc.norm, h, hc.eps)?;
         let inv_s = 1.0 / s as f32;
-        let a = self.matmul(hc.down, &xn)?;
-        self.model_n(
-            "eltwise",
-            &[u32_of("hc_mix", a.rows * a.cols)?, 5, 0, inv_s.to_bits()],
-            [Some(&a.b), None, None, None, None],
-            [None; 3],
-            a.rows * a.cols,
-        )?;
+        // The down and inject products share xn's activation image (one image dispatch). Fused:
+        // silu(a/S) and 2σ(inj/S) are the products' epilogues; else element-wise dispatches
+        // after them (the baseline; the same bits).
+        let (da, di) = if self.fuse {
+            (Epi(5, inv_s), Epi(6, inv_s))
+        } else {
+            (Epi::NONE, Epi::NONE)
+        };
+        let (a, inj) = match hc.inject {
+            Some(wi) => {
+                let [a, inj] = self.matmuls_epi([(hc.down, da), (wi, di)], &xn)?;
+                (a, Some(inj))
+            }
+            None => {
+                let [a] = self.matmuls_epi([(hc.down, da)], &xn)?;
+                (a, None)
+            }
+        };
+        if !self.fuse {
+            self.model_n(
+                "eltwise",
+                &[u32_of("hc_mix", a.rows * a.cols)?, 5, 0, inv_s.to_bits()],
+                [Some(&a.b), None, None, None, None],
+                [None; 3],
+                a.rows * a.cols,
+            )?;
+        }
         let g = self.matmul(hc.up, &a)?;
         if g.rows != xn.rows || g.cols != xn.cols {
             return Err(shape(
@@ -64,22 +83,23 @@ impl Qwen4expOps for WgpuBackend {
             [None; 3],
             x.rows * h,
         )?;
-        let inj = match hc.inject {
-            Some(wi) => {
-                let inj = self.matmul(wi, &xn)?;
+        let inj = match inj {
+            Some(inj) => {
                 if inj.cols != s {
                     return Err(shape(
                         "hc_mix",
                         format!("{} inject weights for {s} streams", inj.cols),
                     ));
                 }
-                self.model_n(
-                    "eltwise",
-                    &[u32_of("hc_mix", inj.rows * s)?, 6, 0, inv_s.to_bits()],
-                    [Some(&inj.b), None, None, None, None],
-                    [None; 3],
-                    inj.rows * s,
-                )?;
+                if !self.fuse {
+                    self.model_n(
+                        "eltwise",
+                        &[u32_of("hc_mix", inj.rows * s)?, 6, 0, inv_s.to_bits()],
+                        [Some(&inj.b), None, None, None, None],
+                        [None; 3],
+                        inj.rows * s,
+                    )?;
+                }
                 Some(inj)
             }
             None => None,
@@ -251,19 +271,29 @@ impl Qwen4expOps for WgpuBackend {
         }
         let d = kraw.cols;
         let out = self.buf(op, positions.len, d)?;
-        self.model_n(
-            "qsa_pool",
-            &[
-                u32_of(op, positions.len)?,
-                u32_of(op, d)?,
-                u32_of(op, ratio)?,
-                u32_of(op, kraw.rows)?,
-                u32_of(op, positions.off)?,
-            ],
-            [Some(&kraw.b), Some(&out.b), None, None, None],
-            [Some(&positions.b), None, None],
-            positions.len * d,
-        )?;
+        // Part by part in row order (one part unless the store is split); the sum is carried
+        // in `out` between parts.
+        let parts = kraw.row_parts();
+        let last = parts.len() - 1;
+        for (j, (kb, row0, rows)) in parts.into_iter().enumerate() {
+            self.model_n(
+                "qsa_pool",
+                &[
+                    u32_of(op, positions.len)?,
+                    u32_of(op, d)?,
+                    u32_of(op, ratio)?,
+                    u32_of(op, kraw.rows)?,
+                    u32_of(op, positions.off)?,
+                    u32_of(op, row0)?,
+                    u32_of(op, rows)?,
+                    (j == 0) as u32,
+                    (j == last) as u32,
+                ],
+                [Some(kb), Some(&out.b), None, None, None],
+                [Some(&positions.b), None, None],
+                positions.len * d,
+            )?;
+        }
         Ok(out)
     }
 
@@ -300,25 +330,34 @@ impl Qwen4expOps for WgpuBackend {
             QsaRule::Reference => 0,
             QsaRule::LlamaCpp => 1,
         };
-        self.model_n(
-            "qsa_select",
-            &[
-                u32_of(op, rows)?,
-                u32_of(op, qi.cols)?,
-                u32_of(op, d)?,
-                u32_of(op, sel.ratio)?,
-                u32_of(op, sel.budget)?,
-                rule,
-                u32_of(op, stride)?,
-                u32_of(op, blocks.rows)?,
-                u32_of(op, positions.off)?,
-                u32_of(op, nb_cap)?,
-                u32_of(op, idx)?,
-            ],
-            [Some(&qi.b), Some(&blocks.b), Some(&scores), None, None],
-            [Some(&positions.b), Some(&out), Some(&scratch)],
-            rows,
-        )?;
+        // Each part's blocks scored in turn (one part unless the store is split); the last
+        // dispatch selects.
+        let parts = blocks.row_parts();
+        let last = parts.len() - 1;
+        for (j, (bb, row0, prows)) in parts.into_iter().enumerate() {
+            self.model_n(
+                "qsa_select",
+                &[
+                    u32_of(op, rows)?,
+                    u32_of(op, qi.cols)?,
+                    u32_of(op, d)?,
+                    u32_of(op, sel.ratio)?,
+                    u32_of(op, sel.budget)?,
+                    rule,
+                    u32_of(op, stride)?,
+                    u32_of(op, blocks.rows)?,
+                    u32_of(op, positions.off)?,
+                    u32_of(op, nb_cap)?,
+                    u32_of(op, idx)?,
+                    u32_of(op, row0)?,
+                    u32_of(op, prows)?,
+                    (j == last) as u32,
+                ],
+                [Some(&qi.b), Some(bb), Some(&scores), None, None],
+                [Some(&positions.b), Some(&out), Some(&scratch)],
+                rows,
+            )?;
+        }
         Ok(WSelection::Sparse {
             b: out,
             stride,

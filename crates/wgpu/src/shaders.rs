@@ -101,7 +101,7 @@ const MODULES: &[Module] = &[
         src: include_str!("../shaders/mq.wgsl"),
         storage: 5,
         quants: true,
-        spec: &[("SPEC_TY", "u32")],
+        spec: &[("SPEC_TY", "u32"), ("SPEC_HWF16", "bool")],
     },
     Module {
         name: "pick",
@@ -149,19 +149,36 @@ pub const FORMATS: [(&str, GgmlType); 13] = [
     ("T_IQ3_XXS", GgmlType::IQ3_XXS),
 ];
 
-/// The formats the model's decoders read besides the report's 13 (floats as the file has
-/// them, and IQ2_XS).
-pub const FLOAT_FORMATS: [(&str, GgmlType); 3] = [
+/// The formats the model's decoders read besides the report's 13: floats as the file has
+/// them, and the other formats of published quantizations (IQ2_XS, IQ2_S, MXFP4, NVFP4).
+pub const FLOAT_FORMATS: [(&str, GgmlType); 6] = [
     ("T_F32", GgmlType::F32),
     ("T_F16", GgmlType::F16),
     ("T_IQ2_XS", GgmlType::IQ2_XS),
+    ("T_IQ2_S", GgmlType::IQ2_S),
+    ("T_MXFP4", GgmlType::MXFP4),
+    ("T_NVFP4", GgmlType::NVFP4),
 ];
 
 /// The full source of `module` with the specialization `spec` (constants not given are 1,
-/// false for booleans: the baseline entry does not read them).
+/// false for booleans: the baseline entry does not read them), parameters in a uniform buffer.
 pub fn source(module: &str, spec: &[(&str, String)]) -> Result<String, WgpuError> {
+    source_for(module, spec, false)
+}
+
+/// [`source`] with the parameter block as immediates (push constants) when `immediates`.
+pub fn source_for(
+    module: &str,
+    spec: &[(&str, String)],
+    immediates: bool,
+) -> Result<String, WgpuError> {
     let m = find(module)?;
     let mut s = String::new();
+    s.push_str(if immediates {
+        "var<immediate> P: Params;\n"
+    } else {
+        "@group(0) @binding(0) var<uniform> P: Params;\n"
+    });
     for (name, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
         s.push_str(&format!("const {name}: u32 = {}u;\n", ty.id()));
     }
@@ -197,8 +214,10 @@ pub fn source(module: &str, spec: &[(&str, String)]) -> Result<String, WgpuError
 
 /// The grid tables of the decoders as one u32 array (layout: quants.wgsl).
 pub fn grid_table() -> Vec<u32> {
-    use strata_quant::grids::{IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
-    let mut t = Vec::with_capacity(912 + 1024);
+    use strata_quant::grids::{
+        IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL,
+    };
+    let mut t = Vec::with_capacity(1936 + 2048);
     t.extend_from_slice(&IQ3S_GRID);
     t.extend_from_slice(&IQ3XXS_GRID);
     t.extend(KSIGNS_IQ2XS.iter().map(|&v| v as u32));
@@ -209,6 +228,8 @@ pub fn grid_table() -> Vec<u32> {
             .iter()
             .flat_map(|&g| [g as u32, (g >> 32) as u32]),
     );
+    // IQ2_S's 8-byte entries likewise, at 1936.
+    t.extend(IQ2S_GRID.iter().flat_map(|&g| [g as u32, (g >> 32) as u32]));
     t
 }
 
@@ -303,7 +324,16 @@ pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
     }
     for (_, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
         for entry in ["mm", "mm1", "gather"] {
-            v.push(("mq", entry, vec![("SPEC_TY", ty.id().to_string())]));
+            for hw in [false, true] {
+                v.push((
+                    "mq",
+                    entry,
+                    vec![
+                        ("SPEC_TY", ty.id().to_string()),
+                        ("SPEC_HWF16", hw.to_string()),
+                    ],
+                ));
+            }
         }
     }
     for n in [2560usize, 10240] {

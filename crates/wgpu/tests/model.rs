@@ -233,6 +233,291 @@ fn weights_split_under_a_small_binding_limit_give_the_same_bits() {
     eprintln!("{split} weights split into parts of 16 KiB: same bits");
 }
 
+#[test]
+fn stores_split_under_a_small_binding_limit_give_the_same_bits() {
+    let Some(_) = backend() else { return };
+    // 1280-byte parts: 5 rows of the tiny model's K/V caches (64 values), 20 of its indexer
+    // key and pooled block stores (16 values): blocks of 4 straddle parts, every reader and
+    // writer of a store runs part by part. Both selection rules (the reference's sparse
+    // attention, llama.cpp's with an F16 cache); prefill and then single decode steps.
+    for opts in [
+        LoadOptions {
+            ctx: Some(128),
+            ..LoadOptions::default()
+        },
+        LoadOptions {
+            ctx: Some(128),
+            qsa_rule: QsaRule::LlamaCpp,
+            kv_type: KvType::F16,
+            ..LoadOptions::default()
+        },
+    ] {
+        let toks = prompt();
+        let (head, tail) = toks.split_at(toks.len() - 4);
+        let run = |m: &Model<WgpuBackend>| {
+            let mut st = m.new_state().unwrap();
+            let mut v = m
+                .forward_with(&mut st, head, Want::default())
+                .unwrap()
+                .logits;
+            for &t in tail {
+                v.extend(
+                    m.forward_with(&mut st, &[t], Want::default())
+                        .unwrap()
+                        .logits,
+                );
+            }
+            v
+        };
+        let whole = run(&load_wgpu("model-f32.gguf", backend().unwrap(), &opts));
+        let b = WgpuBackend::with_device(Wgpu::new().unwrap())
+            .unwrap()
+            .with_store_part_limit(1280);
+        let m = load_wgpu("model-f32.gguf", b, &opts);
+        let got = run(&m);
+        let split = m.backend().split_stores();
+        assert!(split >= 4, "{split} stores split at 1280 bytes");
+        assert!(
+            got.len() == whole.len()
+                && got
+                    .iter()
+                    .zip(&whole)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "split stores changed the logits ({:?})",
+            opts.qsa_rule
+        );
+        eprintln!(
+            "{split} stores split into 1280-byte parts ({:?}, {:?} KV): same bits",
+            opts.qsa_rule, opts.kv_type
+        );
+    }
+}
+
+#[test]
+fn split_stores_attend_like_whole_ones_and_are_refused_where_one_buffer_is_needed() {
+    use strata_engine::backend::{AttnDims, Backend};
+    let Some(whole) = backend() else { return };
+    // Rows of 32 values in 1000-byte parts: 7 rows a part, 8 parts for 50 rows.
+    let split = WgpuBackend::with_device(Wgpu::new().unwrap())
+        .unwrap()
+        .with_store_part_limit(1000);
+    let (cap, kvc) = (50usize, 32usize);
+    let dims = AttnDims {
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 16,
+    };
+    let mut seed = 12345u32;
+    let mut rnd = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    };
+    let (kd, vd, qd) = (rnd(cap * kvc), rnd(cap * kvc), rnd(6 * 64));
+    let positions = [0u32, 6, 7, 20, 44, 49];
+    for kv in [KvType::F32, KvType::F16] {
+        let mut outs = Vec::new();
+        for b in [&whole, &split] {
+            let mut k = b.store(cap, kvc).unwrap();
+            let mut v = b.store(cap, kvc).unwrap();
+            let all: Vec<u32> = (0..cap as u32).collect();
+            let at = b.upload_ids(&all).unwrap();
+            b.write_kv(&mut k, &b.upload(cap, kvc, &kd).unwrap(), &at, kv)
+                .unwrap();
+            b.write_kv(&mut v, &b.upload(cap, kvc, &vd).unwrap(), &at, kv)
+                .unwrap();
+            let q = b.upload(6, 64, &qd).unwrap();
+            let pos = b.upload_ids(&positions).unwrap();
+            let a = b.attend_causal(&q, &k, &v, &pos, dims, kv).unwrap();
+            outs.push((b.download(&a).unwrap(), b.download(&k).unwrap()));
+            if std::ptr::eq(b, &split) {
+                assert_eq!(k.parts(), 8);
+                let e = b
+                    .copy(&k)
+                    .err()
+                    .expect("a split store copied whole")
+                    .to_string();
+                assert!(e.contains("split"), "{e}");
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&outs[0].1),
+            bits(&outs[1].1),
+            "{kv:?}: the stores' rows differ"
+        );
+        assert_eq!(
+            bits(&outs[0].0),
+            bits(&outs[1].0),
+            "{kv:?}: attention differs"
+        );
+    }
+}
+
+/// The tiny f32 model with every matrix (2-D and expert 3-D tensors) stored as F16.
+fn tiny_f16_file() -> PathBuf {
+    tiny_file_as(strata_quant::GgmlType::F16, 20)
+}
+
+/// The tiny f32 model with its matrices (2-D and expert 3-D tensors whose rows are whole
+/// blocks) stored as `ty`; at least `min` of them.
+fn tiny_file_as(ty: strata_quant::GgmlType, min: usize) -> PathBuf {
+    use strata_gguf::{GgufFile, GgufWriter};
+    use strata_quant::GgmlType;
+    let src = GgufFile::open(tiny_dir().join("model-f32.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    w.version(src.version()).alignment(src.alignment());
+    for (k, v) in src.metadata() {
+        if k != "general.alignment" {
+            w.add_kv(k.clone(), v.clone());
+        }
+    }
+    let mut n16 = 0;
+    for t in src.tensors() {
+        let data = src.tensor_data(t).unwrap();
+        let whole = (t.dims[0] as usize).is_multiple_of(ty.block_size());
+        if src.tensor_type(t).unwrap() == GgmlType::F32 && t.dims.len() >= 2 && whole {
+            let v: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let rb = ty.row_bytes(t.dims[0] as usize).unwrap();
+            let mut out = vec![0u8; v.len() / t.dims[0] as usize * rb];
+            strata_quant::quantize(ty, &v, &mut out).unwrap();
+            w.add_tensor_owned(&t.name, &t.dims, ty, out).unwrap();
+            n16 += 1;
+        } else {
+            w.add_tensor(&t.name, &t.dims, src.tensor_type(t).unwrap(), data)
+                .unwrap();
+        }
+    }
+    assert!(n16 >= min, "{n16} {ty} matrices");
+    let path = std::env::temp_dir().join(format!(
+        "strata-wgpu-tiny-{}-{}.gguf",
+        ty.name(),
+        std::process::id()
+    ));
+    w.write_file(&path).unwrap();
+    path
+}
+
+#[test]
+fn an_f16_product_is_the_f64_dot_of_f16_rounded_activations() {
+    use std::sync::Arc;
+    use strata_engine::backend::Backend;
+    use strata_gguf::{GgufFile, GgufWriter};
+    use strata_quant::GgmlType;
+    let Some(b) = backend() else { return };
+    let (k, m, rows) = (300usize, 5usize, 3usize);
+    let mut seed = 99u32;
+    let mut rnd = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                ((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 3.0
+            })
+            .collect()
+    };
+    let (w, x) = (rnd(k * m), rnd(k * rows));
+    let mut wb = vec![0u8; 2 * w.len()];
+    strata_quant::quantize(GgmlType::F16, &w, &mut wb).unwrap();
+    let mut g = GgufWriter::new();
+    g.add_tensor_owned("w", &[k as u64, m as u64], GgmlType::F16, wb.clone())
+        .unwrap();
+    let path = std::env::temp_dir().join(format!("strata-wgpu-f16w-{}.gguf", std::process::id()));
+    g.write_file(&path).unwrap();
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let wt = b.load_weight(&file, file.tensor("w").unwrap()).unwrap();
+    std::fs::remove_file(&path).ok();
+    let y = b
+        .download(&b.matmul(&wt, &b.upload(rows, k, &x).unwrap()).unwrap())
+        .unwrap();
+    // The oracle: both sides rounded to F16 (the CPU's pairing), the dot in f64.
+    let mut xb = vec![0u8; 2 * x.len()];
+    strata_quant::quantize(GgmlType::F16, &x, &mut xb).unwrap();
+    let (mut w16, mut x16) = (vec![0f32; w.len()], vec![0f32; x.len()]);
+    strata_quant::dequantize(GgmlType::F16, &wb, &mut w16).unwrap();
+    strata_quant::dequantize(GgmlType::F16, &xb, &mut x16).unwrap();
+    for r in 0..rows {
+        for o in 0..m {
+            let (mut d, mut mag) = (0f64, 0f64);
+            for i in 0..k {
+                let p = w16[o * k + i] as f64 * x16[r * k + i] as f64;
+                d += p;
+                mag += p.abs();
+            }
+            let got = y[r * m + o] as f64;
+            assert!(
+                (got - d).abs() <= 2e-7 * mag,
+                "row {r} out {o}: {got} vs {d} (Σ|w·x| {mag})"
+            );
+        }
+    }
+}
+
+#[test]
+fn f16_weights_in_products_match_the_cpu() {
+    let Some(b) = backend() else { return };
+    let path = tiny_f16_file();
+    let opts = LoadOptions::default();
+    let m = Model::load(&path, b, &opts).unwrap();
+    let got = all_logits(&m, &prompt());
+    let c = Model::load(&path, CpuBackend::new(2).unwrap(), &opts).unwrap();
+    let want = all_logits_cpu(&c, &prompt());
+    std::fs::remove_file(&path).ok();
+    let r = rel(&got, &want);
+    eprintln!("tiny with F16 matrices on wgpu vs the CPU: {r:.3e} of max|logit|");
+    // Both pair F16 weights with F16-rounded activations (the product itself is checked
+    // exactly above): a last-bit difference before that rounding, in the input of any of the
+    // model's products, moves an activation by an F16 step (2^-11 relative). Measured on
+    // lavapipe: 6.2e-4; the bound allows three steps.
+    assert!(r <= 1.5e-3, "wgpu vs CPU: {r:.3e}");
+}
+
+#[test]
+fn fused_dispatches_give_the_baselines_bits_with_fewer_dispatches() {
+    // Optimized (element-wise ops folded into product epilogues, hardware f16 scales) vs the
+    // baselines, on the f32 and bf16 tiny models and the tiny model with Q8_0 matrices (f16
+    // block scales in weights and activation images): the same logits bit for bit, fewer
+    // dispatches.
+    let Some(_) = backend() else { return };
+    let q8 = tiny_file_as(strata_quant::GgmlType::Q8_0, 8);
+    let q8 = q8.to_str().unwrap().to_string();
+    for file in ["model-f32.gguf", "model-bf16.gguf", q8.as_str()] {
+        let mut seen = Vec::new();
+        for fuse in [false, true] {
+            let b = WgpuBackend::with_device(Wgpu::new().unwrap())
+                .unwrap()
+                .with_fusion(fuse);
+            let m = load_wgpu(file, b, &LoadOptions::default());
+            let d0 = m.backend().counters().dispatches;
+            let l = all_logits(&m, &prompt());
+            seen.push((l, m.backend().counters().dispatches - d0));
+        }
+        let (base, fused) = (&seen[0], &seen[1]);
+        assert!(
+            base.0.len() == fused.0.len()
+                && base
+                    .0
+                    .iter()
+                    .zip(&fused.0)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{file}: fused logits differ from the baseline's"
+        );
+        assert!(
+            fused.1 < base.1,
+            "{file}: {} fused vs {} dispatches",
+            fused.1,
+            base.1
+        );
+        eprintln!("{file}: {} → {} dispatches, same bits", base.1, fused.1);
+    }
+    std::fs::remove_file(&q8).ok();
+}
+
 const MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
 fn default_model() -> Option<PathBuf> {
@@ -466,26 +751,32 @@ fn every_decoder_matches_strata_quant_bitwise() {
             1,
             rows as u32,
         ];
-        let spec = [("SPEC_TY", ty.id().to_string())];
-        let l = g
-            .launch(
-                "mq",
-                "gather",
-                &spec,
-                &p,
-                &[&w, &dummy, &y, &tab, &ids],
-                (rows as u32, 1, 1),
-            )
-            .unwrap();
-        g.run(&[&l], 1).unwrap();
-        let got: Vec<f32> = g.download(&y).unwrap();
-        for (slot, src) in [2usize, 0, 1].into_iter().enumerate() {
-            for j in 0..n {
-                let (a, b) = (got[slot * n + j], want[src * n + j]);
-                assert!(
-                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                    "{ty} row {src} element {j}: {a} vs {b}"
-                );
+        // The integer f16 decoder (baseline) and the hardware's (SPEC_HWF16).
+        for hw in [false, true] {
+            let spec = [
+                ("SPEC_TY", ty.id().to_string()),
+                ("SPEC_HWF16", hw.to_string()),
+            ];
+            let l = g
+                .launch(
+                    "mq",
+                    "gather",
+                    &spec,
+                    &p,
+                    &[&w, &dummy, &y, &tab, &ids],
+                    (rows as u32, 1, 1),
+                )
+                .unwrap();
+            g.run(&[&l], 1).unwrap();
+            let got: Vec<f32> = g.download(&y).unwrap();
+            for (slot, src) in [2usize, 0, 1].into_iter().enumerate() {
+                for j in 0..n {
+                    let (a, b) = (got[slot * n + j], want[src * n + j]);
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "{ty} (hardware f16: {hw}) row {src} element {j}: {a} vs {b}"
+                    );
+                }
             }
         }
     }
