@@ -4,51 +4,49 @@
 
 use strata_cuda::{nvrtc, sources};
 
+/// Every module compiles for sm_90 (NVRTC, no GPU), and ptxas's resource report (registers,
+/// stack frame, spills) of every kernel is printed (`--nocapture`); fails if a module does not
+/// compile or an optimized kernel spills or keeps a stack frame. One compile a module, the
+/// modules spread over the cores (CI's compile check is most of this binary's time). Skipped
+/// with a message without NVRTC. The tensor-core products (mmq.cu) are held to the same.
 #[test]
-fn every_module_compiles() {
+fn every_module_compiles_and_optimized_kernels_do_not_spill() {
     if let Err(e) = nvrtc::ensure_nvrtc() {
-        eprintln!("SKIPPED every_module_compiles: {e}");
+        eprintln!("SKIPPED every_module_compiles_and_optimized_kernels_do_not_spill: {e}");
         return;
     }
     let v = nvrtc::version().expect("nvrtc version");
     eprintln!("NVRTC {}.{}", v.0, v.1);
-    let mut failures = Vec::new();
-    for arch in [(9, 0)] {
-        for m in sources::MODULES {
-            let t = std::time::Instant::now();
-            match nvrtc::compile_cubin(m.name, &m.source(), arch) {
-                Ok(c) => eprintln!(
-                    "{} sm_{}{}: {} bytes in {:.1?}",
-                    m.file,
-                    arch.0,
-                    arch.1,
-                    c.len(),
-                    t.elapsed()
-                ),
-                Err(e) => failures.push(format!(
-                    "{} ({}) sm_{}{}: {e}",
-                    m.name, m.file, arch.0, arch.1
-                )),
-            }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results = std::sync::Mutex::new(Vec::new());
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|sc| {
+        for _ in 0..threads.min(sources::MODULES.len()) {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(m) = sources::MODULES.get(i) else {
+                    break;
+                };
+                let t = std::time::Instant::now();
+                let r = nvrtc::compile_log(m.name, &m.source(), (9, 0), &["--ptxas-options=-v"]);
+                let mut out = results.lock().unwrap_or_else(|p| p.into_inner());
+                out.push((i, r.map(|log| (log, t.elapsed()))));
+            });
         }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
-}
-
-/// ptxas's resource report (registers, stack frame, spills) of every kernel for sm_90, printed
-/// (`--nocapture`); fails if an optimized kernel spills or keeps a stack frame. Needs only
-/// NVRTC (no GPU); skipped with a message without it. The tensor-core products (mmq.cu) are
-/// held to the same.
-#[test]
-fn optimized_kernels_do_not_spill() {
-    if let Err(e) = nvrtc::ensure_nvrtc() {
-        eprintln!("SKIPPED optimized_kernels_do_not_spill: {e}");
-        return;
-    }
-    let mut bad = Vec::new();
-    for m in sources::MODULES {
-        let log = nvrtc::compile_log(m.name, &m.source(), (9, 0), &["--ptxas-options=-v"])
-            .expect("compile");
+    });
+    let mut results = results.into_inner().unwrap_or_else(|p| p.into_inner());
+    results.sort_by_key(|(i, _)| *i);
+    let (mut failures, mut bad) = (Vec::new(), Vec::new());
+    for (i, r) in results {
+        let m = &sources::MODULES[i];
+        let (log, took) = match r {
+            Ok(x) => x,
+            Err(e) => {
+                failures.push(format!("{} ({}) sm_90: {e}", m.name, m.file));
+                continue;
+            }
+        };
+        eprintln!("{} ({}) sm_90: compiled in {took:.1?}", m.name, m.file);
         let mut func = String::new();
         for line in log.lines() {
             if let Some(i) = line.find("Compiling entry function '") {
@@ -72,6 +70,7 @@ fn optimized_kernels_do_not_spill() {
             }
         }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
     assert!(
         bad.is_empty(),
         "optimized kernels with stack frames or spills:\n{}",
