@@ -457,7 +457,7 @@ struct Forced {
 impl DraftHook for Forced {
     fn draft(&mut self, position: usize, _proposed: u32) -> Option<u32> {
         let right = *self.truth.get(position)?;
-        Some(if position % 3 == 0 {
+        Some(if position.is_multiple_of(3) {
             (right + 1) % 320
         } else {
             right

@@ -187,7 +187,8 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     isa: Isa,
     float_activations: FloatActivations,
-    kernels: CpuKernels,
+    /// Boxed: five resolved kernels would make the backend value large to move around.
+    kernels: Box<CpuKernels>,
 }
 
 impl CpuBackend {
@@ -202,7 +203,7 @@ impl CpuBackend {
             pool,
             isa: strata_quant::simd::best(),
             float_activations: FloatActivations::Paired,
-            kernels: CpuKernels::selected()?,
+            kernels: Box::new(CpuKernels::selected()?),
         })
     }
 
