@@ -838,22 +838,14 @@ impl Backend for CpuBackend {
         Ok(CpuIds(ids))
     }
 
-    /// The catalogue's `pick` on each row, mapped through the draft rows.
-    fn pick_draft(&self, logits: &CpuBuf, draft_ids: Option<&CpuIds>) -> Result<CpuIds> {
+    /// The catalogue's `pick` on each row.
+    fn pick_draft(&self, logits: &CpuBuf) -> Result<CpuIds> {
         if logits.cols == 0 {
             return Err(EngineError::Input("pick: no draft logits".to_string()));
         }
         let f = self.kernels.pick.get();
         let ids = (0..logits.rows)
-            .map(|r| {
-                let i = f(logits.row(r), &[])?.index;
-                match draft_ids {
-                    Some(d) => d.0.get(i).copied().ok_or_else(|| {
-                        EngineError::shape("pick_draft", format!("no draft id {i}"))
-                    }),
-                    None => Ok(i as u32),
-                }
-            })
+            .map(|r| Ok(f(logits.row(r), &[])?.index as u32))
             .collect::<Result<Vec<u32>>>()?;
         Ok(CpuIds(ids))
     }
