@@ -472,32 +472,21 @@ pub trait Backend: Send + Sync {
         pick_rows_on_host(self, logits, pick, first_position)
     }
 
-    /// The draft chain's greedy pick of each row (the catalogue's `pick`, the report's
-    /// `mtp_pick`: ties to the lower index, NaN never chosen), mapped to full-vocabulary ids
-    /// through `draft_ids` (the draft vocabulary's rows; None: the index is the id). The
-    /// default downloads the logits and runs `kernels::pick::argmax` on the host.
-    fn pick_draft(&self, logits: &Self::Buf, draft_ids: Option<&Self::Ids>) -> Result<Self::Ids> {
+    /// The draft chain's greedy pick of each row: the index of the largest draft logit (the
+    /// catalogue's `pick`, the report's `mtp_pick`: ties to the lower index, NaN never chosen).
+    /// The caller maps the index to a token through the draft vocabulary it holds on the host
+    /// (so the default moves no draft-vocabulary table). The default downloads the logits and
+    /// runs `kernels::pick::argmax` on the host.
+    fn pick_draft(&self, logits: &Self::Buf) -> Result<Self::Ids> {
         let v = self.download(logits)?;
         let cols = logits.cols();
         if cols == 0 {
             return Err(EngineError::Input("pick: no draft logits".to_string()));
         }
-        let map = match draft_ids {
-            Some(d) => Some(self.download_ids(d)?),
-            None => None,
-        };
-        let ids = v
+        let ids: Vec<u32> = v
             .chunks(cols)
-            .map(|row| {
-                let i = crate::kernels::pick::argmax(row);
-                match &map {
-                    Some(m) => m.get(i).copied().ok_or_else(|| {
-                        EngineError::shape("pick_draft", format!("no draft id {i}"))
-                    }),
-                    None => Ok(i as u32),
-                }
-            })
-            .collect::<Result<Vec<u32>>>()?;
+            .map(|row| crate::kernels::pick::argmax(row) as u32)
+            .collect();
         self.upload_ids(&ids)
     }
 

@@ -362,11 +362,6 @@ impl Judge<'_, '_> {
     }
 }
 
-/// The judge's pick as a device pick (see [`Pick::device_pick`]).
-fn pick_of(j: &Judge<'_, '_>) -> Option<DevicePick> {
-    j.pick.device_pick()
-}
-
 /// Refuses an empty prompt or one that leaves no room in the context.
 pub(crate) fn check_prompt(n_ctx: usize, prompt: &[u32]) -> Result<()> {
     if prompt.is_empty() {
@@ -542,7 +537,7 @@ impl Progress {
         let n = window.len();
         // A pick the device can make with no slop state to follow: the window comes back as
         // one token per row (ids only across the boundary).
-        let device = match (j.t.slop.is_none(), pick_of(&j)) {
+        let device = match (j.t.slop.is_none(), j.pick.device_pick()) {
             (true, Some(p)) => stepper.verify_picked(&window, p)?,
             _ => None,
         };

@@ -144,9 +144,9 @@ impl Backend for Recording {
         self.buf("pick_rows", logits);
         self.cpu.pick_rows(logits, pick, first_position)
     }
-    fn pick_draft(&self, logits: &CpuBuf, draft_ids: Option<&CpuIds>) -> R<CpuIds> {
+    fn pick_draft(&self, logits: &CpuBuf) -> R<CpuIds> {
         self.buf("pick_draft", logits);
-        self.cpu.pick_draft(logits, draft_ids)
+        self.cpu.pick_draft(logits)
     }
     fn copy(&self, x: &CpuBuf) -> R<CpuBuf> {
         self.buf("copy", x);
@@ -457,7 +457,7 @@ struct Forced {
 impl DraftHook for Forced {
     fn draft(&mut self, position: usize, _proposed: u32) -> Option<u32> {
         let right = *self.truth.get(position)?;
-        Some(if position % 3 == 0 {
+        Some(if position.is_multiple_of(3) {
             (right + 1) % 320
         } else {
             right
@@ -625,8 +625,8 @@ fn kernel_selection_switches_the_live_route_with_identical_output() {
 
 /// The CPU's device picks are the host sampler's choices: greedy rows through the catalogue's
 /// `pick` equal `sampler::argmax` (ties to the lower id, −0.0 tying +0.0, a NaN refused), draws
-/// equal `sampler::pick_row` keyed by each row's position, and draft picks map through the
-/// draft rows.
+/// equal `sampler::pick_row` keyed by each row's position, and draft picks are the catalogue
+/// pick's indices (NaN never chosen).
 #[test]
 fn cpu_device_picks_equal_the_host_sampler() {
     let cpu = CpuBackend::new(1).unwrap();
@@ -657,9 +657,8 @@ fn cpu_device_picks_equal_the_host_sampler() {
     let buf = cpu.upload(rows.len(), 5, &nan).unwrap();
     let err = cpu.pick_rows(&buf, DevicePick::Greedy, 0).unwrap_err();
     assert!(err.to_string().contains("NaN"), "{err}");
-    // Draft picks: NaN never chosen, mapped through the draft rows.
+    // Draft picks: NaN never chosen.
     let buf = cpu.upload(rows.len(), 5, &nan).unwrap();
-    let map = CpuIds(vec![100, 101, 102, 103, 104]);
-    let got = cpu.pick_draft(&buf, Some(&map)).unwrap().0;
-    assert_eq!(got, vec![101, 100, 100, 102]);
+    let got = cpu.pick_draft(&buf).unwrap().0;
+    assert_eq!(got, vec![1, 0, 0, 2]);
 }

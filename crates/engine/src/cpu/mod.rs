@@ -187,7 +187,8 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     isa: Isa,
     float_activations: FloatActivations,
-    kernels: CpuKernels,
+    /// Boxed: five resolved kernels would make the backend value large to move around.
+    kernels: Box<CpuKernels>,
 }
 
 impl CpuBackend {
@@ -202,7 +203,7 @@ impl CpuBackend {
             pool,
             isa: strata_quant::simd::best(),
             float_activations: FloatActivations::Paired,
-            kernels: CpuKernels::selected()?,
+            kernels: Box::new(CpuKernels::selected()?),
         })
     }
 
@@ -837,22 +838,14 @@ impl Backend for CpuBackend {
         Ok(CpuIds(ids))
     }
 
-    /// The catalogue's `pick` on each row, mapped through the draft rows.
-    fn pick_draft(&self, logits: &CpuBuf, draft_ids: Option<&CpuIds>) -> Result<CpuIds> {
+    /// The catalogue's `pick` on each row.
+    fn pick_draft(&self, logits: &CpuBuf) -> Result<CpuIds> {
         if logits.cols == 0 {
             return Err(EngineError::Input("pick: no draft logits".to_string()));
         }
         let f = self.kernels.pick.get();
         let ids = (0..logits.rows)
-            .map(|r| {
-                let i = f(logits.row(r), &[])?.index;
-                match draft_ids {
-                    Some(d) => d.0.get(i).copied().ok_or_else(|| {
-                        EngineError::shape("pick_draft", format!("no draft id {i}"))
-                    }),
-                    None => Ok(i as u32),
-                }
-            })
+            .map(|r| Ok(f(logits.row(r), &[])?.index as u32))
             .collect::<Result<Vec<u32>>>()?;
         Ok(CpuIds(ids))
     }

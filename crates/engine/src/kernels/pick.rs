@@ -156,4 +156,15 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn no_draft_ids_means_the_index_is_the_token() {
+        let l = [0.5f32, 3.0, -1.0, 3.0];
+        for f in [pick_baseline, pick_optimized] {
+            let p = f(&l, &[]).unwrap();
+            assert_eq!((p.index, p.token, p.value), (1, 1, 3.0));
+        }
+        // A map of the wrong length is still refused.
+        assert!(pick_baseline(&l, &[7, 8]).is_err());
+    }
 }

@@ -198,9 +198,15 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         loop {
             let j = drafts.len();
             let proposed = if on_device {
-                let ids = b.download_ids(&b.pick_draft(&logits, self.draft_rows.as_ref())?)?;
-                *ids.first()
+                let ids = b.download_ids(&b.pick_draft(&logits)?)?;
+                let i = *ids
+                    .first()
                     .ok_or_else(|| crate::error::EngineError::shape("pick_draft", "no row"))?
+                    as usize;
+                match &self.vocab {
+                    Some(v) => v.ids().get(i).copied().unwrap_or(0),
+                    None => i as u32,
+                }
             } else {
                 let mut host = b.download(&logits)?;
                 if edits {
