@@ -306,15 +306,13 @@ pick_opt(const float* logits, const int* draft_ids, int nv, int* out, float* par
     }
 }
 
-// ---- pick_rows: a token id per logits row (Backend::pick_rows / pick_draft) -----------------
+// ---- pick_rows: the index of each logits row's largest value (Backend::pick_rows / pick_draft)
 // One 1024-thread block per row: the largest logit, ties to the lower index (pick_take, the
-// catalogue's and the host sampler's order). With a map, out[r] = map[index] (the draft
-// vocabulary's rows), else the index. `nan_err`: a NaN logit sets ERR_NAN_LOGIT in *err (the
-// host sampler's argmax refuses NaN); without it NaN is never chosen (the catalogue's pick).
+// catalogue's and the host sampler's order). `nan_err`: a NaN logit sets ERR_NAN_LOGIT in *err
+// (the host sampler's argmax refuses NaN); without it NaN is never chosen (the catalogue's pick).
 #define ERR_NAN_LOGIT 8u
 extern "C" __global__ void __launch_bounds__(1024)
-pick_rows(const float* logits, int nv, const unsigned int* map, int use_map, unsigned int* out, int nan_err,
-          unsigned int* err) {
+pick_rows(const float* logits, int nv, unsigned int* out, int nan_err, unsigned int* err) {
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* l = logits + (size_t)blockIdx.x * nv;
@@ -329,8 +327,7 @@ pick_rows(const float* logits, int nv, const unsigned int* map, int use_map, uns
     nan = __syncthreads_or(nan);
     pick_block<32>(bv, bi, sv, si);
     if (threadIdx.x == 0) {
-        const int i = bi == PICK_NONE ? 0 : bi;
-        out[blockIdx.x] = use_map ? map[i] : (unsigned int)i;
+        out[blockIdx.x] = bi == PICK_NONE ? 0u : (unsigned int)bi;
         if (nan && nan_err) atomicOr(err, ERR_NAN_LOGIT);
     }
 }

@@ -872,25 +872,12 @@ impl CudaBackend {
         Ok((key, s))
     }
 
-    /// A token id per row of `logits` by the device's pick (sample.cu pick_rows), through the
-    /// draft vocabulary's rows when given; `nan_err`: a NaN logit is an error (reported with
-    /// the ids' download), else never chosen.
-    fn pick_on_device(
-        &self,
-        logits: &CudaBuf,
-        map: Option<&CudaIds>,
-        nan_err: bool,
-    ) -> Result<CudaIds> {
+    /// The index of each row's largest logit by the device's pick (sample.cu pick_rows, ties
+    /// to the lower index); `nan_err`: a NaN logit is an error (reported with the ids'
+    /// download), else never chosen.
+    fn pick_on_device(&self, logits: &CudaBuf, nan_err: bool) -> Result<CudaIds> {
         if logits.cols == 0 {
             return Err(EngineError::Input("pick: no logits".to_string()));
-        }
-        if let Some(m) = map {
-            if m.len != logits.cols {
-                return Err(shape(
-                    "pick_draft",
-                    format!("{} draft ids for rows of {}", m.len, logits.cols),
-                ));
-            }
         }
         let mut out = CudaIds {
             len: logits.rows,
@@ -902,7 +889,6 @@ impl CudaBackend {
             &logits.data,
             logits.rows,
             logits.cols,
-            map.map(|m| &*m.data),
             nan_err,
             &mut out.data,
             &mut err,
@@ -1840,15 +1826,15 @@ impl Backend for CudaBackend {
         first_position: u64,
     ) -> Result<CudaIds> {
         match pick {
-            DevicePick::Greedy => self.pick_on_device(logits, None, true),
+            DevicePick::Greedy => self.pick_on_device(logits, true),
             DevicePick::Draw { .. } => {
                 strata_engine::backend::pick_rows_on_host(self, logits, pick, first_position)
             }
         }
     }
 
-    fn pick_draft(&self, logits: &CudaBuf, draft_ids: Option<&CudaIds>) -> Result<CudaIds> {
-        self.pick_on_device(logits, draft_ids, false)
+    fn pick_draft(&self, logits: &CudaBuf) -> Result<CudaIds> {
+        self.pick_on_device(logits, false)
     }
 
     fn add_bias(&self, x: &mut CudaBuf, b: &CudaWeight) -> Result<()> {

@@ -720,16 +720,14 @@ pub fn swiglu_prepare(
     )
 }
 
-/// A token id per row of `logits` (`rows × nv`, sample.cu pick_rows): the largest logit, ties
-/// to the lower index, through `map` when given; `nan_err` makes a NaN logit set
-/// [`ERR_NAN_LOGIT`] (the host sampler's greedy refuses NaN), else NaN is never chosen.
-#[allow(clippy::too_many_arguments)]
+/// The index of each row's largest logit (`rows × nv`, sample.cu pick_rows), ties to the lower
+/// index; `nan_err` makes a NaN logit set [`ERR_NAN_LOGIT`] (the host sampler's greedy refuses
+/// NaN), else NaN is never chosen (the catalogue's pick).
 pub fn pick_rows(
     gpu: &Gpu,
     logits: &CudaSlice<f32>,
     rows: usize,
     nv: usize,
-    map: Option<&CudaSlice<u32>>,
     nan_err: bool,
     out: &mut CudaSlice<u32>,
     err: &mut CudaSlice<u32>,
@@ -740,20 +738,16 @@ pub fn pick_rows(
     }
     need(k, "logits", logits.len(), rows * nv)?;
     need(k, "out", out.len(), rows)?;
-    if let Some(m) = map {
-        need(k, "map", m.len(), nv)?;
-    }
     if rows == 0 {
         return Ok(());
     }
-    let (nvi, um, ne) = (i32_of(k, nv)?, map.is_some() as i32, nan_err as i32);
-    let mp = map.map(|m| addr(gpu, m)).unwrap_or(0);
+    let (nvi, ne) = (i32_of(k, nv)?, nan_err as i32);
     launch!(
         gpu,
         "sample",
         "pick_rows",
         cfg(rows as u32, 1024),
-        [logits, &nvi, &mp, &um, out, &ne, err]
+        [logits, &nvi, out, &ne, err]
     )
 }
 
