@@ -22,31 +22,25 @@ pub trait Rows {
     fn vocab(&self) -> usize;
 }
 
-impl<B: Backend> Rows for qwen2::Model<B> {
-    type St = qwen2::State<B>;
-    fn fresh(&self) -> Result<Self::St> {
-        Ok(self.new_state()?)
-    }
-    fn rows(&self, st: &mut Self::St, tokens: &[u32]) -> Result<Vec<f32>> {
-        Ok(self.forward(st, tokens)?.logits)
-    }
-    fn vocab(&self) -> usize {
-        self.config().n_vocab
-    }
+/// Both families' models have the same state / forward / config shape.
+macro_rules! rows_for {
+    ($model:ty, $state:ty, $($bound:tt)+) => {
+        impl<B: $($bound)+> Rows for $model {
+            type St = $state;
+            fn fresh(&self) -> Result<Self::St> {
+                Ok(self.new_state()?)
+            }
+            fn rows(&self, st: &mut Self::St, tokens: &[u32]) -> Result<Vec<f32>> {
+                Ok(self.forward(st, tokens)?.logits)
+            }
+            fn vocab(&self) -> usize {
+                self.config().n_vocab
+            }
+        }
+    };
 }
-
-impl<B: Qwen4expOps> Rows for qwen4exp::Model<B> {
-    type St = qwen4exp::State<B>;
-    fn fresh(&self) -> Result<Self::St> {
-        Ok(self.new_state()?)
-    }
-    fn rows(&self, st: &mut Self::St, tokens: &[u32]) -> Result<Vec<f32>> {
-        Ok(self.forward(st, tokens)?.logits)
-    }
-    fn vocab(&self) -> usize {
-        self.config().n_vocab
-    }
-}
+rows_for!(qwen2::Model<B>, qwen2::State<B>, Backend);
+rows_for!(qwen4exp::Model<B>, qwen4exp::State<B>, Qwen4expOps);
 
 /// The first (row, logit) where `got` and `want` differ in their bits, as the report says it.
 fn first_diff(got: &[f32], want: &[f32], nv: usize, row0: usize) -> String {

@@ -1086,23 +1086,14 @@ impl CudaBackend {
             })?;
             let inj_out = inj.as_mut().map(|b| &mut *b.data);
             match (fused, x) {
-                (true, Resid::Plain(x)) => {
-                    let input = model::MixInput::Plain(&x.data);
-                    model::hc_mix_fused(
-                        &self.gpu,
-                        &devs,
-                        input,
-                        rows,
-                        &mut scratch,
-                        &mut u.data,
-                        inj_out,
-                    )
-                }
-                (true, Resid::Combine { x, y, inj }) => {
-                    let input = model::MixInput::Combine {
-                        x: &mut x.data,
-                        y: &y.data,
-                        inj: &inj.data,
+                (true, x) => {
+                    let input = match x {
+                        Resid::Plain(x) => model::MixInput::Plain(&x.data),
+                        Resid::Combine { x, y, inj } => model::MixInput::Combine {
+                            x: &mut x.data,
+                            y: &y.data,
+                            inj: &inj.data,
+                        },
                     };
                     model::hc_mix_fused(
                         &self.gpu,
