@@ -2201,3 +2201,73 @@ fn device_picks_equal_the_host_picks() {
     let e = r.expect_err("a NaN logit must be refused");
     assert!(e.to_string().contains("NaN"), "{e}");
 }
+
+// ---- activation images in one launch ------------------------------------------------------------
+
+/// `xprep_multi` (BF16, Q8_0 and Q8_K images of one input in one launch) writes each image
+/// byte for byte as the single-format `xprep` does, and `swiglu_xprep` the image of
+/// `swiglu` then `xprep`, at decode and prefill row counts, with special values.
+#[test]
+fn multi_format_images_equal_single_format_xprep() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(51);
+    let fmts = [ActFmt::Bf16, ActFmt::Q8_0, ActFmt::Q8K];
+    for (n, nt) in [
+        (2560usize, 1usize),
+        (2560, 3),
+        (2560, 8),
+        (2560, 19),
+        (640, 5),
+    ] {
+        let x = tame(rng.f32_vec_special(nt * n, 1.0));
+        let dx = up(g, &x);
+        let usable: Vec<ActFmt> = fmts
+            .iter()
+            .copied()
+            .filter(|f| f.row_bytes(n).is_some())
+            .collect();
+        let mut single = Vec::new();
+        for &f in &usable {
+            let mut o = g.zeros::<u8>(nt * f.row_bytes(n).unwrap()).unwrap();
+            ops::xprep(g, "optimized", &dx, &mut o, nt, n, f).unwrap();
+            single.push(g.download(&o).unwrap());
+        }
+        let mut outs: Vec<CudaSlice<u8>> = usable
+            .iter()
+            .map(|f| g.zeros::<u8>(nt * f.row_bytes(n).unwrap()).unwrap())
+            .collect();
+        {
+            let mut it = outs.iter_mut();
+            let mut slot = |f: ActFmt| usable.contains(&f).then(|| it.next().unwrap());
+            let (b, q, k) = (slot(ActFmt::Bf16), slot(ActFmt::Q8_0), slot(ActFmt::Q8K));
+            m::prepare_multi(g, &dx, nt, n, b, q, k).unwrap();
+        }
+        for ((f, o), want) in usable.iter().zip(&outs).zip(&single) {
+            let got = g.download(o).unwrap();
+            assert!(
+                want.iter().any(|&b| b != 0),
+                "{f:?}: an all-zero image proves nothing"
+            );
+            assert_eq!(&got, want, "xprep_multi {f:?} image, {nt} rows of {n}");
+        }
+        // swiglu straight into an image = swiglu, then xprep.
+        let u = tame(rng.f32_vec_special(nt * n, 1.0));
+        let du = up(g, &u);
+        let mut act = g.zeros::<f32>(nt * n).unwrap();
+        m::swiglu(g, &dx, &du, &mut act, nt * n).unwrap();
+        for &f in &usable {
+            let rb = f.row_bytes(n).unwrap();
+            let mut want = g.zeros::<u8>(nt * rb).unwrap();
+            ops::xprep(g, "optimized", &act, &mut want, nt, n, f).unwrap();
+            let mut got = g.zeros::<u8>(nt * rb).unwrap();
+            m::swiglu_prepare(g, &dx, &du, nt, n, f, &mut got).unwrap();
+            let want = g.download(&want).unwrap();
+            assert!(want.iter().any(|&b| b != 0));
+            assert_eq!(
+                g.download(&got).unwrap(),
+                want,
+                "swiglu_xprep {f:?}, {nt} rows of {n}"
+            );
+        }
+    }
+}
