@@ -22,6 +22,7 @@
 // store[pos[r]] = x[r] (rows of `cols`), rounded through F16 when `f16`.
 extern "C" __global__ void __launch_bounds__(256)
 kv_append_f32(float* store, u32 cap, const float* x, const u32* pos, int cols, int f16, u32* err) {
+    grid_dep_sync();
     const int r = blockIdx.x;
     const u32 p = pos[r];
     if (p >= cap) {
@@ -41,6 +42,7 @@ kv_append_f32(float* store, u32 cap, const float* x, const u32* pos, int cols, i
 // (a step's rows that complete no pooled block).
 extern "C" __global__ void __launch_bounds__(256)
 store_rows_f32(float* store, u32 cap, const float* x, const u32* at, int cols, int f16, u32* err) {
+    grid_dep_sync();
     const int r = blockIdx.x;
     const u32 p = at[r];
     if (p == 0xffffffffu) return;
@@ -63,6 +65,7 @@ store_rows_f32(float* store, u32 cap, const float* x, const u32* at, int cols, i
 extern "C" __global__ void __launch_bounds__(256)
 qsa_pool(const float* kraw, float* blocks, u32 cap_blocks, const u32* pos, int d, int ratio, const float* w,
          float eps, const double* freqs, int rot, u32* err) {
+    grid_dep_sync();
     __shared__ float sh[8];
     __shared__ float pooled[1024];
     const u32 p = pos[blockIdx.x];
@@ -106,6 +109,7 @@ qsa_pool(const float* kraw, float* blocks, u32 cap_blocks, const u32* pos, int d
 extern "C" __global__ void __launch_bounds__(256)
 qsa_scores(const float* qi, const float* blocks, const u32* pos, float* scores, u32 cap_blocks, int heads, int d,
            int ratio) {
+    grid_dep_sync();
     __shared__ float qs[1024];
     __shared__ float kt[256][33];
     const int r = blockIdx.y;
@@ -183,6 +187,7 @@ __device__ __forceinline__ int block_scan1024(int v, int* sh, int& total) {
 extern "C" __global__ void __launch_bounds__(1024)
 qsa_select_ref(const float* scores, const u32* pos, u32* sel, u32* cnt, u32 cap_blocks, int ratio, int budget,
                int stride, u32* err) {
+    grid_dep_sync();
     __shared__ u32 hist[256];
     __shared__ int scan[32];
     __shared__ u32 s_prefix, s_need;
@@ -291,6 +296,7 @@ __device__ void adjust_heap_(u32* a, u32 hole, u32 len, u32 value, const TokScor
 extern "C" __global__ void __launch_bounds__(32)
 qsa_select_llamacpp(const float* scores, const u32* pos, u32* sel, u32* cnt, u32* scratch, u32 scratch_stride,
                     u32 cap_blocks, int ratio, int budget, int stride, u32* err) {
+    grid_dep_sync();
     if (threadIdx.x != 0) return;
     const int r = blockIdx.x;
     const u32 p = pos[r];
@@ -362,6 +368,7 @@ extern "C" __global__ void __launch_bounds__(256)
 attend_f32(const float* q, const float* kc, const float* vc, const u32* sel, const u32* cnt, const u32* pos,
            float* out, float* scratch, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
            u32* err) {
+    grid_dep_sync();
     __shared__ float qs[512];
     __shared__ float sh[8];
     const int r = blockIdx.x / n_head, h = blockIdx.x % n_head;
@@ -463,6 +470,7 @@ extern "C" __global__ void __launch_bounds__(256)
 attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
                     float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
                     int max_chunks, u32* err) {
+    grid_dep_sync();
     __shared__ float qs[512];
     __shared__ float sh[8];
     __shared__ float kt[256][33];
@@ -526,6 +534,7 @@ extern "C" __global__ void __launch_bounds__(256)
 attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
                  const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
                  int f16, int max_chunks) {
+    grid_dep_sync();
     __shared__ float w[256];
     __shared__ u32 tk[256];
     const int rh = blockIdx.x, r = rh / n_head, h = rh % n_head, c = blockIdx.y;
@@ -571,6 +580,7 @@ attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_sum(const float* part, const u32* cnt, const u32* pos, float* out, u32 cap, int n_head, int d,
                  int causal, int max_chunks) {
+    grid_dep_sync();
     const int rh = blockIdx.x, r = rh / n_head;
     const u32 T = causal ? pos[r] + 1 : cnt[r];
     if (T > cap) return;

@@ -13,6 +13,32 @@ typedef unsigned int u32;
 typedef int i32;
 typedef unsigned long long u64;
 
+// Programmatic dependent launch (sm_90+). Every kernel calls this first: it waits until the
+// kernel before it in the stream has finished and its writes are visible (a no-op when the
+// launch had no programmatic dependency), then lets the next kernel launch, so that the next
+// kernel's launch and block start-up overlap this kernel's run instead of following its end.
+// Nothing may read another kernel's output, or write memory another kernel reads, before it.
+// The recorded steps launch with programmatic stream serialization (record.rs); the order of
+// every kernel's arithmetic is unchanged, so the results are the same bits.
+__device__ __forceinline__ void grid_dep_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Starts pulling `bytes` of read-only data at `p` (a block's weight rows) into L2 with sm_90's
+// bulk prefetch, one instruction from the block's first thread; only the whole 16-byte granules
+// inside the range. Kernels issue it before grid_dep_sync(): the weights do not depend on the
+// kernel before, so their DRAM latency overlaps that kernel's run.
+__device__ __forceinline__ void prefetch_l2(const void* p, u64 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const u64 a = ((u64)p + 15) & ~15ull, e = ((u64)p + bytes) & ~15ull;
+    if (threadIdx.x == 0 && threadIdx.y == 0 && e > a)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(e - a)));
+#endif
+}
+
 #define NEG_INF (__int_as_float(0xff800000))
 #define FULL_MASK 0xffffffffu
 

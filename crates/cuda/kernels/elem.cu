@@ -21,6 +21,7 @@
 // alias x.
 extern "C" __global__ void __launch_bounds__(256)
 rms_norm_f32(const float* x, const float* w, float* out, int cols, int group, int w_len, float eps) {
+    grid_dep_sync();
     __shared__ float sh[8];
     const int groups = cols / group;
     const int row = blockIdx.x / groups, g = blockIdx.x % groups;
@@ -42,6 +43,7 @@ rms_norm_f32(const float* x, const float* w, float* out, int cols, int group, in
 // computes them (ops::rope_freqs), so only cos/sin of pos·f differ in their last f64 bits.
 extern "C" __global__ void __launch_bounds__(256)
 rope_neox_f32(float* x, const u32* pos, const double* freqs, int rows, int cols, int head_dim, int rot) {
+    grid_dep_sync();
     const int half = rot / 2, heads = cols / head_dim;
     GRID_STRIDE(i, (size_t)rows * heads * half) {
         const int k = (int)(i % half);
@@ -60,37 +62,44 @@ rope_neox_f32(float* x, const u32* pos, const double* freqs, int rows, int cols,
 
 // out = x + y.
 extern "C" __global__ void add_f32(const float* x, const float* y, float* out, u64 n) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) out[i] = x[i] + y[i];
 }
 
 // x += y.
 extern "C" __global__ void add_assign_f32(float* x, const float* y, u64 n) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) x[i] = x[i] + y[i];
 }
 
 // x[r][c] += b[c].
 extern "C" __global__ void add_bias_f32(float* x, const float* b, u64 n, int cols) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) x[i] = x[i] + b[i % cols];
 }
 
 // out = silu(g) * u.
 extern "C" __global__ void swiglu_f32(const float* g, const float* u, float* out, u64 n) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) out[i] = siluf_(g[i]) * u[i];
 }
 
 // out = x * sigmoid(gate).
 extern "C" __global__ void mul_sigmoid_f32(const float* x, const float* gate, float* out, u64 n) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) out[i] = x[i] * sigmoidf_(gate[i]);
 }
 
 // y[r][c] += sigmoid(gate[r]) * x[r][c].
 extern "C" __global__ void add_sigmoid_gated_f32(float* y, const float* x, const float* gate, u64 n, int cols) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) y[i] = y[i] + sigmoidf_(gate[i / cols]) * x[i];
 }
 
 // Rows laid out as repeated [part 0 (chunk) | part 1 (chunk) | ...] split into the parts; part p
 // is written at out + p·(n / parts) (one buffer, part-major).
 extern "C" __global__ void deinterleave_f32(const float* x, float* out, u64 n, int chunk, int parts) {
+    grid_dep_sync();
     const size_t part_len = n / parts;
     GRID_STRIDE(i, n) {
         const size_t ci = i / chunk, within = i % chunk;
@@ -101,6 +110,7 @@ extern "C" __global__ void deinterleave_f32(const float* x, float* out, u64 n, i
 
 // out[r] = [x[r]; x[r]; …] (`copies` times): the hyper-connection streams start as copies.
 extern "C" __global__ void repeat_rows_f32(const float* x, float* out, u64 n_out, int cols, int copies) {
+    grid_dep_sync();
     GRID_STRIDE(i, n_out) {
         const size_t row = i / ((size_t)cols * copies), c = i % cols;
         out[i] = x[row * cols + c];
@@ -112,16 +122,19 @@ extern "C" __global__ void repeat_rows_f32(const float* x, float* out, u64 n_out
 // The down product's activation for the up product: silu(v · inv_s), rounded to BF16 (the up
 // weight's paired format; the same bits as xprep of the f32 value).
 extern "C" __global__ void hc_act_bf16(const float* a, u16* out, u64 n, float inv_s) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) out[i] = f32_to_bf16(siluf_(a[i] * inv_s));
 }
 
 // As hc_act_bf16 for an up weight paired with f32 activations: silu(v · inv_s).
 extern "C" __global__ void hc_act_f32(const float* a, float* out, u64 n, float inv_s) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) out[i] = siluf_(a[i] * inv_s);
 }
 
 // u[r][j] = (Σ_s σ(g[r][s·h + j]) · xn[r][s·h + j]) · inv_s, streams in order from +0.
 extern "C" __global__ void hc_u_f32(const float* g, const float* xn, float* u, int rows, int h, int streams, float inv_s) {
+    grid_dep_sync();
     GRID_STRIDE(i, (size_t)rows * h) {
         const size_t r = i / h, j = i % h;
         const float* gr = g + r * streams * h;
@@ -134,11 +147,13 @@ extern "C" __global__ void hc_u_f32(const float* g, const float* xn, float* u, i
 
 // inj = 2σ(v · inv_s), in place.
 extern "C" __global__ void hc_inj_f32(float* v, u64 n, float inv_s) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) v[i] = 2.0f * sigmoidf_(v[i] * inv_s);
 }
 
 // x[r][s·h + j] += inj[r][s] · y[r][j].
 extern "C" __global__ void hc_combine_f32(float* x, const float* y, const float* inj, int rows, int h, int streams) {
+    grid_dep_sync();
     GRID_STRIDE(i, (size_t)rows * streams * h) {
         const size_t r = i / ((size_t)streams * h), s = (i / h) % streams, j = i % h;
         x[i] = x[i] + inj[r * streams + s] * y[r * h + j];
@@ -150,6 +165,7 @@ extern "C" __global__ void hc_combine_f32(float* x, const float* y, const float*
 // 1e-6))), out[r][s] = γ·V[r].
 extern "C" __global__ void __launch_bounds__(256)
 ple_gate_f32(const float* k, const float* q, const float* v, float* out, int h, int streams) {
+    grid_dep_sync();
     __shared__ float sh[8];
     const int r = blockIdx.x / streams, s = blockIdx.x % streams;
     const float* kr = k + ((size_t)r * streams + s) * h;
@@ -171,6 +187,7 @@ ple_gate_f32(const float* k, const float* q, const float* v, float* out, int h, 
 
 // out[r][j] = x[r][start + j], rows of `cols` to rows of `len`.
 extern "C" __global__ void slice_cols_f32(const float* x, float* out, u64 n, int cols, int start, int len) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) {
         const size_t r = i / len, j = i % len;
         out[i] = x[r * cols + start + j];
@@ -181,6 +198,7 @@ extern "C" __global__ void slice_cols_f32(const float* x, float* out, u64 n, int
 // rows of a full product). An id at or past `cols` gives NaN and sets err bit 1.
 extern "C" __global__ void gather_cols_f32(const float* y, const u32* ids, float* out, u64 n, int cols, int m,
                                            u32* err) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) {
         const size_t r = i / m, j = i % m;
         const u32 c = ids[j];
@@ -198,6 +216,7 @@ extern "C" __global__ void gather_cols_f32(const float* y, const u32* ids, float
 // `n_rows` gives a NaN row (the model checks ids before the step).
 extern "C" __global__ void gather_rows_f32(const float* table, u32 n_rows, const u32* ids, float* out, u64 n_out,
                                            int cols, int copies) {
+    grid_dep_sync();
     GRID_STRIDE(i, n_out) {
         const size_t row = i / ((size_t)cols * copies), c = i % cols;
         const u32 id = ids[row];
@@ -211,6 +230,7 @@ extern "C" __global__ void gather_rows_f32(const float* table, u32 n_rows, const
 // store's `cap` rows set err bit 1. One thread per output value.
 extern "C" __global__ void qsa_mean_f32(const float* kraw, u32 cap, const u32* pos, float* out, u64 n, int d,
                                         int ratio, u32* err) {
+    grid_dep_sync();
     GRID_STRIDE(i, n) {
         const size_t r = i / d, c = i % d;
         const u32 p = pos[r];
@@ -235,6 +255,7 @@ extern "C" __global__ void qsa_mean_f32(const float* kraw, u32 cap, const u32* p
 // activation takes BF16 values first (the pairing). Grid (rows / 8, nt), 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
 matmul_float_any(const u8* w, const float* x, float* y, int rows, int k, int wty) {
+    grid_dep_sync();
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int t = blockIdx.y;
@@ -258,6 +279,7 @@ matmul_float_any(const u8* w, const float* x, float* y, int rows, int k, int wty
 extern "C" __global__ void __launch_bounds__(256)
 moe_float_any(const u8* w, u64 slab, const int* ids, int n_expert, const float* x, int x_per_slot, int kslots,
               float* y, int rows, int k, int wty, u32* err) {
+    grid_dep_sync();
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int q = blockIdx.y;

@@ -41,6 +41,7 @@ __device__ float elem_any(int type, const u8* row, int i) {
 // than a read out of bounds.
 extern "C" __global__ void __launch_bounds__(256)
 embed_base(const u8* table, u32 n_rows, const u32* ids, float* out, int row_len, u64 row_bytes, int type) {
+    grid_dep_sync();
     const u32 id = ids[blockIdx.x];
     float* o = out + (size_t)blockIdx.x * row_len;
     if (id >= n_rows) {
@@ -74,7 +75,7 @@ __device__ __forceinline__ void embed_opt(const u8* table, u32 n_rows, const u32
 
 #define EMBED_OPT(T, NAME)                                                                     \
     extern "C" __global__ void __launch_bounds__(128)                                          \
-    embed_opt_2560_##NAME(const u8* table, u32 n_rows, const u32* ids, float* out) {           \
+    embed_opt_2560_##NAME(const u8* table, u32 n_rows, const u32* ids, float* out) { grid_dep_sync();           \
         embed_opt<T, 2560>(table, n_rows, ids, out);                                           \
     }
 EMBED_OPT(T_BF16, bf16)

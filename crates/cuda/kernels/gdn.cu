@@ -20,6 +20,7 @@ __device__ __forceinline__ float g_softplus(float x) { return x > 20.0f ? x : lo
 // which has not been overwritten yet).
 extern "C" __global__ void __launch_bounds__(256)
 conv1d_silu_f32(const float* x, const float* w, float* hist, float* out, int n, int c, int k, int dil) {
+    grid_dep_sync();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= c) return;
     const int hr = (k - 1) * dil;
@@ -113,7 +114,7 @@ __device__ __forceinline__ void gdn_step_t(const float* qkv, const float* z, con
     extern "C" __global__ void __launch_bounds__(DV)                                                   \
     gdn_step_##DK##_##DV(const float* qkv, const float* z, const float* alpha, const float* beta,      \
                          const float* ssm_a, const float* dt_bias, const float* norm, float* state,    \
-                         float* out, int n, int nk, int nv, float eps) {                               \
+                         float* out, int n, int nk, int nv, float eps) { grid_dep_sync();                               \
         gdn_step_t<DK, DV>(qkv, z, alpha, beta, ssm_a, dt_bias, norm, state, out, n, nk, nv, eps);     \
     }
 GDN_STEP(128, 128)
@@ -135,6 +136,7 @@ GDN_STEP(16, 16)
 extern "C" __global__ void __launch_bounds__(128)
 gdn_chunk_128(const float* qkv, const float* z, const float* alpha, const float* beta, const float* ssm_a,
               const float* dt_bias, const float* norm, float* state, float* out, int n, int nk, int nv, float eps) {
+    grid_dep_sync();
     constexpr int DK = 128, DV = 128;
     __shared__ float qs[GC][DK + 1], ks[GC][DK + 1], os[GC][DV];  // +1: the Gram loop reads rows
     __shared__ float kk[GC][GC + 1], qk[GC][GC + 1];
@@ -248,6 +250,7 @@ gdn_chunk_128(const float* qkv, const float* z, const float* alpha, const float*
 extern "C" __global__ void __launch_bounds__(128)
 gdn_prep(const float* qkv, const float* alpha, const float* beta, const float* ssm_a, const float* dt_bias, float* qn,
          float* kn, float* bd, int nk, int nv, int dk, int dv) {
+    grid_dep_sync();
     __shared__ float qs[256], ks[256], sc[2];
     const int t = blockIdx.x, g = blockIdx.y, i = threadIdx.x;
     const int conv_dim = 2 * nk * dk + nv * dv;
@@ -313,7 +316,7 @@ __device__ __forceinline__ void gdn_scan_t(const float* qn, const float* kn, con
 #define GDN_SCAN(DK)                                                                                   \
     extern "C" __global__ void __launch_bounds__(32)                                                   \
     gdn_scan_##DK(const float* qn, const float* kn, const float* bd, const float* qkv, float* state,   \
-                  float* oraw, int n, int nk, int nv, int dv) {                                        \
+                  float* oraw, int n, int nk, int nv, int dv) { grid_dep_sync();                                        \
         gdn_scan_t<DK>(qn, kn, bd, qkv, state, oraw, n, nk, nv, dv);                                   \
     }
 GDN_SCAN(128)
@@ -323,6 +326,7 @@ GDN_SCAN(32)
 // Grid (n·nv), dv threads: out = ((o · rms(o)) · w) · σ(z), the sum of squares in order.
 extern "C" __global__ void __launch_bounds__(256)
 gdn_out(const float* oraw, const float* z, const float* norm, float* out, int dv, float eps) {
+    grid_dep_sync();
     __shared__ float os[256];
     __shared__ float sc;
     const size_t base = (size_t)blockIdx.x * dv;

@@ -72,6 +72,9 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
     constexpr int XRB = T == T_BF16 ? 2 * K : (T == T_Q8_0 || T == T_Q2_0) ? 34 * (K / 32) : 292 * (K / 256);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = blockIdx.x * WARPS + warp;
+    const int brows = rows - (int)blockIdx.x * WARPS;
+    if (brows > 0) prefetch_l2(w + (size_t)blockIdx.x * WARPS * WRB, (u64)(brows < WARPS ? brows : WARPS) * WRB);
+    grid_dep_sync();
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.f;
@@ -333,9 +336,19 @@ __device__ __forceinline__ void gemv_units_t(const u8* w0, const u8* w1, const u
     const int total = n0 + n1 + n2 + n3;
     const int row0 = blockIdx.x * rb;
     if (row0 >= total) return;
-    x = stage_act(x, (u64)nt * xrb, xsh);
     const int nrows = min(rb, total - row0);
     const int e1 = n0, e2 = n0 + n1, e3 = n0 + n1 + n2;
+    {
+        // This block's rows of each of the (up to four) weights.
+        const u8* ws[4] = {w0, w1, w2, w3};
+        const int lo[4] = {0, e1, e2, e3}, hi[4] = {e1, e2, e3, total};
+        for (int i = 0; i < 4; ++i) {
+            const int a = max(row0, lo[i]), b = min(row0 + nrows, hi[i]);
+            if (a < b) prefetch_l2(ws[i] + (size_t)(a - lo[i]) * wrb, (u64)(b - a) * wrb);
+        }
+    }
+    grid_dep_sync();
+    x = stage_act(x, (u64)nt * xrb, xsh);
     auto wrow = [&](int r) -> const u8* {
         const u8* w = r < e1 ? w0 : r < e2 ? w1 : r < e3 ? w2 : w3;
         const int lr = r < e1 ? r : r < e2 ? r - e1 : r < e3 ? r - e2 : r - e3;
@@ -449,13 +462,13 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GATE_UP_THREADS(T))                            \
     moe_gate_up_q8_##NAME(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int n_expert, \
-                          const u8* x, int kslots, u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err) { \
+                          const u8* x, int kslots, u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err) { grid_dep_sync(); \
         moe_gate_up_q8_t<T>(wg, wu, slab_bytes, ids, n_expert, x, kslots, aq, ff, k, wrb, xrb, err); \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(1024)                                          \
     moe_down_combine_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u8* aq, \
                             const float* wts, int kslots, float* out, int h, int k, u64 wrb, u64 xrb, \
-                            int rb, u32* err) {                                                \
+                            int rb, u32* err) { grid_dep_sync();                                                \
         moe_down_combine_t<T, false>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, nullptr, \
                                      nullptr, h, k, wrb, xrb, rb, err);                        \
     }                                                                                          \
@@ -463,33 +476,33 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
     moe_down_combine_shared_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert,  \
                                    const u8* aq, const float* wts, int kslots, float* out,      \
                                    const float* shared, const float* gate, int h, int k, u64 wrb, \
-                                   u64 xrb, int rb, u32* err) {                                \
+                                   u64 xrb, int rb, u32* err) { grid_dep_sync();                                \
         moe_down_combine_t<T, true>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, shared, \
                                     gate, h, k, wrb, xrb, rb, err);                            \
     }
 
 #define PRODUCTS(T, NAME)                                                                      \
     extern "C" __global__ void __launch_bounds__(128)                                          \
-    matmul_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) { \
+    matmul_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) { grid_dep_sync(); \
         matmul_t<T>(w, x, y, rows, k, nt, wrb, xrb);                                           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128)                                          \
     moe_gemv_##NAME(const u8* w, u64 slab_bytes, const int* ids, int n_expert, const u8* x,    \
                     int x_per_slot, int kslots, float* y, int rows, int k, u64 wrb, u64 xrb,   \
-                    u32* err) {                                                                \
+                    u32* err) { grid_dep_sync();                                                                \
         moe_gemv_t<T>(w, slab_bytes, ids, n_expert, x, x_per_slot, kslots, y, rows, k, wrb, xrb, err); \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128)                                          \
     moe_matmul_##NAME(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,       \
                       const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,      \
-                      int rows, int k, u64 wrb, u64 xrb) {                                     \
+                      int rows, int k, u64 wrb, u64 xrb) { grid_dep_sync();                                     \
         moe_matmul_t<T>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb); \
     }
 
 #define GEMV_BASE(T, NAME)                                                                     \
     extern "C" __global__ void __launch_bounds__(128)                                          \
     gemv_base_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,     \
-                     u64 xrb) {                                                                \
+                     u64 xrb) { grid_dep_sync();                                                                \
         gemv_base<T>(w, x, y, rows, k, nt, wrb, xrb);                                          \
     }
 #define GEMV_OPT1(T, NAME, NT)                                                                 \
@@ -635,12 +648,14 @@ __device__ __forceinline__ void hc_norm_t(float* x, const float* y, const float*
 
 extern "C" __global__ void __launch_bounds__(1024)
 hc_norm_bf16(const float* x, const float* w, float* xn, u16* xq, int h, int streams, float eps) {
+    grid_dep_sync();
     hc_norm_t<false>((float*)x, nullptr, nullptr, w, xn, xq, h, streams, eps);  // not written
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
 hc_combine_norm_bf16(float* x, const float* y, const float* inj, const float* w, float* xn, u16* xq, int h,
                      int streams, float eps) {
+    grid_dep_sync();
     hc_norm_t<true>(x, y, inj, w, xn, xq, h, streams, eps);
 }
 
@@ -651,6 +666,13 @@ hc_down_bf16(const u8* wd, const u8* wi, const u8* xq, u16* aq, float* inj, int 
     const int total = rank + streams, row0 = blockIdx.x * rb;
     if (row0 >= total) return;
     const u64 rbytes = 2 * (u64)k;
+    {
+        const int end = min(row0 + rb, total), a = min(row0, rank), b = min(end, rank);
+        if (a < b) prefetch_l2(wd + (size_t)a * rbytes, (u64)(b - a) * rbytes);
+        const int c = max(row0, rank);
+        if (c < end) prefetch_l2(wi + (size_t)(c - rank) * rbytes, (u64)(end - c) * rbytes);
+    }
+    grid_dep_sync();
     auto wrow = [&](int r) -> const u8* {
         return r < rank ? wd + (size_t)r * rbytes : wi + (size_t)(r - rank) * rbytes;
     };
@@ -670,6 +692,8 @@ hc_up_u_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int s
     if (j0 >= h) return;
     const int jn = min(J, h - j0);
     const u64 rbytes = 2 * (u64)rank;
+    for (int s = 0; s < streams; ++s) prefetch_l2(wu + ((size_t)s * h + j0) * rbytes, (u64)jn * rbytes);
+    grid_dep_sync();
     __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
     aq = stage_act(aq, (u64)nt * rbytes, xsh);
     auto wrow = [&](int lr) -> const u8* {

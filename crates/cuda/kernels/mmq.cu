@@ -396,23 +396,25 @@ __device__ __forceinline__ void mmt_bf16_t(const u8* w, const u8* x, float* y, i
 // threads; mmt_bf16_h for rows of at most 16 units, grid (ceil(rows / 32), ceil(nt / 16)).
 extern "C" __global__ void __launch_bounds__(256)
 mmt_bf16(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
+    grid_dep_sync();
     mmt_bf16_t<false>(w, x, y, rows, k, nt, wrb, xrb);
 }
 extern "C" __global__ void __launch_bounds__(256)
 mmt_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
+    grid_dep_sync();
     mmt_bf16_t<true>(w, x, y, rows, k, nt, wrb, xrb);
 }
 #endif
 
 #define MMQ(T, NAME)                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                          \
-    mmq_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) { \
+    mmq_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) { grid_dep_sync(); \
         mmq_dense<T>(w, x, y, rows, k, nt, wrb, xrb);                                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                          \
     moe_mmq_##NAME(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,          \
                    const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,         \
-                   int rows, int k, u64 wrb, u64 xrb) {                                        \
+                   int rows, int k, u64 wrb, u64 xrb) { grid_dep_sync();                                        \
         mmq_moe<T>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb); \
     }
 

@@ -16,6 +16,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 moe_group(const int* ids, int n_pairs, int n_expert, u32* offs, u32* perm, int* tiles, u32* n_tiles, int max_tiles,
           u32* err) {
+    grid_dep_sync();
     const int tid = threadIdx.x, lane = tid & 31;
     for (int e = tid; e <= n_expert; e += blockDim.x) offs[e] = 0;
     __syncthreads();
@@ -88,6 +89,7 @@ moe_group(const int* ids, int n_pairs, int n_expert, u32* offs, u32* perm, int* 
 
 // out[t][j] = Σ_slot w[t][slot] · y[t·kslots + slot][j], slots in rank order from +0.
 extern "C" __global__ void moe_combine(const float* y, const float* wts, float* out, int nt, int kslots, int h) {
+    grid_dep_sync();
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)nt * h; i += (size_t)gridDim.x * blockDim.x) {
         const size_t t = i / h, j = i % h;
         float acc = 0.f;

@@ -27,6 +27,7 @@ __device__ __forceinline__ void renorm_store(const float* sv, int k, float* w) {
 
 extern "C" __global__ void __launch_bounds__(32)
 route_base(const float* logits, int* ids, float* wts, int E, int K) {
+    grid_dep_sync();
     const int lane = threadIdx.x;
     const float* l = logits + (size_t)blockIdx.x * E;
     // Lanes past E (E not a multiple of 32) hold -inf: exp gives +0, which changes no sum and
@@ -135,8 +136,10 @@ __device__ __forceinline__ void route_opt(const float* logits, int* ids, float* 
 }
 
 extern "C" __global__ void __launch_bounds__(32) route_opt_512_10(const float* l, int* ids, float* w) {
+    grid_dep_sync();
     route_opt<512, 10>(l, ids, w);
 }
 extern "C" __global__ void __launch_bounds__(32) route_opt_256_8(const float* l, int* ids, float* w) {
+    grid_dep_sync();
     route_opt<256, 8>(l, ids, w);
 }

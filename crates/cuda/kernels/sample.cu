@@ -31,6 +31,7 @@ __device__ __forceinline__ int draft_of(const int* inverse, int id, int nv) {
         const int *st_in, int *st_out
 
 extern "C" __global__ void __launch_bounds__(32) slop_pen_base(SLOP_PARAMS) {
+    grid_dep_sync();
     if (threadIdx.x != 0) return;
     bool is_nl = false, is_bl = false;
     for (int i = 0; i < n_nl; ++i)
@@ -99,6 +100,7 @@ extern "C" __global__ void __launch_bounds__(32) slop_pen_base(SLOP_PARAMS) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) slop_pen_opt(SLOP_PARAMS) {
+    grid_dep_sync();
     __shared__ int st[SLOP_STATE_LEN];
     __shared__ int cnt[8];
     __shared__ int nkeep;
@@ -256,6 +258,7 @@ __device__ __forceinline__ void pick_write(const float* logits, const int* draft
 
 extern "C" __global__ void __launch_bounds__(1024)
 pick_base(const float* logits, const int* draft_ids, int nv, int* out) {
+    grid_dep_sync();
     __shared__ float sv[32];
     __shared__ int si[32];
     float bv = NEG_INF;
@@ -269,6 +272,7 @@ pick_base(const float* logits, const int* draft_ids, int nv, int* out) {
 extern "C" __global__ void __launch_bounds__(256)
 pick_opt(const float* logits, const int* draft_ids, int nv, int* out, float* part_v, int* part_i,
          unsigned int* ticket) {
+    grid_dep_sync();
     __shared__ float sv[8];
     __shared__ int si[8];
     __shared__ bool last;
@@ -313,6 +317,7 @@ pick_opt(const float* logits, const int* draft_ids, int nv, int* out, float* par
 #define ERR_NAN_LOGIT 8u
 extern "C" __global__ void __launch_bounds__(1024)
 pick_rows(const float* logits, int nv, unsigned int* out, int nan_err, unsigned int* err) {
+    grid_dep_sync();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* l = logits + (size_t)blockIdx.x * nv;

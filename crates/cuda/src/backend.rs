@@ -583,7 +583,7 @@ impl CudaBackend {
         let bytes = n.max(1) * std::mem::size_of::<T>();
         let dst = record::addr_mut(&mut m, self.gpu.stream());
         if let Some(op) = self.gpu.record(record::Op::Zero { dst, bytes }) {
-            record::issue(&[op], self.gpu.stream()).map_err(dev)?;
+            record::issue(&[op], self.gpu.stream(), false).map_err(dev)?;
         }
         Ok(m)
     }
@@ -594,7 +594,7 @@ impl CudaBackend {
             return Ok(());
         }
         if let Some(op) = self.gpu.record(record::Op::CopyDtoD { dst, src, bytes }) {
-            record::issue(&[op], self.gpu.stream()).map_err(dev)?;
+            record::issue(&[op], self.gpu.stream(), false).map_err(dev)?;
         }
         Ok(())
     }
@@ -636,7 +636,7 @@ impl CudaBackend {
                 bytes,
             };
             if let Some(op) = self.gpu.record(op) {
-                record::issue(&[op], self.gpu.stream()).map_err(dev)?;
+                record::issue(&[op], self.gpu.stream(), false).map_err(dev)?;
             }
         } else {
             self.gpu.write(&mut m, data).map_err(dev)?;
@@ -648,7 +648,7 @@ impl CudaBackend {
     /// eagerly, and the key is not recorded again.
     fn flush(&self) -> Result<()> {
         if let Some(ops) = self.gpu.take_recording() {
-            record::issue(&ops, self.gpu.stream()).map_err(dev)?;
+            record::issue(&ops, self.gpu.stream(), self.gpu.pdl).map_err(dev)?;
             if let Some(run) = self.cur.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
                 run.flushed = true;
             }
@@ -1326,7 +1326,7 @@ impl Backend for CudaBackend {
                         // A list the driver would not capture still runs, op by op.
                         Err(_) => {
                             st.uncapturable = true;
-                            record::issue(&ops, self.gpu.stream()).map_err(dev)
+                            record::issue(&ops, self.gpu.stream(), self.gpu.pdl).map_err(dev)
                         }
                     },
                 }

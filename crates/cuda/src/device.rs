@@ -53,6 +53,10 @@ pub struct Gpu {
     pub arch: (i32, i32),
     pub sms: i32,
     pub l2_bytes: i32,
+    /// Whether recorded steps launch their kernels with programmatic stream serialization
+    /// (sm_90 and later, unless `STRATA_CUDA_PDL=0`): each kernel starts with
+    /// `grid_dep_sync()` (common.cuh), so the next kernel's launch overlaps this one's run.
+    pub pdl: bool,
     pub loads: Vec<ModuleLoad>,
     modules: HashMap<&'static str, Arc<CudaModule>>,
     funcs: Mutex<HashMap<String, CudaFunction>>,
@@ -141,6 +145,7 @@ impl Gpu {
             arch,
             sms,
             l2_bytes,
+            pdl: arch.0 >= 9 && std::env::var_os("STRATA_CUDA_PDL").is_none_or(|v| v != "0"),
             loads,
             modules,
             funcs: Mutex::new(HashMap::new()),
@@ -296,7 +301,7 @@ impl Gpu {
 
     /// Captures the already-recorded `ops` into a graph (issuing them inside a stream capture).
     pub fn capture_ops(&self, ops: &[crate::record::Op]) -> Result<Graph, CudaError> {
-        self.capture(&mut || crate::record::issue(ops, &self.stream))
+        self.capture(&mut || crate::record::issue(ops, &self.stream, self.pdl))
     }
 
     pub fn write<T: DeviceRepr>(

@@ -10,8 +10,8 @@ use std::ffi::c_void;
 use std::hash::{Hash, Hasher};
 
 use cudarc::driver::{
-    result, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
-    LaunchConfig,
+    result, sys, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, LaunchConfig,
 };
 
 use crate::device::drv;
@@ -126,10 +126,15 @@ pub fn fingerprint(ops: &[Op]) -> u64 {
     h.finish()
 }
 
-/// Issues the ops on `stream` in order (eagerly, or inside a stream capture).
-pub fn issue(ops: &[Op], stream: &CudaStream) -> Result<(), CudaError> {
+/// Issues the ops on `stream` in order (eagerly, or inside a stream capture). With `pdl`, a
+/// kernel that follows a kernel is launched with programmatic stream serialization: it may
+/// start while the one before it runs, and waits for it in its `grid_dep_sync()` (every kernel
+/// calls it first, kernels/common.cuh), so the launch latency hides behind the previous
+/// kernel instead of adding to it. A kernel after a copy or a memset waits for it as usual.
+pub fn issue(ops: &[Op], stream: &CudaStream, pdl: bool) -> Result<(), CudaError> {
     let cs = stream.cu_stream();
     let mut slots: Vec<u64> = Vec::new();
+    let mut after_kernel = false;
     for op in ops {
         match op {
             Op::Launch { func, cfg, args } => {
@@ -147,17 +152,22 @@ pub fn issue(ops: &[Op], stream: &CudaStream) -> Result<(), CudaError> {
                 // SAFETY: the args were recorded from a launch of this function with the same
                 // parameter list; every pointer argument is a live arena, state or scratch
                 // buffer (the backend keeps them until the step's ops have run).
-                unsafe {
-                    result::launch_kernel(
-                        func.cu_function(),
-                        cfg.grid_dim,
-                        cfg.block_dim,
-                        cfg.shared_mem_bytes,
-                        cs,
-                        &mut params,
-                    )
+                if pdl && after_kernel {
+                    unsafe { launch_dependent(func, cfg, cs, &mut params) }
+                        .map_err(drv("cuLaunchKernelEx (recorded, programmatic)"))?;
+                } else {
+                    unsafe {
+                        result::launch_kernel(
+                            func.cu_function(),
+                            cfg.grid_dim,
+                            cfg.block_dim,
+                            cfg.shared_mem_bytes,
+                            cs,
+                            &mut params,
+                        )
+                    }
+                    .map_err(drv("cuLaunchKernel (recorded)"))?;
                 }
-                .map_err(drv("cuLaunchKernel (recorded)"))?;
             }
             // SAFETY (the three copies): addresses and sizes were taken from live buffers when
             // the op was recorded; the backend keeps them alive until the ops have run.
@@ -173,6 +183,49 @@ pub fn issue(ops: &[Op], stream: &CudaStream) -> Result<(), CudaError> {
                     .map_err(drv("cuMemcpyHtoDAsync (recorded)"))?
             }
         }
+        after_kernel = matches!(op, Op::Launch { .. });
     }
     Ok(())
+}
+
+/// `cuLaunchKernelEx` with `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`.
+///
+/// # Safety
+/// As `cuLaunchKernel`: `params` matches the kernel's parameter list and every pointer in it is
+/// live until the launch has run.
+unsafe fn launch_dependent(
+    func: &CudaFunction,
+    cfg: &LaunchConfig,
+    cs: sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<(), cudarc::driver::DriverError> {
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        // SAFETY: a plain-data union; zero is a valid value of every member.
+        value: unsafe { std::mem::zeroed() },
+    };
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let conf = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: cs,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: the caller's contract; `conf` and `attr` outlive the call.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &conf,
+            func.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }

@@ -9,6 +9,8 @@ use strata_cuda::{nvrtc, sources};
 /// compile or an optimized kernel spills or keeps a stack frame. One compile a module, the
 /// modules spread over the cores (CI's compile check is most of this binary's time). Skipped
 /// with a message without NVRTC. The tensor-core products (mmq.cu) are held to the same.
+/// `STRATA_NVRTC_ONLY=gemv_bf16,norm` compiles only the modules named (a kernel edit's quick
+/// check; the test says which it left out).
 #[test]
 fn every_module_compiles_and_optimized_kernels_do_not_spill() {
     if let Err(e) = nvrtc::ensure_nvrtc() {
@@ -17,14 +19,30 @@ fn every_module_compiles_and_optimized_kernels_do_not_spill() {
     }
     let v = nvrtc::version().expect("nvrtc version");
     eprintln!("NVRTC {}.{}", v.0, v.1);
+    let only: Option<Vec<String>> = std::env::var("STRATA_NVRTC_ONLY")
+        .ok()
+        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+    let picked: Vec<&sources::Module> = sources::MODULES
+        .iter()
+        .filter(|m| only.as_ref().is_none_or(|o| o.iter().any(|n| n == m.name)))
+        .collect();
+    if let Some(o) = &only {
+        eprintln!(
+            "STRATA_NVRTC_ONLY={}: {} of {} modules",
+            o.join(","),
+            picked.len(),
+            sources::MODULES.len()
+        );
+        assert!(!picked.is_empty(), "STRATA_NVRTC_ONLY names no module");
+    }
     let next = std::sync::atomic::AtomicUsize::new(0);
     let results = std::sync::Mutex::new(Vec::new());
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     std::thread::scope(|sc| {
-        for _ in 0..threads.min(sources::MODULES.len()) {
+        for _ in 0..threads.min(picked.len()) {
             sc.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(m) = sources::MODULES.get(i) else {
+                let Some(m) = picked.get(i) else {
                     break;
                 };
                 let t = std::time::Instant::now();
@@ -38,7 +56,7 @@ fn every_module_compiles_and_optimized_kernels_do_not_spill() {
     results.sort_by_key(|(i, _)| *i);
     let (mut failures, mut bad) = (Vec::new(), Vec::new());
     for (i, r) in results {
-        let m = &sources::MODULES[i];
+        let m = picked[i];
         let (log, took) = match r {
             Ok(x) => x,
             Err(e) => {
