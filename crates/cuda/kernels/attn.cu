@@ -496,10 +496,13 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
     float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float acc = -0.0f;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Only the chunk's live rows are staged (a short context's last chunk is mostly empty);
+    // the rows past them belong to threads whose score is -inf whatever they read.
+    const int live = (int)min(256u, T - (u32)c * 256);
     for (int c0 = 0; c0 < d; c0 += 32) {
         const int w = min(32, d - c0);
         __syncthreads();
-        for (int rr = warp; rr < 256; rr += 8) {
+        for (int rr = warp; rr < live; rr += 8) {
             const u32 tt = tk[rr];
             if (lane < w) kt[rr][lane] = tt < cap ? kc[(size_t)tt * kvc + off + c0 + lane] : 0.f;
         }

@@ -288,33 +288,96 @@ __device__ __forceinline__ float lane_order_sum(const float* c, int U, int lane)
     return warp_sum(acc);
 }
 
-// Unit u of weight row `wr` against nt activation rows (x, stride xrb): part[t·pstride] = c_t(u).
+// A weight unit held in registers between its load and its dots: BF16 keeps its 64 bytes,
+// F32 its address (unit_dot reads it), the integer-dot formats their decoded unit.
 template <int T>
-__device__ __forceinline__ void unit_contribs(const u8* wr, const u8* x, u64 xrb, int nt, int u, float* part,
-                                              int pstride) {
+struct UnitW {
+    DecUnit d;
+};
+template <>
+struct UnitW<T_BF16> {
+    uint4 v[4];
+};
+template <>
+struct UnitW<T_F32> {
+    const u8* p;
+};
+
+template <int T>
+__device__ __forceinline__ UnitW<T> load_unit(const u8* wr, int u) {
+    UnitW<T> w;
     if constexpr (T == T_BF16) {
         const uint4* wq = (const uint4*)(wr + 64 * (size_t)u);
-        const uint4 wv[4] = {wq[0], wq[1], wq[2], wq[3]};
-        for (int t = 0; t < nt; ++t)
-            part[t * pstride] = bf16_unit(wv, (const uint4*)(x + (size_t)t * xrb + 64 * (size_t)u));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w.v[i] = wq[i];
     } else if constexpr (T == T_F32) {
-        for (int t = 0; t < nt; ++t) part[t * pstride] = unit_dot<T>(wr, x + (size_t)t * xrb, u, global_tables());
+        w.p = wr;
     } else {
-        const DecUnit du = decode_for_dot<T>(wr, u, global_tables());
-        for (int t = 0; t < nt; ++t) part[t * pstride] = dot_decoded<T>(du, x + (size_t)t * xrb, u);
+        w.d = decode_for_dot<T>(wr, u, global_tables());
+    }
+    return w;
+}
+
+// c_t(u) of a loaded unit against activation row x (unit_dot's value, bit for bit).
+template <int T>
+__device__ __forceinline__ float unit_dot_w(const UnitW<T>& w, const u8* x, int u) {
+    if constexpr (T == T_BF16) {
+        return bf16_unit(w.v, (const uint4*)(x + 64 * (size_t)u));
+    } else if constexpr (T == T_F32) {
+        return unit_dot<T>(w.p, x, u, global_tables());
+    } else {
+        return dot_decoded<T>(w.d, x, u);
+    }
+}
+
+// Every contribution i < stride of a block (i = local row · U + unit; row(lr): the weight row,
+// act(lr): its first activation row, nt rows xrb apart) to part[t·stride + i]. Each thread
+// takes its contributions two at a time and loads both units before either's dots, so two
+// weight loads are in flight per thread instead of one (the values, and so the bits, are the
+// same as one at a time). PAIRS = false takes them one at a time (where two units' registers
+// would spill: the BF16 experts under their launch bounds).
+template <int T, bool PAIRS = true, typename Row, typename Act>
+__device__ __forceinline__ void unit_contribs_all(Row row, Act act, int stride, int U, u64 xrb, int nt,
+                                                  float* part) {
+    const int nth = blockDim.x;
+    if constexpr (!PAIRS) {
+        for (int i = threadIdx.x; i < stride; i += nth) {
+            const int lr = i / U, u = i - lr * U;
+            const UnitW<T> w = load_unit<T>(row(lr), u);
+            const u8* x = act(lr);
+            for (int t = 0; t < nt; ++t) part[t * stride + i] = unit_dot_w<T>(w, x + (size_t)t * xrb, u);
+        }
+        return;
+    }
+    for (int i0 = threadIdx.x; i0 < stride; i0 += 2 * nth) {
+        const int i1 = i0 + nth;
+        const int lr0 = i0 / U, u0 = i0 - lr0 * U;
+        const UnitW<T> w0 = load_unit<T>(row(lr0), u0);
+        int lr1 = 0, u1 = 0;
+        UnitW<T> w1;
+        if (i1 < stride) {
+            lr1 = i1 / U;
+            u1 = i1 - lr1 * U;
+            w1 = load_unit<T>(row(lr1), u1);
+        }
+        const u8* x0 = act(lr0);
+        for (int t = 0; t < nt; ++t) part[t * stride + i0] = unit_dot_w<T>(w0, x0 + (size_t)t * xrb, u0);
+        if (i1 < stride) {
+            const u8* x1 = act(lr1);
+            for (int t = 0; t < nt; ++t)
+                part[t * stride + i1] = unit_dot_w<T>(w1, x1 + (size_t)t * xrb, u1);
+        }
     }
 }
 
 // The block's rows row0 .. row0+nrows of a stacked product (wrow(r): row r's bytes) against nt
 // activation rows; emit(t, r, y) receives each finished output (after dot_post).
-template <int T, typename WRow, typename Emit>
+template <int T, bool PAIRS = true, typename WRow, typename Emit>
 __device__ __forceinline__ void units_block(WRow wrow, Emit emit, int row0, int nrows, int U, const u8* x, u64 xrb,
                                             int nt, float* part) {
     const int stride = nrows * U;  // one activation row's contributions
-    for (int i = threadIdx.x; i < stride; i += blockDim.x) {
-        const int lr = i / U, u = i - lr * U;
-        unit_contribs<T>(wrow(row0 + lr), x, xrb, nt, u, part + i, stride);
-    }
+    unit_contribs_all<T, PAIRS>([&](int lr) { return wrow(row0 + lr); }, [&](int) { return x; }, stride, U, xrb, nt,
+                         part);
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int j = warp; j < nt * nrows; j += nw) {
@@ -390,7 +453,7 @@ __device__ __forceinline__ void moe_gate_up_q8_t(const u8* wg, const u8* wu, u64
     const u8* up = wu + (size_t)e * slab_bytes + (size_t)r0 * wrb;
     auto wrow = [&](int r) -> const u8* { return r < 32 ? g + (size_t)r * wrb : up + (size_t)(r - 32) * wrb; };
     auto emit = [&](int, int r, float v) { gu[r] = v; };
-    units_block<T>(wrow, emit, 0, 64, U, xr, xrb, 1, part);
+    units_block<T, T != T_BF16>(wrow, emit, 0, 64, U, xr, xrb, 1, part);
     __syncthreads();
     if (threadIdx.x < 32) q8_0_warp(siluf_(gu[threadIdx.x]) * gu[32 + threadIdx.x], blk, threadIdx.x);
 }
@@ -420,11 +483,8 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
     // Each slot's activation row is its own (aq row t·kslots + s): the rows are laid out so
     // that units_block's activation row is always 0 and the slot picks the image.
     const int stride = kslots * nrows * U;
-    for (int i = threadIdx.x; i < stride; i += blockDim.x) {
-        const int lr = i / U, u = i - lr * U;
-        const int s = lr / nrows;
-        unit_contribs<T>(wrow(lr), xt + (size_t)s * xrb, xrb, 1, u, part + i, stride);
-    }
+    unit_contribs_all<T, T != T_BF16>(wrow, [&](int lr) { return xt + (size_t)(lr / nrows) * xrb; }, stride, U,
+                                      xrb, 1, part);
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int j = warp; j < kslots * nrows; j += nw) {
@@ -452,6 +512,9 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
 // Threads of a gate/up block: 512, or 256 where the decoder needs more registers than 512
 // threads leave (IQ4_XS, IQ3_XXS; strata_cuda::model::gate_up_threads says the same).
 #define GATE_UP_THREADS(T) ((T) == T_IQ4_XS || (T) == T_IQ3_XXS ? 256 : 512)
+// The down + combine kernels' bound: BF16's 64-byte units need more registers than 1,024
+// threads leave.
+#define DOWN_THREADS(T) ((T) == T_BF16 ? 512 : 1024)
 
 #define UNITS(T, NAME)                                                                         \
     extern "C" __global__ void __launch_bounds__(1024)                                          \
@@ -465,14 +528,14 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
                           const u8* x, int kslots, u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err) { grid_dep_sync(); \
         moe_gate_up_q8_t<T>(wg, wu, slab_bytes, ids, n_expert, x, kslots, aq, ff, k, wrb, xrb, err); \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024)                                          \
+    extern "C" __global__ void __launch_bounds__(DOWN_THREADS(T))                               \
     moe_down_combine_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u8* aq, \
                             const float* wts, int kslots, float* out, int h, int k, u64 wrb, u64 xrb, \
                             int rb, u32* err) { grid_dep_sync();                                                \
         moe_down_combine_t<T, false>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, nullptr, \
                                      nullptr, h, k, wrb, xrb, rb, err);                        \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024)                                          \
+    extern "C" __global__ void __launch_bounds__(DOWN_THREADS(T))                               \
     moe_down_combine_shared_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert,  \
                                    const u8* aq, const float* wts, int kslots, float* out,      \
                                    const float* shared, const float* gate, int h, int k, u64 wrb, \
