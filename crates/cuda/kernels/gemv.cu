@@ -330,53 +330,55 @@ __device__ __forceinline__ float unit_dot_w(const UnitW<T>& w, const u8* x, int 
     }
 }
 
+// A thread's first contribution of a block (i = threadIdx.x), loaded ahead of the rest: the
+// kernels whose weight rows do not depend on the kernel before load it before grid_dep_sync(),
+// so its DRAM latency overlaps that kernel instead of following it; the others load it before
+// staging their activations, so the two latencies overlap.
+template <int T>
+struct FirstUnit {
+    UnitW<T> w;
+    int lr, u;
+    bool live;
+};
+
+template <int T, typename Row>
+__device__ __forceinline__ FirstUnit<T> first_unit(Row row, int stride, int U) {
+    FirstUnit<T> f;
+    const int i = threadIdx.x;
+    f.live = i < stride;
+    f.lr = i / U;
+    f.u = i - f.lr * U;
+    if (f.live) f.w = load_unit<T>(row(f.lr), f.u);
+    return f;
+}
+
 // Every contribution i < stride of a block (i = local row · U + unit; row(lr): the weight row,
-// act(lr): its first activation row, nt rows xrb apart) to part[t·stride + i]. Each thread
-// takes its contributions two at a time and loads both units before either's dots, so two
-// weight loads are in flight per thread instead of one (the values, and so the bits, are the
-// same as one at a time). PAIRS = false takes them one at a time (where two units' registers
-// would spill: the BF16 experts under their launch bounds).
-template <int T, bool PAIRS = true, typename Row, typename Act>
-__device__ __forceinline__ void unit_contribs_all(Row row, Act act, int stride, int U, u64 xrb, int nt,
-                                                  float* part) {
+// act(lr): its first activation row, nt rows xrb apart) to part[t·stride + i], the first from
+// `f` (loaded by first_unit with the same row and stride).
+template <int T, typename Row, typename Act>
+__device__ __forceinline__ void unit_contribs_all(const FirstUnit<T>& f, Row row, Act act, int stride, int U,
+                                                  u64 xrb, int nt, float* part) {
     const int nth = blockDim.x;
-    if constexpr (!PAIRS) {
-        for (int i = threadIdx.x; i < stride; i += nth) {
-            const int lr = i / U, u = i - lr * U;
-            const UnitW<T> w = load_unit<T>(row(lr), u);
-            const u8* x = act(lr);
-            for (int t = 0; t < nt; ++t) part[t * stride + i] = unit_dot_w<T>(w, x + (size_t)t * xrb, u);
-        }
-        return;
+    if (f.live) {
+        const u8* x = act(f.lr);
+        for (int t = 0; t < nt; ++t) part[t * stride + threadIdx.x] = unit_dot_w<T>(f.w, x + (size_t)t * xrb, f.u);
     }
-    for (int i0 = threadIdx.x; i0 < stride; i0 += 2 * nth) {
-        const int i1 = i0 + nth;
-        const int lr0 = i0 / U, u0 = i0 - lr0 * U;
-        const UnitW<T> w0 = load_unit<T>(row(lr0), u0);
-        int lr1 = 0, u1 = 0;
-        UnitW<T> w1;
-        if (i1 < stride) {
-            lr1 = i1 / U;
-            u1 = i1 - lr1 * U;
-            w1 = load_unit<T>(row(lr1), u1);
-        }
-        const u8* x0 = act(lr0);
-        for (int t = 0; t < nt; ++t) part[t * stride + i0] = unit_dot_w<T>(w0, x0 + (size_t)t * xrb, u0);
-        if (i1 < stride) {
-            const u8* x1 = act(lr1);
-            for (int t = 0; t < nt; ++t)
-                part[t * stride + i1] = unit_dot_w<T>(w1, x1 + (size_t)t * xrb, u1);
-        }
+    for (int i = threadIdx.x + nth; i < stride; i += nth) {
+        const int lr = i / U, u = i - lr * U;
+        const UnitW<T> w = load_unit<T>(row(lr), u);
+        const u8* x = act(lr);
+        for (int t = 0; t < nt; ++t) part[t * stride + i] = unit_dot_w<T>(w, x + (size_t)t * xrb, u);
     }
 }
 
 // The block's rows row0 .. row0+nrows of a stacked product (wrow(r): row r's bytes) against nt
-// activation rows; emit(t, r, y) receives each finished output (after dot_post).
-template <int T, bool PAIRS = true, typename WRow, typename Emit>
-__device__ __forceinline__ void units_block(WRow wrow, Emit emit, int row0, int nrows, int U, const u8* x, u64 xrb,
-                                            int nt, float* part) {
+// activation rows; emit(t, r, y) receives each finished output (after dot_post). `f`: the
+// thread's first unit, from first_unit over the block's rows.
+template <int T, typename WRow, typename Emit>
+__device__ __forceinline__ void units_block(const FirstUnit<T>& f, WRow wrow, Emit emit, int row0, int nrows, int U,
+                                            const u8* x, u64 xrb, int nt, float* part) {
     const int stride = nrows * U;  // one activation row's contributions
-    unit_contribs_all<T, PAIRS>([&](int lr) { return wrow(row0 + lr); }, [&](int) { return x; }, stride, U, xrb, nt,
+    unit_contribs_all<T>(f, [&](int lr) { return wrow(row0 + lr); }, [&](int) { return x; }, stride, U, xrb, nt,
                          part);
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -410,8 +412,6 @@ __device__ __forceinline__ void gemv_units_t(const u8* w0, const u8* w1, const u
             if (a < b) prefetch_l2(ws[i] + (size_t)(a - lo[i]) * wrb, (u64)(b - a) * wrb);
         }
     }
-    grid_dep_sync();
-    x = stage_act(x, (u64)nt * xrb, xsh);
     auto wrow = [&](int r) -> const u8* {
         const u8* w = r < e1 ? w0 : r < e2 ? w1 : r < e3 ? w2 : w3;
         const int lr = r < e1 ? r : r < e2 ? r - e1 : r < e3 ? r - e2 : r - e3;
@@ -423,7 +423,11 @@ __device__ __forceinline__ void gemv_units_t(const u8* w0, const u8* w1, const u
         else if (r < e3) y2[(size_t)t * n2 + (r - e2)] = v;
         else y3[(size_t)t * n3 + (r - e3)] = v;
     };
-    units_block<T>(wrow, emit, row0, nrows, k / 32, x, xrb, nt, part);
+    const int U = k / 32;
+    const FirstUnit<T> f = first_unit<T>([&](int lr) { return wrow(row0 + lr); }, nrows * U, U);
+    grid_dep_sync();
+    x = stage_act(x, (u64)nt * xrb, xsh);
+    units_block<T>(f, wrow, emit, row0, nrows, U, x, xrb, nt, part);
 }
 
 // Routed experts, decode: gate and up of pair q (row q / kslots, expert ids[q]) for 32
@@ -448,12 +452,18 @@ __device__ __forceinline__ void moe_gate_up_q8_t(const u8* wg, const u8* wu, u64
         return;
     }
     __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
-    const u8* xr = stage_act(x + (size_t)(q / kslots) * xrb, xrb, xsh);
     const u8* g = wg + (size_t)e * slab_bytes + (size_t)r0 * wrb;
     const u8* up = wu + (size_t)e * slab_bytes + (size_t)r0 * wrb;
     auto wrow = [&](int r) -> const u8* { return r < 32 ? g + (size_t)r * wrb : up + (size_t)(r - 32) * wrb; };
     auto emit = [&](int, int r, float v) { gu[r] = v; };
-    units_block<T, T != T_BF16>(wrow, emit, 0, 64, U, xr, xrb, 1, part);
+    // The first unit loaded before the activation is staged (IQ4_XS after: its decoded unit
+    // held across the staging spills under the 256-thread bound).
+    constexpr bool EARLY = T != T_IQ4_XS;
+    FirstUnit<T> f;
+    if constexpr (EARLY) f = first_unit<T>(wrow, 64 * U, U);
+    const u8* xr = stage_act(x + (size_t)(q / kslots) * xrb, xrb, xsh);
+    if constexpr (!EARLY) f = first_unit<T>(wrow, 64 * U, U);
+    units_block<T>(f, wrow, emit, 0, 64, U, xr, xrb, 1, part);
     __syncthreads();
     if (threadIdx.x < 32) q8_0_warp(siluf_(gu[threadIdx.x]) * gu[32 + threadIdx.x], blk, threadIdx.x);
 }
@@ -472,19 +482,19 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
     __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
     const int t = blockIdx.y, r0 = blockIdx.x * rb, U = k / 32;
     const int nrows = min(rb, h - r0);
-    // The row's kslots images are consecutive (pair q = t·kslots + s).
-    const u8* xt = stage_act(aq + (size_t)t * kslots * xrb, (u64)kslots * xrb, xsh);
     // Block rows are (slot, output row) pairs: row i = slot i / nrows, output r0 + i % nrows.
     auto wrow = [&](int i) -> const u8* {
         const int s = i / nrows, e = ids[t * kslots + s];
         const int ec = (e < 0 || e >= n_expert) ? 0 : e;
         return wd + (size_t)ec * slab_bytes + (size_t)(r0 + i % nrows) * wrb;
     };
-    // Each slot's activation row is its own (aq row t·kslots + s): the rows are laid out so
-    // that units_block's activation row is always 0 and the slot picks the image.
     const int stride = kslots * nrows * U;
-    unit_contribs_all<T, T != T_BF16>(wrow, [&](int lr) { return xt + (size_t)(lr / nrows) * xrb; }, stride, U,
-                                      xrb, 1, part);
+    // The row's kslots images are consecutive (pair q = t·kslots + s); each slot's activation
+    // row is its own (aq row t·kslots + s). Staged first: a unit held across the staging
+    // spills under the 1,024-thread bound.
+    const u8* xt = stage_act(aq + (size_t)t * kslots * xrb, (u64)kslots * xrb, xsh);
+    const FirstUnit<T> f = first_unit<T>(wrow, stride, U);
+    unit_contribs_all<T>(f, wrow, [&](int lr) { return xt + (size_t)(lr / nrows) * xrb; }, stride, U, xrb, 1, part);
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int j = warp; j < kslots * nrows; j += nw) {
@@ -512,9 +522,6 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
 // Threads of a gate/up block: 512, or 256 where the decoder needs more registers than 512
 // threads leave (IQ4_XS, IQ3_XXS; strata_cuda::model::gate_up_threads says the same).
 #define GATE_UP_THREADS(T) ((T) == T_IQ4_XS || (T) == T_IQ3_XXS ? 256 : 512)
-// The down + combine kernels' bound: BF16's 64-byte units need more registers than 1,024
-// threads leave.
-#define DOWN_THREADS(T) ((T) == T_BF16 ? 512 : 1024)
 
 #define UNITS(T, NAME)                                                                         \
     extern "C" __global__ void __launch_bounds__(1024)                                          \
@@ -528,14 +535,14 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
                           const u8* x, int kslots, u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err) { grid_dep_sync(); \
         moe_gate_up_q8_t<T>(wg, wu, slab_bytes, ids, n_expert, x, kslots, aq, ff, k, wrb, xrb, err); \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(DOWN_THREADS(T))                               \
+    extern "C" __global__ void __launch_bounds__(1024)                                          \
     moe_down_combine_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u8* aq, \
                             const float* wts, int kslots, float* out, int h, int k, u64 wrb, u64 xrb, \
                             int rb, u32* err) { grid_dep_sync();                                                \
         moe_down_combine_t<T, false>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, nullptr, \
                                      nullptr, h, k, wrb, xrb, rb, err);                        \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(DOWN_THREADS(T))                               \
+    extern "C" __global__ void __launch_bounds__(1024)                                          \
     moe_down_combine_shared_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert,  \
                                    const u8* aq, const float* wts, int kslots, float* out,      \
                                    const float* shared, const float* gate, int h, int k, u64 wrb, \
@@ -735,15 +742,17 @@ hc_down_bf16(const u8* wd, const u8* wi, const u8* xq, u16* aq, float* inj, int 
         const int c = max(row0, rank);
         if (c < end) prefetch_l2(wi + (size_t)(c - rank) * rbytes, (u64)(end - c) * rbytes);
     }
-    grid_dep_sync();
     auto wrow = [&](int r) -> const u8* {
         return r < rank ? wd + (size_t)r * rbytes : wi + (size_t)(r - rank) * rbytes;
     };
+    const int nrows = min(rb, total - row0), U = k / 32;
+    const FirstUnit<T_BF16> f = first_unit<T_BF16>([&](int lr) { return wrow(row0 + lr); }, nrows * U, U);
+    grid_dep_sync();
     auto emit = [&](int t, int r, float v) {
         if (r < rank) aq[(size_t)t * rank + r] = f32_to_bf16(siluf_(v * inv_s));
         else inj[(size_t)t * streams + (r - rank)] = 2.0f * sigmoidf_(v * inv_s);
     };
-    units_block<T_BF16>(wrow, emit, row0, min(rb, total - row0), k / 32, xq, rbytes, nt, part);
+    units_block<T_BF16>(f, wrow, emit, row0, nrows, U, xq, rbytes, nt, part);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
@@ -756,15 +765,17 @@ hc_up_u_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int s
     const int jn = min(J, h - j0);
     const u64 rbytes = 2 * (u64)rank;
     for (int s = 0; s < streams; ++s) prefetch_l2(wu + ((size_t)s * h + j0) * rbytes, (u64)jn * rbytes);
-    grid_dep_sync();
-    __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
-    aq = stage_act(aq, (u64)nt * rbytes, xsh);
     auto wrow = [&](int lr) -> const u8* {
         const int s = lr / jn, jj = lr - s * jn;
         return wu + ((size_t)s * h + j0 + jj) * rbytes;
     };
+    const int U = rank / 32;
+    const FirstUnit<T_BF16> f = first_unit<T_BF16>(wrow, streams * jn * U, U);
+    grid_dep_sync();
+    __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
+    aq = stage_act(aq, (u64)nt * rbytes, xsh);
     auto emit = [&](int t, int lr, float v) { gs[t * streams * jn + lr] = v; };
-    units_block<T_BF16>(wrow, emit, 0, streams * jn, rank / 32, aq, rbytes, nt, part);
+    units_block<T_BF16>(f, wrow, emit, 0, streams * jn, U, aq, rbytes, nt, part);
     __syncthreads();
     const size_t sh = (size_t)streams * h;
     for (int i = threadIdx.x; i < nt * jn; i += blockDim.x) {
