@@ -266,10 +266,6 @@ __device__ __forceinline__ void moe_matmul_t(const u8* w, u64 slab_bytes, const 
 // Shared floats for the contributions of one block (nt · rows · units ≤ UNITS_PART; the host
 // launchers choose the rows per block to fit), and bytes for the block's activation rows.
 #define UNITS_PART 6144
-// Units a thread of the fused experts loads at a time (unit_contribs_all), within the
-// registers their launch bounds leave.
-#define GATE_UP_NB(T) ((T) == T_BF16 || (T) == T_IQ4_XS || (T) == T_IQ3_XXS ? 2 : 4)
-#define DOWN_NB(T) ((T) == T_BF16 ? 1 : 2)
 #define UNITS_XSTAGE 16384
 
 // The block's activation rows (`bytes` from x, 256-byte aligned) copied into shared memory
@@ -358,11 +354,8 @@ __device__ __forceinline__ FirstUnit<T> first_unit(Row row, int stride, int U) {
 
 // Every contribution i < stride of a block (i = local row · U + unit; row(lr): the weight row,
 // act(lr): its first activation row, nt rows xrb apart) to part[t·stride + i], the first from
-// `f` (loaded by first_unit with the same row and stride), the rest NB at a time: a thread
-// loads NB units (i, i + nth, …: each load coalesced across the warp) before their dots, so NB
-// weight loads are in flight instead of one. Every contribution's value, and so the bits, are
-// those of one at a time.
-template <int T, int NB = 1, typename Row, typename Act>
+// `f` (loaded by first_unit with the same row and stride).
+template <int T, typename Row, typename Act>
 __device__ __forceinline__ void unit_contribs_all(const FirstUnit<T>& f, Row row, Act act, int stride, int U,
                                                   u64 xrb, int nt, float* part) {
     const int nth = blockDim.x;
@@ -370,35 +363,22 @@ __device__ __forceinline__ void unit_contribs_all(const FirstUnit<T>& f, Row row
         const u8* x = act(f.lr);
         for (int t = 0; t < nt; ++t) part[t * stride + threadIdx.x] = unit_dot_w<T>(f.w, x + (size_t)t * xrb, f.u);
     }
-    for (int i0 = threadIdx.x + nth; i0 < stride; i0 += NB * nth) {
-        UnitW<T> w[NB];
-        int lr[NB], u[NB];
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            const int i = i0 + b * nth;
-            lr[b] = i / U;
-            u[b] = i - lr[b] * U;
-            if (i < stride) w[b] = load_unit<T>(row(lr[b]), u[b]);
-        }
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            const int i = i0 + b * nth;
-            if (i < stride) {
-                const u8* x = act(lr[b]);
-                for (int t = 0; t < nt; ++t) part[t * stride + i] = unit_dot_w<T>(w[b], x + (size_t)t * xrb, u[b]);
-            }
-        }
+    for (int i = threadIdx.x + nth; i < stride; i += nth) {
+        const int lr = i / U, u = i - lr * U;
+        const UnitW<T> w = load_unit<T>(row(lr), u);
+        const u8* x = act(lr);
+        for (int t = 0; t < nt; ++t) part[t * stride + i] = unit_dot_w<T>(w, x + (size_t)t * xrb, u);
     }
 }
 
 // The block's rows row0 .. row0+nrows of a stacked product (wrow(r): row r's bytes) against nt
 // activation rows; emit(t, r, y) receives each finished output (after dot_post). `f`: the
 // thread's first unit, from first_unit over the block's rows.
-template <int T, int NB = 1, typename WRow, typename Emit>
+template <int T, typename WRow, typename Emit>
 __device__ __forceinline__ void units_block(const FirstUnit<T>& f, WRow wrow, Emit emit, int row0, int nrows, int U,
                                             const u8* x, u64 xrb, int nt, float* part) {
     const int stride = nrows * U;  // one activation row's contributions
-    unit_contribs_all<T, NB>(f, [&](int lr) { return wrow(row0 + lr); }, [&](int) { return x; }, stride, U, xrb, nt,
+    unit_contribs_all<T>(f, [&](int lr) { return wrow(row0 + lr); }, [&](int) { return x; }, stride, U, xrb, nt,
                          part);
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -447,7 +427,7 @@ __device__ __forceinline__ void gemv_units_t(const u8* w0, const u8* w1, const u
     const FirstUnit<T> f = first_unit<T>([&](int lr) { return wrow(row0 + lr); }, nrows * U, U);
     grid_dep_sync();
     x = stage_act(x, (u64)nt * xrb, xsh);
-    units_block<T, 2>(f, wrow, emit, row0, nrows, U, x, xrb, nt, part);
+    units_block<T>(f, wrow, emit, row0, nrows, U, x, xrb, nt, part);
 }
 
 // Routed experts, decode: gate and up of pair q (row q / kslots, expert ids[q]) for 32
@@ -483,7 +463,7 @@ __device__ __forceinline__ void moe_gate_up_q8_t(const u8* wg, const u8* wu, u64
     if constexpr (EARLY) f = first_unit<T>(wrow, 64 * U, U);
     const u8* xr = stage_act(x + (size_t)(q / kslots) * xrb, xrb, xsh);
     if constexpr (!EARLY) f = first_unit<T>(wrow, 64 * U, U);
-    units_block<T, GATE_UP_NB(T)>(f, wrow, emit, 0, 64, U, xr, xrb, 1, part);
+    units_block<T>(f, wrow, emit, 0, 64, U, xr, xrb, 1, part);
     __syncthreads();
     if (threadIdx.x < 32) q8_0_warp(siluf_(gu[threadIdx.x]) * gu[32 + threadIdx.x], blk, threadIdx.x);
 }
@@ -514,8 +494,7 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
     // spills under the 1,024-thread bound.
     const u8* xt = stage_act(aq + (size_t)t * kslots * xrb, (u64)kslots * xrb, xsh);
     const FirstUnit<T> f = first_unit<T>(wrow, stride, U);
-    unit_contribs_all<T, DOWN_NB(T)>(f, wrow, [&](int lr) { return xt + (size_t)(lr / nrows) * xrb; }, stride, U, xrb,
-                                     1, part);
+    unit_contribs_all<T>(f, wrow, [&](int lr) { return xt + (size_t)(lr / nrows) * xrb; }, stride, U, xrb, 1, part);
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int j = warp; j < kslots * nrows; j += nw) {
@@ -601,6 +580,14 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
     gemv_opt_##NAME##_k2560_nt##NT(const u8* w, const u8* x, float* y, int rows) {             \
         gemv_opt<T, 2560, NT>(w, x, y, rows);                                                  \
     }
+// One activation row against rows of K ≠ 2560 (the GDN and attention outputs, rows of 6144:
+// strata_cuda::model::product), gemv_base's order; more rows would not fit the block's staged
+// activations in its static shared memory.
+#define GEMV_OPT_LONG(T, NAME, K)                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+    gemv_opt_##NAME##_k##K##_nt1(const u8* w, const u8* x, float* y, int rows) {              \
+        gemv_opt<T, K, 1>(w, x, y, rows);                                                      \
+    }
 // Each weight format is its own NVRTC program (strata-cuda defines GEMV_<NAME> for one), so
 // the nine compile in parallel at start.
 #define GEMV_ALL(T, NAME)                                                                      \
@@ -618,9 +605,11 @@ GEMV_ALL(T_Q8_0, q8_0)
 #endif
 #if defined(GEMV_Q4_K)
 GEMV_ALL(T_Q4_K, q4_k)
+GEMV_OPT_LONG(T_Q4_K, q4_k, 6144)
 #endif
 #if defined(GEMV_Q5_K)
 GEMV_ALL(T_Q5_K, q5_k)
+GEMV_OPT_LONG(T_Q5_K, q5_k, 6144)
 #endif
 #if defined(GEMV_Q6_K)
 GEMV_ALL(T_Q6_K, q6_k)
@@ -658,11 +647,9 @@ PRODUCTS(T_IQ4_NL, iq4_nl)
 UNITS(T_IQ4_NL, iq4_nl)
 #endif
 #if defined(GEMV_Q3_K)
-// Q3_K (the GDN attn_qkv of 18 layers): products only, no optimized GEMV yet (the model's
-// launcher runs the tiled kernel for every batch, gemv_base's order).
-GEMV_BASE(T_Q3_K, q3_k)
-PRODUCTS(T_Q3_K, q3_k)
-UNITS(T_Q3_K, q3_k)
+// Q3_K (the GDN attn_qkv of 18 layers): the model's launcher runs the optimized GEMV for its
+// 10240 rows of 2560 (strata_cuda::model::product), gemv_base's order.
+GEMV_ALL(T_Q3_K, q3_k)
 #endif
 #if defined(GEMV_BF16)
 GEMV_ALL(T_BF16, bf16)
@@ -773,7 +760,7 @@ hc_down_bf16(const u8* wd, const u8* wi, const u8* xq, u16* aq, float* inj, int 
         if (r < rank) aq[(size_t)t * rank + r] = f32_to_bf16(siluf_(v * inv_s));
         else inj[(size_t)t * streams + (r - rank)] = 2.0f * sigmoidf_(v * inv_s);
     };
-    units_block<T_BF16, 2>(f, wrow, emit, row0, nrows, U, xq, rbytes, nt, part);
+    units_block<T_BF16>(f, wrow, emit, row0, nrows, U, xq, rbytes, nt, part);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
@@ -796,7 +783,7 @@ hc_up_u_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int s
     __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
     aq = stage_act(aq, (u64)nt * rbytes, xsh);
     auto emit = [&](int t, int lr, float v) { gs[t * streams * jn + lr] = v; };
-    units_block<T_BF16, 2>(f, wrow, emit, 0, streams * jn, U, aq, rbytes, nt, part);
+    units_block<T_BF16>(f, wrow, emit, 0, streams * jn, U, aq, rbytes, nt, part);
     __syncthreads();
     const size_t sh = (size_t)streams * h;
     for (int i = threadIdx.x; i < nt * jn; i += blockDim.x) {

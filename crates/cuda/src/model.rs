@@ -605,13 +605,27 @@ const UNITS_BELOW_ROWS: usize = 4096;
 /// Whether [`product`] runs `w` at `nt` rows as the unit-parallel product (so that weights of
 /// one format and row length against the same image can share a [`product_units`] launch).
 pub fn units_preferred(w: &DevWeight, nt: usize) -> bool {
-    units_apply(w, nt) && !(opt_shape(w) && w.rows >= UNITS_BELOW_ROWS)
+    units_apply(w, nt) && !direct_opt(w, nt) && !(opt_shape(w) && w.rows >= UNITS_BELOW_ROWS)
 }
 
 /// Whether the row-parallel optimized GEMV has a kernel for `w`'s shape.
 fn opt_shape(w: &DevWeight) -> bool {
     (w.k == 2560 && strata_engine::kernels::gemv::GEMV_FORMATS.contains(&w.ty))
         || (w.k == 10240 && w.ty == GgmlType::BF16)
+}
+
+/// The shapes [`product`] runs with an optimized GEMV of its own (outside the catalogue's
+/// GEMV formats and row length): the hyper-connection down / inject (BF16 rows of 10240), the
+/// GDN qkv (Q3_K rows of 2560, many rows), and for one activation row the GDN and attention
+/// outputs (Q4_K / Q5_K rows of 6144), where the unit-parallel blocks would stage a long
+/// activation row for two weight rows each. All keep gemv_base's order.
+pub fn direct_opt(w: &DevWeight, nt: usize) -> bool {
+    (1..=8).contains(&nt)
+        && match (w.ty, w.k) {
+            (GgmlType::BF16, 10240) | (GgmlType::Q3_K, 2560) => w.rows >= UNITS_BELOW_ROWS,
+            (GgmlType::Q4_K | GgmlType::Q5_K, 6144) => nt == 1 && w.rows >= 1024,
+            _ => false,
+        }
 }
 
 /// The product the model runs: for 1..=8 rows the unit-parallel product, or the optimized GEMV
@@ -625,18 +639,17 @@ pub fn product(
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     whole_units("product", w)?;
-    if (1..=8).contains(&nt) && w.ty == GgmlType::BF16 && w.k == 10240 && w.rows >= UNITS_BELOW_ROWS
-    {
-        // The hyper-connection down / inject shape: the optimized BF16 GEMV at K = 10240.
+    if direct_opt(w, nt) {
         let k = "product";
         need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
         need(k, "x", x.len(), nt * w.act_row_bytes()?)?;
         need(k, "y", y.len(), nt * w.rows)?;
         let ri = i32_of(k, w.rows)?;
+        let tn = product_module(w.ty)?;
         launch!(
             gpu,
-            "gemv_bf16",
-            format!("gemv_opt_bf16_k{}_nt{nt}", w.k),
+            &format!("gemv_{tn}"),
+            format!("gemv_opt_{tn}_k{}_nt{nt}", w.k),
             cfg(w.rows.div_ceil(8) as u32, 256),
             [&w.bytes, x, y, &ri]
         )
@@ -756,33 +769,11 @@ pub fn pick_rows(
 /// Shared contributions per block of the unit-parallel kernels (gemv.cu `UNITS_PART`).
 pub const UNITS_PART: usize = 6144;
 
-/// Contributions per thread the unit-parallel launchers aim at (`STRATA_CUDA_UNIT_WORK`, 1..=8,
-/// read once; default 1): more rows per block, so each block's activation staging and
-/// reductions serve more weight bytes, with the units past a thread's first loaded two at a
-/// time (gemv.cu unit_contribs_all). Any value gives the same bits.
-pub fn unit_work() -> usize {
-    static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *W.get_or_init(|| env_work("STRATA_CUDA_UNIT_WORK"))
-}
-
-/// As [`unit_work`] for the routed experts' down + combine blocks (`STRATA_CUDA_DOWN_WORK`).
-pub fn down_work() -> usize {
-    static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *W.get_or_init(|| env_work("STRATA_CUDA_DOWN_WORK"))
-}
-
-fn env_work(var: &str) -> usize {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .map_or(1, |w| w.clamp(1, 8))
-}
-
 /// Rows per block of a unit-parallel product of `units` units a row and `nt` activation rows
-/// over `total` rows: enough rows to give the block's 256 threads `work` units each where a row
-/// has fewer, within the block's shared contributions (`nt · rows · units ≤ UNITS_PART`).
-/// `None` when not even one row fits (rows of more than 32,768 elements at nt = 8).
-pub fn units_rows_per_block(units: usize, nt: usize, total: usize, work: usize) -> Option<usize> {
+/// over `total` rows: enough rows to give the block's 256 threads a unit each where a row has
+/// fewer, within the block's shared contributions (`nt · rows · units ≤ UNITS_PART`). `None`
+/// when not even one row fits (rows of more than 32,768 elements at nt = 8).
+pub fn units_rows_per_block(units: usize, nt: usize, total: usize) -> Option<usize> {
     if units == 0 || nt == 0 {
         return None;
     }
@@ -790,18 +781,13 @@ pub fn units_rows_per_block(units: usize, nt: usize, total: usize, work: usize) 
     if by_smem == 0 {
         return None;
     }
-    Some(
-        (256 * work.max(1))
-            .div_ceil(units)
-            .min(by_smem)
-            .min(total.max(1)),
-    )
+    Some(256usize.div_ceil(units).min(by_smem).min(total.max(1)))
 }
 
-/// Threads of a unit-parallel block with `contribs` unit contributions, `work` a thread: in
-/// whole warps, at most 1024 (the kernels loop over the rest).
-fn units_threads(contribs: usize, work: usize) -> u32 {
-    (contribs.div_ceil(work.max(1)).div_ceil(32).clamp(1, 32) * 32) as u32
+/// Threads of a unit-parallel block with `work` unit contributions: one each, in whole warps,
+/// at most 1024 (the kernels loop over the rest).
+fn units_threads(work: usize) -> u32 {
+    (work.div_ceil(32).clamp(1, 32) * 32) as u32
 }
 
 /// A device buffer's address as a kernel argument (for the launchers whose argument list is
@@ -816,7 +802,7 @@ pub fn units_apply(w: &DevWeight, nt: usize) -> bool {
     (1..=8).contains(&nt)
         && has_products(w.ty)
         && w.k.is_multiple_of(32)
-        && units_rows_per_block(w.k / 32, nt, w.rows, unit_work()).is_some()
+        && units_rows_per_block(w.k / 32, nt, w.rows).is_some()
 }
 
 /// `y_i[t][r] = W_i[r] · x_t` for up to four weights of one format and row length against the
@@ -859,7 +845,7 @@ pub fn product_units(
     }
     let total: usize = ws.iter().map(|w| w.rows).sum();
     let units = w0.k / 32;
-    let rb = units_rows_per_block(units, nt, total, unit_work())
+    let rb = units_rows_per_block(units, nt, total)
         .ok_or_else(|| bad(k, format!("rows of {} at {nt} activation rows", w0.k)))?;
     if total == 0 {
         return Ok(());
@@ -870,7 +856,7 @@ pub fn product_units(
         gpu,
         &format!("gemv_{tn}"),
         format!("gemv_units_{tn}"),
-        cfg(total.div_ceil(rb) as u32, units_threads(rb * units, unit_work())),
+        cfg(total.div_ceil(rb) as u32, units_threads(rb * units)),
         [
             &wp[0], &wp[1], &wp[2], &wp[3], &yp[0], &yp[1], &yp[2], &yp[3], &n[0], &n[1], &n[2],
             &n[3], x, &ni, &ki, &wb, &xb, &rbi
@@ -1039,9 +1025,8 @@ pub fn hc_fused_applies(hc: &HcDev<'_>, rows: usize) -> bool {
         && hc.h <= HC_NORM_MAX_H
         && hc.down.k.is_multiple_of(32)
         && hc.up.k.is_multiple_of(32)
-        && units_rows_per_block(hc.down.k / 32, rows, 1, unit_work()).is_some()
-        && units_rows_per_block(hc.up.k / 32, rows, hc.up.rows, unit_work())
-            .is_some_and(|r| r >= hc.streams)
+        && units_rows_per_block(hc.down.k / 32, rows, 1).is_some()
+        && units_rows_per_block(hc.up.k / 32, rows, hc.up.rows).is_some_and(|r| r >= hc.streams)
 }
 
 /// [`hc_mix`] in three launches (gemv.cu hc_norm_bf16 or hc_combine_norm_bf16, hc_down_bf16,
@@ -1128,14 +1113,14 @@ pub fn hc_mix_fused(
         }
     };
     let total = rank + n_inj;
-    let rb = units_rows_per_block(sh / 32, rows, total, unit_work())
+    let rb = units_rows_per_block(sh / 32, rows, total)
         .ok_or_else(|| bad(k, format!("rows of {sh}")))?;
     let (nii, rbi) = (i32_of(k, n_inj)?, i32_of(k, rb)?);
     launch!(
         gpu,
         "gemv_bf16",
         "hc_down_bf16",
-        cfg(total.div_ceil(rb) as u32, units_threads(rb * sh / 32, unit_work())),
+        cfg(total.div_ceil(rb) as u32, units_threads(rb * sh / 32)),
         [
             &hc.down.bytes,
             &wi.bytes,
@@ -1150,7 +1135,7 @@ pub fn hc_mix_fused(
             &inv_s
         ]
     )?;
-    let rb = units_rows_per_block(rank / 32, rows, sh, unit_work())
+    let rb = units_rows_per_block(rank / 32, rows, sh)
         .ok_or_else(|| bad(k, format!("rows of {rank}")))?;
     let j = (rb / st).clamp(1, 512 / (rows * st));
     let ji = i32_of(k, j)?;
@@ -1158,7 +1143,7 @@ pub fn hc_mix_fused(
         gpu,
         "gemv_bf16",
         "hc_up_u_bf16",
-        cfg(h.div_ceil(j) as u32, units_threads(st * j * rank / 32, unit_work())),
+        cfg(h.div_ceil(j) as u32, units_threads(st * j * rank / 32)),
         [
             &hc.up.bytes,
             &s.aq,
@@ -2255,9 +2240,9 @@ impl MoeScratch {
 }
 
 /// Output rows per block of the fused down-and-combine launch (with `kslots` slots of `units`).
-fn down_rows_per_block(kslots: usize, units: usize, work: usize) -> usize {
-    // About 512 · work contributions a block: many blocks, `work` units a thread.
-    (512 * work.max(1) / (kslots * units).max(1))
+fn down_rows_per_block(kslots: usize, units: usize) -> usize {
+    // About 512 contributions a block: many blocks, each a unit a thread.
+    (512 / (kslots * units).max(1))
         .clamp(1, 16)
         .min(256 / kslots.max(1))
         .min(UNITS_PART / (kslots * units).max(1))
@@ -2286,7 +2271,7 @@ pub fn experts_fuse(ex: &ExpertsDev<'_>, kslots: usize) -> bool {
         && h.is_multiple_of(32)
         && ff.is_multiple_of(32)
         && 64 * (h / 32) <= UNITS_PART
-        && down_rows_per_block(kslots, ff / 32, down_work()) > 0
+        && down_rows_per_block(kslots, ff / 32) > 0
 }
 
 /// The routed experts of a decode step in two launches (gemv.cu moe_gate_up_q8_* and
@@ -2371,7 +2356,7 @@ pub fn moe_experts_fused_on(
         cfg2(
             (ff / 32) as u32,
             np as u32,
-            units_threads(64 * h / 32, 1).min(gate_up_threads(ex.gate.ty)),
+            units_threads(64 * h / 32).min(gate_up_threads(ex.gate.ty)),
         ),
         [
             &ex.gate.bytes,
@@ -2395,13 +2380,13 @@ pub fn moe_experts_fused_on(
         ex.down.act_row_bytes()?,
     );
     need(k, "down", ex.down.bytes.len(), dslab * ex.down.n_expert)?;
-    let rb = down_rows_per_block(ks, ff / 32, down_work());
+    let rb = down_rows_per_block(ks, ff / 32);
     let (dne, rbi) = (i32_of(k, ex.down.n_expert)?, i32_of(k, rb)?);
     let (dsb, dwb, dxb) = (u64_of(dslab), u64_of(dwrb), u64_of(dxrb));
     let c = cfg2(
         h.div_ceil(rb) as u32,
         nt as u32,
-        units_threads(ks * rb * ff / 32, down_work()),
+        units_threads(ks * rb * ff / 32),
     );
     match shared {
         None => launch!(
@@ -2518,37 +2503,29 @@ mod tests {
     /// within the shared contributions, never more rows than the product has.
     #[test]
     fn unit_parallel_blocks_fit_their_shared_memory() {
-        assert_eq!(units_rows_per_block(320, 8, 324, 1), Some(1)); // the mix's down, rows of 10240
-        assert_eq!(units_rows_per_block(80, 1, 513, 1), Some(4)); // the router, rows of 2560
-        assert_eq!(units_rows_per_block(80, 1, 513, 2), Some(7)); // two units a thread
-        assert_eq!(units_rows_per_block(10, 8, 10240, 1), Some(26)); // the mix's up, rows of 320
-        assert_eq!(units_rows_per_block(10, 8, 10240, 4), Some(76)); // capped by shared memory
-        assert_eq!(units_rows_per_block(10, 1, 3, 1), Some(3));
-        assert_eq!(units_rows_per_block(1025, 8, 10, 1), None); // rows of 32,800 at 8 rows
-        assert_eq!(units_rows_per_block(0, 1, 10, 1), None);
-        for work in 1..=8 {
-            for units in [1usize, 10, 20, 80, 192, 320, 768] {
-                for nt in 1..=8 {
-                    let rb = units_rows_per_block(units, nt, 1 << 20, work).unwrap();
-                    assert!(
-                        rb >= 1 && nt * rb * units <= UNITS_PART,
-                        "{units} units, {nt} rows, work {work}: {rb}"
-                    );
-                }
-            }
-            for (ks, units) in [(1usize, 1usize), (8, 20), (10, 20), (10, 80), (16, 200)] {
-                let rb = down_rows_per_block(ks, units, work);
-                assert!(rb >= 1 && ks * rb <= 256 && ks * rb * units <= UNITS_PART);
+        assert_eq!(units_rows_per_block(320, 8, 324), Some(1)); // the mix's down, rows of 10240
+        assert_eq!(units_rows_per_block(80, 1, 513), Some(4)); // the router, rows of 2560
+        assert_eq!(units_rows_per_block(10, 8, 10240), Some(26)); // the mix's up, rows of 320
+        assert_eq!(units_rows_per_block(10, 1, 3), Some(3));
+        assert_eq!(units_rows_per_block(1025, 8, 10), None); // rows of 32,800 at 8 rows
+        assert_eq!(units_rows_per_block(0, 1, 10), None);
+        for units in [1usize, 10, 20, 80, 192, 320, 768] {
+            for nt in 1..=8 {
+                let rb = units_rows_per_block(units, nt, 1 << 20).unwrap();
+                assert!(
+                    nt * rb * units <= UNITS_PART,
+                    "{units} units, {nt} rows: {rb}"
+                );
             }
         }
-        assert_eq!(down_rows_per_block(10, 20, 1), 2);
-        assert_eq!(down_rows_per_block(10, 20, 4), 10);
-        assert_eq!(units_threads(1, 1), 32);
-        assert_eq!(units_threads(320, 1), 320);
-        assert_eq!(units_threads(320, 2), 160);
-        assert_eq!(units_threads(5120, 1), 1024);
-        assert_eq!(units_threads(5120, 8), 640);
-        assert!((1..=8).contains(&unit_work()) && (1..=8).contains(&down_work()));
+        assert_eq!(down_rows_per_block(10, 20), 2);
+        for (ks, units) in [(1usize, 1usize), (8, 20), (10, 20), (10, 80), (16, 200)] {
+            let rb = down_rows_per_block(ks, units);
+            assert!(rb >= 1 && ks * rb <= 256 && ks * rb * units <= UNITS_PART);
+        }
+        assert_eq!(units_threads(1), 32);
+        assert_eq!(units_threads(320), 320);
+        assert_eq!(units_threads(5120), 1024);
     }
 
     /// The dense tensor-core grid covers every (row, token) exactly once: blocks of 32 × 16,

@@ -648,6 +648,44 @@ fn unit_parallel_products_equal_the_tiled_kernel() {
     }
 }
 
+/// The model's own optimized GEMVs (model::direct_opt: Q3_K rows of 2560 with many rows,
+/// Q4_K / Q5_K rows of 6144 for one activation row, BF16 rows of 10240) equal the tiled kernel
+/// (gemv_base's order) bit for bit, with a last block of fewer than eight rows.
+#[test]
+fn direct_optimized_gemvs_equal_the_tiled_kernel() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(47);
+    let cases: [(GgmlType, usize, usize, &[usize]); 4] = [
+        (GgmlType::Q3_K, 4101, 2560, &[1, 2, 5, 8]),
+        (GgmlType::Q4_K, 1029, 6144, &[1]),
+        (GgmlType::Q5_K, 2563, 6144, &[1]),
+        (GgmlType::BF16, 4099, 10240, &[1, 3]),
+    ];
+    for (ty, rows, k, nts) in cases {
+        let wb = weight_blocks(ty, rows * k / ty.block_size(), rng.u64());
+        let dw = DevWeight::upload(g, ty, &wb, rows, k, 1).unwrap();
+        for &nt in nts {
+            assert!(
+                m::direct_opt(&dw, nt),
+                "{ty} {rows}×{k} nt={nt} takes the direct GEMV"
+            );
+            let x = tame(rng.f32_vec_special(nt * k, 1.0));
+            let xq = up(g, &act_bytes(ty, &x, nt, k));
+            let mut want = g.zeros::<f32>(nt * rows).unwrap();
+            m::matmul(g, &dw, &xq, nt, &mut want).unwrap();
+            let mut got = g.zeros::<f32>(nt * rows).unwrap();
+            m::product(g, &dw, &xq, nt, &mut got).unwrap();
+            let want = down(g, &want);
+            nontrivial(&format!("{ty} {rows}×{k}"), &want);
+            bitwise(
+                &format!("direct GEMV {ty} {rows}×{k} nt={nt}"),
+                &down(g, &got),
+                &want,
+            );
+        }
+    }
+}
+
 /// The fused mix (three launches, with and without the previous block's combine, with and
 /// without inject weights) equals the composed mix and combine bit for bit at 1..=8 rows.
 #[test]
