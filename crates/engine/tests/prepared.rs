@@ -4,7 +4,8 @@
 //! (Q8_0, Q8_K, BF16, F16 and F32 activations), one to nine rows, both float-activation modes.
 //! The images must also be what the products read: a product of prepared rows runs no
 //! activation quantizer (the registry's use count of `xprep` does not move), where the plain
-//! product runs one. One test function: the use counts are process-wide.
+//! product runs one. The F16 pairing goes through the registry's `xprep_pair` in the selected
+//! variant. One test function: the use counts and the selection are process-wide.
 
 use std::sync::Arc;
 
@@ -190,6 +191,25 @@ fn prepared_products_equal_the_plain_products_and_read_the_images() {
                 prepared_uses < plain_uses,
                 "{prepared_uses} vs {plain_uses} ({what})"
             );
+        }
+        // The F16 pairing runs the registry's `xprep_pair` (no direct quantizer call): both
+        // variants are taken when selected and give the same products.
+        if mode == FloatActivations::Paired {
+            let x = b.upload(3, K, &values(11, 3 * K)).unwrap();
+            let want = bits(&b.download(&b.matmul(refs[4], &x).unwrap()).unwrap());
+            for variant in [registry::BASELINE, registry::OPTIMIZED] {
+                registry::select("xprep_pair", variant).unwrap();
+                let bv = CpuBackend::new(2).unwrap();
+                let w16 = bv.load_weight(&f, f.tensor("f16").unwrap()).unwrap();
+                let before = registry::use_count("xprep_pair", variant);
+                let got = bits(&bv.download(&bv.matmul(&w16, &x).unwrap()).unwrap());
+                assert!(
+                    registry::use_count("xprep_pair", variant) > before,
+                    "{variant}"
+                );
+                assert_eq!(got, want, "xprep_pair={variant}");
+            }
+            registry::clear_selection();
         }
         // A weight whose rows do not divide the prepared rows is refused, naming it.
         let x = b.upload(2, K, &values(9, 2 * K)).unwrap();

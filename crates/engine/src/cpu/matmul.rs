@@ -8,7 +8,7 @@ use strata_quant::{GgmlType, Isa};
 
 use crate::error::{EngineError, Result};
 use crate::kernels::embed::EmbedFn;
-use crate::kernels::norm::XprepFn;
+use crate::kernels::norm::{XprepFn, XprepPairFn};
 use crate::kernels::registry::Chosen;
 use crate::kernels::ActFmt;
 
@@ -43,10 +43,10 @@ impl Prepared {
 
 /// Quantize `n` rows of `k` f32 values to the activation type that `wty` pairs with: through
 /// the catalogue's `xprep` in the variant the backend resolved (its `optimized` variant is the
-/// `isa` quantizer, bitwise the reference's) for the four catalogue formats, and through the
-/// same `strata_quant` quantizer directly for the pairings outside the catalogue (F16, Q8_1).
+/// best ISA's quantizer, bitwise the reference's) for the four catalogue formats, and through
+/// the registry's `xprep_pair` for the pairings outside them (F16, Q8_1).
 pub(crate) fn prepare(
-    isa: Isa,
+    pair: &Chosen<XprepPairFn>,
     xprep: &Chosen<XprepFn>,
     wty: GgmlType,
     x: &[f32],
@@ -85,16 +85,14 @@ pub(crate) fn prepare(
             f(x, k, fmt, &mut bytes)?;
         }
     } else {
-        // Looked up once; every row is `k` values into `row_bytes` bytes (checked above).
-        let quantize_row = strata_quant::quantize_fn(xty, isa).ok_or_else(|| {
-            EngineError::shape("matmul", format!("{name}: {xty} has no quantizer"))
-        })?;
-        if n > 1 {
-            x.par_chunks(k)
-                .zip(bytes.par_chunks_mut(row_bytes))
-                .for_each(|(src, dst)| quantize_row(src, dst));
+        let f = pair.get();
+        let per = n.div_ceil(4 * rayon::current_num_threads().max(1)).max(1);
+        if n > per {
+            x.par_chunks(per * k)
+                .zip(bytes.par_chunks_mut(per * row_bytes))
+                .try_for_each(|(src, dst)| f(xty, src, k, dst))?;
         } else {
-            quantize_row(x, &mut bytes);
+            f(xty, x, k, &mut bytes)?;
         }
     }
     Ok(Prepared {

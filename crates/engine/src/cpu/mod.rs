@@ -23,7 +23,7 @@ use crate::backend::{
 use crate::error::{EngineError, Result};
 use crate::kernels;
 use crate::kernels::embed::EmbedFn;
-use crate::kernels::norm::{RmsNormFn, XprepFn};
+use crate::kernels::norm::{RmsNormFn, XprepFn, XprepPairFn};
 use crate::kernels::pick::PickFn;
 use crate::kernels::registry::Chosen;
 use crate::kernels::route::RouteFn;
@@ -163,6 +163,7 @@ pub struct CpuKernels {
     pub route: Chosen<RouteFn>,
     pub embed: Chosen<EmbedFn>,
     pub xprep: Chosen<XprepFn>,
+    pub xprep_pair: Chosen<XprepPairFn>,
     pub rms_norm: Chosen<RmsNormFn>,
     pub pick: Chosen<PickFn>,
 }
@@ -174,6 +175,7 @@ impl CpuKernels {
             route: kernels::route::ROUTE.resolve()?,
             embed: kernels::embed::EMBED.resolve()?,
             xprep: kernels::norm::XPREP.resolve()?,
+            xprep_pair: kernels::norm::XPREP_PAIR.resolve()?,
             rms_norm: kernels::norm::RMS_NORM.resolve()?,
             pick: kernels::pick::PICK.resolve()?,
         })
@@ -186,6 +188,7 @@ impl CpuKernels {
             (self.route.op, self.route.name),
             (self.embed.op, self.embed.name),
             (self.xprep.op, self.xprep.name),
+            (self.xprep_pair.op, self.xprep_pair.name),
             (self.rms_norm.op, self.rms_norm.name),
             (self.pick.op, self.pick.name),
         ];
@@ -202,7 +205,7 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     isa: Isa,
     float_activations: FloatActivations,
-    /// Boxed: five resolved kernels would make the backend value large to move around.
+    /// Boxed: six resolved kernels would make the backend value large to move around.
     kernels: Box<CpuKernels>,
 }
 
@@ -303,7 +306,7 @@ impl CpuBackend {
             Some(i) => i,
             None => {
                 made.push(matmul::prepare(
-                    self.isa,
+                    &self.kernels.xprep_pair,
                     &self.kernels.xprep,
                     w.ty,
                     x,
@@ -823,7 +826,14 @@ impl Backend for CpuBackend {
             let xp = if widen {
                 matmul::prepare_f32(&x.data, k, w.name())?
             } else {
-                matmul::prepare(self.isa, &self.kernels.xprep, w.ty, &x.data, k, w.name())?
+                matmul::prepare(
+                    &self.kernels.xprep_pair,
+                    &self.kernels.xprep,
+                    w.ty,
+                    &x.data,
+                    k,
+                    w.name(),
+                )?
             };
             let embed = self.kernels.embed.get();
             let (ty, bytes, m) = (w.ty, w.bytes()?, w.n_rows2());
