@@ -443,7 +443,8 @@ impl<B: Backend> OpsSuite for qwen2::Model<B> {
 fn ops_note(backend: &str) -> String {
     let mut s = "baseline: the trait's default composition on the same backend \
                  (hc_combine + hc_mix, moe_block_composed, rms_norm then plain products); \
-                 candidate: the backend's operation"
+                 candidate: the backend's operation; times: one wall-clock run each, the candidate first (it \
+                 pays the first touch of the weights), so they are no measurement"
         .to_string();
     if backend == "cpu" {
         s.push_str(
