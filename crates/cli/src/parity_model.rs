@@ -363,6 +363,13 @@ impl<B: Qwen4expOps> OpsSuite for qwen4exp::Model<B> {
     }
 }
 
+/// A qwen2 norm, its weight and the products of its rows.
+type NormCase<'a, B> = (
+    &'static str,
+    &'a <B as Backend>::Weight,
+    Vec<&'a <B as Backend>::Weight>,
+);
+
 impl<B: Backend> OpsSuite for qwen2::Model<B> {
     fn ops_suite(&self, seed: u64, report: &mut Report) -> Result<()> {
         let b = self.backend();
@@ -376,7 +383,7 @@ impl<B: Backend> OpsSuite for qwen2::Model<B> {
         for n in OPS_ROWS {
             let x = rand_rows(b, &mut rng, n, c.n_embd)?;
             // The attention's norm and q/k/v, the MLP's norm and gate/up, the head's norm.
-            let cases: [(&str, &B::Weight, Vec<&B::Weight>); 3] = [
+            let cases: [NormCase<'_, B>; 3] = [
                 (
                     "attn_norm → q, k, v",
                     &lw.attn_norm,

@@ -448,18 +448,32 @@ impl CpuBackend {
                 .enumerate()
                 .filter(|(_, members)| !members.is_empty())
                 .map(|(e, members)| {
-                    let mut xe = Vec::with_capacity(members.len() * hdim);
-                    for &(r, _) in members {
-                        xe.extend_from_slice(x.row(r));
-                    }
                     // The members' rows of each image (a row's image is that row's alone).
                     let mine: Vec<matmul::Prepared> = images
                         .iter()
                         .map(|p| p.gather(members.iter().map(|&(r, _)| r)))
                         .collect();
+                    // Their f32 rows only for a product that reads f32 (the widened mode).
+                    let mut xe: Option<Vec<f32>> = None;
                     let mut made = Vec::new();
-                    let g = self.matmul_slab_shared(ex.gate, e, &xe, &mine, &mut made)?;
-                    let u = self.matmul_slab_shared(ex.up, e, &xe, &mine, &mut made)?;
+                    let mut product = |w: &CpuWeight| -> Result<Vec<f32>> {
+                        let xty = w.ty.vec_dot_type();
+                        let img = mine.iter().find(|p| Some(p.ty) == xty && p.k == hdim);
+                        if let (false, Some(p)) = (self.widened(w), img) {
+                            let (bytes, m, _) = Self::slab(w, e)?;
+                            return matmul::matmul_prepared(self.isa, w.ty, bytes, m, p, w.name());
+                        }
+                        let xe = xe.get_or_insert_with(|| {
+                            members
+                                .iter()
+                                .flat_map(|&(r, _)| x.row(r))
+                                .copied()
+                                .collect()
+                        });
+                        self.matmul_slab_shared(w, e, xe, &mine, &mut made)
+                    };
+                    let g = product(ex.gate)?;
+                    let u = product(ex.up)?;
                     let act: Vec<f32> = g.iter().zip(&u).map(|(&a, &b)| ops::silu(a) * b).collect();
                     Ok((e, self.matmul_slab(ex.down, e, &act)?))
                 })
