@@ -188,9 +188,9 @@ impl CpuKernels {
             (self.route.op, self.route.name),
             (self.embed.op, self.embed.name),
             (self.xprep.op, self.xprep.name),
-            (self.xprep_pair.op, self.xprep_pair.name),
             (self.rms_norm.op, self.rms_norm.name),
             (self.pick.op, self.pick.name),
+            (self.xprep_pair.op, self.xprep_pair.name),
         ];
         let v: Vec<String> = all
             .iter()
