@@ -11,8 +11,9 @@ use crate::outln;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// mtp-ab | router-ab | sample | gemv | all (kernels), or prompt | verify (a whole model:
-    /// prefill and verify windows against single steps, bitwise)
+    /// mtp-ab | router-ab | sample | gemv | all (kernels), prompt | verify (a whole model:
+    /// prefill and verify windows against single steps, bitwise), or ops (a model's
+    /// overridable operations against their default compositions on the same backend)
     pub suite: String,
     /// cpu | cuda | wgpu (adapter: STRATA_WGPU_ADAPTER, an index or part of its name)
     #[arg(long, default_value = "cpu")]
@@ -44,12 +45,12 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
-    if a.suite == "prompt" || a.suite == "verify" {
+    if MODEL_SUITES.contains(&a.suite.as_str()) {
         return run_model(a);
     }
     if a.model.is_some() {
         bail!(
-            "-m is for the prompt and verify suites; '{}' runs the kernel catalogue",
+            "-m is for the prompt, verify and ops suites; '{}' runs the kernel catalogue",
             a.suite
         );
     }
@@ -64,7 +65,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     } else {
         vec![Suite::from_name(&a.suite).with_context(|| {
             format!(
-                "unknown suite '{}': expected mtp-ab, router-ab, sample, gemv, all, prompt or verify",
+                "unknown suite '{}': expected mtp-ab, router-ab, sample, gemv, all, prompt, verify or ops",
                 a.suite
             )
         })?]
@@ -108,7 +109,10 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The model suites (`prompt`, `verify`): the model loaded on the backend asked for, the
+/// The suites that run on a loaded model.
+const MODEL_SUITES: [&str; 3] = ["prompt", "verify", "ops"];
+
+/// The model suites (`prompt`, `verify`, `ops`): the model loaded on the backend asked for, the
 /// suite run, the report printed; status 2 when a row is not bitwise.
 fn run_model(a: Args) -> anyhow::Result<ExitCode> {
     use crate::args::backend::{BackendChoice, BackendKind as Kind};
@@ -155,19 +159,21 @@ fn run_model(a: Args) -> anyhow::Result<ExitCode> {
         ..Default::default()
     };
     let (n, prefix) = if a.quick { (24, 11) } else { (96, 37) };
-    let prompt_suite = a.suite == "prompt";
+    let suite = a.suite.as_str();
     crate::load::each_model!(&loaded.model, m => {
-        if prompt_suite {
-            crate::parity_model::prompt_suite(m.as_ref(), n, seed, &mut rep)?
-        } else {
-            crate::parity_model::verify_suite(m.as_ref(), prefix, seed, &mut rep)?
+        match suite {
+            "prompt" => crate::parity_model::prompt_suite(m.as_ref(), n, seed, &mut rep)?,
+            "verify" => crate::parity_model::verify_suite(m.as_ref(), prefix, seed, &mut rep)?,
+            _ => crate::parity_model::OpsSuite::ops_suite(m.as_ref(), seed, &mut rep)?,
         }
     });
-    rep.notes.push(
-        "baseline: the same tokens as single steps from a fresh state (the oracle); candidate: \
-         the call under test; times are wall clock of one run each"
-            .to_string(),
-    );
+    if suite != "ops" {
+        rep.notes.push(
+            "baseline: the same tokens as single steps from a fresh state (the oracle); \
+             candidate: the call under test; times are wall clock of one run each"
+                .to_string(),
+        );
+    }
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&rep.json())?)?;
     } else {

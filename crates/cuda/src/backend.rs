@@ -1197,6 +1197,7 @@ impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Ids = CudaIds;
     type Routes = CudaRoutes;
+    type Images = ();
 
     fn name(&self) -> &'static str {
         "cuda"

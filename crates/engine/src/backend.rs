@@ -318,6 +318,20 @@ pub struct ExpertWeights<'a, W> {
     pub down: &'a W,
 }
 
+/// Activation rows on their way into matrix products: the f32 rows and the backend's images of
+/// them in the formats the products' weights pair with (FORMATS.md), made once by
+/// [`Backend::prepare`] or by the norm that produced the rows ([`Backend::rms_norm_prepared`]),
+/// then read by every product of those rows ([`Backend::matmul_prepared`],
+/// [`Backend::matmuls_prepared`], [`Backend::moe_experts_prepared`]).
+///
+/// The images are a cache with no meaning of their own: a product whose format has no image
+/// quantizes the rows as [`Backend::matmul`] would, so every product of a `Prepared` has the
+/// bits of the same product of `rows`.
+pub struct Prepared<B: Backend + ?Sized> {
+    pub rows: B::Buf,
+    pub images: B::Images,
+}
+
 /// The core device operations: memory, steps, and the operations every model uses. A model
 /// family's own operations are a trait beside the model (`qwen4exp::ops::Qwen4expOps`).
 pub trait Backend: Send + Sync {
@@ -326,6 +340,9 @@ pub trait Backend: Send + Sync {
     type Ids: DeviceIds;
     /// Router decisions: per row, `(expert, weight)` in rank order.
     type Routes: Send + Sync;
+    /// A buffer's activation images, the backend's half of [`Prepared`] (`()` for a backend
+    /// whose products quantize their own input: the default methods).
+    type Images: Send + Sync + Default;
 
     fn name(&self) -> &'static str;
     fn supports(&self, ty: GgmlType, usage: Usage) -> bool;
@@ -421,6 +438,57 @@ pub trait Backend: Send + Sync {
         ys.try_into()
             .map_err(|_| EngineError::shape("matmuls", "product count"))
     }
+    /// The images of `x`'s rows that products with the weights `ws` read (one per activation
+    /// format among them). The default makes none: each product then quantizes its input.
+    fn prepare_images(&self, x: &Self::Buf, ws: &[&Self::Weight]) -> Result<Self::Images> {
+        let _ = (x, ws);
+        Ok(Self::Images::default())
+    }
+    /// `x` with its images for products with `ws` ([`Backend::prepare_images`]).
+    fn prepare(&self, x: Self::Buf, ws: &[&Self::Weight]) -> Result<Prepared<Self>> {
+        let images = self.prepare_images(&x, ws)?;
+        Ok(Prepared { rows: x, images })
+    }
+    /// [`Backend::rms_norm`] that also emits the images of its output for products with `ws`
+    /// (the report's `rms_xprep`: a GPU writes the norm and the next product's quantized input
+    /// in one pass). The default is the norm, then [`Backend::prepare`]
+    /// ([`rms_norm_prepared_composed`]); the rows keep the norm's bits either way.
+    fn rms_norm_prepared(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Weight,
+        group: usize,
+        eps: f32,
+        ws: &[&Self::Weight],
+    ) -> Result<Prepared<Self>> {
+        rms_norm_prepared_composed(self, x, w, group, eps, ws)
+    }
+    /// The same rows viewed as `rows × cols` (as [`Backend::reshape`]); images the backend can
+    /// view the same way come along, the others are dropped (the default drops them all).
+    fn reshape_prepared(
+        &self,
+        x: Prepared<Self>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Prepared<Self>> {
+        Ok(Prepared {
+            rows: self.reshape(x.rows, rows, cols)?,
+            images: Self::Images::default(),
+        })
+    }
+    /// `matmul(w, x.rows)`, bit for bit, reading the image of `w`'s format when `x` has one
+    /// (the default ignores the images).
+    fn matmul_prepared(&self, w: &Self::Weight, x: &Prepared<Self>) -> Result<Self::Buf> {
+        self.matmul(w, &x.rows)
+    }
+    /// `matmuls(ws, x.rows)`, bit for bit, reading `x`'s images (the default ignores them).
+    fn matmuls_prepared<const N: usize>(
+        &self,
+        ws: [&Self::Weight; N],
+        x: &Prepared<Self>,
+    ) -> Result<[Self::Buf; N]> {
+        self.matmuls(ws, &x.rows)
+    }
     /// `matmul` restricted to the weight rows `rows` (output column `i` is row `rows[i]`), each
     /// entry bit-identical to the full product's: the draft vocabulary's rows of the LM head.
     fn matmul_rows(&self, w: &Self::Weight, rows: &Self::Ids, x: &Self::Buf) -> Result<Self::Buf>;
@@ -453,6 +521,16 @@ pub trait Backend: Send + Sync {
         x: &Self::Buf,
         routes: &Self::Routes,
     ) -> Result<Self::Buf>;
+    /// `moe_experts(experts, x.rows, routes)`, bit for bit, the experts' gate and up products
+    /// reading `x`'s images (the default ignores them).
+    fn moe_experts_prepared(
+        &self,
+        experts: &ExpertWeights<'_, Self::Weight>,
+        x: &Prepared<Self>,
+        routes: &Self::Routes,
+    ) -> Result<Self::Buf> {
+        self.moe_experts(experts, &x.rows, routes)
+    }
     /// `silu(g) ⊙ u`.
     fn swiglu(&self, g: &Self::Buf, u: &Self::Buf) -> Result<Self::Buf>;
     /// `y += σ(gate) · x`, `gate` one column per row.
@@ -524,4 +602,18 @@ pub fn pick_rows_on_host<B: Backend + ?Sized>(
         .map(|(r, row)| crate::sampler::pick_row(pick, row, first_position + r as u64))
         .collect::<Result<Vec<u32>>>()?;
     b.upload_ids(&ids)
+}
+
+/// [`Backend::rms_norm_prepared`] as the composition of [`Backend::rms_norm`] and
+/// [`Backend::prepare`] (the default, and the baseline an override keeps the bits of).
+pub fn rms_norm_prepared_composed<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    w: &B::Weight,
+    group: usize,
+    eps: f32,
+    ws: &[&B::Weight],
+) -> Result<Prepared<B>> {
+    let y = b.rms_norm(x, w, group, eps)?;
+    b.prepare(y, ws)
 }

@@ -92,6 +92,7 @@ impl Backend for Recording {
     type Weight = CpuWeight;
     type Ids = CpuIds;
     type Routes = CpuRoutes;
+    type Images = ();
 
     fn name(&self) -> &'static str {
         "recording-cpu"

@@ -800,6 +800,7 @@ impl Backend for WgpuBackend {
     type Weight = WWeight;
     type Ids = WIds;
     type Routes = WRoutes;
+    type Images = ();
 
     fn name(&self) -> &'static str {
         "wgpu"

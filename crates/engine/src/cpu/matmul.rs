@@ -7,7 +7,8 @@ use rayon::prelude::*;
 use strata_quant::{GgmlType, Isa};
 
 use crate::error::{EngineError, Result};
-use crate::kernels::norm::XprepFn;
+use crate::kernels::embed::EmbedFn;
+use crate::kernels::norm::{XprepFn, XprepPairFn};
 use crate::kernels::registry::Chosen;
 use crate::kernels::ActFmt;
 
@@ -20,12 +21,32 @@ pub(crate) struct Prepared {
     pub bytes: Vec<u8>,
 }
 
+impl Prepared {
+    /// The image of rows `rows` of these rows, in that order (a row's image depends on that
+    /// row alone, so it equals quantizing the gathered f32 rows).
+    pub fn gather(&self, rows: impl Iterator<Item = usize>) -> Prepared {
+        let mut bytes = Vec::new();
+        let mut n = 0;
+        for r in rows {
+            bytes.extend_from_slice(&self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]);
+            n += 1;
+        }
+        Prepared {
+            ty: self.ty,
+            k: self.k,
+            n,
+            row_bytes: self.row_bytes,
+            bytes,
+        }
+    }
+}
+
 /// Quantize `n` rows of `k` f32 values to the activation type that `wty` pairs with: through
 /// the catalogue's `xprep` in the variant the backend resolved (its `optimized` variant is the
-/// `isa` quantizer, bitwise the reference's) for the four catalogue formats, and through the
-/// same `strata_quant` quantizer directly for the pairings outside the catalogue (F16, Q8_1).
+/// best ISA's quantizer, bitwise the reference's) for the four catalogue formats, and through
+/// the registry's `xprep_pair` for the pairings outside them (F16, Q8_1).
 pub(crate) fn prepare(
-    isa: Isa,
+    pair: &Chosen<XprepPairFn>,
     xprep: &Chosen<XprepFn>,
     wty: GgmlType,
     x: &[f32],
@@ -64,16 +85,14 @@ pub(crate) fn prepare(
             f(x, k, fmt, &mut bytes)?;
         }
     } else {
-        // Looked up once; every row is `k` values into `row_bytes` bytes (checked above).
-        let quantize_row = strata_quant::quantize_fn(xty, isa).ok_or_else(|| {
-            EngineError::shape("matmul", format!("{name}: {xty} has no quantizer"))
-        })?;
-        if n > 1 {
-            x.par_chunks(k)
-                .zip(bytes.par_chunks_mut(row_bytes))
-                .for_each(|(src, dst)| quantize_row(src, dst));
+        let f = pair.get();
+        let per = n.div_ceil(4 * rayon::current_num_threads().max(1)).max(1);
+        if n > per {
+            x.par_chunks(per * k)
+                .zip(bytes.par_chunks_mut(per * row_bytes))
+                .try_for_each(|(src, dst)| f(xty, src, k, dst))?;
         } else {
-            quantize_row(x, &mut bytes);
+            f(xty, x, k, &mut bytes)?;
         }
     }
     Ok(Prepared {
@@ -186,8 +205,11 @@ pub(crate) fn matmul_prepared(
 
 /// `out[r][o] = dot(w row o widened to f32, x row r in f32)` for float weights (F16/BF16): the
 /// "exact" mode that skips activation rounding, to separate it from everything else in tests.
+/// Weight rows are widened by `embed` (the catalogue's dequantizer in the backend's variant).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_widened(
     isa: Isa,
+    embed: EmbedFn,
     wty: GgmlType,
     w: &[u8],
     m: usize,
@@ -223,7 +245,7 @@ pub(crate) fn matmul_widened(
         .enumerate()
         .try_for_each(|(o, col)| -> Result<()> {
             let mut row = vec![0f32; k];
-            strata_quant::dequantize(wty, &w[o * w_row..(o + 1) * w_row], &mut row)?;
+            embed(wty, &w[o * w_row..(o + 1) * w_row], k, &[0], &mut row)?;
             let rb: &[u8] = bytemuck::cast_slice(&row);
             for (r, c) in col.iter_mut().enumerate() {
                 *c = dot(k, rb, &xb[r * k * 4..(r + 1) * k * 4]);
@@ -236,9 +258,12 @@ pub(crate) fn matmul_widened(
 /// `out[r][i] = dot(w row rows[i], x row r)`: the products of chosen weight rows only (the draft
 /// vocabulary's rows of the LM head). Each entry is the same dot call on the same bytes as the
 /// full product's, so it equals that product's entry bit for bit. With f32 activations, float
-/// weights are widened and met by the f32 activations instead (the exact mode of `matmul_widened`).
+/// weights are widened (by `embed`) and met by the f32 activations instead (the exact mode of
+/// `matmul_widened`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_rows(
     isa: Isa,
+    embed: EmbedFn,
     wty: GgmlType,
     w: &[u8],
     m: usize,
@@ -296,7 +321,7 @@ pub(crate) fn matmul_rows(
             let wr = &w[o as usize * w_row..(o as usize + 1) * w_row];
             if widen {
                 let mut row = vec![0f32; k];
-                strata_quant::dequantize(wty, wr, &mut row)?;
+                embed(wty, wr, k, &[0], &mut row)?;
                 let rb: &[u8] = bytemuck::cast_slice(&row);
                 for (r, c) in col.iter_mut().enumerate() {
                     *c = dot(k, rb, &xb[r * xr..(r + 1) * xr]);

@@ -18,12 +18,12 @@ use strata_quant::{GgmlType, Isa};
 
 use crate::backend::{
     AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, ExpertWeights, KvType,
-    StepKey, Usage,
+    Prepared, StepKey, Usage,
 };
 use crate::error::{EngineError, Result};
 use crate::kernels;
 use crate::kernels::embed::EmbedFn;
-use crate::kernels::norm::{RmsNormFn, XprepFn};
+use crate::kernels::norm::{RmsNormFn, XprepFn, XprepPairFn};
 use crate::kernels::pick::PickFn;
 use crate::kernels::registry::Chosen;
 use crate::kernels::route::RouteFn;
@@ -86,6 +86,8 @@ pub struct CpuWeight {
     info: TensorInfo,
     ty: GgmlType,
     values: OnceLock<Vec<f32>>,
+    /// The backend's `embed` variant: the one dequantizer of every weight read as values.
+    embed: Chosen<EmbedFn>,
 }
 
 impl CpuWeight {
@@ -93,7 +95,8 @@ impl CpuWeight {
         Ok(self.file.tensor_data(&self.info)?)
     }
 
-    /// The whole tensor as f32 (dequantized once, then cached).
+    /// The whole tensor as f32 (dequantized once by the catalogue's `embed`, every row of it,
+    /// then cached).
     pub fn values(&self) -> Result<&[f32]> {
         if let Some(v) = self.values.get() {
             return Ok(v);
@@ -101,8 +104,20 @@ impl CpuWeight {
         let n = usize::try_from(self.info.n_elements).map_err(|_| {
             EngineError::shape("weight", format!("{}: too many elements", self.info.name))
         })?;
+        if n == 0 {
+            return Ok(self.values.get_or_init(Vec::new));
+        }
+        let k = self.row_len();
+        let rows = n.checked_div(k).unwrap_or(0);
+        let ids = (0..rows)
+            .map(|r| {
+                u32::try_from(r).map_err(|_| {
+                    EngineError::shape("weight", format!("{}: too many rows", self.info.name))
+                })
+            })
+            .collect::<Result<Vec<u32>>>()?;
         let mut v = vec![0f32; n];
-        strata_quant::dequantize(self.ty, self.bytes()?, &mut v)?;
+        (self.embed.get())(self.ty, self.bytes()?, k, &ids, &mut v)?;
         Ok(self.values.get_or_init(|| v))
     }
 
@@ -148,6 +163,7 @@ pub struct CpuKernels {
     pub route: Chosen<RouteFn>,
     pub embed: Chosen<EmbedFn>,
     pub xprep: Chosen<XprepFn>,
+    pub xprep_pair: Chosen<XprepPairFn>,
     pub rms_norm: Chosen<RmsNormFn>,
     pub pick: Chosen<PickFn>,
 }
@@ -159,6 +175,7 @@ impl CpuKernels {
             route: kernels::route::ROUTE.resolve()?,
             embed: kernels::embed::EMBED.resolve()?,
             xprep: kernels::norm::XPREP.resolve()?,
+            xprep_pair: kernels::norm::XPREP_PAIR.resolve()?,
             rms_norm: kernels::norm::RMS_NORM.resolve()?,
             pick: kernels::pick::PICK.resolve()?,
         })
@@ -173,6 +190,7 @@ impl CpuKernels {
             (self.xprep.op, self.xprep.name),
             (self.rms_norm.op, self.rms_norm.name),
             (self.pick.op, self.pick.name),
+            (self.xprep_pair.op, self.xprep_pair.name),
         ];
         let v: Vec<String> = all
             .iter()
@@ -187,7 +205,7 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     isa: Isa,
     float_activations: FloatActivations,
-    /// Boxed: five resolved kernels would make the backend value large to move around.
+    /// Boxed: six resolved kernels would make the backend value large to move around.
     kernels: Box<CpuKernels>,
 }
 
@@ -238,18 +256,11 @@ impl CpuBackend {
 
     /// Matrix product against the `slab`-th `[m, k]` matrix of a (possibly 3-D) weight.
     fn matmul_slab(&self, w: &CpuWeight, slab: usize, x: &[f32]) -> Result<Vec<f32>> {
-        self.matmul_slab_shared(w, slab, x, &mut Vec::new())
+        self.matmul_slab_shared(w, slab, x, &[] as &[matmul::Prepared], &mut Vec::new())
     }
 
-    /// [`Self::matmul_slab`] with `x` quantized at most once per activation format across
-    /// calls that pass the same `prepared` (which must only ever hold `x`'s rows).
-    fn matmul_slab_shared(
-        &self,
-        w: &CpuWeight,
-        slab: usize,
-        x: &[f32],
-        prepared: &mut Vec<matmul::Prepared>,
-    ) -> Result<Vec<f32>> {
+    /// The `slab`-th `[m, k]` matrix of a (possibly 3-D) weight as bytes, with `m` and `k`.
+    fn slab(w: &CpuWeight, slab: usize) -> Result<(&[u8], usize, usize)> {
         let k = w.row_len();
         let m = w.n_rows2();
         let row_bytes = w.ty.row_bytes(k).ok_or_else(|| {
@@ -259,33 +270,95 @@ impl CpuBackend {
             )
         })?;
         let slab_bytes = m * row_bytes;
-        let all = w.bytes()?;
-        let bytes = all
+        let bytes = w
+            .bytes()?
             .get(slab * slab_bytes..(slab + 1) * slab_bytes)
             .ok_or_else(|| {
                 EngineError::shape("matmul", format!("{}: no matrix {slab}", w.name()))
             })?;
-        if self.float_activations == FloatActivations::F32
+        Ok((bytes, m, k))
+    }
+
+    /// Whether products with `w` meet f32 activations (the widened mode) instead of an image.
+    fn widened(&self, w: &CpuWeight) -> bool {
+        self.float_activations == FloatActivations::F32
             && matches!(w.ty, GgmlType::F16 | GgmlType::BF16)
-        {
-            return matmul::matmul_widened(self.isa, w.ty, bytes, m, k, x, w.name());
-        }
+    }
+
+    /// The image of `x` as rows of `k` in the format products with `w` read: one of `have`
+    /// or of `made` (both made from these rows), or a new one quantized by the catalogue's
+    /// `xprep` and kept in `made`.
+    fn image<'a>(
+        &self,
+        w: &CpuWeight,
+        x: &[f32],
+        k: usize,
+        have: &'a [impl std::borrow::Borrow<matmul::Prepared>],
+        made: &'a mut Vec<matmul::Prepared>,
+    ) -> Result<&'a matmul::Prepared> {
+        let n = x.len().checked_div(k).unwrap_or(0);
         let xty = w.ty.vec_dot_type();
-        let i = match prepared.iter().position(|p| Some(p.ty) == xty && p.k == k) {
+        let fits = |p: &matmul::Prepared| Some(p.ty) == xty && p.k == k && p.n == n;
+        if let Some(p) = have.iter().map(|p| p.borrow()).find(|p| fits(p)) {
+            return Ok(p);
+        }
+        let i = match made.iter().position(fits) {
             Some(i) => i,
             None => {
-                prepared.push(matmul::prepare(
-                    self.isa,
+                made.push(matmul::prepare(
+                    &self.kernels.xprep_pair,
                     &self.kernels.xprep,
                     w.ty,
                     x,
                     k,
                     w.name(),
                 )?);
-                prepared.len() - 1
+                made.len() - 1
             }
         };
-        matmul::matmul_prepared(self.isa, w.ty, bytes, m, &prepared[i], w.name())
+        Ok(&made[i])
+    }
+
+    /// [`Self::matmul_slab`] with `x` quantized at most once per activation format: an image in
+    /// `have` or `made` (which must only ever hold `x`'s rows) is read, a new one kept in `made`.
+    fn matmul_slab_shared(
+        &self,
+        w: &CpuWeight,
+        slab: usize,
+        x: &[f32],
+        have: &[impl std::borrow::Borrow<matmul::Prepared>],
+        made: &mut Vec<matmul::Prepared>,
+    ) -> Result<Vec<f32>> {
+        let (bytes, m, k) = Self::slab(w, slab)?;
+        if self.widened(w) {
+            let embed = self.kernels.embed.get();
+            return matmul::matmul_widened(self.isa, embed, w.ty, bytes, m, k, x, w.name());
+        }
+        let p = self.image(w, x, k, have, made)?;
+        matmul::matmul_prepared(self.isa, w.ty, bytes, m, p, w.name())
+    }
+
+    /// The products of `ws` with `x`, reading the images of `x` in `have`.
+    fn matmuls_with<const N: usize>(
+        &self,
+        ws: [&CpuWeight; N],
+        x: &CpuBuf,
+        have: &[matmul::Prepared],
+    ) -> Result<[CpuBuf; N]> {
+        for w in ws {
+            Self::check_matmul(w, x)?;
+        }
+        let ys = self.pool.install(|| -> Result<Vec<CpuBuf>> {
+            let mut made = Vec::new();
+            ws.iter()
+                .map(|w| {
+                    let y = self.matmul_slab_shared(w, 0, &x.data, have, &mut made)?;
+                    CpuBuf::new(x.rows, w.n_rows2(), y)
+                })
+                .collect()
+        })?;
+        ys.try_into()
+            .map_err(|_| EngineError::shape("matmuls", "product count"))
     }
 
     /// A matrix weight whose rows take `x`'s rows.
@@ -309,16 +382,137 @@ impl CpuBackend {
         }
         Ok(())
     }
+
+    /// [`Backend::moe_experts`] reading the images of `x` in `have` (made here for the formats
+    /// `have` lacks): each expert's gate and up products read its members' rows of one image
+    /// of `x`, so a row is quantized once, not once per expert it is routed to.
+    fn moe_experts_with(
+        &self,
+        ex: &ExpertWeights<'_, CpuWeight>,
+        x: &CpuBuf,
+        have: &[matmul::Prepared],
+        routes: &CpuRoutes,
+    ) -> Result<CpuBuf> {
+        let n_expert = ex.gate.info.ne(2) as usize;
+        let hdim = x.cols;
+        if routes.0.len() != x.rows
+            || ex.gate.row_len() != hdim
+            || ex.up.row_len() != hdim
+            || ex.down.n_rows2() != hdim
+            || ex.down.row_len() != ex.gate.n_rows2()
+        {
+            return Err(EngineError::shape(
+                "moe_experts",
+                format!(
+                    "{} rows of {hdim} for experts {:?}/{:?}/{:?}",
+                    x.rows,
+                    ex.gate.dims(),
+                    ex.up.dims(),
+                    ex.down.dims()
+                ),
+            ));
+        }
+        // Group rows by expert so a prefill runs each expert once over all its rows; each row's
+        // products are the same dot calls on the same bytes as in a batch of one.
+        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n_expert];
+        for (r, rt) in routes.0.iter().enumerate() {
+            for (slot, &(e, _)) in rt.iter().enumerate() {
+                let e = e as usize;
+                if e >= n_expert {
+                    return Err(EngineError::shape(
+                        "moe_experts",
+                        format!("expert {e} of {n_expert}"),
+                    ));
+                }
+                by_expert[e].push((r, slot));
+            }
+        }
+        // The images of every row of `x` the experts' gate and up products read, made once.
+        let mut made = Vec::new();
+        self.pool.install(|| -> Result<()> {
+            for w in [ex.gate, ex.up] {
+                if !self.widened(w) {
+                    self.image(w, &x.data, hdim, have, &mut made)?;
+                }
+            }
+            Ok(())
+        })?;
+        let images: Vec<&matmul::Prepared> = have.iter().chain(made.iter()).collect();
+        let slots = routes.0.iter().map(|r| r.len()).max().unwrap_or(0);
+        let mut per_slot = vec![0f32; x.rows * slots * hdim];
+        // Experts run side by side (each still splits its rows when it is large enough): a
+        // decode step's few small expert products would leave threads idle one at a time.
+        let outs = self.pool.install(|| -> Result<Vec<(usize, Vec<f32>)>> {
+            by_expert
+                .par_iter()
+                .enumerate()
+                .filter(|(_, members)| !members.is_empty())
+                .map(|(e, members)| {
+                    // The members' rows of each image (a row's image is that row's alone).
+                    let mine: Vec<matmul::Prepared> = images
+                        .iter()
+                        .map(|p| p.gather(members.iter().map(|&(r, _)| r)))
+                        .collect();
+                    // Their f32 rows only for a product that reads f32 (the widened mode).
+                    let mut xe: Option<Vec<f32>> = None;
+                    let mut made = Vec::new();
+                    let mut product = |w: &CpuWeight| -> Result<Vec<f32>> {
+                        let xty = w.ty.vec_dot_type();
+                        let img = mine.iter().find(|p| Some(p.ty) == xty && p.k == hdim);
+                        if let (false, Some(p)) = (self.widened(w), img) {
+                            let (bytes, m, _) = Self::slab(w, e)?;
+                            return matmul::matmul_prepared(self.isa, w.ty, bytes, m, p, w.name());
+                        }
+                        let xe = xe.get_or_insert_with(|| {
+                            members
+                                .iter()
+                                .flat_map(|&(r, _)| x.row(r))
+                                .copied()
+                                .collect()
+                        });
+                        self.matmul_slab_shared(w, e, xe, &mine, &mut made)
+                    };
+                    let g = product(ex.gate)?;
+                    let u = product(ex.up)?;
+                    let act: Vec<f32> = g.iter().zip(&u).map(|(&a, &b)| ops::silu(a) * b).collect();
+                    Ok((e, self.matmul_slab(ex.down, e, &act)?))
+                })
+                .collect()
+        })?;
+        for (e, y) in outs {
+            for (i, &(r, slot)) in by_expert[e].iter().enumerate() {
+                per_slot[(r * slots + slot) * hdim..][..hdim]
+                    .copy_from_slice(&y[i * hdim..(i + 1) * hdim]);
+            }
+        }
+        let mut out = vec![0f32; x.rows * hdim];
+        for (r, rt) in routes.0.iter().enumerate() {
+            let o = &mut out[r * hdim..(r + 1) * hdim];
+            for (slot, &(_, w)) in rt.iter().enumerate() {
+                let y = &per_slot[(r * slots + slot) * hdim..][..hdim];
+                for (a, &b) in o.iter_mut().zip(y) {
+                    *a += w * b;
+                }
+            }
+        }
+        CpuBuf::new(x.rows, hdim, out)
+    }
 }
 
 /// Per row: `(expert, weight)` in rank order.
 pub struct CpuRoutes(pub Vec<Vec<(u32, f32)>>);
+
+/// A buffer's activation images, one per activation format (the CPU's half of
+/// [`Prepared`]): made by the catalogue's `xprep`, read by every product of those rows.
+#[derive(Default)]
+pub struct CpuImages(Vec<matmul::Prepared>);
 
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type Weight = CpuWeight;
     type Ids = CpuIds;
     type Routes = CpuRoutes;
+    type Images = CpuImages;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -347,6 +541,7 @@ impl Backend for CpuBackend {
             info: info.clone(),
             ty,
             values: OnceLock::new(),
+            embed: self.kernels.embed,
         })
     }
 
@@ -547,20 +742,82 @@ impl Backend for CpuBackend {
     }
 
     fn matmuls<const N: usize>(&self, ws: [&CpuWeight; N], x: &CpuBuf) -> Result<[CpuBuf; N]> {
-        for w in ws {
-            Self::check_matmul(w, x)?;
-        }
-        let ys = self.pool.install(|| -> Result<Vec<CpuBuf>> {
-            let mut prepared = Vec::new();
-            ws.iter()
-                .map(|w| {
-                    let y = self.matmul_slab_shared(w, 0, &x.data, &mut prepared)?;
-                    CpuBuf::new(x.rows, w.n_rows2(), y)
-                })
-                .collect()
+        self.matmuls_with(ws, x, &[])
+    }
+
+    /// One image per activation format among `ws` (the catalogue's `xprep`); none for the
+    /// weights the widened mode meets in f32.
+    fn prepare_images(&self, x: &CpuBuf, ws: &[&CpuWeight]) -> Result<CpuImages> {
+        let mut made = Vec::new();
+        self.pool.install(|| -> Result<()> {
+            for w in ws {
+                // Matrices or expert stacks whose rows are `x`'s rows or a part of them (a
+                // product of the rows reshaped, `reshape_prepared`).
+                let k = w.row_len();
+                if w.info.dims.len() > 3 || k == 0 || !x.cols.is_multiple_of(k) {
+                    return Err(EngineError::shape(
+                        "prepare",
+                        format!(
+                            "{}: rows of {} against weight {:?}",
+                            w.name(),
+                            x.cols,
+                            w.dims()
+                        ),
+                    ));
+                }
+                // An image of rows of `x.cols` is also one of rows of `k` when `k` is whole
+                // blocks of the format (the blocks are the same); otherwise none is made.
+                let aligned = w.ty.vec_dot_type().and_then(|t| t.row_bytes(k)).is_some();
+                if !self.widened(w) && aligned {
+                    self.image(w, &x.data, x.cols, &[] as &[matmul::Prepared], &mut made)?;
+                }
+            }
+            Ok(())
         })?;
-        ys.try_into()
-            .map_err(|_| EngineError::shape("matmuls", "product count"))
+        Ok(CpuImages(made))
+    }
+
+    /// Images that are also whole rows of `cols` (block-aligned rows: an image is its rows'
+    /// blocks in order, so the same bytes are the image of the reshaped rows) come along; the
+    /// others are dropped.
+    fn reshape_prepared(
+        &self,
+        x: Prepared<Self>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Prepared<Self>> {
+        let reshaped = self.reshape(x.rows, rows, cols)?;
+        let images = x
+            .images
+            .0
+            .into_iter()
+            .filter_map(|p| {
+                let rb = p.ty.row_bytes(cols)?;
+                (rb * rows == p.bytes.len()).then_some(matmul::Prepared {
+                    k: cols,
+                    n: rows,
+                    row_bytes: rb,
+                    ..p
+                })
+            })
+            .collect();
+        Ok(Prepared {
+            rows: reshaped,
+            images: CpuImages(images),
+        })
+    }
+
+    fn matmul_prepared(&self, w: &CpuWeight, x: &Prepared<Self>) -> Result<CpuBuf> {
+        let [y] = self.matmuls_with([w], &x.rows, &x.images.0)?;
+        Ok(y)
+    }
+
+    fn matmuls_prepared<const N: usize>(
+        &self,
+        ws: [&CpuWeight; N],
+        x: &Prepared<Self>,
+    ) -> Result<[CpuBuf; N]> {
+        self.matmuls_with(ws, &x.rows, &x.images.0)
     }
 
     fn matmul_rows(&self, w: &CpuWeight, rows: &CpuIds, x: &CpuBuf) -> Result<CpuBuf> {
@@ -583,9 +840,18 @@ impl Backend for CpuBackend {
             let xp = if widen {
                 matmul::prepare_f32(&x.data, k, w.name())?
             } else {
-                matmul::prepare(self.isa, &self.kernels.xprep, w.ty, &x.data, k, w.name())?
+                matmul::prepare(
+                    &self.kernels.xprep_pair,
+                    &self.kernels.xprep,
+                    w.ty,
+                    &x.data,
+                    k,
+                    w.name(),
+                )?
             };
-            matmul::matmul_rows(self.isa, w.ty, w.bytes()?, w.n_rows2(), rows, &xp, w.name())
+            let embed = self.kernels.embed.get();
+            let (ty, bytes, m) = (w.ty, w.bytes()?, w.n_rows2());
+            matmul::matmul_rows(self.isa, embed, ty, bytes, m, rows, &xp, w.name())
         })?;
         CpuBuf::new(x.rows, rows.len(), y)
     }
@@ -685,79 +951,16 @@ impl Backend for CpuBackend {
         x: &CpuBuf,
         routes: &CpuRoutes,
     ) -> Result<CpuBuf> {
-        let n_expert = ex.gate.info.ne(2) as usize;
-        let hdim = x.cols;
-        if routes.0.len() != x.rows
-            || ex.gate.row_len() != hdim
-            || ex.up.row_len() != hdim
-            || ex.down.n_rows2() != hdim
-            || ex.down.row_len() != ex.gate.n_rows2()
-        {
-            return Err(EngineError::shape(
-                "moe_experts",
-                format!(
-                    "{} rows of {hdim} for experts {:?}/{:?}/{:?}",
-                    x.rows,
-                    ex.gate.dims(),
-                    ex.up.dims(),
-                    ex.down.dims()
-                ),
-            ));
-        }
-        // Group rows by expert so a prefill runs each expert once over all its rows; each row's
-        // products are the same dot calls on the same bytes as in a batch of one.
-        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n_expert];
-        for (r, rt) in routes.0.iter().enumerate() {
-            for (slot, &(e, _)) in rt.iter().enumerate() {
-                let e = e as usize;
-                if e >= n_expert {
-                    return Err(EngineError::shape(
-                        "moe_experts",
-                        format!("expert {e} of {n_expert}"),
-                    ));
-                }
-                by_expert[e].push((r, slot));
-            }
-        }
-        let slots = routes.0.iter().map(|r| r.len()).max().unwrap_or(0);
-        let mut per_slot = vec![0f32; x.rows * slots * hdim];
-        // Experts run side by side (each still splits its rows when it is large enough): a
-        // decode step's few small expert products would leave threads idle one at a time.
-        let outs = self.pool.install(|| -> Result<Vec<(usize, Vec<f32>)>> {
-            by_expert
-                .par_iter()
-                .enumerate()
-                .filter(|(_, members)| !members.is_empty())
-                .map(|(e, members)| {
-                    let mut xe = Vec::with_capacity(members.len() * hdim);
-                    for &(r, _) in members {
-                        xe.extend_from_slice(x.row(r));
-                    }
-                    let mut prepared = Vec::new();
-                    let g = self.matmul_slab_shared(ex.gate, e, &xe, &mut prepared)?;
-                    let u = self.matmul_slab_shared(ex.up, e, &xe, &mut prepared)?;
-                    let act: Vec<f32> = g.iter().zip(&u).map(|(&a, &b)| ops::silu(a) * b).collect();
-                    Ok((e, self.matmul_slab(ex.down, e, &act)?))
-                })
-                .collect()
-        })?;
-        for (e, y) in outs {
-            for (i, &(r, slot)) in by_expert[e].iter().enumerate() {
-                per_slot[(r * slots + slot) * hdim..][..hdim]
-                    .copy_from_slice(&y[i * hdim..(i + 1) * hdim]);
-            }
-        }
-        let mut out = vec![0f32; x.rows * hdim];
-        for (r, rt) in routes.0.iter().enumerate() {
-            let o = &mut out[r * hdim..(r + 1) * hdim];
-            for (slot, &(_, w)) in rt.iter().enumerate() {
-                let y = &per_slot[(r * slots + slot) * hdim..][..hdim];
-                for (a, &b) in o.iter_mut().zip(y) {
-                    *a += w * b;
-                }
-            }
-        }
-        CpuBuf::new(x.rows, hdim, out)
+        self.moe_experts_with(ex, x, &[], routes)
+    }
+
+    fn moe_experts_prepared(
+        &self,
+        ex: &ExpertWeights<'_, CpuWeight>,
+        x: &Prepared<Self>,
+        routes: &CpuRoutes,
+    ) -> Result<CpuBuf> {
+        self.moe_experts_with(ex, &x.rows, &x.images.0, routes)
     }
 
     fn swiglu(&self, g: &CpuBuf, u: &CpuBuf) -> Result<CpuBuf> {

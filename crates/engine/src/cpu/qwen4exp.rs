@@ -27,14 +27,20 @@ impl Qwen4expOps for CpuBackend {
             ));
         }
         let h = x.cols / s;
-        let xn = self.rms_norm(x, hc.norm, h, hc.eps)?;
+        // The norm's rows with their image for the down and inject products (quantized once).
+        let ws: &[&CpuWeight] = match hc.inject {
+            Some(wi) => &[hc.down, wi],
+            None => &[hc.down],
+        };
+        let xp = self.rms_norm_prepared(x, hc.norm, h, hc.eps, ws)?;
+        let xn = &xp.rows;
         let inv_s = 1.0 / s as f32;
-        let mut a = self.matmul(hc.down, &xn)?;
+        let mut a = self.matmul_prepared(hc.down, &xp)?;
         for v in a.data.iter_mut() {
             *v = ops::silu(*v * inv_s);
         }
         let g = self.matmul(hc.up, &a)?;
-        Self::same_shape("hc_mix (up)", &g, &xn)?;
+        Self::same_shape("hc_mix (up)", &g, xn)?;
         let mut u = vec![0f32; x.rows * h];
         for r in 0..x.rows {
             let (gr, xr) = (g.row(r), xn.row(r));
@@ -51,7 +57,7 @@ impl Qwen4expOps for CpuBackend {
         let u = CpuBuf::new(x.rows, h, u)?;
         let inj = match hc.inject {
             Some(wi) => {
-                let mut inj = self.matmul(wi, &xn)?;
+                let mut inj = self.matmul_prepared(wi, &xp)?;
                 if inj.cols != s {
                     return Err(EngineError::shape(
                         "hc_mix",

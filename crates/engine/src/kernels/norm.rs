@@ -14,6 +14,8 @@
 //! order the CPU has always used and the bits every CPU golden holds. The canonical lane order
 //! above is its named variant `lanes` (a GPU block's order: other bits, checked within a bound).
 
+use strata_quant::GgmlType;
+
 use super::actq::{self, ActFmt};
 use super::registry::{Op, Variant, BASELINE, OPTIMIZED};
 use super::{check_len, invalid, KernelError};
@@ -431,10 +433,95 @@ pub static XPREP: Op<XprepFn> = Op {
     ],
 };
 
+/// `xprep_pair`: rows of `n` values to the activation image of a pairing outside the four
+/// catalogue formats (`ty`: F16 for F16 weights, Q8_1 for Q4_1/Q5_1). No GPU kernel mirrors
+/// these, so the baseline is `strata_quant`'s scalar reference quantizer (the named oracle) and
+/// the optimized variant its quantizer for this CPU's best ISA (the CPU's live one); both give
+/// the same bytes (`xprep_pair_variants_agree`).
+pub type XprepPairFn =
+    fn(ty: GgmlType, x: &[f32], n: usize, out: &mut [u8]) -> Result<(), KernelError>;
+
+/// Quantizes whole rows of `n` with `q` (rows and bytes checked first).
+fn xprep_pair_with(
+    ty: GgmlType,
+    q: Option<strata_quant::QuantFn>,
+    x: &[f32],
+    n: usize,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let q = q.ok_or_else(|| invalid("xprep_pair", format!("{ty} has no quantizer")))?;
+    let nt = rows_of("xprep_pair", x.len(), n)?;
+    let rb = ty.row_bytes(n).ok_or_else(|| {
+        invalid(
+            "xprep_pair",
+            format!("rows of {n} are not whole {ty} blocks"),
+        )
+    })?;
+    check_len("xprep_pair", "output bytes", out.len(), nt * rb)?;
+    for (xr, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(rb)) {
+        q(xr, o);
+    }
+    Ok(())
+}
+
+pub fn xprep_pair_baseline(
+    ty: GgmlType,
+    x: &[f32],
+    n: usize,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    xprep_pair_with(ty, strata_quant::format_fns(ty).quantize, x, n, out)
+}
+
+pub fn xprep_pair_optimized(
+    ty: GgmlType,
+    x: &[f32],
+    n: usize,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let q = strata_quant::quantize_fn(ty, strata_quant::simd::best());
+    xprep_pair_with(ty, q, x, n, out)
+}
+
+pub static XPREP_PAIR: Op<XprepPairFn> = Op {
+    name: "xprep_pair",
+    variants: &[
+        Variant {
+            name: BASELINE,
+            f: xprep_pair_baseline,
+        },
+        Variant {
+            name: OPTIMIZED,
+            f: xprep_pair_optimized,
+        },
+    ],
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kernels::testdata::Rng;
+
+    #[test]
+    fn xprep_pair_variants_agree() {
+        let mut rng = Rng::new(0x9a1e);
+        for ty in [GgmlType::F16, GgmlType::Q8_1] {
+            for n in [32usize, 64, 256, 896] {
+                for rows in [1usize, 3] {
+                    let mut x = rng.f32_vec_special(rows * n, 4.0);
+                    // A zero row part and huge values: the scale's edge cases.
+                    x[..n.min(32)].fill(0.0);
+                    let rb = ty.row_bytes(n).unwrap();
+                    let (mut a, mut b) = (vec![0u8; rows * rb], vec![1u8; rows * rb]);
+                    xprep_pair_baseline(ty, &x, n, &mut a).unwrap();
+                    xprep_pair_optimized(ty, &x, n, &mut b).unwrap();
+                    assert_eq!(a, b, "{ty} n={n} rows={rows}");
+                }
+            }
+        }
+        let mut out = vec![0u8; 10];
+        assert!(xprep_pair_optimized(GgmlType::Q8_1, &[0.0; 33], 33, &mut out).is_err());
+    }
 
     #[test]
     fn reduce_order_is_the_warp_tree() {

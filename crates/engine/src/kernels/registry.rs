@@ -24,6 +24,8 @@ pub const CATALOGUE: &[(&str, &[&str])] = &[
     ("rms_xprep", &[BASELINE, OPTIMIZED]),
     ("combine_gnorm", &[BASELINE, OPTIMIZED]),
     ("xprep", &[BASELINE, OPTIMIZED]),
+    // The CPU's pairings outside the four formats above (F16, Q8_1): no GPU kernel takes them.
+    ("xprep_pair", &[BASELINE, OPTIMIZED]),
     ("embed", &[BASELINE, OPTIMIZED]),
     ("slop_pen", &[BASELINE, OPTIMIZED]),
     ("pick", &[BASELINE, OPTIMIZED]),

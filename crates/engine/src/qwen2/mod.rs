@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use strata_gguf::GgufFile;
 
-use crate::backend::{Backend, RowStore, StepInputs, StepKey, StepKind};
+use crate::backend::{Backend, Prepared, RowStore, StepInputs, StepKey, StepKind};
 use crate::error::{EngineError, Result};
 
 pub use config::{Config, LoadOptions, ARCH};
@@ -116,6 +116,11 @@ impl<B: Backend> Model<B> {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The bound weights (the parity harness runs the prepared operations on them).
+    pub fn weights(&self) -> &Weights<B::Weight> {
+        &self.weights
     }
 
     pub fn backend(&self) -> &B {
@@ -243,7 +248,13 @@ impl<B: Backend> Model<B> {
                 // just leave their keys and values in its cache (the same bits as the full pass).
                 let mut before = b.copy(&x)?;
                 b.truncate_rows(&mut before, n - 1)?;
-                let h = b.rms_norm(&before, &lw.attn_norm, self.config.n_embd, self.config.eps)?;
+                let h = b.rms_norm_prepared(
+                    &before,
+                    &lw.attn_norm,
+                    self.config.n_embd,
+                    self.config.eps,
+                    &[&lw.k, &lw.v],
+                )?;
                 self.store_kv(lw, &h, &b.ids_range(&inputs.positions, 0, n - 1)?, cache)?;
                 x = b.last_row(x)?;
                 let last = b.ids_range(&inputs.positions, n - 1, 1)?;
@@ -268,10 +279,11 @@ impl<B: Backend> Model<B> {
     ) -> Result<()> {
         let b = &self.backend;
         let c = &self.config;
-        let h = b.rms_norm(x, &lw.attn_norm, c.n_embd, c.eps)?;
+        // Each norm emits its rows with the images its products read (quantized once).
+        let h = b.rms_norm_prepared(x, &lw.attn_norm, c.n_embd, c.eps, &[&lw.q, &lw.k, &lw.v])?;
         let a = self.attention(lw, &h, positions, cache)?;
         b.add_assign(x, &a)?;
-        let h = b.rms_norm(x, &lw.ffn_norm, c.n_embd, c.eps)?;
+        let h = b.rms_norm_prepared(x, &lw.ffn_norm, c.n_embd, c.eps, &[&lw.gate, &lw.up])?;
         let m = self.mlp(lw, &h)?;
         b.add_assign(x, &m)
     }
@@ -281,14 +293,14 @@ impl<B: Backend> Model<B> {
     fn attention(
         &self,
         lw: &LayerW<B::Weight>,
-        h: &B::Buf,
+        h: &Prepared<B>,
         positions: &B::Ids,
         cache: &mut KvCache<B>,
     ) -> Result<B::Buf> {
         let b = &self.backend;
         let c = &self.config;
         let hd = c.attn.head_dim;
-        let [mut q, k, v] = b.matmuls([&lw.q, &lw.k, &lw.v], h)?;
+        let [mut q, k, v] = b.matmuls_prepared([&lw.q, &lw.k, &lw.v], h)?;
         if let Some(bw) = &lw.q_bias {
             b.add_bias(&mut q, bw)?;
         }
@@ -302,11 +314,11 @@ impl<B: Backend> Model<B> {
     fn store_kv(
         &self,
         lw: &LayerW<B::Weight>,
-        h: &B::Buf,
+        h: &Prepared<B>,
         positions: &B::Ids,
         cache: &mut KvCache<B>,
     ) -> Result<()> {
-        let [k, v] = self.backend.matmuls([&lw.k, &lw.v], h)?;
+        let [k, v] = self.backend.matmuls_prepared([&lw.k, &lw.v], h)?;
         self.append_kv(lw, k, v, positions, cache)
     }
 
@@ -333,9 +345,9 @@ impl<B: Backend> Model<B> {
     }
 
     /// `down(silu(gate·h) ⊙ up·h)`.
-    fn mlp(&self, lw: &LayerW<B::Weight>, h: &B::Buf) -> Result<B::Buf> {
+    fn mlp(&self, lw: &LayerW<B::Weight>, h: &Prepared<B>) -> Result<B::Buf> {
         let b = &self.backend;
-        let [g, u] = b.matmuls([&lw.gate, &lw.up], h)?;
+        let [g, u] = b.matmuls_prepared([&lw.gate, &lw.up], h)?;
         let act = b.swiglu(&g, &u)?;
         b.matmul(&lw.down, &act)
     }
@@ -343,8 +355,9 @@ impl<B: Backend> Model<B> {
     fn lm_head(&self, x: &B::Buf) -> Result<B::Buf> {
         let b = &self.backend;
         let c = &self.config;
-        let h = b.rms_norm(x, &self.weights.output_norm, c.n_embd, c.eps)?;
-        let mut y = b.matmul(&self.weights.output, &h)?;
+        let out = &self.weights.output;
+        let h = b.rms_norm_prepared(x, &self.weights.output_norm, c.n_embd, c.eps, &[out])?;
+        let mut y = b.matmul_prepared(out, &h)?;
         if let Some(bw) = &self.weights.output_bias {
             b.add_bias(&mut y, bw)?;
         }

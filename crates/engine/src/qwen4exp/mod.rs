@@ -166,6 +166,11 @@ impl<B: Qwen4expOps> Model<B> {
         &self.config
     }
 
+    /// The bound weights (the parity harness runs the family operations on them).
+    pub fn weights(&self) -> &Weights<B::Weight> {
+        &self.weights
+    }
+
     pub fn backend(&self) -> &B {
         &self.backend
     }
@@ -645,7 +650,8 @@ impl<B: Qwen4expOps> Model<B> {
 
     // ---- §4 hyper-connections
 
-    fn hc_weights<'w>(&self, hc: &'w HcW<B::Weight>) -> HcWeights<'w, B::Weight> {
+    /// A hyper-connection module's weights as the family operations take them.
+    pub fn hc_weights<'w>(&self, hc: &'w HcW<B::Weight>) -> HcWeights<'w, B::Weight> {
         HcWeights {
             norm: &hc.norm,
             down: &hc.down,

@@ -403,13 +403,12 @@ impl<B: Qwen4expOps> Model<B> {
         // e = fc_embedding · RMS1p(E[x_{p+1}])
         let table = head.token_embd.as_ref().unwrap_or(&self.weights.token_embd);
         let emb = b.embed_rows(table, &inputs.tokens, 1)?;
-        let e = b.matmul(
-            &head.fc_embedding,
-            &b.rms_norm(&emb, &head.norm_embedding, h, eps)?,
-        )?;
+        // (Each norm emits its rows with the image its product reads: the report's rms_xprep.)
+        let en = b.rms_norm_prepared(&emb, &head.norm_embedding, h, eps, &[&head.fc_embedding])?;
+        let e = b.matmul_prepared(&head.fc_embedding, &en)?;
         // hn = RMS1p(Hp) over all S·H values at once, then the shared fc_hidden per stream.
-        let hn = b.rms_norm(hidden, &head.norm_hidden, sh, eps)?;
-        let y = b.matmul(&head.fc_hidden, &b.reshape(hn, n * s, h)?)?;
+        let hn = b.rms_norm_prepared(hidden, &head.norm_hidden, sh, eps, &[&head.fc_hidden])?;
+        let y = b.matmul_prepared(&head.fc_hidden, &b.reshape_prepared(hn, n * s, h)?)?;
         let mut x = b.reshape(y, n, sh)?;
         // Y_s = fc_hidden·hn_s + e: a combine with unit stream weights adds e to every stream.
         b.hc_combine(&mut x, &e, None)?;

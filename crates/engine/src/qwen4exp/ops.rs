@@ -114,8 +114,7 @@ pub trait Qwen4expOps: Backend {
         inj: Option<&Self::Buf>,
         hc: &HcWeights<'_, Self::Weight>,
     ) -> Result<(Self::Buf, Option<Self::Buf>)> {
-        self.hc_combine(x, y, inj)?;
-        self.hc_mix(hc, x)
+        hc_combine_mix_composed(self, x, y, inj, hc)
     }
     /// The MoE block (spec §8) of the rows `u`: router logits → `route` (softmax, top
     /// `n_used`, renormalised) → the routed experts' weighted sum, plus the shared expert
@@ -195,17 +194,42 @@ pub trait Qwen4expOps: Backend {
     ) -> Result<Self::Buf>;
 }
 
+/// [`Qwen4expOps::hc_combine_mix`] as the composition of [`Qwen4expOps::hc_combine`] and
+/// [`Qwen4expOps::hc_mix`] (the default, and the baseline a fused version keeps the bits of).
+pub fn hc_combine_mix_composed<B: Qwen4expOps + ?Sized>(
+    b: &B,
+    x: &mut B::Buf,
+    y: &B::Buf,
+    inj: Option<&B::Buf>,
+    hc: &HcWeights<'_, B::Weight>,
+) -> Result<(B::Buf, Option<B::Buf>)> {
+    b.hc_combine(x, y, inj)?;
+    b.hc_mix(hc, x)
+}
+
 /// [`Qwen4expOps::moe_block`] as the composition of core operations (the default, and the
-/// baseline a fused version keeps the bits of).
+/// baseline a fused version keeps the bits of): every product of `u` (router, shared expert,
+/// shared gate, the routed experts' gate and up) reads one prepared set of images of `u`.
 pub fn moe_block_composed<B: Backend + ?Sized>(
     b: &B,
     mw: &MoeW<B::Weight>,
     u: &B::Buf,
     n_used: usize,
 ) -> Result<B::Buf> {
-    let [logits, g, up, gate] = b.matmuls(
+    let ux = b.prepare(
+        b.copy(u)?,
+        &[
+            &mw.router,
+            &mw.gate_shexp,
+            &mw.up_shexp,
+            &mw.shexp_gate,
+            &mw.gate_exps,
+            &mw.up_exps,
+        ],
+    )?;
+    let [logits, g, up, gate] = b.matmuls_prepared(
         [&mw.router, &mw.gate_shexp, &mw.up_shexp, &mw.shexp_gate],
-        u,
+        &ux,
     )?;
     let routes = b.route(&logits, n_used)?;
     let experts = ExpertWeights {
@@ -213,7 +237,7 @@ pub fn moe_block_composed<B: Backend + ?Sized>(
         up: &mw.up_exps,
         down: &mw.down_exps,
     };
-    let mut y = b.moe_experts(&experts, u, &routes)?;
+    let mut y = b.moe_experts_prepared(&experts, &ux, &routes)?;
     let shared = b.matmul(&mw.down_shexp, &b.swiglu(&g, &up)?)?;
     b.add_sigmoid_gated(&mut y, &shared, &gate)?;
     Ok(y)
