@@ -521,7 +521,10 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
 
 // Threads of a gate/up block: 512, or 256 where the decoder needs more registers than 512
 // threads leave (IQ4_XS, IQ3_XXS; strata_cuda::model::gate_up_threads says the same).
-#define GATE_UP_THREADS(T) ((T) == T_IQ4_XS || (T) == T_IQ3_XXS ? 256 : 512)
+// The fused gate/up kernels' launch bound: 1,024 threads (five units a thread for rows of
+// 2560) where the decoder fits 64 registers, fewer where it needs more.
+#define GATE_UP_THREADS(T) ((T) == T_IQ4_XS || (T) == T_IQ3_XXS ? 256 : GATE_UP_WIDE(T) ? 1024 : 512)
+#define GATE_UP_WIDE(T) ((T) == T_Q2_0 || (T) == T_Q8_0 || (T) == T_Q4_0 || (T) == T_Q5_0 || (T) == T_IQ4_NL)
 
 #define UNITS(T, NAME)                                                                         \
     extern "C" __global__ void __launch_bounds__(1024)                                          \

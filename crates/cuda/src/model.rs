@@ -2239,10 +2239,23 @@ impl MoeScratch {
     }
 }
 
+/// Whether the fused experts run their wide blocks (1,024-thread gate/up blocks where the
+/// decoder fits, about 1,024 contributions a down block); `STRATA_CUDA_EXPERTS_WIDE=0`: session
+/// 5's 512 and 512, for an A/B. Read once; either gives the same bits.
+fn experts_wide() -> bool {
+    static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *W.get_or_init(|| std::env::var_os("STRATA_CUDA_EXPERTS_WIDE").is_none_or(|v| v != "0"))
+}
+
 /// Output rows per block of the fused down-and-combine launch (with `kslots` slots of `units`).
 fn down_rows_per_block(kslots: usize, units: usize) -> usize {
-    // About 512 contributions a block: many blocks, each a unit a thread.
-    (512 / (kslots * units).max(1))
+    down_rows_for(kslots, units, if experts_wide() { 1024 } else { 512 })
+}
+
+/// About `contribs` contributions a block, a unit a thread (so at most 1,024), within the
+/// block's shared contributions and 256 combined rows.
+fn down_rows_for(kslots: usize, units: usize, contribs: usize) -> usize {
+    (contribs / (kslots * units).max(1))
         .clamp(1, 16)
         .min(256 / kslots.max(1))
         .min(UNITS_PART / (kslots * units).max(1))
@@ -2251,10 +2264,14 @@ fn down_rows_per_block(kslots: usize, units: usize) -> usize {
 /// Threads of a fused gate/up block for weights of `ty` (gemv.cu GATE_UP_THREADS: the
 /// launch bound that keeps the decoder's registers without spills).
 fn gate_up_threads(ty: GgmlType) -> u32 {
-    if matches!(ty, GgmlType::IQ4_XS | GgmlType::IQ3_XXS) {
-        256
-    } else {
-        512
+    match ty {
+        GgmlType::IQ4_XS | GgmlType::IQ3_XXS => 256,
+        GgmlType::Q2_0 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::IQ4_NL
+            if experts_wide() =>
+        {
+            1024
+        }
+        _ => 512,
     }
 }
 
@@ -2518,9 +2535,11 @@ mod tests {
                 );
             }
         }
-        assert_eq!(down_rows_per_block(10, 20), 2);
+        assert_eq!(down_rows_for(10, 20, 512), 2);
+        assert_eq!(down_rows_for(10, 20, 1024), 5);
         for (ks, units) in [(1usize, 1usize), (8, 20), (10, 20), (10, 80), (16, 200)] {
             let rb = down_rows_per_block(ks, units);
+            assert!(ks * rb * units <= 1024 || rb == 1);
             assert!(rb >= 1 && ks * rb <= 256 && ks * rb * units <= UNITS_PART);
         }
         assert_eq!(units_threads(1), 32);
