@@ -200,9 +200,9 @@ pub struct WgpuBackend {
     dispatches: AtomicU64,
     submits: AtomicU64,
     split: AtomicUsize,
-    /// Products by `mq::mm1` (one invocation an output) instead of `mq::mm` (a workgroup an
-    /// output): the same bits; the default on CPU adapters, `STRATA_WGPU_MM=wg|lanes` forces.
-    lane_products: bool,
+    /// The product kernel ([`ProductKernel`]): `mq::mm1` on CPU adapters, `mq::mmr` on GPUs
+    /// (the same bits); `STRATA_WGPU_MM=lanes|wg|rows` forces one.
+    products: ProductKernel,
     /// The first failed submit of a step, until a download reports it.
     failed: Mutex<Option<String>>,
     /// Largest part of a weight (the binding limit, or less: a test forces small parts).
@@ -217,9 +217,41 @@ pub struct WgpuBackend {
     /// both ways); on with `fuse`, off with `STRATA_WGPU_HWF16=0`.
     hw_f16: bool,
     split_stores: AtomicUsize,
+    /// The core RMS norm's kernel: the lane order by a workgroup on GPUs, by one invocation
+    /// on CPU adapters (the same bits); `STRATA_WGPU_NORM=seq|lanes1|wg` forces one.
+    norm: NormKernel,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
     /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
     profile: Mutex<Option<Profile>>,
+}
+
+/// The kernel of the products (`mq.wgsl`), all in `mm`'s lane order: the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProductKernel {
+    /// `mq::mm1`: one invocation an output, keeping the 256 lane sums itself (CPU adapters).
+    Lanes1,
+    /// `mq::mm`: one 256-wide workgroup an output (the baseline).
+    Workgroup,
+    /// `mq::mmr`: one 256-wide workgroup for [`MMR_ROWS`] outputs, the activation read once
+    /// for all and the tree's barriers shared (GPUs).
+    Rows,
+}
+
+/// Outputs per workgroup of `mq::mmr`.
+pub const MMR_ROWS: usize = 8;
+
+/// The kernel of the core RMS norm (`Backend::rms_norm`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKernel {
+    /// The CPU backend's sequential sum of squares, one invocation per group: the CPU's bits
+    /// (a chain of `group` dependent adds: ~570 µs for a 2560-wide group on the H200).
+    Sequential,
+    /// The canonical 256-lane order (the CPU's `rms_norm` `lanes` variant, CUDA's order), one
+    /// invocation per group: the baseline of that order.
+    Lanes1,
+    /// The canonical 256-lane order, one 256-wide workgroup per group: the same bits as
+    /// `Lanes1`.
+    Workgroup,
 }
 
 /// What a product applies to each output before storing it (mq.wgsl `epi`): `NONE`, or
@@ -288,12 +320,22 @@ impl WgpuBackend {
         let dummies = (0..8)
             .map(|_| g.alloc("unused binding", 4))
             .collect::<Result<_, _>>()?;
-        let lane_products = match std::env::var("STRATA_WGPU_MM").as_deref() {
-            Ok("lanes") => true,
-            Ok("wg") => false,
-            _ => g.is_cpu(),
+        let products = match std::env::var("STRATA_WGPU_MM").as_deref() {
+            Ok("lanes") => ProductKernel::Lanes1,
+            Ok("wg") => ProductKernel::Workgroup,
+            Ok("rows") => ProductKernel::Rows,
+            _ if g.is_cpu() => ProductKernel::Lanes1,
+            _ => ProductKernel::Rows,
+        };
+        let norm = match std::env::var("STRATA_WGPU_NORM").as_deref() {
+            Ok("seq") => NormKernel::Sequential,
+            Ok("lanes1") => NormKernel::Lanes1,
+            Ok("wg") => NormKernel::Workgroup,
+            _ if g.is_cpu() => NormKernel::Lanes1,
+            _ => NormKernel::Workgroup,
         };
         Ok(WgpuBackend {
+            norm,
             g: Arc::new(g),
             tab,
             dummies,
@@ -303,7 +345,7 @@ impl WgpuBackend {
             dispatches: AtomicU64::new(0),
             submits: AtomicU64::new(0),
             split: AtomicUsize::new(0),
-            lane_products,
+            products,
             failed: Mutex::new(None),
             weight_limit: u64::MAX,
             store_limit: u64::MAX,
@@ -319,8 +361,23 @@ impl WgpuBackend {
     }
 
     /// Chooses the product kernel (`mq::mm1` when true, else `mq::mm`; the same bits).
-    pub fn with_lane_products(mut self, on: bool) -> WgpuBackend {
-        self.lane_products = on;
+    pub fn with_lane_products(self, on: bool) -> WgpuBackend {
+        self.with_product_kernel(if on {
+            ProductKernel::Lanes1
+        } else {
+            ProductKernel::Workgroup
+        })
+    }
+
+    /// Chooses the product kernel ([`ProductKernel`]; the same bits).
+    pub fn with_product_kernel(mut self, k: ProductKernel) -> WgpuBackend {
+        self.products = k;
+        self
+    }
+
+    /// Chooses the core RMS norm's kernel ([`NormKernel`]).
+    pub fn with_norm_kernel(mut self, k: NormKernel) -> WgpuBackend {
+        self.norm = k;
         self
     }
 
@@ -631,7 +688,13 @@ impl WgpuBackend {
                 .g
                 .launch(
                     "norm",
-                    "rms_xprep_base",
+                    // The block scales spread over the workgroup (the same bits) unless the
+                    // baselines run.
+                    if self.fuse {
+                        "rms_xprep_par"
+                    } else {
+                        "rms_xprep_base"
+                    },
                     &[],
                     &p,
                     &[&x.b, &self.dummies[0], &out],
@@ -675,7 +738,12 @@ impl WgpuBackend {
         let k = w.row_len;
         for part in &w.parts {
             let n_items = if mode == 0 { part.rows } else { items };
-            let (gx, gy) = item_grid(n_items);
+            let rows_kernel = self.products == ProductKernel::Rows;
+            let (gx, gy) = if rows_kernel {
+                item_grid(n_items.div_ceil(MMR_ROWS))
+            } else {
+                item_grid(n_items)
+            };
             let total = n_items * nt;
             let p = [
                 w.ty.id(),
@@ -705,11 +773,17 @@ impl WgpuBackend {
                 ("SPEC_TY", w.ty.id().to_string()),
                 ("SPEC_HWF16", self.hw_f16.to_string()),
             ];
-            let l = if self.lane_products {
-                self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total))
-            } else {
-                self.g
-                    .launch("mq", "mm", &spec, &p, &bufs, (gx, gy, nt as u32))
+            let l = match self.products {
+                ProductKernel::Lanes1 => self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total)),
+                ProductKernel::Workgroup => {
+                    self.g
+                        .launch("mq", "mm", &spec, &p, &bufs, (gx, gy, nt as u32))
+                }
+                ProductKernel::Rows => {
+                    let spec = shaders::spec_mmr(w.ty, self.hw_f16, MMR_ROWS);
+                    self.g
+                        .launch("mq", "mmr", &spec, &p, &bufs, (gx, gy, nt as u32))
+                }
             }
             .map_err(dev)?;
             let mut l = l;
@@ -1251,20 +1325,26 @@ impl Backend for WgpuBackend {
         }
         let op = "rms_norm";
         let out = self.buf(op, x.rows, x.cols)?;
+        let groups = x.rows * (x.cols / group);
+        let (gx, gy) = item_grid(groups);
         let p = [
             u32_of(op, x.rows)?,
             u32_of(op, x.cols)?,
             u32_of(op, group)?,
             eps.to_bits(),
             u32_of(op, wn)?,
+            gx,
         ];
-        self.model_n(
-            "rms_norm",
-            &p,
-            [Some(&x.b), Some(wv), Some(&out.b), None, None],
-            [None; 3],
-            x.rows * (x.cols / group),
-        )?;
+        let f: [Option<&Buf>; 5] = [Some(&x.b), Some(wv), Some(&out.b), None, None];
+        match self.norm {
+            NormKernel::Sequential => self.model_n("rms_norm", &p, f, [None; 3], groups)?,
+            NormKernel::Lanes1 => self.model_n("rms_norm_lanes1", &p, f, [None; 3], groups)?,
+            NormKernel::Workgroup => {
+                if groups > 0 {
+                    self.model("rms_norm_wg", &p, f, [None; 3], (gx, gy, 1))?
+                }
+            }
+        }
         Ok(out)
     }
 

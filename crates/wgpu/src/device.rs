@@ -372,7 +372,8 @@ impl Wgpu {
         entry: &str,
         spec: &[(&str, String)],
     ) -> Result<Arc<wgpu::ComputePipeline>, WgpuError> {
-        let src = shaders::source_for(module, spec, self.immediates)?;
+        // The cache is looked up before the source is assembled (tens of KiB of text: built
+        // per dispatch it cost more host time than the dispatch's recording).
         let key = format!("{module}/{entry}/{spec:?}");
         if let Some(p) = self
             .pipelines
@@ -382,6 +383,7 @@ impl Wgpu {
         {
             return Ok(p.clone());
         }
+        let src = shaders::source_for(module, spec, self.immediates)?;
         let t = Instant::now();
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let sm = self

@@ -101,7 +101,13 @@ const MODULES: &[Module] = &[
         src: include_str!("../shaders/mq.wgsl"),
         storage: 5,
         quants: true,
-        spec: &[("SPEC_TY", "u32"), ("SPEC_HWF16", "bool")],
+        spec: &[
+            ("SPEC_TY", "u32"),
+            ("SPEC_HWF16", "bool"),
+            ("SPEC_R", "u32"),
+            ("SPEC_BS", "u32"),
+            ("SPEC_TS", "u32"),
+        ],
     },
     Module {
         name: "pick",
@@ -275,16 +281,30 @@ pub fn spec_gemv(ty: GgmlType, k: usize, nt: usize) -> Option<Spec> {
     ])
 }
 
+/// `mq::mmr`'s specialization: the weight format, its block shape and `rows` outputs per
+/// workgroup.
+pub fn spec_mmr(ty: GgmlType, hw_f16: bool, rows: usize) -> Spec {
+    vec![
+        ("SPEC_TY", ty.id().to_string()),
+        ("SPEC_HWF16", hw_f16.to_string()),
+        ("SPEC_R", rows.to_string()),
+        ("SPEC_BS", ty.block_size().to_string()),
+        ("SPEC_TS", ty.type_size().to_string()),
+    ]
+}
+
 pub fn spec_route(n_exp: usize, k: usize) -> Spec {
     vec![("SPEC_E", n_exp.to_string()), ("SPEC_K", k.to_string())]
 }
 
 /// The entries of `model.wgsl` (the whole-model backend's f32 operations).
-pub const MODEL_ENTRIES: [&str; 16] = [
+pub const MODEL_ENTRIES: [&str; 18] = [
     "copy_rows",
     "write_rows",
     "eltwise",
     "rms_norm",
+    "rms_norm_lanes1",
+    "rms_norm_wg",
     "rope",
     "attend",
     "hc_u",
@@ -335,6 +355,9 @@ pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
                 ));
             }
         }
+    }
+    for (_, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
+        v.push(("mq", "mmr", spec_mmr(*ty, true, 8)));
     }
     for n in [2560usize, 10240] {
         for fmt in ActFmt::ALL {
