@@ -274,10 +274,14 @@ enum Img {
 }
 
 fn img_for(ty: GgmlType) -> Option<Img> {
-    if ty == GgmlType::F16 {
-        return Some(Img::F16);
+    match ty {
+        GgmlType::F16 => Some(Img::F16),
+        // The CPU pairs Q4_1 and Q5_1 with Q8_1 images, whose codes and scale `d` are Q8_0's
+        // (strata_quant's quantize_row_q8_1: d = amax/127, codes rne(x·127/amax)); the
+        // products read values code·d only, so the Q8_0 image holds the same activations.
+        GgmlType::Q4_1 | GgmlType::Q5_1 => Some(Img::Act(ActFmt::Q8_0)),
+        _ => ActFmt::for_weight(ty).map(Img::Act),
     }
-    ActFmt::for_weight(ty).map(Img::Act)
 }
 
 /// The formats the decoders read (`quants.wgsl`).

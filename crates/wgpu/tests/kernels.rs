@@ -259,7 +259,20 @@ fn product_kernels_give_the_same_bits_for_every_format() {
         // The f64 dot of the decoded weights and the decoded activation image.
         let mut wd = vec![0f32; m * k];
         strata_quant::dequantize(ty, &wbytes, &mut wd).unwrap();
+        let q8_1 = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
         let xd: Vec<f32> = match ActFmt::for_weight(ty) {
+            // The CPU's pairing: Q8_1 images (the wgpu backend reads Q8_0's, the same values).
+            None if q8_1 => {
+                let mut img = vec![0u8; GgmlType::Q8_1.row_bytes(k).unwrap()];
+                let mut v = vec![0f32; nt * k];
+                for t in 0..nt {
+                    strata_quant::quantize(GgmlType::Q8_1, &x[t * k..(t + 1) * k], &mut img)
+                        .unwrap();
+                    strata_quant::dequantize(GgmlType::Q8_1, &img, &mut v[t * k..(t + 1) * k])
+                        .unwrap();
+                }
+                v
+            }
             Some(fmt) => {
                 let rb = fmt.row_bytes(k).unwrap();
                 let mut img = vec![0u8; rb];
