@@ -200,8 +200,9 @@ pub struct WgpuBackend {
     dispatches: AtomicU64,
     submits: AtomicU64,
     split: AtomicUsize,
-    /// The product kernel ([`ProductKernel`]): `mq::mm1` on CPU adapters, `mq::mmr` on GPUs
-    /// (the same bits); `STRATA_WGPU_MM=lanes|wg|rows` forces one.
+    /// The product kernel ([`ProductKernel`]): `mq::mm1` on CPU adapters, `Auto` (`mq::mmr`
+    /// for large products, `mq::mm` for small ones) on GPUs: the same bits;
+    /// `STRATA_WGPU_MM=lanes|wg|rows|auto` forces one.
     products: ProductKernel,
     /// The first failed submit of a step, until a download reports it.
     failed: Mutex<Option<String>>,
@@ -217,6 +218,12 @@ pub struct WgpuBackend {
     /// both ways); on with `fuse`, off with `STRATA_WGPU_HWF16=0`.
     hw_f16: bool,
     split_stores: AtomicUsize,
+    /// Dispatches after which a step's pending list is submitted while the step goes on
+    /// recording (0: one submit at the end of the step). On GPUs 256, so the device runs the
+    /// first dispatches while the host records the rest (a decode step is ~2,500 dispatches
+    /// of a few µs of host time each); on CPU adapters 0 (the driver shares the host's cores).
+    /// `STRATA_WGPU_CHUNK=N` forces it. Nothing is read back inside a step either way.
+    chunk: usize,
     /// The core RMS norm's kernel: the lane order by a workgroup on GPUs, by one invocation
     /// on CPU adapters (the same bits); `STRATA_WGPU_NORM=seq|lanes1|wg` forces one.
     norm: NormKernel,
@@ -233,12 +240,19 @@ pub enum ProductKernel {
     /// `mq::mm`: one 256-wide workgroup an output (the baseline).
     Workgroup,
     /// `mq::mmr`: one 256-wide workgroup for [`MMR_ROWS`] outputs, the activation read once
-    /// for all and the tree's barriers shared (GPUs).
+    /// for all and the tree's barriers shared.
     Rows,
+    /// `mq::mmr` for products of at least [`MMR_MIN`] outputs (tokens × items), `mq::mm` for
+    /// smaller ones, where eight outputs a workgroup would leave most of a GPU idle (GPUs).
+    Auto,
 }
 
 /// Outputs per workgroup of `mq::mmr`.
 pub const MMR_ROWS: usize = 8;
+
+/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmr` (512 workgroups
+/// of it: several per SM on the H200's 132).
+pub const MMR_MIN: usize = 4096;
 
 /// The kernel of the core RMS norm (`Backend::rms_norm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -328,8 +342,9 @@ impl WgpuBackend {
             Ok("lanes") => ProductKernel::Lanes1,
             Ok("wg") => ProductKernel::Workgroup,
             Ok("rows") => ProductKernel::Rows,
+            Ok("auto") => ProductKernel::Auto,
             _ if g.is_cpu() => ProductKernel::Lanes1,
-            _ => ProductKernel::Rows,
+            _ => ProductKernel::Auto,
         };
         let norm = match std::env::var("STRATA_WGPU_NORM").as_deref() {
             Ok("seq") => NormKernel::Sequential,
@@ -338,8 +353,14 @@ impl WgpuBackend {
             _ if g.is_cpu() => NormKernel::Lanes1,
             _ => NormKernel::Workgroup,
         };
+        let chunk = match std::env::var("STRATA_WGPU_CHUNK").map(|v| v.parse::<usize>()) {
+            Ok(Ok(n)) => n,
+            _ if g.is_cpu() => 0,
+            _ => 256,
+        };
         Ok(WgpuBackend {
             norm,
+            chunk,
             g: Arc::new(g),
             tab,
             dummies,
@@ -376,6 +397,12 @@ impl WgpuBackend {
     /// Chooses the product kernel ([`ProductKernel`]; the same bits).
     pub fn with_product_kernel(mut self, k: ProductKernel) -> WgpuBackend {
         self.products = k;
+        self
+    }
+
+    /// Submits a step's dispatches every `n` dispatches (0: once, at the end of the step).
+    pub fn with_submit_chunk(mut self, n: usize) -> WgpuBackend {
+        self.chunk = n;
         self
     }
 
@@ -507,11 +534,15 @@ impl WgpuBackend {
             self.dispatches.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        self.pending
-            .lock()
-            .map_err(|_| dev(WgpuError::Poisoned))?
-            .push(l);
+        let full = {
+            let mut p = self.pending.lock().map_err(|_| dev(WgpuError::Poisoned))?;
+            p.push(l);
+            self.chunk > 0 && p.len() >= self.chunk
+        };
         self.dispatches.fetch_add(1, Ordering::Relaxed);
+        if full {
+            self.flush()?;
+        }
         Ok(())
     }
 
@@ -742,7 +773,12 @@ impl WgpuBackend {
         let k = w.row_len;
         for part in &w.parts {
             let n_items = if mode == 0 { part.rows } else { items };
-            let rows_kernel = self.products == ProductKernel::Rows;
+            let kernel = match self.products {
+                ProductKernel::Auto if n_items * nt >= MMR_MIN => ProductKernel::Rows,
+                ProductKernel::Auto => ProductKernel::Workgroup,
+                k => k,
+            };
+            let rows_kernel = kernel == ProductKernel::Rows;
             let (gx, gy) = if rows_kernel {
                 item_grid(n_items.div_ceil(MMR_ROWS))
             } else {
@@ -777,9 +813,9 @@ impl WgpuBackend {
                 ("SPEC_TY", w.ty.id().to_string()),
                 ("SPEC_HWF16", self.hw_f16.to_string()),
             ];
-            let l = match self.products {
+            let l = match kernel {
                 ProductKernel::Lanes1 => self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total)),
-                ProductKernel::Workgroup => {
+                ProductKernel::Workgroup | ProductKernel::Auto => {
                     self.g
                         .launch("mq", "mm", &spec, &p, &bufs, (gx, gy, nt as u32))
                 }

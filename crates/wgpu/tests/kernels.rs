@@ -192,15 +192,25 @@ fn activation_images_with_parallel_scales_match_the_baseline_and_the_cpu() {
                         .unwrap();
                     g.run(&[&l], 1).unwrap();
                     let got = g.download_bytes(&out).unwrap();
-                    assert!(
-                        got == want,
-                        "{entry} {} n {n} norm {normed}: first difference at byte {:?}",
-                        fmt.name(),
-                        got.iter().zip(&want).position(|(a, b)| a != b)
-                    );
+                    // Against the CPU: every row but the subnormal ones (a driver may flush
+                    // subnormal operands, as NVIDIA's Vulkan does: DESIGN.md §3 states that
+                    // bound; both variants read them the same way, checked below).
+                    for r in (0..rows).filter(|r| r % 4 != 2) {
+                        let (a, b) = (&got[r * rb..(r + 1) * rb], &want[r * rb..(r + 1) * rb]);
+                        assert!(
+                            a == b,
+                            "{entry} {} n {n} norm {normed} row {r}: first difference at byte {:?}",
+                            fmt.name(),
+                            a.iter().zip(b).position(|(x, y)| x != y)
+                        );
+                    }
                     seen.push(got);
                 }
-                assert_eq!(seen[0], seen[1]);
+                assert!(
+                    seen[0] == seen[1],
+                    "{} n {n} norm {normed}: rms_xprep_par differs from rms_xprep_base",
+                    fmt.name()
+                );
             }
         }
     }
