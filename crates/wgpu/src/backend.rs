@@ -7,8 +7,11 @@
 //!
 //! **Steps.** Operations never submit: each appends its dispatches to the pending list, and the
 //! list is submitted as one compute pass when a step ends (or when a download needs the
-//! results), so nothing is read back inside a step. Temporaries are fresh buffers (a re-encoding
-//! backend, not a capturing one); wgpu keeps them alive until the dispatches that use them ran.
+//! results; on GPUs also every 256 dispatches, so the device starts while the host records), so
+//! nothing is read back inside a step. A re-encoding backend, not a capturing one (wgpu
+//! consumes a command buffer on submit), but temporaries come from a pool by size and bind
+//! groups of pooled and persistent buffers are cached, so a step with the same key as an
+//! earlier one mostly reuses both ([`WgpuBackend::temp`] says why reuse is safe).
 //!
 //! **Numerics** (DESIGN.md §3). Against the CPU backend: copies, stores, adds, biases, RMS norm,
 //! RoPE (cos/sin from the CPU's own f64 formula, tabled on the host), the activation images,
@@ -218,6 +221,8 @@ pub struct WgpuBackend {
     /// both ways); on with `fuse`, off with `STRATA_WGPU_HWF16=0`.
     hw_f16: bool,
     split_stores: AtomicUsize,
+    /// Reused temporaries ([`WgpuBackend::temp`]), or `None`: every temporary fresh.
+    pool: Option<Mutex<Pool>>,
     /// Dispatches after which a step's pending list is submitted while the step goes on
     /// recording (0: one submit at the end of the step). On GPUs 256, so the device runs the
     /// first dispatches while the host records the rest (a decode step is ~2,500 dispatches
@@ -231,6 +236,16 @@ pub struct WgpuBackend {
     /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
     profile: Mutex<Option<Profile>>,
 }
+
+/// Temporaries by byte size, kept for reuse (see [`WgpuBackend::temp`]).
+#[derive(Default)]
+struct Pool {
+    by_size: HashMap<u64, Vec<Arc<Buf>>>,
+    bytes: u64,
+}
+
+/// Bytes the pool keeps before it lets go of the buffers nobody holds.
+const POOL_MAX: u64 = 1 << 30;
 
 /// The kernel of the products (`mq.wgsl`), all in `mm`'s lane order: the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -334,10 +349,22 @@ impl WgpuBackend {
 
     /// A backend on an opened device (a test lowers its binding limit first).
     pub fn with_device(g: Wgpu) -> Result<WgpuBackend, WgpuError> {
-        let tab = g.upload("grid tables", &shaders::grid_table())?;
+        let mut g = g;
+        let mut tab = g.upload("grid tables", &shaders::grid_table())?;
+        tab.stable = true;
         let dummies = (0..8)
-            .map(|_| g.alloc("unused binding", 4))
+            .map(|_| {
+                g.alloc("unused binding", 4).map(|mut b| {
+                    b.stable = true;
+                    b
+                })
+            })
             .collect::<Result<_, _>>()?;
+        // Temporaries from a pool and bind groups cached across steps (the host's time per
+        // dispatch: on lavapipe a tiny decode step records in ~1 ms instead of 3–4.5);
+        // `STRATA_WGPU_POOL=0` gives every temporary and bind group fresh (the baseline).
+        let pool_on = std::env::var("STRATA_WGPU_POOL").as_deref() != Ok("0");
+        g.set_bind_cache(pool_on);
         let products = match std::env::var("STRATA_WGPU_MM").as_deref() {
             Ok("lanes") => ProductKernel::Lanes1,
             Ok("wg") => ProductKernel::Workgroup,
@@ -359,6 +386,7 @@ impl WgpuBackend {
             _ => 256,
         };
         Ok(WgpuBackend {
+            pool: pool_on.then(|| Mutex::new(Pool::default())),
             norm,
             chunk,
             g: Arc::new(g),
@@ -409,6 +437,16 @@ impl WgpuBackend {
     /// Chooses the core RMS norm's kernel ([`NormKernel`]).
     pub fn with_norm_kernel(mut self, k: NormKernel) -> WgpuBackend {
         self.norm = k;
+        self
+    }
+
+    /// Temporaries from a pool and bind groups cached across steps, or every temporary and
+    /// bind group fresh: the same bits.
+    pub fn with_pool(mut self, on: bool) -> WgpuBackend {
+        self.pool = on.then(|| Mutex::new(Pool::default()));
+        if let Some(g) = Arc::get_mut(&mut self.g) {
+            g.set_bind_cache(on);
+        }
         self
     }
 
@@ -571,15 +609,72 @@ impl WgpuBackend {
         self.g.submit(&work).map_err(dev)
     }
 
+    /// A temporary of `values` f32/u32 words: from the pool when it is on (contents
+    /// undefined: every caller writes what it reads), else a fresh zeroed buffer.
     pub(crate) fn alloc(&self, what: &str, values: usize) -> Result<Arc<Buf>> {
-        Ok(Arc::new(
-            self.g.alloc(what, values as u64 * 4).map_err(dev)?,
-        ))
+        self.temp(what, values as u64 * 4)
+    }
+
+    /// A temporary of `bytes` (see [`WgpuBackend::alloc`]). The pool hands out a buffer of the
+    /// same size that nothing but the pool holds any more (its `WBuf`s are gone). That is safe
+    /// while dispatches that used it are still pending or running: all of a step's dispatches
+    /// run in recording order with a barrier between each two (every binding is read-write),
+    /// so the new owner's writes come after the old owner's reads; no pooled buffer is ever
+    /// written from the host (uploads are fresh buffers). A step with the same key allocates
+    /// and frees in the same order, so it gets the same buffers, and its launches the cached
+    /// bind groups (`Wgpu::set_bind_cache`).
+    pub(crate) fn temp(&self, what: &str, bytes: u64) -> Result<Arc<Buf>> {
+        let Some(pool) = &self.pool else {
+            return Ok(Arc::new(self.g.alloc(what, bytes).map_err(dev)?));
+        };
+        let mut p = pool.lock().map_err(|_| dev(WgpuError::Poisoned))?;
+        if let Some(b) = p
+            .by_size
+            .get(&bytes)
+            .and_then(|v| v.iter().find(|b| Arc::strong_count(b) == 1))
+        {
+            return Ok(b.clone());
+        }
+        let padded = bytes.max(4).div_ceil(4) * 4;
+        if p.bytes + padded > POOL_MAX {
+            // Too much kept (many sizes, e.g. prompts of many lengths): let go of every
+            // buffer nobody holds, and of the bind groups that keep them alive.
+            for v in p.by_size.values_mut() {
+                v.retain(|b| Arc::strong_count(b) > 1);
+            }
+            p.by_size.retain(|_, v| !v.is_empty());
+            p.bytes = p
+                .by_size
+                .values()
+                .flatten()
+                .map(|b| b.bytes.max(4).div_ceil(4) * 4)
+                .sum();
+            self.g.clear_bind_cache().map_err(dev)?;
+        }
+        let mut b = self.g.alloc(what, bytes).map_err(dev)?;
+        b.stable = true;
+        let b = Arc::new(b);
+        p.by_size.entry(bytes).or_default().push(b.clone());
+        p.bytes += padded;
+        Ok(b)
     }
 
     pub(crate) fn buf(&self, what: &str, rows: usize, cols: usize) -> Result<WBuf> {
         Ok(WBuf {
             b: self.alloc(what, rows * cols)?,
+            rows,
+            cols,
+            parts: None,
+        })
+    }
+
+    /// A fresh zero-filled buffer (zeros, stores), never from the pool, kept for as long as
+    /// its owner holds it.
+    fn fresh(&self, what: &str, rows: usize, cols: usize) -> Result<WBuf> {
+        let mut b = self.g.alloc(what, (rows * cols) as u64 * 4).map_err(dev)?;
+        b.stable = true;
+        Ok(WBuf {
+            b: Arc::new(b),
             rows,
             cols,
             parts: None,
@@ -704,11 +799,7 @@ impl WgpuBackend {
                 )
             })?;
         let rows = x.rows.div_ceil(pack);
-        let out = Arc::new(
-            self.g
-                .alloc("activation image", (rows.max(1) * pack * rb) as u64)
-                .map_err(dev)?,
-        );
+        let out = self.temp("activation image", (rows.max(1) * pack * rb) as u64)?;
         if rows > 0 {
             // A pair's missing second row (odd row counts) reads clamped values: its image
             // bytes are past the rows and never read.
@@ -867,7 +958,9 @@ impl WgpuBackend {
                 v.push(a.sin() as f32);
             }
         }
-        let b = Arc::new(self.g.upload("rope table", &v).map_err(dev)?);
+        let mut b = self.g.upload("rope table", &v).map_err(dev)?;
+        b.stable = true;
+        let b = Arc::new(b);
         t.insert((rot, theta.to_bits()), (b.clone(), want));
         Ok((b, want))
     }
@@ -958,13 +1051,14 @@ impl Backend for WgpuBackend {
             let mut row0 = 0;
             while row0 < total_rows {
                 let rows = per.min(total_rows - row0);
-                let b = self
+                let mut b = self
                     .g
                     .upload_bytes(
                         &info.name,
                         &bytes[row0 * row_bytes..(row0 + rows) * row_bytes],
                     )
                     .map_err(dev)?;
+                b.stable = true;
                 parts.push(Part { b, row0, rows });
                 row0 += rows;
             }
@@ -979,7 +1073,9 @@ impl Backend for WgpuBackend {
         {
             let mut v = vec![0f32; n as usize];
             strata_quant::dequantize(ty, bytes, &mut v)?;
-            Some((self.g.upload(&info.name, &v).map_err(dev)?, v.len()))
+            let mut b = self.g.upload(&info.name, &v).map_err(dev)?;
+            b.stable = true;
+            Some((b, v.len()))
         } else {
             None
         };
@@ -1004,7 +1100,7 @@ impl Backend for WgpuBackend {
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<WBuf> {
-        self.buf("zeros", rows, cols)
+        self.fresh("zeros", rows, cols)
     }
 
     /// All `cap` rows are allocated up front (zeros); the RoPE tables grow to cover them. A
@@ -1015,7 +1111,7 @@ impl Backend for WgpuBackend {
         let row_bytes = cols.max(1) * 4;
         let limit = self.store_limit.min(self.g.max_binding) as usize;
         if cap * row_bytes <= limit {
-            return self.buf("store", cap, cols);
+            return self.fresh("store", cap, cols);
         }
         let mut per = limit / row_bytes;
         if per == 0 {
@@ -1032,10 +1128,11 @@ impl Backend for WgpuBackend {
         let mut row0 = 0;
         while row0 < cap {
             let rows = per.min(cap - row0);
-            let b = self
+            let mut b = self
                 .g
                 .alloc("store part", (rows * row_bytes) as u64)
                 .map_err(dev)?;
+            b.stable = true;
             parts.push(Part { b, row0, rows });
             row0 += rows;
         }

@@ -956,3 +956,55 @@ fn both_product_kernels_give_the_same_logits_bitwise() {
         }
     }
 }
+
+/// Temporaries from the pool and bind groups cached across steps (the default) against fresh
+/// ones (the baseline, `STRATA_WGPU_POOL=0`): a prefill, then decode steps of one token (the same step key each
+/// time, so the same buffers and cached bind groups come back), the same logits bit for bit,
+/// with the GPU's other defaults (`mmr`, `rms_norm_wg`, chunked submits).
+#[test]
+fn pooled_temporaries_and_cached_bind_groups_give_the_same_bits() {
+    use strata_wgpu::{NormKernel, ProductKernel};
+    let Some(_) = backend() else { return };
+    let toks = prompt();
+    let mut seen = Vec::new();
+    for pool in [false, true] {
+        let b = backend()
+            .unwrap()
+            .with_pool(pool)
+            .with_product_kernel(ProductKernel::Rows)
+            .with_norm_kernel(NormKernel::Workgroup)
+            .with_submit_chunk(64);
+        let m = load_wgpu("model-bf16.gguf", b, &LoadOptions::default());
+        let mut st = m.new_state().unwrap();
+        let mut logits = m
+            .forward_with(&mut st, &toks[..8], Want::default())
+            .unwrap()
+            .logits;
+        for &t in &toks[8..14] {
+            logits.extend(
+                m.forward_with(&mut st, &[t], Want::default())
+                    .unwrap()
+                    .logits,
+            );
+        }
+        let hits = m
+            .backend()
+            .device()
+            .bind_hits
+            .load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "pool {pool}: {hits} cached bind groups reused, {:?}",
+            m.backend().counters()
+        );
+        assert_eq!(pool, hits > 0, "bind groups reused: {hits}");
+        seen.push(logits);
+    }
+    assert!(
+        seen[0].len() == seen[1].len()
+            && seen[0]
+                .iter()
+                .zip(&seen[1])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "pooled temporaries change the logits"
+    );
+}
