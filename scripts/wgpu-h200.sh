@@ -27,10 +27,10 @@
 #            machine stays warm), then `strata bench model --backend wgpu -p 0 -n 32 -r 2`
 #   profile  `strata bench model --backend wgpu -p 0 -n 8 -r 1 --profile`: dispatches and
 #            submits per decode token and the per-kernel table
-#   base     (not in the default steps) the bench again with session 5's kernels
-#            products, norms, submits and fresh temporaries (STRATA_WGPU_MM=wg STRATA_WGPU_NORM=seq
-#            STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0; the images keep rms_xprep_par, since STRATA_WGPU_FUSE=0
-#            would also undo session 5's fusions) for an A/B on one machine
+#   base     (not in the default steps) the bench again with session 5's products, norm,
+#            single submit and fresh temporaries (STRATA_WGPU_MM=wg STRATA_WGPU_NORM=seq
+#            STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0; the images keep rms_xprep_par, since
+#            STRATA_WGPU_FUSE=0 would also undo session 5's fusions), for an A/B on one machine
 # Logs go to $OUT (the device tool brings them back) or /tmp/wgpu-h200. A dry run here:
 #   REQUIRE_NVIDIA=0 FULL=fixtures/qwen4exp/tiny/model-f32.gguf bash scripts/wgpu-h200.sh
 set -uo pipefail
