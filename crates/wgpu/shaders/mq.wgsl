@@ -139,11 +139,13 @@ fn mmr(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: 
             some = true;
         }
     }
+    // Every block size divides 256, so lane t reads the same element of every block it
+    // visits: j is loop-invariant (the decoders' index arithmetic on it can be hoisted).
+    let j = t % SPEC_BS;
     if (some) {
         for (var i = t; i < k; i = i + 256u) {
             let xval = xv(xf, xrb, xt, i);
             let boff = (i / SPEC_BS) * SPEC_TS;
-            let j = i % SPEC_BS;
             for (var r = 0u; r < SPEC_R; r = r + 1u) {
                 if (wrow[r] != 0xffffffffu) {
                     acc[r] = acc[r] + nc(deq(SPEC_TY, wrow[r] + boff, j) * xval);

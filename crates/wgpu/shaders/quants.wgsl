@@ -195,7 +195,8 @@ fn deq(ty: u32, b: u32, j: u32) -> f32 {
             let s = j / 16u;
             let sc = wb(b + s);
             let dl = wf16(b + 80u) * f32(sc & 15u);
-            let ml = wf16(b + 82u) * f32(sc >> 4u);
+            // Both products behind nc(): neither may fuse into the subtraction.
+            let ml = nc(wf16(b + 82u) * f32(sc >> 4u));
             let q = wb(b + 16u + 32u * (s / 8u) + 16u * (s % 2u) + j % 16u);
             return nc(dl * f32((q >> (2u * ((s / 2u) % 4u))) & 3u)) - ml;
         }
