@@ -161,8 +161,8 @@ impl DeviceWeight for WWeight {
 
 /// Router decisions on the device: per row `k` expert ids (i32) and weights.
 pub struct WRoutes {
-    pub(crate) ids: Buf,
-    pub(crate) wts: Buf,
+    pub(crate) ids: Arc<Buf>,
+    pub(crate) wts: Arc<Buf>,
     pub(crate) rows: usize,
     pub(crate) k: usize,
 }
@@ -1552,14 +1552,9 @@ impl Backend for WgpuBackend {
                 format!("top {k} of {ne} experts (the kernels take up to 512 experts, k ≤ 16)"),
             ));
         }
-        let ids = self
-            .g
-            .alloc("route ids", (nt.max(1) * k * 4) as u64)
-            .map_err(dev)?;
-        let wts = self
-            .g
-            .alloc("route weights", (nt.max(1) * k * 4) as u64)
-            .map_err(dev)?;
+        // Pooled: the route kernel writes every row's k ids and weights.
+        let ids = self.temp("route ids", (nt.max(1) * k * 4) as u64)?;
+        let wts = self.temp("route weights", (nt.max(1) * k * 4) as u64)?;
         if nt > 0 {
             let l = self
                 .g
