@@ -30,7 +30,8 @@
 #   base     (not in the default steps) the bench again with session 5's products, norm,
 #            single submit and fresh temporaries (STRATA_WGPU_MM=wg STRATA_WGPU_NORM=seq
 #            STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0; the images keep rms_xprep_par, since
-#            STRATA_WGPU_FUSE=0 would also undo session 5's fusions), for an A/B on one machine
+#            STRATA_WGPU_FUSE=0 would also undo session 5's fusions), for an A/B on one machine;
+#            then with the products by mq::mmr instead of the default mq::mmb (STRATA_WGPU_MM=rows)
 # Logs go to $OUT (the device tool brings them back) or /tmp/wgpu-h200. A dry run here:
 #   REQUIRE_NVIDIA=0 FULL=fixtures/qwen4exp/tiny/model-f32.gguf bash scripts/wgpu-h200.sh
 set -uo pipefail
@@ -104,6 +105,8 @@ for step in $STEPS; do
         say "bench model --backend wgpu with session 5's kernels (A/B)"
         STRATA_WGPU_MM=wg STRATA_WGPU_NORM=seq STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0 \
             "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 32 -r 2 --ctx 4096 2>&1 | tee "$LOG/bench-base.txt"
+        say "bench model --backend wgpu with STRATA_WGPU_MM=rows (mq::mmr)"
+        STRATA_WGPU_MM=rows "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 32 -r 2 --ctx 4096 2>&1 | tee "$LOG/bench-mmr.txt"
         ;;
     *) echo "unknown step $step" ;;
     esac

@@ -203,9 +203,9 @@ pub struct WgpuBackend {
     dispatches: AtomicU64,
     submits: AtomicU64,
     split: AtomicUsize,
-    /// The product kernel ([`ProductKernel`]): `mq::mm1` on CPU adapters, `Auto` (`mq::mmr`
+    /// The product kernel ([`ProductKernel`]): `mq::mm1` on CPU adapters, `Auto` (`mq::mmb`
     /// for large products, `mq::mm` for small ones) on GPUs: the same bits;
-    /// `STRATA_WGPU_MM=lanes|wg|rows|auto` forces one.
+    /// `STRATA_WGPU_MM=lanes|wg|rows|blocks|auto` forces one.
     products: ProductKernel,
     /// The first failed submit of a step, until a download reports it.
     failed: Mutex<Option<String>>,
@@ -257,7 +257,11 @@ pub enum ProductKernel {
     /// `mq::mmr`: one 256-wide workgroup for [`MMR_ROWS`] outputs, the activation read once
     /// for all and the tree's barriers shared.
     Rows,
-    /// `mq::mmr` for products of at least [`MMR_MIN`] outputs (tokens × items), `mq::mm` for
+    /// `mq::mmb`: a 64-wide workgroup for [`MMR_ROWS`] outputs, each invocation four
+    /// adjacent lanes (one block's adjacent elements: their decoders share the scale and word
+    /// loads), the activation read once for all outputs.
+    Blocks,
+    /// `mq::mmb` for products of at least [`MMR_MIN`] outputs (tokens × items), `mq::mm` for
     /// smaller ones, where eight outputs a workgroup would leave most of a GPU idle (GPUs).
     Auto,
 }
@@ -370,6 +374,7 @@ impl WgpuBackend {
             Ok("wg") => ProductKernel::Workgroup,
             Ok("rows") => ProductKernel::Rows,
             Ok("auto") => ProductKernel::Auto,
+            Ok("blocks") => ProductKernel::Blocks,
             _ if g.is_cpu() => ProductKernel::Lanes1,
             _ => ProductKernel::Auto,
         };
@@ -865,11 +870,11 @@ impl WgpuBackend {
         for part in &w.parts {
             let n_items = if mode == 0 { part.rows } else { items };
             let kernel = match self.products {
-                ProductKernel::Auto if n_items * nt >= MMR_MIN => ProductKernel::Rows,
+                ProductKernel::Auto if n_items * nt >= MMR_MIN => ProductKernel::Blocks,
                 ProductKernel::Auto => ProductKernel::Workgroup,
                 k => k,
             };
-            let rows_kernel = kernel == ProductKernel::Rows;
+            let rows_kernel = matches!(kernel, ProductKernel::Rows | ProductKernel::Blocks);
             let (gx, gy) = if rows_kernel {
                 item_grid(n_items.div_ceil(MMR_ROWS))
             } else {
@@ -914,6 +919,11 @@ impl WgpuBackend {
                     let spec = shaders::spec_mmr(w.ty, self.hw_f16, MMR_ROWS);
                     self.g
                         .launch("mq", "mmr", &spec, &p, &bufs, (gx, gy, nt as u32))
+                }
+                ProductKernel::Blocks => {
+                    let spec = shaders::spec_mmr(w.ty, self.hw_f16, MMR_ROWS);
+                    self.g
+                        .launch("mq", "mmb", &spec, &p, &bufs, (gx, gy, nt as u32))
                 }
             }
             .map_err(dev)?;

@@ -378,6 +378,7 @@ pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
     }
     for (_, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
         v.push(("mq", "mmr", spec_mmr(*ty, true, 8)));
+        v.push(("mq", "mmb", spec_mmr(*ty, true, 8)));
     }
     for n in [2560usize, 10240] {
         for fmt in ActFmt::ALL {

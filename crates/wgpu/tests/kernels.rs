@@ -9,7 +9,7 @@
 //! - the activation images with parallel block scales (`rms_xprep_par`) equal the serial
 //!   baseline (`rms_xprep_base`) and the CPU's quantizers byte for byte, ties and specials
 //!   included;
-//! - the products `mm1`, `mm` and `mmr` give the same bits for every format the backend reads,
+//! - the products `mm1`, `mm`, `mmr` and `mmb` give the same bits for every format the backend reads,
 //!   dense and gathered rows, item counts that are not a multiple of the rows per workgroup,
 //!   and stay within the stated bound of the f64 dot of the decoded operands.
 
@@ -248,6 +248,7 @@ fn product_kernels_give_the_same_bits_for_every_format() {
             ProductKernel::Workgroup,
             ProductKernel::Lanes1,
             ProductKernel::Rows,
+            ProductKernel::Blocks,
         ] {
             let b = backend().unwrap().with_product_kernel(pk);
             let w = b.load_weight(&f, &f.tensors()[0]).unwrap();
@@ -256,7 +257,7 @@ fn product_kernels_give_the_same_bits_for_every_format() {
             let idb = b.upload_ids(&ids).unwrap();
             gathered.push(b.download(&b.matmul_rows(&w, &idb, &xb).unwrap()).unwrap());
         }
-        for j in 1..3 {
+        for j in 1..4 {
             assert!(
                 bits(&dense[j]) == bits(&dense[0]),
                 "{ty}: dense products of kernel {j} differ from mq::mm"

@@ -910,7 +910,8 @@ fn an_unknown_adapter_and_an_unsplittable_weight_are_clear_errors() {
 }
 
 /// The product kernels (`mq::mm1`, an invocation an output, lavapipe's default; `mq::mm`, a
-/// workgroup an output, the baseline; `mq::mmr`, a workgroup for 8 outputs, the GPUs'), the
+/// workgroup an output, the baseline; `mq::mmr` and `mq::mmb`, a workgroup for 8 outputs,
+/// `mmb` the GPUs' default for large products), the
 /// lane-order norm kernels (`rms_norm_lanes1`, lavapipe's; `rms_norm_wg`, the GPUs') and
 /// submitting a step in chunks of 7 dispatches (the GPUs' 256) give the same bits through the
 /// whole model: the GPU defaults are checked here on lavapipe.
@@ -931,6 +932,7 @@ fn both_product_kernels_give_the_same_logits_bitwise() {
     for (pk, nk, chunk) in [
         (ProductKernel::Workgroup, NormKernel::Lanes1, 0),
         (ProductKernel::Rows, NormKernel::Workgroup, 7),
+        (ProductKernel::Blocks, NormKernel::Workgroup, 0),
     ] {
         let b = backend()
             .unwrap()
@@ -971,7 +973,7 @@ fn pooled_temporaries_and_cached_bind_groups_give_the_same_bits() {
         let b = backend()
             .unwrap()
             .with_pool(pool)
-            .with_product_kernel(ProductKernel::Rows)
+            .with_product_kernel(ProductKernel::Blocks)
             .with_norm_kernel(NormKernel::Workgroup)
             .with_submit_chunk(64);
         let m = load_wgpu("model-bf16.gguf", b, &LoadOptions::default());
