@@ -266,10 +266,10 @@ pub enum ProductKernel {
     Auto,
 }
 
-/// Outputs per workgroup of `mq::mmr`.
+/// Outputs per workgroup of `mq::mmr` and `mq::mmb`.
 pub const MMR_ROWS: usize = 8;
 
-/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmr` (512 workgroups
+/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmb` (512 workgroups
 /// of it: several per SM on the H200's 132).
 pub const MMR_MIN: usize = 4096;
 
