@@ -11,17 +11,27 @@
 #   bin/model  the wgpu model test binary:
 #                cargo test --release -p strata-wgpu --test model --no-run   (prints the path)
 #                cp <that path> .dev/wgpu/bin/model
+#   bin/kernels  the wgpu kernel test binary (optimized kernels bitwise against their
+#              baselines and the CPU's oracles, every decoder format), likewise:
+#                cargo test --release -p strata-wgpu --test kernels --no-run
+#                cp <that path> .dev/wgpu/bin/kernels
 #   gl/*.deb   the Vulkan loader and the glvnd libraries (with the loader alone no adapter is
 #              found): the device README's recipe, into .dev/wgpu/gl:
 #                apt-get download libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2
 #
 # Steps (STEPS="tests bench profile" by default; one step alone with e.g. STEPS=bench):
-#   tests    the tiny-model tests of crates/wgpu/tests/model.rs on the H200 adapter (the
-#            ignored 0.5B ones need the default model, which is not on the device machine)
+#   tests    the kernel tests (crates/wgpu/tests/kernels.rs) and the tiny-model tests of
+#            crates/wgpu/tests/model.rs on the H200 adapter (the ignored 0.5B ones need the
+#            default model, which is not on the device machine)
 #   bench    `strata synth` of the full-size file into /dev/shm (kept for later calls while the
 #            machine stays warm), then `strata bench model --backend wgpu -p 0 -n 32 -r 2`
 #   profile  `strata bench model --backend wgpu -p 0 -n 8 -r 1 --profile`: dispatches and
 #            submits per decode token and the per-kernel table
+#   base     (not in the default steps) the bench again with session 5's products, norm,
+#            single submit and fresh temporaries (STRATA_WGPU_MM=wg STRATA_WGPU_NORM=seq
+#            STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0; the images keep rms_xprep_par, since
+#            STRATA_WGPU_FUSE=0 would also undo session 5's fusions), for an A/B on one machine;
+#            then with the products by mq::mmr instead of the default mq::mmb (STRATA_WGPU_MM=rows)
 # Logs go to $OUT (the device tool brings them back) or /tmp/wgpu-h200. A dry run here:
 #   REQUIRE_NVIDIA=0 FULL=fixtures/qwen4exp/tiny/model-f32.gguf bash scripts/wgpu-h200.sh
 set -uo pipefail
@@ -58,7 +68,12 @@ fi
 for step in $STEPS; do
     case $step in
     tests)
-        say "tiny-model tests on the H200's Vulkan"
+        say "kernel and tiny-model tests on the H200's Vulkan"
+        if [ -x "$DEV/bin/kernels" ]; then
+            "$DEV/bin/kernels" --test-threads 1 2>&1 | grep -v XDG_RUNTIME_DIR | tee "$LOG/kernels.txt" | grep -E "^test |test result|panicked"
+        else
+            echo "no $DEV/bin/kernels: kernel tests skipped"
+        fi
         if [ -x "$DEV/bin/model" ]; then
             # The test binary finds the fixtures through the path it was built in
             # (CARGO_MANIFEST_DIR/../../fixtures); point that path at this checkout.
@@ -84,6 +99,14 @@ for step in $STEPS; do
         [ -s "$FULL" ] || { echo "no $FULL: run the bench step first"; continue; }
         say "bench model --backend wgpu --profile"
         "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 8 -r 1 --ctx 4096 --profile 2>&1 | tee "$LOG/profile.txt"
+        ;;
+    base)
+        [ -s "$FULL" ] || { echo "no $FULL: run the bench step first"; continue; }
+        say "bench model --backend wgpu with session 5's kernels (A/B)"
+        STRATA_WGPU_MM=wg STRATA_WGPU_NORM=seq STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0 \
+            "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 32 -r 2 --ctx 4096 2>&1 | tee "$LOG/bench-base.txt"
+        say "bench model --backend wgpu with STRATA_WGPU_MM=rows (mq::mmr)"
+        STRATA_WGPU_MM=rows "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 32 -r 2 --ctx 4096 2>&1 | tee "$LOG/bench-mmr.txt"
         ;;
     *) echo "unknown step $step" ;;
     esac

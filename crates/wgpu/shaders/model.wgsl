@@ -110,6 +110,75 @@ fn rms_norm(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec
     }
 }
 
+// The same norm in the canonical 256-lane order (strata_engine::kernels::norm::rms_norm_lanes,
+// CUDA's rms_norm_f32): lane t adds x[t + 256k]², k ascending, then block_sum256's tree. Two
+// layouts with the same bits: `rms_norm_lanes1` one invocation per group keeping the 256 lane
+// sums itself (the baseline; CPU adapters, where a 256-wide workgroup's barriers are coroutine
+// switches), `rms_norm_wg` one 256-wide workgroup per group (GPUs: the sum is 256 short chains
+// instead of one of `group` dependent adds). Same parameters as rms_norm; rms_norm_wg's groups
+// over a 2-D grid, p5 groups in x.
+@compute @workgroup_size(64)
+fn rms_norm_lanes1(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+                   @builtin(local_invocation_index) l: u32) {
+    let i = lin(g, n, l);
+    let group = pu(2u);
+    let per_row = pu(1u) / group;
+    if (i >= pu(0u) * per_row) { return; }
+    let base = i * group;
+    let nl = min(group, 256u);
+    var lanes: array<f32, 256>;
+    for (var t = 0u; t < nl; t = t + 1u) {
+        var acc = 0.0;
+        for (var j = t; j < group; j = j + 256u) {
+            let v = A[base + j];
+            acc = acc + nc(v * v);
+        }
+        lanes[t] = acc;
+    }
+    // Lanes at or past `group` hold +0 in the workgroup layout: adding them changes nothing.
+    for (var s = 16u; s > 0u; s = s >> 1u) {
+        for (var t = 0u; t + s < nl; t = t + 1u) {
+            if ((t & 31u) < s) { lanes[t] = lanes[t] + lanes[t + s]; }
+        }
+    }
+    for (var s = 4u; s > 0u; s = s >> 1u) {
+        for (var t = 0u; t < s; t = t + 1u) {
+            if (32u * (t + s) < nl) { lanes[32u * t] = lanes[32u * t] + lanes[32u * (t + s)]; }
+        }
+    }
+    let sc = rms_scale(lanes[0], group, pf(3u));
+    var woff = (i % per_row) * group;
+    if (pu(4u) == group) { woff = 0u; }
+    for (var j = 0u; j < group; j = j + 1u) {
+        C[base + j] = nc(A[base + j] * sc) * B[woff + j];
+    }
+}
+
+@compute @workgroup_size(256)
+fn rms_norm_wg(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let i = g.y * pu(5u) + g.x;
+    let group = pu(2u);
+    let per_row = pu(1u) / group;
+    // Every invocation reaches block_sum256's barriers; a group past the end adds nothing.
+    let live = i < pu(0u) * per_row;
+    let base = i * group;
+    var acc = 0.0;
+    if (live) {
+        for (var j = t; j < group; j = j + 256u) {
+            let v = A[base + j];
+            acc = acc + nc(v * v);
+        }
+    }
+    let ss = block_sum256(acc, t);
+    if (!live) { return; }
+    let sc = rms_scale(ss, group, pf(3u));
+    var woff = (i % per_row) * group;
+    if (pu(4u) == group) { woff = 0u; }
+    for (var j = t; j < group; j = j + 256u) {
+        C[base + j] = nc(A[base + j] * sc) * B[woff + j];
+    }
+}
+
 // NeoX rotation in place: p0 rows of p1, heads of p2, p3 rotated pairs, table B (cos, sin per
 // position and pair, p4 positions), positions I from p5. A position past the table gives NaN.
 @compute @workgroup_size(64)

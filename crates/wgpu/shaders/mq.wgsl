@@ -93,6 +93,162 @@ fn mm(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u
     if (t == 0u && live) { Y[tok * pu(12u) + col] = epi(s); }
 }
 
+// The weight row (in the part), the output column and whether output item o of token tok is
+// this part's: `mm`'s item rule, shared by `mmr`.
+fn mm_item(o: u32, tok: u32) -> vec3<u32> {
+    let mode = pu(9u);
+    let row0 = pu(10u);
+    var grow = row0 + o;
+    var col = grow;
+    if (mode == 1u && o < pu(1u)) {
+        grow = IDS[pu(13u) + o];
+        col = o;
+    } else if (mode == 2u) {
+        grow = IDS[pu(13u) + tok] * pu(14u) + o;
+        col = o;
+    }
+    let live = o < pu(1u) && grow >= row0 && grow - row0 < pu(11u);
+    return vec3<u32>(grow - row0, col, u32(live));
+}
+
+var<workgroup> redr: array<f32, 256u * SPEC_R>;
+
+// `mm` for SPEC_R consecutive output items per workgroup, bit for bit: lane l keeps one sum per
+// item, each adding nc(w_i·x_i) for i = l + 256k in `mm`'s order, the activation element read
+// once for all of them; then block_sum256's tree on every item's 256 lane sums at once (the
+// barriers shared). Block sizes as constants (SPEC_BS, SPEC_TS), so the element → block
+// arithmetic folds. Same parameters as `mm`; p16 counts groups of SPEC_R items.
+@compute @workgroup_size(256)
+fn mmr(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let o0 = (g.y * pu(16u) + g.x) * SPEC_R;
+    let tok = g.z;
+    let k = pu(2u);
+    let wrb = pu(4u);
+    let xf = pu(8u);
+    let xrb = pu(5u);
+    let xt = tok / pu(15u);
+    var acc: array<f32, SPEC_R>;
+    var wrow: array<u32, SPEC_R>;
+    var some = false;
+    for (var r = 0u; r < SPEC_R; r = r + 1u) {
+        let it = mm_item(o0 + r, tok);
+        acc[r] = 0.0;
+        wrow[r] = 0xffffffffu;
+        if (it.z != 0u) {
+            wrow[r] = it.x * wrb;
+            some = true;
+        }
+    }
+    // Every block size divides 256, so lane t reads the same element of every block it
+    // visits: j is loop-invariant (the decoders' index arithmetic on it can be hoisted).
+    let j = t % SPEC_BS;
+    if (some) {
+        for (var i = t; i < k; i = i + 256u) {
+            let xval = xv(xf, xrb, xt, i);
+            let boff = (i / SPEC_BS) * SPEC_TS;
+            for (var r = 0u; r < SPEC_R; r = r + 1u) {
+                if (wrow[r] != 0xffffffffu) {
+                    acc[r] = acc[r] + nc(deq(SPEC_TY, wrow[r] + boff, j) * xval);
+                }
+            }
+        }
+    }
+    for (var r = 0u; r < SPEC_R; r = r + 1u) { redr[256u * r + t] = acc[r]; }
+    workgroupBarrier();
+    for (var s = 16u; s > 0u; s = s >> 1u) {
+        if ((t & 31u) < s) {
+            for (var r = 0u; r < SPEC_R; r = r + 1u) {
+                redr[256u * r + t] = redr[256u * r + t] + redr[256u * r + t + s];
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var s = 4u; s > 0u; s = s >> 1u) {
+        if (t < s) {
+            for (var r = 0u; r < SPEC_R; r = r + 1u) {
+                redr[256u * r + 32u * t] = redr[256u * r + 32u * t] + redr[256u * r + 32u * (t + s)];
+            }
+        }
+        workgroupBarrier();
+    }
+    if (t < SPEC_R) {
+        let it = mm_item(o0 + t, tok);
+        if (it.z != 0u) { Y[tok * pu(12u) + it.y] = epi(redr[256u * t]); }
+    }
+}
+
+// `mm` block-wise, bit for bit: a 64-wide workgroup for SPEC_R outputs, invocation u keeping
+// the lane sums of lanes 4u..4u+3 of every output. Lane l still adds nc(w_i·x_i) for
+// i = l + 256k in k order, so each lane sum is `mm`'s; but the four elements an invocation
+// takes are adjacent, in one block (every block size is 1 or a multiple of 4), so their
+// decoders share the block's scale and word loads (the same expressions on the same bytes, left
+// to the compiler to share), and each activation element is read once for all outputs. The
+// 256·SPEC_R lane sums then go through block_sum256's tree in workgroup memory. Same parameters
+// as `mm`; p16 counts groups of SPEC_R items.
+@compute @workgroup_size(64)
+fn mmb(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) u: u32) {
+    let o0 = (g.y * pu(16u) + g.x) * SPEC_R;
+    let tok = g.z;
+    let k = pu(2u);
+    let wrb = pu(4u);
+    let xf = pu(8u);
+    let xrb = pu(5u);
+    let xt = tok / pu(15u);
+    var acc: array<f32, 4u * SPEC_R>;
+    var wrow: array<u32, SPEC_R>;
+    var some = false;
+    for (var r = 0u; r < SPEC_R; r = r + 1u) {
+        let it = mm_item(o0 + r, tok);
+        wrow[r] = 0xffffffffu;
+        if (it.z != 0u) {
+            wrow[r] = it.x * wrb;
+            some = true;
+        }
+    }
+    for (var a = 0u; a < 4u * SPEC_R; a = a + 1u) { acc[a] = 0.0; }
+    let l0 = 4u * u;
+    if (some) {
+        for (var i0 = l0; i0 < k; i0 = i0 + 256u) {
+            for (var q = 0u; q < 4u; q = q + 1u) {
+                let i = i0 + q;
+                if (i < k) {
+                    let xval = xv(xf, xrb, xt, i);
+                    let boff = (i / SPEC_BS) * SPEC_TS;
+                    let j = i % SPEC_BS;
+                    for (var r = 0u; r < SPEC_R; r = r + 1u) {
+                        if (wrow[r] != 0xffffffffu) {
+                            acc[4u * r + q] = acc[4u * r + q] + nc(deq(SPEC_TY, wrow[r] + boff, j) * xval);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (var r = 0u; r < SPEC_R; r = r + 1u) {
+        for (var q = 0u; q < 4u; q = q + 1u) { redr[256u * r + l0 + q] = acc[4u * r + q]; }
+    }
+    workgroupBarrier();
+    // block_sum256's tree on every output's 256 lanes: at each level lane t < s of a group of
+    // 32 adds lane t + s, which no one writes at that level.
+    for (var s = 16u; s > 0u; s = s >> 1u) {
+        for (var e = u; e < 256u * SPEC_R; e = e + 64u) {
+            if ((e & 31u) < s) { redr[e] = redr[e] + redr[e + s]; }
+        }
+        workgroupBarrier();
+    }
+    for (var s = 4u; s > 0u; s = s >> 1u) {
+        for (var e = u; e < s * SPEC_R; e = e + 64u) {
+            let b = 256u * (e / s) + 32u * (e % s);
+            redr[b] = redr[b] + redr[b + 32u * s];
+        }
+        workgroupBarrier();
+    }
+    if (u < SPEC_R) {
+        let it = mm_item(o0 + u, tok);
+        if (it.z != 0u) { Y[tok * pu(12u) + it.y] = epi(redr[256u * u]); }
+    }
+}
+
 // Rows IDS[p7 + slot] of the table, each written p8 times along the output row: p0 format,
 // p1 row length, p2 row bytes, p3 the part's first row, p4 its rows, p5 block size, p6 block
 // bytes, p9 the table's rows (an id past them gives a NaN row, written by part 0).

@@ -20,6 +20,10 @@ const MAX_BLOCKS: u32 = 320u;
 var<workgroup> blk_a: array<f32, 320>;
 var<workgroup> blk_b: array<u32, 320>;
 var<workgroup> row_scale: f32;
+// The parallel block scales: per block the largest |value| bits (order-free) and, for Q8_K,
+// the first index holding it (the smallest such index, also order-free).
+var<workgroup> bmax: array<atomic<u32>, 320>;
+var<workgroup> bidx: array<atomic<u32>, 40>;
 
 // Value i of the row being imaged.
 fn yv(base: u32, i: u32, norm: bool) -> f32 {
@@ -61,8 +65,52 @@ fn q8k_word(base: u32, norm: bool, word: u32) -> u32 {
     return w;
 }
 
-// The image of row `row` (n values from X at row·n) into OUT at word row·rb/4.
-fn image_row(row: u32, n: u32, fmt: u32, norm: bool, t: u32) {
+// The block scales of image_row with the row spread over the workgroup: every invocation
+// takes the values t + 256k, the block maxima meet in workgroup atomics (a maximum of bit
+// patterns does not depend on the order it is taken in), so blk_a / blk_b get the serial
+// loop's bits. Q8_K keeps the first value of largest magnitude: the smallest index that holds
+// the maximum, found the same way.
+fn block_scales_par(base: u32, n: u32, fmt: u32, norm: bool, t: u32) {
+    var bsz = 32u;
+    if (fmt == FMT_Q8K) { bsz = 256u; }
+    let nb = n / bsz;
+    for (var b = t; b < nb; b = b + 256u) {
+        atomicStore(&bmax[b], 0u);
+        if (fmt == FMT_Q8K) { atomicStore(&bidx[b], 0xffffffffu); }
+    }
+    workgroupBarrier();
+    for (var i = t; i < n; i = i + 256u) {
+        let a = bitcast<u32>(yv(base, i, norm)) & 0x7fffffffu;
+        if (a <= 0x7f800000u && a != 0u) { atomicMax(&bmax[i / bsz], a); }
+    }
+    workgroupBarrier();
+    if (fmt == FMT_Q8K) {
+        for (var i = t; i < n; i = i + 256u) {
+            let a = bitcast<u32>(yv(base, i, norm)) & 0x7fffffffu;
+            if (a != 0u && a == atomicLoad(&bmax[i / bsz])) { atomicMin(&bidx[i / bsz], i); }
+        }
+        workgroupBarrier();
+    }
+    for (var b = t; b < nb; b = b + 256u) {
+        let m = atomicLoad(&bmax[b]);
+        if (fmt == FMT_Q8_0) {
+            let mf = bitcast<f32>(m);
+            blk_b[b] = f32_to_f16(div_rn(mf, 127.0));
+            if (m != 0u) { blk_a[b] = div_rn(127.0, mf); } else { blk_a[b] = 0.0; }
+        } else if (m == 0u) {
+            blk_a[b] = 0.0;
+            blk_b[b] = 0u;
+        } else {
+            let iscale = div_rn(-127.0, yv(base, atomicLoad(&bidx[b]), norm));
+            blk_a[b] = iscale;
+            blk_b[b] = bitcast<u32>(div_rn(1.0, iscale));
+        }
+    }
+}
+
+// The image of row `row` (n values from X at row·n) into OUT at word row·rb/4; `par`: the
+// block scales by block_scales_par (the same bits as the serial loops here).
+fn image_row(row: u32, n: u32, fmt: u32, norm: bool, t: u32, par: bool) {
     let base = row * n;
     var rb = 4u * n;
     if (fmt == FMT_BF16) { rb = 2u * n; }
@@ -71,7 +119,9 @@ fn image_row(row: u32, n: u32, fmt: u32, norm: bool, t: u32) {
     let ob = row * (rb / 4u);
     // Block scales first: one invocation per block, in element order (Q8_K keeps the first
     // element of largest magnitude).
-    if (fmt == FMT_Q8_0) {
+    if (par && (fmt == FMT_Q8_0 || fmt == FMT_Q8K)) {
+        block_scales_par(base, n, fmt, norm, t);
+    } else if (fmt == FMT_Q8_0) {
         for (var b = t; b < n / 32u; b = b + 256u) {
             var m = 0u;
             for (var i = 0u; i < 32u; i = i + 1u) {
@@ -82,8 +132,7 @@ fn image_row(row: u32, n: u32, fmt: u32, norm: bool, t: u32) {
             blk_b[b] = f32_to_f16(div_rn(mf, 127.0));
             if (m != 0u) { blk_a[b] = div_rn(127.0, mf); } else { blk_a[b] = 0.0; }
         }
-    }
-    if (fmt == FMT_Q8K) {
+    } else if (fmt == FMT_Q8K) {
         for (var b = t; b < n / 256u; b = b + 256u) {
             var amax = 0u;
             var mx = 0.0;
@@ -138,12 +187,22 @@ fn rms_xprep_base(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation
     let n = pu(0u);
     let norm = pu(4u) != 0u;
     if (norm) { rms_row(g.x, n, pf(1u), t); }
-    image_row(g.x, n, pu(2u), norm, t);
+    image_row(g.x, n, pu(2u), norm, t, false);
+}
+
+// rms_xprep_base with the block scales spread over the workgroup (block_scales_par): the same
+// parameters and bits. The model backend's activation images.
+@compute @workgroup_size(256)
+fn rms_xprep_par(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let n = pu(0u);
+    let norm = pu(4u) != 0u;
+    if (norm) { rms_row(g.x, n, pf(1u), t); }
+    image_row(g.x, n, pu(2u), norm, t, true);
 }
 
 @compute @workgroup_size(256)
 fn rms_xprep_opt(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     // SPEC_N, SPEC_FMT and SPEC_NORM are prepended per specialization.
     if (SPEC_NORM) { rms_row(g.x, SPEC_N, pf(1u), t); }
-    image_row(g.x, SPEC_N, SPEC_FMT, SPEC_NORM, t);
+    image_row(g.x, SPEC_N, SPEC_FMT, SPEC_NORM, t, true);
 }

@@ -3,8 +3,10 @@
 // barrier: never fused). The module that includes this declares `W` (the quantized bytes as
 // little-endian u32 words) and `TAB` (the grids: IQ3_S at 0, IQ3_XXS at 512, the IQ2_XS sign
 // table at 768, the IQ4_NL values at 896, IQ2_XS's grid at 912, IQ2_S's at 1936, two words an
-// entry). The format ids `T_*` are prepended by strata-wgpu. IQ2_S, MXFP4 and NVFP4 follow
-// strata_quant's decoders (iquants.rs, lowbit.rs) the same way.
+// entry, IQ2_XXS's at 3984, IQ1_S's (shared by IQ1_M) at 4496). The format ids `T_*` are
+// prepended by strata-wgpu. IQ2_S, MXFP4, NVFP4 and the formats added in session 6 (Q4_1,
+// Q5_1, Q2_K, IQ2_XXS, IQ1_S, IQ1_M, TQ1_0, TQ2_0, Q1_0) follow strata_quant's decoders
+// (legacy.rs, kquants.rs, iquants.rs, lowbit.rs) the same way.
 
 fn wb(o: u32) -> u32 { return (W[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
 fn wh(o: u32) -> u32 { return wb(o) | (wb(o + 1u) << 8u); }
@@ -176,6 +178,107 @@ fn deq(ty: u32, b: u32, j: u32) -> f32 {
             var nib = q & 15u;
             if (r >= 8u) { nib = q >> 4u; }
             return kv_fp4(nib) * ue4m3(wb(b + s));
+        }
+        case T_Q4_1: {
+            var q = 0u;
+            if (j < 16u) { q = wb(b + 4u + j) & 15u; } else { q = wb(b + 4u + j - 16u) >> 4u; }
+            return nc(f32(q) * wf16(b)) + wf16(b + 2u);
+        }
+        case T_Q5_1: {
+            let qh = ww(b + 4u);
+            var lo = 0u;
+            if (j < 16u) { lo = wb(b + 8u + j) & 15u; } else { lo = wb(b + 8u + j - 16u) >> 4u; }
+            let h = ((qh >> j) & 1u) << 4u;
+            return nc(f32(lo | h) * wf16(b)) + wf16(b + 2u);
+        }
+        case T_Q2_K: {
+            let s = j / 16u;
+            let sc = wb(b + s);
+            let dl = wf16(b + 80u) * f32(sc & 15u);
+            // Both products behind nc(): neither may fuse into the subtraction.
+            let ml = nc(wf16(b + 82u) * f32(sc >> 4u));
+            let q = wb(b + 16u + 32u * (s / 8u) + 16u * (s % 2u) + j % 16u);
+            return nc(dl * f32((q >> (2u * ((s / 2u) % 4u))) & 3u)) - ml;
+        }
+        case T_IQ2_XXS: {
+            // decode_iq2_xxs: 8-byte grid entries (TAB[3984..]), KSIGNS signs, sub-block scale
+            // (d·(0.5 + s))·0.25 with s the top nibble of the second word.
+            let ib = j / 32u;
+            let r = j % 32u;
+            let l = r / 8u;
+            let jj = r % 8u;
+            let a0 = ww(b + 2u + 8u * ib);
+            let a1 = ww(b + 6u + 8u * ib);
+            let db = (wf16(b) * (0.5 + f32(a1 >> 28u))) * 0.25;
+            let gi = 3984u + 2u * ((a0 >> (8u * l)) & 255u);
+            var g = TAB[gi];
+            if (jj >= 4u) { g = TAB[gi + 1u]; }
+            var v = f32(i32((g >> (8u * (jj % 4u))) & 255u));
+            if ((TAB[768u + ((a1 >> (7u * l)) & 127u)] & (1u << jj)) != 0u) { v = -v; }
+            return db * v;
+        }
+        case T_IQ1_S, T_IQ1_M: {
+            // decode_iq1_s / decode_iq1_m: an 11-bit index into IQ1S_GRID (TAB[4496..], signed
+            // bytes), the value 8·g ± 1 times 0.125, times the sub-block scale d·(2s + 1).
+            let ib = j / 32u;
+            let r = j % 32u;
+            let l = r / 8u;
+            let jj = r % 8u;
+            var d = 0.0;
+            var ls = 0u;
+            var idx = 0u;
+            var neg = false;
+            if (ty == T_IQ1_S) {
+                d = wf16(b);
+                let qh = wh(b + 34u + 2u * ib);
+                ls = 2u * ((qh >> 12u) & 7u) + 1u;
+                neg = (qh & 0x8000u) != 0u;
+                idx = wb(b + 2u + 4u * ib + l) | (((qh >> (3u * l)) & 7u) << 8u);
+            } else {
+                let bits = (wh(b + 48u) >> 12u) | ((wh(b + 50u) >> 8u) & 0xf0u)
+                    | ((wh(b + 52u) >> 4u) & 0xf00u) | (wh(b + 54u) & 0xf000u);
+                d = f16v(bits);
+                let sc = wh(b + 48u + 2u * (ib / 2u));
+                ls = 2u * ((sc >> (6u * (ib % 2u) + 3u * (r / 16u))) & 7u) + 1u;
+                let hb = wb(b + 32u + 2u * ib + l / 2u);
+                idx = wb(b + 4u * ib + l) | ((hb << (8u - 4u * (l % 2u))) & 0x700u);
+                neg = (hb & (0x08u << (4u * (l % 2u)))) != 0u;
+            }
+            let gi = 4496u + 2u * idx;
+            var g = TAB[gi];
+            if (jj >= 4u) { g = TAB[gi + 1u]; }
+            var w = 8 * sext8((g >> (8u * (jj % 4u))) & 255u) + 1;
+            if (neg) { w = w - 2; }
+            return (d * f32(ls)) * (f32(w) * 0.125);
+        }
+        case T_TQ1_0: {
+            // Trits in element order: qs[0..32] five rows of 32, qs[32..48] five rows of 16,
+            // qh four rows of 4; trit n of byte q is ((q·3^n mod 256)·3) >> 8.
+            var q = 0u;
+            var n = 0u;
+            if (j < 160u) {
+                q = wb(b + j % 32u);
+                n = j / 32u;
+            } else if (j < 240u) {
+                q = wb(b + 32u + (j - 160u) % 16u);
+                n = (j - 160u) / 16u;
+            } else {
+                q = wb(b + 48u + (j - 240u) % 4u);
+                n = (j - 240u) / 4u;
+            }
+            var p = 1u;
+            for (var k = 0u; k < n; k = k + 1u) { p = p * 3u; }
+            let t = (((q * p) & 255u) * 3u) >> 8u;
+            return f32(i32(t) - 1) * wf16(b + 52u);
+        }
+        case T_TQ2_0: {
+            let c = (wb(b + 32u * (j / 128u) + j % 32u) >> (2u * ((j % 128u) / 32u))) & 3u;
+            return f32(i32(c) - 1) * wf16(b + 64u);
+        }
+        case T_Q1_0: {
+            let d = wf16(b);
+            if (((wb(b + 2u + j / 8u) >> (j % 8u)) & 1u) != 0u) { return d; }
+            return -d;
         }
         case T_IQ3_XXS: {
             let d = wf16(b);

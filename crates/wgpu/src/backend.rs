@@ -7,8 +7,11 @@
 //!
 //! **Steps.** Operations never submit: each appends its dispatches to the pending list, and the
 //! list is submitted as one compute pass when a step ends (or when a download needs the
-//! results), so nothing is read back inside a step. Temporaries are fresh buffers (a re-encoding
-//! backend, not a capturing one); wgpu keeps them alive until the dispatches that use them ran.
+//! results; on GPUs also every 256 dispatches, so the device starts while the host records), so
+//! nothing is read back inside a step. A re-encoding backend, not a capturing one (wgpu
+//! consumes a command buffer on submit), but temporaries come from a pool by size and bind
+//! groups of pooled and persistent buffers are cached, so a step with the same key as an
+//! earlier one mostly reuses both ([`WgpuBackend::temp`] says why reuse is safe).
 //!
 //! **Numerics** (DESIGN.md §3). Against the CPU backend: copies, stores, adds, biases, RMS norm,
 //! RoPE (cos/sin from the CPU's own f64 formula, tabled on the host), the activation images,
@@ -158,8 +161,8 @@ impl DeviceWeight for WWeight {
 
 /// Router decisions on the device: per row `k` expert ids (i32) and weights.
 pub struct WRoutes {
-    pub(crate) ids: Buf,
-    pub(crate) wts: Buf,
+    pub(crate) ids: Arc<Buf>,
+    pub(crate) wts: Arc<Buf>,
     pub(crate) rows: usize,
     pub(crate) k: usize,
 }
@@ -200,9 +203,10 @@ pub struct WgpuBackend {
     dispatches: AtomicU64,
     submits: AtomicU64,
     split: AtomicUsize,
-    /// Products by `mq::mm1` (one invocation an output) instead of `mq::mm` (a workgroup an
-    /// output): the same bits; the default on CPU adapters, `STRATA_WGPU_MM=wg|lanes` forces.
-    lane_products: bool,
+    /// The product kernel ([`ProductKernel`]): `mq::mm1` on CPU adapters, `Auto` (`mq::mmb`
+    /// for large products, `mq::mm` for small ones) on GPUs: the same bits;
+    /// `STRATA_WGPU_MM=lanes|wg|rows|blocks|auto` forces one.
+    products: ProductKernel,
     /// The first failed submit of a step, until a download reports it.
     failed: Mutex<Option<String>>,
     /// Largest part of a weight (the binding limit, or less: a test forces small parts).
@@ -217,9 +221,70 @@ pub struct WgpuBackend {
     /// both ways); on with `fuse`, off with `STRATA_WGPU_HWF16=0`.
     hw_f16: bool,
     split_stores: AtomicUsize,
+    /// Reused temporaries ([`WgpuBackend::temp`]), or `None`: every temporary fresh.
+    pool: Option<Mutex<Pool>>,
+    /// Dispatches after which a step's pending list is submitted while the step goes on
+    /// recording (0: one submit at the end of the step). On GPUs 256, so the device runs the
+    /// first dispatches while the host records the rest (a decode step is ~2,500 dispatches
+    /// of a few µs of host time each); on CPU adapters 0 (the driver shares the host's cores).
+    /// `STRATA_WGPU_CHUNK=N` forces it. Nothing is read back inside a step either way.
+    chunk: usize,
+    /// The core RMS norm's kernel: the lane order by a workgroup on GPUs, by one invocation
+    /// on CPU adapters (the same bits); `STRATA_WGPU_NORM=seq|lanes1|wg` forces one.
+    norm: NormKernel,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
     /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
     profile: Mutex<Option<Profile>>,
+}
+
+/// Temporaries by byte size, kept for reuse (see [`WgpuBackend::temp`]).
+#[derive(Default)]
+struct Pool {
+    by_size: HashMap<u64, Vec<Arc<Buf>>>,
+    bytes: u64,
+}
+
+/// Bytes the pool keeps before it lets go of the buffers nobody holds.
+const POOL_MAX: u64 = 1 << 30;
+
+/// The kernel of the products (`mq.wgsl`), all in `mm`'s lane order: the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProductKernel {
+    /// `mq::mm1`: one invocation an output, keeping the 256 lane sums itself (CPU adapters).
+    Lanes1,
+    /// `mq::mm`: one 256-wide workgroup an output (the baseline).
+    Workgroup,
+    /// `mq::mmr`: one 256-wide workgroup for [`MMR_ROWS`] outputs, the activation read once
+    /// for all and the tree's barriers shared.
+    Rows,
+    /// `mq::mmb`: a 64-wide workgroup for [`MMR_ROWS`] outputs, each invocation four
+    /// adjacent lanes (one block's adjacent elements: their decoders share the scale and word
+    /// loads), the activation read once for all outputs.
+    Blocks,
+    /// `mq::mmb` for products of at least [`MMR_MIN`] outputs (tokens × items), `mq::mm` for
+    /// smaller ones, where eight outputs a workgroup would leave most of a GPU idle (GPUs).
+    Auto,
+}
+
+/// Outputs per workgroup of `mq::mmr` and `mq::mmb`.
+pub const MMR_ROWS: usize = 8;
+
+/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmb` (512 workgroups
+/// of it: several per SM on the H200's 132).
+pub const MMR_MIN: usize = 4096;
+
+/// The kernel of the core RMS norm (`Backend::rms_norm`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKernel {
+    /// The CPU backend's sequential sum of squares, one invocation per group: the CPU's bits
+    /// (a chain of `group` dependent adds: ~570 µs for a 2560-wide group on the H200).
+    Sequential,
+    /// The canonical 256-lane order (the CPU's `rms_norm` `lanes` variant, CUDA's order), one
+    /// invocation per group: the baseline of that order.
+    Lanes1,
+    /// The canonical 256-lane order, one 256-wide workgroup per group: the same bits as
+    /// `Lanes1`.
+    Workgroup,
 }
 
 /// What a product applies to each output before storing it (mq.wgsl `epi`): `NONE`, or
@@ -242,10 +307,14 @@ enum Img {
 }
 
 fn img_for(ty: GgmlType) -> Option<Img> {
-    if ty == GgmlType::F16 {
-        return Some(Img::F16);
+    match ty {
+        GgmlType::F16 => Some(Img::F16),
+        // The CPU pairs Q4_1 and Q5_1 with Q8_1 images, whose codes and scale `d` are Q8_0's
+        // (strata_quant's quantize_row_q8_1: d = amax/127, codes rne(x·127/amax)); the
+        // products read values code·d only, so the Q8_0 image holds the same activations.
+        GgmlType::Q4_1 | GgmlType::Q5_1 => Some(Img::Act(ActFmt::Q8_0)),
+        _ => ActFmt::for_weight(ty).map(Img::Act),
     }
-    ActFmt::for_weight(ty).map(Img::Act)
 }
 
 /// The formats the decoders read (`quants.wgsl`).
@@ -284,16 +353,47 @@ impl WgpuBackend {
 
     /// A backend on an opened device (a test lowers its binding limit first).
     pub fn with_device(g: Wgpu) -> Result<WgpuBackend, WgpuError> {
-        let tab = g.upload("grid tables", &shaders::grid_table())?;
+        let mut g = g;
+        let mut tab = g.upload("grid tables", &shaders::grid_table())?;
+        tab.stable = true;
         let dummies = (0..8)
-            .map(|_| g.alloc("unused binding", 4))
+            .map(|_| {
+                g.alloc("unused binding", 4).map(|mut b| {
+                    b.stable = true;
+                    b
+                })
+            })
             .collect::<Result<_, _>>()?;
-        let lane_products = match std::env::var("STRATA_WGPU_MM").as_deref() {
-            Ok("lanes") => true,
-            Ok("wg") => false,
-            _ => g.is_cpu(),
+        // Temporaries from a pool and bind groups cached across steps (the host's time per
+        // dispatch: on lavapipe a tiny decode step records in ~1 ms instead of 3–4.5);
+        // `STRATA_WGPU_POOL=0` gives every temporary and bind group fresh (the baseline).
+        let pool_on = std::env::var("STRATA_WGPU_POOL").as_deref() != Ok("0");
+        g.set_bind_cache(pool_on);
+        let products = match std::env::var("STRATA_WGPU_MM").as_deref() {
+            Ok("lanes") => ProductKernel::Lanes1,
+            Ok("wg") => ProductKernel::Workgroup,
+            Ok("rows") => ProductKernel::Rows,
+            Ok("auto") => ProductKernel::Auto,
+            Ok("blocks") => ProductKernel::Blocks,
+            _ if g.is_cpu() => ProductKernel::Lanes1,
+            _ => ProductKernel::Auto,
+        };
+        let norm = match std::env::var("STRATA_WGPU_NORM").as_deref() {
+            Ok("seq") => NormKernel::Sequential,
+            Ok("lanes1") => NormKernel::Lanes1,
+            Ok("wg") => NormKernel::Workgroup,
+            _ if g.is_cpu() => NormKernel::Lanes1,
+            _ => NormKernel::Workgroup,
+        };
+        let chunk = match std::env::var("STRATA_WGPU_CHUNK").map(|v| v.parse::<usize>()) {
+            Ok(Ok(n)) => n,
+            _ if g.is_cpu() => 0,
+            _ => 256,
         };
         Ok(WgpuBackend {
+            pool: pool_on.then(|| Mutex::new(Pool::default())),
+            norm,
+            chunk,
             g: Arc::new(g),
             tab,
             dummies,
@@ -303,7 +403,7 @@ impl WgpuBackend {
             dispatches: AtomicU64::new(0),
             submits: AtomicU64::new(0),
             split: AtomicUsize::new(0),
-            lane_products,
+            products,
             failed: Mutex::new(None),
             weight_limit: u64::MAX,
             store_limit: u64::MAX,
@@ -319,8 +419,39 @@ impl WgpuBackend {
     }
 
     /// Chooses the product kernel (`mq::mm1` when true, else `mq::mm`; the same bits).
-    pub fn with_lane_products(mut self, on: bool) -> WgpuBackend {
-        self.lane_products = on;
+    pub fn with_lane_products(self, on: bool) -> WgpuBackend {
+        self.with_product_kernel(if on {
+            ProductKernel::Lanes1
+        } else {
+            ProductKernel::Workgroup
+        })
+    }
+
+    /// Chooses the product kernel ([`ProductKernel`]; the same bits).
+    pub fn with_product_kernel(mut self, k: ProductKernel) -> WgpuBackend {
+        self.products = k;
+        self
+    }
+
+    /// Submits a step's dispatches every `n` dispatches (0: once, at the end of the step).
+    pub fn with_submit_chunk(mut self, n: usize) -> WgpuBackend {
+        self.chunk = n;
+        self
+    }
+
+    /// Chooses the core RMS norm's kernel ([`NormKernel`]).
+    pub fn with_norm_kernel(mut self, k: NormKernel) -> WgpuBackend {
+        self.norm = k;
+        self
+    }
+
+    /// Temporaries from a pool and bind groups cached across steps, or every temporary and
+    /// bind group fresh: the same bits.
+    pub fn with_pool(mut self, on: bool) -> WgpuBackend {
+        self.pool = on.then(|| Mutex::new(Pool::default()));
+        if let Some(g) = Arc::get_mut(&mut self.g) {
+            g.set_bind_cache(on);
+        }
         self
     }
 
@@ -446,11 +577,15 @@ impl WgpuBackend {
             self.dispatches.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        self.pending
-            .lock()
-            .map_err(|_| dev(WgpuError::Poisoned))?
-            .push(l);
+        let full = {
+            let mut p = self.pending.lock().map_err(|_| dev(WgpuError::Poisoned))?;
+            p.push(l);
+            self.chunk > 0 && p.len() >= self.chunk
+        };
         self.dispatches.fetch_add(1, Ordering::Relaxed);
+        if full {
+            self.flush()?;
+        }
         Ok(())
     }
 
@@ -479,15 +614,72 @@ impl WgpuBackend {
         self.g.submit(&work).map_err(dev)
     }
 
+    /// A temporary of `values` f32/u32 words: from the pool when it is on (contents
+    /// undefined: every caller writes what it reads), else a fresh zeroed buffer.
     pub(crate) fn alloc(&self, what: &str, values: usize) -> Result<Arc<Buf>> {
-        Ok(Arc::new(
-            self.g.alloc(what, values as u64 * 4).map_err(dev)?,
-        ))
+        self.temp(what, values as u64 * 4)
+    }
+
+    /// A temporary of `bytes` (see [`WgpuBackend::alloc`]). The pool hands out a buffer of the
+    /// same size that nothing but the pool holds any more (its `WBuf`s are gone). That is safe
+    /// while dispatches that used it are still pending or running: all of a step's dispatches
+    /// run in recording order with a barrier between each two (every binding is read-write),
+    /// so the new owner's writes come after the old owner's reads; no pooled buffer is ever
+    /// written from the host (uploads are fresh buffers). A step with the same key allocates
+    /// and frees in the same order, so it gets the same buffers, and its launches the cached
+    /// bind groups (`Wgpu::set_bind_cache`).
+    pub(crate) fn temp(&self, what: &str, bytes: u64) -> Result<Arc<Buf>> {
+        let Some(pool) = &self.pool else {
+            return Ok(Arc::new(self.g.alloc(what, bytes).map_err(dev)?));
+        };
+        let mut p = pool.lock().map_err(|_| dev(WgpuError::Poisoned))?;
+        if let Some(b) = p
+            .by_size
+            .get(&bytes)
+            .and_then(|v| v.iter().find(|b| Arc::strong_count(b) == 1))
+        {
+            return Ok(b.clone());
+        }
+        let padded = bytes.max(4).div_ceil(4) * 4;
+        if p.bytes + padded > POOL_MAX {
+            // Too much kept (many sizes, e.g. prompts of many lengths): let go of every
+            // buffer nobody holds, and of the bind groups that keep them alive.
+            for v in p.by_size.values_mut() {
+                v.retain(|b| Arc::strong_count(b) > 1);
+            }
+            p.by_size.retain(|_, v| !v.is_empty());
+            p.bytes = p
+                .by_size
+                .values()
+                .flatten()
+                .map(|b| b.bytes.max(4).div_ceil(4) * 4)
+                .sum();
+            self.g.clear_bind_cache().map_err(dev)?;
+        }
+        let mut b = self.g.alloc(what, bytes).map_err(dev)?;
+        b.stable = true;
+        let b = Arc::new(b);
+        p.by_size.entry(bytes).or_default().push(b.clone());
+        p.bytes += padded;
+        Ok(b)
     }
 
     pub(crate) fn buf(&self, what: &str, rows: usize, cols: usize) -> Result<WBuf> {
         Ok(WBuf {
             b: self.alloc(what, rows * cols)?,
+            rows,
+            cols,
+            parts: None,
+        })
+    }
+
+    /// A fresh zero-filled buffer (zeros, stores), never from the pool, kept for as long as
+    /// its owner holds it.
+    fn fresh(&self, what: &str, rows: usize, cols: usize) -> Result<WBuf> {
+        let mut b = self.g.alloc(what, (rows * cols) as u64 * 4).map_err(dev)?;
+        b.stable = true;
+        Ok(WBuf {
+            b: Arc::new(b),
             rows,
             cols,
             parts: None,
@@ -612,11 +804,7 @@ impl WgpuBackend {
                 )
             })?;
         let rows = x.rows.div_ceil(pack);
-        let out = Arc::new(
-            self.g
-                .alloc("activation image", (rows.max(1) * pack * rb) as u64)
-                .map_err(dev)?,
-        );
+        let out = self.temp("activation image", (rows.max(1) * pack * rb) as u64)?;
         if rows > 0 {
             // A pair's missing second row (odd row counts) reads clamped values: its image
             // bytes are past the rows and never read.
@@ -631,7 +819,13 @@ impl WgpuBackend {
                 .g
                 .launch(
                     "norm",
-                    "rms_xprep_base",
+                    // The block scales spread over the workgroup (the same bits) unless the
+                    // baselines run.
+                    if self.fuse {
+                        "rms_xprep_par"
+                    } else {
+                        "rms_xprep_base"
+                    },
                     &[],
                     &p,
                     &[&x.b, &self.dummies[0], &out],
@@ -675,7 +869,17 @@ impl WgpuBackend {
         let k = w.row_len;
         for part in &w.parts {
             let n_items = if mode == 0 { part.rows } else { items };
-            let (gx, gy) = item_grid(n_items);
+            let kernel = match self.products {
+                ProductKernel::Auto if n_items * nt >= MMR_MIN => ProductKernel::Blocks,
+                ProductKernel::Auto => ProductKernel::Workgroup,
+                k => k,
+            };
+            let rows_kernel = matches!(kernel, ProductKernel::Rows | ProductKernel::Blocks);
+            let (gx, gy) = if rows_kernel {
+                item_grid(n_items.div_ceil(MMR_ROWS))
+            } else {
+                item_grid(n_items)
+            };
             let total = n_items * nt;
             let p = [
                 w.ty.id(),
@@ -705,11 +909,22 @@ impl WgpuBackend {
                 ("SPEC_TY", w.ty.id().to_string()),
                 ("SPEC_HWF16", self.hw_f16.to_string()),
             ];
-            let l = if self.lane_products {
-                self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total))
-            } else {
-                self.g
-                    .launch("mq", "mm", &spec, &p, &bufs, (gx, gy, nt as u32))
+            let l = match kernel {
+                ProductKernel::Lanes1 => self.g.launch("mq", "mm1", &spec, &p, &bufs, grid(total)),
+                ProductKernel::Workgroup | ProductKernel::Auto => {
+                    self.g
+                        .launch("mq", "mm", &spec, &p, &bufs, (gx, gy, nt as u32))
+                }
+                ProductKernel::Rows => {
+                    let spec = shaders::spec_mmr(w.ty, self.hw_f16, MMR_ROWS);
+                    self.g
+                        .launch("mq", "mmr", &spec, &p, &bufs, (gx, gy, nt as u32))
+                }
+                ProductKernel::Blocks => {
+                    let spec = shaders::spec_mmr(w.ty, self.hw_f16, MMR_ROWS);
+                    self.g
+                        .launch("mq", "mmb", &spec, &p, &bufs, (gx, gy, nt as u32))
+                }
             }
             .map_err(dev)?;
             let mut l = l;
@@ -753,7 +968,9 @@ impl WgpuBackend {
                 v.push(a.sin() as f32);
             }
         }
-        let b = Arc::new(self.g.upload("rope table", &v).map_err(dev)?);
+        let mut b = self.g.upload("rope table", &v).map_err(dev)?;
+        b.stable = true;
+        let b = Arc::new(b);
         t.insert((rot, theta.to_bits()), (b.clone(), want));
         Ok((b, want))
     }
@@ -845,13 +1062,14 @@ impl Backend for WgpuBackend {
             let mut row0 = 0;
             while row0 < total_rows {
                 let rows = per.min(total_rows - row0);
-                let b = self
+                let mut b = self
                     .g
                     .upload_bytes(
                         &info.name,
                         &bytes[row0 * row_bytes..(row0 + rows) * row_bytes],
                     )
                     .map_err(dev)?;
+                b.stable = true;
                 parts.push(Part { b, row0, rows });
                 row0 += rows;
             }
@@ -866,7 +1084,9 @@ impl Backend for WgpuBackend {
         {
             let mut v = vec![0f32; n as usize];
             strata_quant::dequantize(ty, bytes, &mut v)?;
-            Some((self.g.upload(&info.name, &v).map_err(dev)?, v.len()))
+            let mut b = self.g.upload(&info.name, &v).map_err(dev)?;
+            b.stable = true;
+            Some((b, v.len()))
         } else {
             None
         };
@@ -891,7 +1111,7 @@ impl Backend for WgpuBackend {
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<WBuf> {
-        self.buf("zeros", rows, cols)
+        self.fresh("zeros", rows, cols)
     }
 
     /// All `cap` rows are allocated up front (zeros); the RoPE tables grow to cover them. A
@@ -902,7 +1122,7 @@ impl Backend for WgpuBackend {
         let row_bytes = cols.max(1) * 4;
         let limit = self.store_limit.min(self.g.max_binding) as usize;
         if cap * row_bytes <= limit {
-            return self.buf("store", cap, cols);
+            return self.fresh("store", cap, cols);
         }
         let mut per = limit / row_bytes;
         if per == 0 {
@@ -919,10 +1139,11 @@ impl Backend for WgpuBackend {
         let mut row0 = 0;
         while row0 < cap {
             let rows = per.min(cap - row0);
-            let b = self
+            let mut b = self
                 .g
                 .alloc("store part", (rows * row_bytes) as u64)
                 .map_err(dev)?;
+            b.stable = true;
             parts.push(Part { b, row0, rows });
             row0 += rows;
         }
@@ -1252,20 +1473,26 @@ impl Backend for WgpuBackend {
         }
         let op = "rms_norm";
         let out = self.buf(op, x.rows, x.cols)?;
+        let groups = x.rows * (x.cols / group);
+        let (gx, gy) = item_grid(groups);
         let p = [
             u32_of(op, x.rows)?,
             u32_of(op, x.cols)?,
             u32_of(op, group)?,
             eps.to_bits(),
             u32_of(op, wn)?,
+            gx,
         ];
-        self.model_n(
-            "rms_norm",
-            &p,
-            [Some(&x.b), Some(wv), Some(&out.b), None, None],
-            [None; 3],
-            x.rows * (x.cols / group),
-        )?;
+        let f: [Option<&Buf>; 5] = [Some(&x.b), Some(wv), Some(&out.b), None, None];
+        match self.norm {
+            NormKernel::Sequential => self.model_n("rms_norm", &p, f, [None; 3], groups)?,
+            NormKernel::Lanes1 => self.model_n("rms_norm_lanes1", &p, f, [None; 3], groups)?,
+            NormKernel::Workgroup => {
+                if groups > 0 {
+                    self.model("rms_norm_wg", &p, f, [None; 3], (gx, gy, 1))?
+                }
+            }
+        }
         Ok(out)
     }
 
@@ -1336,14 +1563,9 @@ impl Backend for WgpuBackend {
                 format!("top {k} of {ne} experts (the kernels take up to 512 experts, k ≤ 16)"),
             ));
         }
-        let ids = self
-            .g
-            .alloc("route ids", (nt.max(1) * k * 4) as u64)
-            .map_err(dev)?;
-        let wts = self
-            .g
-            .alloc("route weights", (nt.max(1) * k * 4) as u64)
-            .map_err(dev)?;
+        // Pooled: the route kernel writes every row's k ids and weights.
+        let ids = self.temp("route ids", (nt.max(1) * k * 4) as u64)?;
+        let wts = self.temp("route weights", (nt.max(1) * k * 4) as u64)?;
         if nt > 0 {
             let l = self
                 .g

@@ -35,6 +35,11 @@ pub struct Wgpu {
     /// Pipeline compile times (module key, seconds), for the report's notes.
     pub compiles: Mutex<Vec<(String, f64)>>,
     errors: Arc<Mutex<Vec<String>>>,
+    /// Bind groups reused across steps (only with immediates: no per-dispatch parameter
+    /// buffer in the group), or `None` when off.
+    bind_cache: Option<Mutex<BindCache>>,
+    /// Launches that found their bind group in the cache (for tests and PERF notes).
+    pub bind_hits: AtomicU64,
     /// Bytes written with `write_buffer` since the last submit: wgpu stages them in host memory
     /// until a submit, so a model's load (35 GiB for the full-size file) is flushed and waited
     /// for every [`STAGE_FLUSH`] bytes instead of staging it all at once.
@@ -51,7 +56,18 @@ pub struct Buf {
     /// Stands for data held in other buffers (a store split under the binding limit): binding
     /// or downloading it is refused, so no kernel can read a part as if it were the whole.
     pub placeholder: bool,
+    /// Kept for the backend's life (weights, stores, tables, pooled temporaries): a bind
+    /// group of stable buffers only is cached (`Wgpu::bind_cache`); one with a per-step
+    /// upload is made afresh, so the cache never keeps such a buffer alive.
+    pub stable: bool,
 }
+
+/// Bind groups by (pipeline, buffers), for launches whose buffers are all stable.
+type BindCache = HashMap<(wgpu::ComputePipeline, Vec<wgpu::Buffer>), wgpu::BindGroup>;
+
+/// Entries after which the bind-group cache starts again (it holds stable buffers only, so
+/// this bounds bookkeeping, not memory).
+const BIND_CACHE_MAX: usize = 1 << 15;
 
 /// One dispatch, bound and ready to record.
 pub struct Launch {
@@ -189,8 +205,30 @@ impl Wgpu {
             pipelines: Mutex::new(HashMap::new()),
             compiles: Mutex::new(Vec::new()),
             errors,
+            bind_cache: None,
+            bind_hits: AtomicU64::new(0),
             staged: AtomicU64::new(0),
         })
+    }
+
+    /// Reuses bind groups whose pipeline and buffers are all the same as an earlier launch's
+    /// (all of them [`Buf::stable`]); needs immediates (else every group holds its own
+    /// parameter buffer).
+    pub fn set_bind_cache(&mut self, on: bool) {
+        self.bind_cache = (on && self.immediates).then(|| Mutex::new(HashMap::new()));
+    }
+
+    /// Whether bind groups are cached.
+    pub fn bind_cache_on(&self) -> bool {
+        self.bind_cache.is_some()
+    }
+
+    /// Forgets the cached bind groups (and so the buffers they hold).
+    pub fn clear_bind_cache(&self) -> Result<(), WgpuError> {
+        if let Some(c) = &self.bind_cache {
+            c.lock().map_err(|_| WgpuError::Poisoned)?.clear();
+        }
+        Ok(())
     }
 
     /// Lowers the storage-binding limit the kernels respect (tests force small limits).
@@ -268,6 +306,7 @@ impl Wgpu {
             buf,
             bytes: data.len() as u64,
             placeholder: false,
+            stable: false,
         })
     }
 
@@ -286,6 +325,7 @@ impl Wgpu {
             buf,
             bytes,
             placeholder: false,
+            stable: false,
         })
     }
 
@@ -372,7 +412,8 @@ impl Wgpu {
         entry: &str,
         spec: &[(&str, String)],
     ) -> Result<Arc<wgpu::ComputePipeline>, WgpuError> {
-        let src = shaders::source_for(module, spec, self.immediates)?;
+        // The cache is looked up before the source is assembled (tens of KiB of text: built
+        // per dispatch it cost more host time than the dispatch's recording).
         let key = format!("{module}/{entry}/{spec:?}");
         if let Some(p) = self
             .pipelines
@@ -382,6 +423,7 @@ impl Wgpu {
         {
             return Ok(p.clone());
         }
+        let src = shaders::source_for(module, spec, self.immediates)?;
         let t = Instant::now();
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let sm = self
@@ -534,6 +576,32 @@ impl Wgpu {
                 resource: b.buf.as_entire_binding(),
             });
         }
+        let key = match &self.bind_cache {
+            Some(c) if params.is_none() && bufs.iter().all(|b| b.stable) => {
+                let key = (
+                    (*pipe).clone(),
+                    bufs.iter().map(|b| b.buf.clone()).collect(),
+                );
+                let hit = c
+                    .lock()
+                    .map_err(|_| WgpuError::Poisoned)?
+                    .get(&key)
+                    .cloned();
+                if let Some(bind) = hit {
+                    self.bind_hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Launch {
+                        pipe,
+                        bind,
+                        groups: (groups.0, groups.1.max(1), groups.2.max(1)),
+                        name: format!("{module}::{entry}"),
+                        words,
+                        params,
+                    });
+                }
+                Some(key)
+            }
+            _ => None,
+        };
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some(entry),
@@ -545,6 +613,13 @@ impl Wgpu {
                 kernel: format!("{module}::{entry}"),
                 what: e.to_string(),
             });
+        }
+        if let (Some(key), Some(c)) = (key, &self.bind_cache) {
+            let mut c = c.lock().map_err(|_| WgpuError::Poisoned)?;
+            if c.len() >= BIND_CACHE_MAX {
+                c.clear();
+            }
+            c.insert(key, bind.clone());
         }
         Ok(Launch {
             pipe,

@@ -18,7 +18,9 @@ pub mod ops;
 pub mod qwen4exp;
 pub mod shaders;
 
-pub use backend::{Counters, KernelStat, WBuf, WIds, WRoutes, WWeight, WgpuBackend};
+pub use backend::{
+    Counters, KernelStat, NormKernel, ProductKernel, WBuf, WIds, WRoutes, WWeight, WgpuBackend,
+};
 pub use device::{list_adapters, Buf, Launch, Wgpu};
 pub use qwen4exp::WSelection;
 

@@ -101,7 +101,13 @@ const MODULES: &[Module] = &[
         src: include_str!("../shaders/mq.wgsl"),
         storage: 5,
         quants: true,
-        spec: &[("SPEC_TY", "u32"), ("SPEC_HWF16", "bool")],
+        spec: &[
+            ("SPEC_TY", "u32"),
+            ("SPEC_HWF16", "bool"),
+            ("SPEC_R", "u32"),
+            ("SPEC_BS", "u32"),
+            ("SPEC_TS", "u32"),
+        ],
     },
     Module {
         name: "pick",
@@ -150,14 +156,24 @@ pub const FORMATS: [(&str, GgmlType); 13] = [
 ];
 
 /// The formats the model's decoders read besides the report's 13: floats as the file has
-/// them, and the other formats of published quantizations (IQ2_XS, IQ2_S, MXFP4, NVFP4).
-pub const FLOAT_FORMATS: [(&str, GgmlType); 6] = [
+/// them, and the other formats of published quantizations (IQ2_XS, IQ2_S, MXFP4, NVFP4, and
+/// since session 6 Q4_1, Q5_1, Q2_K, IQ2_XXS, IQ1_S, IQ1_M, TQ1_0, TQ2_0, Q1_0).
+pub const FLOAT_FORMATS: [(&str, GgmlType); 15] = [
     ("T_F32", GgmlType::F32),
     ("T_F16", GgmlType::F16),
     ("T_IQ2_XS", GgmlType::IQ2_XS),
     ("T_IQ2_S", GgmlType::IQ2_S),
     ("T_MXFP4", GgmlType::MXFP4),
     ("T_NVFP4", GgmlType::NVFP4),
+    ("T_Q4_1", GgmlType::Q4_1),
+    ("T_Q5_1", GgmlType::Q5_1),
+    ("T_Q2_K", GgmlType::Q2_K),
+    ("T_IQ2_XXS", GgmlType::IQ2_XXS),
+    ("T_IQ1_S", GgmlType::IQ1_S),
+    ("T_IQ1_M", GgmlType::IQ1_M),
+    ("T_TQ1_0", GgmlType::TQ1_0),
+    ("T_TQ2_0", GgmlType::TQ2_0),
+    ("T_Q1_0", GgmlType::Q1_0),
 ];
 
 /// The full source of `module` with the specialization `spec` (constants not given are 1,
@@ -215,9 +231,10 @@ pub fn source_for(
 /// The grid tables of the decoders as one u32 array (layout: quants.wgsl).
 pub fn grid_table() -> Vec<u32> {
     use strata_quant::grids::{
-        IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL,
+        IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
+        KVALUES_IQ4NL,
     };
-    let mut t = Vec::with_capacity(1936 + 2048);
+    let mut t = Vec::with_capacity(4496 + 4096);
     t.extend_from_slice(&IQ3S_GRID);
     t.extend_from_slice(&IQ3XXS_GRID);
     t.extend(KSIGNS_IQ2XS.iter().map(|&v| v as u32));
@@ -230,6 +247,15 @@ pub fn grid_table() -> Vec<u32> {
     );
     // IQ2_S's 8-byte entries likewise, at 1936.
     t.extend(IQ2S_GRID.iter().flat_map(|&g| [g as u32, (g >> 32) as u32]));
+    // IQ2_XXS's at 3984, IQ1_S's (signed bytes; IQ1_M shares it) at 4496.
+    debug_assert_eq!(t.len(), 3984);
+    t.extend(
+        IQ2XXS_GRID
+            .iter()
+            .flat_map(|&g| [g as u32, (g >> 32) as u32]),
+    );
+    debug_assert_eq!(t.len(), 4496);
+    t.extend(IQ1S_GRID.iter().flat_map(|&g| [g as u32, (g >> 32) as u32]));
     t
 }
 
@@ -275,16 +301,30 @@ pub fn spec_gemv(ty: GgmlType, k: usize, nt: usize) -> Option<Spec> {
     ])
 }
 
+/// `mq::mmr`'s specialization: the weight format, its block shape and `rows` outputs per
+/// workgroup.
+pub fn spec_mmr(ty: GgmlType, hw_f16: bool, rows: usize) -> Spec {
+    vec![
+        ("SPEC_TY", ty.id().to_string()),
+        ("SPEC_HWF16", hw_f16.to_string()),
+        ("SPEC_R", rows.to_string()),
+        ("SPEC_BS", ty.block_size().to_string()),
+        ("SPEC_TS", ty.type_size().to_string()),
+    ]
+}
+
 pub fn spec_route(n_exp: usize, k: usize) -> Spec {
     vec![("SPEC_E", n_exp.to_string()), ("SPEC_K", k.to_string())]
 }
 
 /// The entries of `model.wgsl` (the whole-model backend's f32 operations).
-pub const MODEL_ENTRIES: [&str; 16] = [
+pub const MODEL_ENTRIES: [&str; 18] = [
     "copy_rows",
     "write_rows",
     "eltwise",
     "rms_norm",
+    "rms_norm_lanes1",
+    "rms_norm_wg",
     "rope",
     "attend",
     "hc_u",
@@ -335,6 +375,10 @@ pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
                 ));
             }
         }
+    }
+    for (_, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
+        v.push(("mq", "mmr", spec_mmr(*ty, true, 8)));
+        v.push(("mq", "mmb", spec_mmr(*ty, true, 8)));
     }
     for n in [2560usize, 10240] {
         for fmt in ActFmt::ALL {

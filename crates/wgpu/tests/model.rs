@@ -909,24 +909,104 @@ fn an_unknown_adapter_and_an_unsplittable_weight_are_clear_errors() {
     assert!(msg.contains("one row") && msg.contains("64 bytes"), "{msg}");
 }
 
-/// The two product kernels (`mq::mm1`, an invocation an output, lavapipe's default; `mq::mm`,
-/// a workgroup an output, the GPUs') give the same bits through the whole model.
+/// The product kernels (`mq::mm1`, an invocation an output, lavapipe's default; `mq::mm`, a
+/// workgroup an output, the baseline; `mq::mmr` and `mq::mmb`, a workgroup for 8 outputs,
+/// `mmb` the GPUs' default for large products), the
+/// lane-order norm kernels (`rms_norm_lanes1`, lavapipe's; `rms_norm_wg`, the GPUs') and
+/// submitting a step in chunks of 7 dispatches (the GPUs' 256) give the same bits through the
+/// whole model: the GPU defaults are checked here on lavapipe.
 #[test]
 fn both_product_kernels_give_the_same_logits_bitwise() {
+    use strata_wgpu::{NormKernel, ProductKernel};
     let Some(b) = backend() else { return };
     let toks = &prompt()[..12];
     let lanes = all_logits(
         &load_wgpu(
             "model-bf16.gguf",
-            b.with_lane_products(true),
+            b.with_product_kernel(ProductKernel::Lanes1)
+                .with_norm_kernel(NormKernel::Lanes1),
             &LoadOptions::default(),
         ),
         toks,
     );
-    let b = backend().unwrap().with_lane_products(false);
-    let wg = all_logits(
-        &load_wgpu("model-bf16.gguf", b, &LoadOptions::default()),
-        toks,
+    for (pk, nk, chunk) in [
+        (ProductKernel::Workgroup, NormKernel::Lanes1, 0),
+        (ProductKernel::Rows, NormKernel::Workgroup, 7),
+        (ProductKernel::Blocks, NormKernel::Workgroup, 0),
+    ] {
+        let b = backend()
+            .unwrap()
+            .with_product_kernel(pk)
+            .with_norm_kernel(nk)
+            .with_submit_chunk(chunk);
+        let m = load_wgpu("model-bf16.gguf", b, &LoadOptions::default());
+        let got = all_logits(&m, toks);
+        assert!(
+            lanes.len() == got.len()
+                && lanes
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{pk:?} / {nk:?} / chunks of {chunk} differ from mq::mm1 / rms_norm_lanes1"
+        );
+        if chunk > 0 {
+            let c = m.backend().counters();
+            assert!(
+                c.submits > c.dispatches / 7 / 2,
+                "{c:?}: not submitted in chunks"
+            );
+        }
+    }
+}
+
+/// Temporaries from the pool and bind groups cached across steps (the default) against fresh
+/// ones (the baseline, `STRATA_WGPU_POOL=0`): a prefill, then decode steps of one token (the same step key each
+/// time, so the same buffers and cached bind groups come back), the same logits bit for bit,
+/// with the GPU's other defaults (`mmr`, `rms_norm_wg`, chunked submits).
+#[test]
+fn pooled_temporaries_and_cached_bind_groups_give_the_same_bits() {
+    use strata_wgpu::{NormKernel, ProductKernel};
+    let Some(_) = backend() else { return };
+    let toks = prompt();
+    let mut seen = Vec::new();
+    for pool in [false, true] {
+        let b = backend()
+            .unwrap()
+            .with_pool(pool)
+            .with_product_kernel(ProductKernel::Blocks)
+            .with_norm_kernel(NormKernel::Workgroup)
+            .with_submit_chunk(64);
+        let m = load_wgpu("model-bf16.gguf", b, &LoadOptions::default());
+        let mut st = m.new_state().unwrap();
+        let mut logits = m
+            .forward_with(&mut st, &toks[..8], Want::default())
+            .unwrap()
+            .logits;
+        for &t in &toks[8..14] {
+            logits.extend(
+                m.forward_with(&mut st, &[t], Want::default())
+                    .unwrap()
+                    .logits,
+            );
+        }
+        let hits = m
+            .backend()
+            .device()
+            .bind_hits
+            .load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "pool {pool}: {hits} cached bind groups reused, {:?}",
+            m.backend().counters()
+        );
+        assert_eq!(pool, hits > 0, "bind groups reused: {hits}");
+        seen.push(logits);
+    }
+    assert!(
+        seen[0].len() == seen[1].len()
+            && seen[0]
+                .iter()
+                .zip(&seen[1])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "pooled temporaries change the logits"
     );
-    assert!(lanes == wg, "mq::mm1 and mq::mm differ");
 }
