@@ -36,6 +36,26 @@ pub fn ensure_driver() -> Result<(), CudaError> {
     }
 }
 
+/// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B).
+pub const SWITCHES: [&str; 3] = [
+    "STRATA_CUDA_GRAPHS",
+    "STRATA_CUDA_PDL",
+    "STRATA_CUDA_EXPERTS_WIDE",
+];
+
+/// Refuses, before anything is opened, a switch set to anything but unset, empty, 0 or 1
+/// (`get` reads a variable), so a mistyped value is an error naming it, never silently "on".
+pub fn check_switches(get: impl Fn(&str) -> Option<String>) -> Result<(), CudaError> {
+    for var in SWITCHES {
+        if let Some(v) = get(var) {
+            if !matches!(v.trim(), "" | "0" | "1") {
+                return Err(CudaError::Setting { var, value: v });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// How one module was made ready at start.
 #[derive(Clone, Debug)]
 pub struct ModuleLoad {
@@ -78,6 +98,7 @@ impl Gpu {
     /// Opens device `ordinal`, compiles (or loads from the cache) every module for its
     /// architecture and loads them.
     pub fn new(ordinal: usize) -> Result<Gpu, CudaError> {
+        check_switches(|v| std::env::var(v).ok())?;
         ensure_driver()?;
         nvrtc::ensure_nvrtc()?;
         // cudarc panics on a few library-level failures; turn any into an error.

@@ -28,6 +28,9 @@ pub enum CudaError {
     Launch { kernel: String, what: String },
     #[error("{0}")]
     Kernel(#[from] strata_engine::kernels::KernelError),
+    /// A `STRATA_CUDA_*` switch with a value other than 0 or 1.
+    #[error("{var}={value}: expected 0 (off) or 1 (on)")]
+    Setting { var: &'static str, value: String },
 }
 
 pub mod backend;

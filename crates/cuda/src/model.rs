@@ -2547,6 +2547,25 @@ mod tests {
         assert_eq!(units_threads(5120), 1024);
     }
 
+    /// The backend's switches take unset, empty, 0 and 1, and refuse anything else by name.
+    #[test]
+    fn switches_refuse_unknown_values_by_name() {
+        use crate::device::{check_switches, SWITCHES};
+        assert!(check_switches(|_| None).is_ok());
+        for ok in ["", "0", "1", " 1 "] {
+            assert!(check_switches(|_| Some(ok.to_string())).is_ok(), "{ok:?}");
+        }
+        for var in SWITCHES {
+            let e = check_switches(|v| (v == var).then(|| "off".to_string()))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("{var}=off")) && e.contains("0 (off) or 1"),
+                "{e}"
+            );
+        }
+    }
+
     /// The dense tensor-core grid covers every (row, token) exactly once: blocks of 32 × 16,
     /// the last ones partial, none empty.
     #[test]

@@ -367,29 +367,40 @@ impl WgpuBackend {
         // Temporaries from a pool and bind groups cached across steps (the host's time per
         // dispatch: on lavapipe a tiny decode step records in ~1 ms instead of 3–4.5);
         // `STRATA_WGPU_POOL=0` gives every temporary and bind group fresh (the baseline).
-        let pool_on = std::env::var("STRATA_WGPU_POOL").as_deref() != Ok("0");
+        let env = |var: &'static str| std::env::var(var).ok();
+        let pool_on = switch("STRATA_WGPU_POOL", env("STRATA_WGPU_POOL").as_deref())?;
         g.set_bind_cache(pool_on);
-        let products = match std::env::var("STRATA_WGPU_MM").as_deref() {
-            Ok("lanes") => ProductKernel::Lanes1,
-            Ok("wg") => ProductKernel::Workgroup,
-            Ok("rows") => ProductKernel::Rows,
-            Ok("auto") => ProductKernel::Auto,
-            Ok("blocks") => ProductKernel::Blocks,
+        let products = match choice(
+            "STRATA_WGPU_MM",
+            env("STRATA_WGPU_MM").as_deref(),
+            &["lanes", "wg", "rows", "auto", "blocks"],
+        )? {
+            Some("lanes") => ProductKernel::Lanes1,
+            Some("wg") => ProductKernel::Workgroup,
+            Some("rows") => ProductKernel::Rows,
+            Some("auto") => ProductKernel::Auto,
+            Some("blocks") => ProductKernel::Blocks,
             _ if g.is_cpu() => ProductKernel::Lanes1,
             _ => ProductKernel::Auto,
         };
-        let norm = match std::env::var("STRATA_WGPU_NORM").as_deref() {
-            Ok("seq") => NormKernel::Sequential,
-            Ok("lanes1") => NormKernel::Lanes1,
-            Ok("wg") => NormKernel::Workgroup,
+        let norm = match choice(
+            "STRATA_WGPU_NORM",
+            env("STRATA_WGPU_NORM").as_deref(),
+            &["seq", "lanes1", "wg"],
+        )? {
+            Some("seq") => NormKernel::Sequential,
+            Some("lanes1") => NormKernel::Lanes1,
+            Some("wg") => NormKernel::Workgroup,
             _ if g.is_cpu() => NormKernel::Lanes1,
             _ => NormKernel::Workgroup,
         };
-        let chunk = match std::env::var("STRATA_WGPU_CHUNK").map(|v| v.parse::<usize>()) {
-            Ok(Ok(n)) => n,
-            _ if g.is_cpu() => 0,
-            _ => 256,
+        let chunk = match count("STRATA_WGPU_CHUNK", env("STRATA_WGPU_CHUNK").as_deref())? {
+            Some(n) => n,
+            None if g.is_cpu() => 0,
+            None => 256,
         };
+        let fuse = switch("STRATA_WGPU_FUSE", env("STRATA_WGPU_FUSE").as_deref())?;
+        let hw_f16 = switch("STRATA_WGPU_HWF16", env("STRATA_WGPU_HWF16").as_deref())?;
         Ok(WgpuBackend {
             pool: pool_on.then(|| Mutex::new(Pool::default())),
             norm,
@@ -407,9 +418,8 @@ impl WgpuBackend {
             failed: Mutex::new(None),
             weight_limit: u64::MAX,
             store_limit: u64::MAX,
-            fuse: std::env::var("STRATA_WGPU_FUSE").as_deref() != Ok("0"),
-            hw_f16: std::env::var("STRATA_WGPU_FUSE").as_deref() != Ok("0")
-                && std::env::var("STRATA_WGPU_HWF16").as_deref() != Ok("0"),
+            fuse,
+            hw_f16: fuse && hw_f16,
             split_stores: AtomicUsize::new(0),
             profile: Mutex::new(std::env::var_os("STRATA_WGPU_PROFILE").map(|_| Profile {
                 timed: true,
@@ -1861,5 +1871,101 @@ impl WgpuBackend {
             }
         }
         Ok(out)
+    }
+}
+
+// ---- settings: `STRATA_WGPU_*` values are checked when the backend is made, and one the
+// backend does not know is an error naming it (never a silent fall-back to the default).
+
+/// An on/off setting: unset or empty is on, `1` on, `0` off.
+fn switch(var: &'static str, v: Option<&str>) -> Result<bool, WgpuError> {
+    match v.map(str::trim) {
+        None | Some("") | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(x) => Err(WgpuError::Setting {
+            var,
+            value: x.to_string(),
+            expected: "expected 0 (off) or 1 (on)",
+        }),
+    }
+}
+
+/// One of `names`, or None when unset or empty.
+fn choice<'a>(
+    var: &'static str,
+    v: Option<&'a str>,
+    names: &[&'static str],
+) -> Result<Option<&'a str>, WgpuError> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(x) if names.contains(&x) => Ok(Some(x)),
+        Some(x) => Err(WgpuError::Setting {
+            var,
+            value: x.to_string(),
+            expected: match var {
+                "STRATA_WGPU_MM" => "expected lanes, wg, rows, blocks or auto",
+                _ => "expected seq, lanes1 or wg",
+            },
+        }),
+    }
+}
+
+/// A whole number, or None when unset or empty.
+fn count(var: &'static str, v: Option<&str>) -> Result<Option<usize>, WgpuError> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(x) => x.parse().map(Some).map_err(|_| WgpuError::Setting {
+            var,
+            value: x.to_string(),
+            expected: "expected a whole number of dispatches (0: one submit a step)",
+        }),
+    }
+}
+
+#[cfg(test)]
+mod setting_tests {
+    use super::*;
+
+    /// Known values are taken, unset and empty mean the default, and anything else is an
+    /// error that names the variable, the value and what it accepts.
+    #[test]
+    fn settings_take_known_values_and_refuse_the_rest_by_name() {
+        assert!(switch("STRATA_WGPU_POOL", None).unwrap());
+        assert!(switch("STRATA_WGPU_POOL", Some("")).unwrap());
+        assert!(switch("STRATA_WGPU_POOL", Some("1")).unwrap());
+        assert!(!switch("STRATA_WGPU_POOL", Some("0")).unwrap());
+        let e = switch("STRATA_WGPU_POOL", Some("off"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("STRATA_WGPU_POOL=off") && e.contains("0 (off) or 1"),
+            "{e}"
+        );
+        let mm = ["lanes", "wg", "rows", "auto", "blocks"];
+        assert_eq!(
+            choice("STRATA_WGPU_MM", Some("rows"), &mm).unwrap(),
+            Some("rows")
+        );
+        assert_eq!(choice("STRATA_WGPU_MM", None, &mm).unwrap(), None);
+        let e = choice("STRATA_WGPU_MM", Some("block"), &mm)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("STRATA_WGPU_MM=block") && e.contains("blocks"),
+            "{e}"
+        );
+        let e = choice("STRATA_WGPU_NORM", Some("fast"), &["seq", "lanes1", "wg"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("STRATA_WGPU_NORM=fast") && e.contains("seq"),
+            "{e}"
+        );
+        assert_eq!(count("STRATA_WGPU_CHUNK", Some("64")).unwrap(), Some(64));
+        assert_eq!(count("STRATA_WGPU_CHUNK", None).unwrap(), None);
+        let e = count("STRATA_WGPU_CHUNK", Some("-1"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("STRATA_WGPU_CHUNK=-1"), "{e}");
     }
 }

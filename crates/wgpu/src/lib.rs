@@ -47,6 +47,13 @@ pub enum WgpuError {
     Map(String),
     #[error("a lock of the wgpu backend was poisoned")]
     Poisoned,
+    /// A `STRATA_WGPU_*` setting with a value the backend does not know.
+    #[error("{var}={value}: {expected}")]
+    Setting {
+        var: &'static str,
+        value: String,
+        expected: &'static str,
+    },
     #[error(transparent)]
     Kernel(#[from] strata_engine::kernels::KernelError),
 }
