@@ -473,7 +473,7 @@ impl CudaBackend {
             cur: Mutex::new(None),
             tick: std::sync::atomic::AtomicU64::new(0),
             step_lock: Mutex::new(()),
-            graphs: std::env::var_os("STRATA_CUDA_GRAPHS").is_none_or(|v| v != "0"),
+            graphs: crate::device::switch_on("STRATA_CUDA_GRAPHS"),
         })
     }
 

@@ -43,6 +43,12 @@ pub const SWITCHES: [&str; 3] = [
     "STRATA_CUDA_EXPERTS_WIDE",
 ];
 
+/// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were
+/// checked by [`check_switches`] when the device opened).
+pub fn switch_on(var: &str) -> bool {
+    std::env::var(var).map_or(true, |v| v.trim() != "0")
+}
+
 /// Refuses, before anything is opened, a switch set to anything but unset, empty, 0 or 1
 /// (`get` reads a variable), so a mistyped value is an error naming it, never silently "on".
 pub fn check_switches(get: impl Fn(&str) -> Option<String>) -> Result<(), CudaError> {
@@ -166,7 +172,7 @@ impl Gpu {
             arch,
             sms,
             l2_bytes,
-            pdl: arch.0 >= 9 && std::env::var_os("STRATA_CUDA_PDL").is_none_or(|v| v != "0"),
+            pdl: arch.0 >= 9 && switch_on("STRATA_CUDA_PDL"),
             loads,
             modules,
             funcs: Mutex::new(HashMap::new()),

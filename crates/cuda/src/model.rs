@@ -2244,7 +2244,7 @@ impl MoeScratch {
 /// 5's 512 and 512, for an A/B. Read once; either gives the same bits.
 fn experts_wide() -> bool {
     static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *W.get_or_init(|| std::env::var_os("STRATA_CUDA_EXPERTS_WIDE").is_none_or(|v| v != "0"))
+    *W.get_or_init(|| crate::device::switch_on("STRATA_CUDA_EXPERTS_WIDE"))
 }
 
 /// Output rows per block of the fused down-and-combine launch (with `kslots` slots of `units`).

@@ -1885,7 +1885,7 @@ fn switch(var: &'static str, v: Option<&str>) -> Result<bool, WgpuError> {
         Some(x) => Err(WgpuError::Setting {
             var,
             value: x.to_string(),
-            expected: "expected 0 (off) or 1 (on)",
+            expected: "expected 0 (off) or 1 (on)".into(),
         }),
     }
 }
@@ -1902,10 +1902,7 @@ fn choice<'a>(
         Some(x) => Err(WgpuError::Setting {
             var,
             value: x.to_string(),
-            expected: match var {
-                "STRATA_WGPU_MM" => "expected lanes, wg, rows, blocks or auto",
-                _ => "expected seq, lanes1 or wg",
-            },
+            expected: format!("expected one of {}", names.join(", ")),
         }),
     }
 }
@@ -1917,7 +1914,7 @@ fn count(var: &'static str, v: Option<&str>) -> Result<Option<usize>, WgpuError>
         Some(x) => x.parse().map(Some).map_err(|_| WgpuError::Setting {
             var,
             value: x.to_string(),
-            expected: "expected a whole number of dispatches (0: one submit a step)",
+            expected: "expected a whole number of dispatches (0: one submit a step)".into(),
         }),
     }
 }

@@ -52,7 +52,7 @@ pub enum WgpuError {
     Setting {
         var: &'static str,
         value: String,
-        expected: &'static str,
+        expected: String,
     },
     #[error(transparent)]
     Kernel(#[from] strata_engine::kernels::KernelError),
