@@ -11,7 +11,7 @@ use strata_engine::qwen4exp::{LoadOptions, Model, Want};
 use strata_engine::speculative::{
     DraftHook, DraftVocab, SpecConfig, SpecDecoder, SpecStats, MAX_WINDOW,
 };
-use strata_engine::CpuBackend;
+use strata_engine::{CpuBackend, Qwen4expOps};
 use strata_tokenizer::Tokenizer;
 
 use crate::load::{self, Loaded};
@@ -19,12 +19,14 @@ use crate::outln;
 
 mod synth;
 
-/// A qwen4exp trunk, its tokenizer and (from `--mtp`, or the trunk file) the MTP head.
+/// A qwen4exp trunk on the chosen backend, its tokenizer and (from `--mtp`, or the trunk file)
+/// the MTP head.
 fn load_trunk(
     path: &Path,
     mtp: Option<&Path>,
     threads: usize,
-) -> Result<(Model<CpuBackend>, Tokenizer)> {
+    backend: &crate::args::backend::BackendChoice,
+) -> Result<(Loaded, Tokenizer)> {
     let opened = load::open(path)?;
     if opened.arch != strata_engine::qwen4exp::config::ARCH {
         bail!(
@@ -33,24 +35,17 @@ fn load_trunk(
             opened.arch
         );
     }
-    let model = Loaded::bind(
+    let loaded = Loaded::bind(
         &opened,
         path,
         threads,
         LoadOptions::default().kv_type,
         mtp,
         None,
-        // The CPU speculation bench (the GPU's is the CUDA MTP issue's).
-        &crate::args::backend::BackendChoice {
-            kind: crate::args::backend::BackendKind::Cpu,
-            device: 0,
-        },
+        backend,
     )?;
-    let tok = load::tokenizer(&opened.file, path, model.n_vocab())?;
-    match model.model {
-        load::Bound::Qwen4exp(m) => Ok((*m, tok)),
-        _ => bail!("{}: not a qwen4exp model", path.display()),
-    }
+    let tok = load::tokenizer(&opened.file, path, loaded.n_vocab())?;
+    Ok((loaded, tok))
 }
 
 #[derive(clap::Args)]
@@ -99,6 +94,8 @@ pub struct BenchArgs {
     pub seed: u64,
     #[command(flatten)]
     pub threads: crate::args::ThreadsArgs,
+    #[command(flatten)]
+    pub backend: crate::args::backend::BackendArgs,
     /// Print JSON instead of tables
     #[arg(long)]
     pub json: bool,
@@ -143,8 +140,8 @@ struct Measured {
     stats: SpecStats,
 }
 
-fn measure(
-    model: &Model<CpuBackend>,
+fn measure<B: Qwen4expOps>(
+    model: &Model<B>,
     prompt: &[u32],
     n: usize,
     cfg: &SpecConfig,
@@ -212,15 +209,15 @@ fn best_min(v: &[f64]) -> f64 {
 }
 
 /// The benchmark's fixed inputs: model, prompt, run length, repetitions, clock.
-struct Runner<'a> {
-    model: &'a Model<CpuBackend>,
+struct Runner<'a, B: Qwen4expOps> {
+    model: &'a Model<B>,
     prompt: &'a [u32],
     n: usize,
     reps: usize,
     clock: Clock,
 }
 
-impl Runner<'_> {
+impl<B: Qwen4expOps> Runner<'_, B> {
     fn once(&self, cfg: &SpecConfig, hook: Option<&ForceRate>) -> Result<Measured> {
         measure(self.model, self.prompt, self.n, cfg, hook, self.clock)
     }
@@ -254,8 +251,8 @@ impl Runner<'_> {
 
 /// Time of one trunk pass over `rows` window rows at the current position (best of `reps`),
 /// with the state rolled back after each.
-fn window_cost(
-    model: &Model<CpuBackend>,
+fn window_cost<B: Qwen4expOps>(
+    model: &Model<B>,
     prompt: &[u32],
     cont: &[u32],
     rows: usize,
@@ -325,8 +322,16 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         crate::output::check_input("--mtp", p)?;
     }
     let threads = a.threads.resolve();
-    let (model, prompt, name) = match (&a.synthetic, &a.model) {
+    let backend = a.backend.resolve()?;
+    match (&a.synthetic, &a.model) {
         (Some(preset), _) => {
+            if backend.kind != crate::args::backend::BackendKind::Cpu
+                && backend.kind != crate::args::backend::BackendKind::Auto
+            {
+                bail!(
+                    "--synthetic builds its model in host memory for the CPU backend; for a GPU, write a file with `strata synth --mtp` and pass it with -m and --mtp"
+                );
+            }
             let g = synth::Geometry::preset(preset)?;
             let t0 = Instant::now();
             let (trunk, head) = synth::build(&g, a.seed)?;
@@ -343,16 +348,18 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             let prompt: Vec<u32> = (0..32)
                 .map(|i| (unit(a.seed, 1_000_000 + i) * n_vocab as f64) as u32)
                 .collect();
-            (model, prompt, format!("synthetic {preset} {g:?}"))
+            let place = format!("{} threads", model.backend().threads());
+            run(
+                &a,
+                &model,
+                prompt,
+                format!("synthetic {preset} {g:?}"),
+                place,
+            )
         }
         (None, Some(path)) => {
-            let (model, tok) = load_trunk(path, a.mtp.as_deref(), threads)?;
-            if !model.has_mtp() {
-                bail!(
-                    "{} has no MTP head; give one with --mtp (strata convert-mtp makes it)",
-                    path.display()
-                );
-            }
+            let (loaded, tok) = load_trunk(path, a.mtp.as_deref(), threads, &backend)?;
+            eprintln!("backend: {}", loaded.backend_note);
             let text = a.prompt.clone().unwrap_or_else(|| {
                 "The old lighthouse stands at the edge of the harbour. Every night the keeper"
                     .to_string()
@@ -360,10 +367,32 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             let prompt = tok
                 .encode(&text, true, true)
                 .context("tokenizing the prompt")?;
-            (model, prompt, path.display().to_string())
+            let place = loaded.backend_name().to_string();
+            let name = path.display().to_string();
+            match loaded.model {
+                load::Bound::Qwen4exp(m) => run(&a, &m, prompt, name, place),
+                load::Bound::Qwen4expCuda(m) => run(&a, &m, prompt, name, place),
+                load::Bound::Qwen4expWgpu(m) => run(&a, &m, prompt, name, place),
+                _ => bail!("{}: not a qwen4exp model", path.display()),
+            }
         }
         (None, None) => bail!("give -m MODEL.gguf or --synthetic NAME"),
-    };
+    }
+}
+
+/// The measurements on a loaded trunk with its head.
+fn run<B: Qwen4expOps>(
+    a: &BenchArgs,
+    model: &Model<B>,
+    prompt: Vec<u32>,
+    name: String,
+    place: String,
+) -> Result<ExitCode> {
+    if !model.has_mtp() {
+        bail!(
+            "{name} has no MTP head; give one with --mtp (strata convert-mtp makes it, strata synth --mtp writes a synthetic one)"
+        );
+    }
     let draft_vocab = match &a.draft_vocab {
         Some(p) => Some(DraftVocab::load(p, model.config().n_vocab)?),
         None => None,
@@ -373,11 +402,10 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         min_p: a.spec_min_p,
         draft_vocab: draft_vocab.clone(),
     };
-    let threads = model.backend().threads();
 
     // Plain decoding: the baseline and the reference sequence.
     let runner = Runner {
-        model: &model,
+        model,
         prompt: &prompt,
         n: a.n,
         reps: a.reps,
@@ -389,9 +417,9 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
 
     // The cost of a window of N rows against one decode step.
     let mut cost = Vec::new();
-    let one = window_cost(&model, &prompt, &want, 1, a.reps.max(11), a.clock)?;
+    let one = window_cost(model, &prompt, &want, 1, a.reps.max(11), a.clock)?;
     for &w in &a.windows {
-        let t = window_cost(&model, &prompt, &want, w, a.reps.max(11), a.clock)?;
+        let t = window_cost(model, &prompt, &want, w, a.reps.max(11), a.clock)?;
         cost.push((w, t, t.as_secs_f64() / one.as_secs_f64().max(1e-12)));
     }
 
@@ -422,7 +450,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     if a.json {
         let j = json!({
             "model": name,
-            "threads": threads,
+            "place": place,
             "prompt_tokens": prompt.len(),
             "generated": a.n,
             "plain_tokens_per_s": plain_tps,
@@ -443,9 +471,9 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     outln!(
-        "model {} ({} threads), prompt {} tokens, {} generated, best of {} runs, {:?} clock; every run checked to emit the plain run's tokens\n",
+        "model {} ({}), prompt {} tokens, {} generated, best of {} runs, {:?} clock; every run checked to emit the plain run's tokens\n",
         name,
-        threads,
+        place,
         prompt.len(),
         a.n,
         a.reps.max(1),
