@@ -65,6 +65,64 @@ __device__ __forceinline__ float bf16_unit(const uint4* wv, const uint4* xp) {
     return a;
 }
 
+// ---- Q2_0 against transposed Q8_0 activations (gemv_opt's Q2_0 rows, moe_gate_up_q8_q2t) ------
+// The generic decoder spreads each Q2_0 weight byte (four 2-bit codes, element 4k + i at bits
+// 2i of byte k) into a word of four bytes, eight times a unit. Here the activation unit is
+// transposed instead, once a thread: word i of a 16-element group holds elements i, 4 + i,
+// 8 + i, 12 + i, so that (q >> 2i) & 0x03030303 of the group's four weight bytes q lines up
+// with it and a unit costs two weight words, eight masks and eight dp4a. Every sum is the
+// same integer in another order, so a contribution is bit for bit unit_dot's.
+struct Q2W {
+    u32 q0, q1;
+    float d;
+};
+struct __align__(16) Q2X {
+    int a[4], b[4];  // the two 16-element groups, transposed
+    float dx;
+    int sx;  // the unit's 32 activation bytes summed (the codes' −1 offset)
+};
+
+__device__ __forceinline__ Q2W q2_load(const u8* wr, int u) {
+    const u8* blk = wr + 18 * (size_t)(u >> 1);
+    const u8* q = blk + 2 + 8 * (u & 1);
+    return Q2W{ld32a2(q), ld32a2(q + 4), ldf16(blk)};
+}
+
+// Unit u of a Q8_0 activation row, transposed.
+__device__ __forceinline__ Q2X q2_act(const u8* x, int u) {
+    const u8* xb = x + 34 * (size_t)u;
+    u32 w[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = ld32a2(xb + 2 + 4 * k);
+    Q2X a;
+    a.sx = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) a.sx = dp4a(0x01010101, (int)w[k], a.sx);
+    int* out[2] = {a.a, a.b};
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+        const u32 lo01 = __byte_perm(w[4 * g], w[4 * g + 1], 0x5140), lo23 = __byte_perm(w[4 * g + 2], w[4 * g + 3], 0x5140);
+        const u32 hi01 = __byte_perm(w[4 * g], w[4 * g + 1], 0x7362), hi23 = __byte_perm(w[4 * g + 2], w[4 * g + 3], 0x7362);
+        out[g][0] = (int)__byte_perm(lo01, lo23, 0x5410);
+        out[g][1] = (int)__byte_perm(lo01, lo23, 0x7632);
+        out[g][2] = (int)__byte_perm(hi01, hi23, 0x5410);
+        out[g][3] = (int)__byte_perm(hi01, hi23, 0x7632);
+    }
+    a.dx = ldf16(xb);
+    return a;
+}
+
+__device__ __forceinline__ float q2_dot(const Q2W& w, const Q2X& a) {
+    const u32 M = 0x03030303u;
+    int isum = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) isum = dp4a((int)((w.q0 >> (2 * i)) & M), a.a[i], isum);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) isum = dp4a((int)((w.q1 >> (2 * i)) & M), a.b[i], isum);
+    isum -= a.sx;
+    return (w.d * a.dx) * (float)isum;
+}
+
 template <int T, int K, int NT>
 __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int rows) {
     constexpr int U = K / 32, PER = (U + 31) / 32, WARPS = 8;
@@ -112,6 +170,29 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
             if (threadIdx.x < 128) ks[threadIdx.x] = ksigns_iq2xs[threadIdx.x];
             tb.g3xxs = g3xxs;
             tb.ks = ks;
+        }
+        if constexpr (T == T_Q2_0) {
+            // The activation units transposed once a block (q2_act), for q2_dot.
+            __shared__ Q2X xt[NT * U];
+            for (int i = threadIdx.x; i < NT * U; i += 32 * WARPS) xt[i] = q2_act(x, i);
+            if (r < rows) stage<align_of_size<WRB>()>(wsh[warp], w + (size_t)r * WRB, WRB, lane, 32);
+            __syncthreads();
+            if (r >= rows) return;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                const int u = lane + 32 * i;
+                if (u < U) {
+                    const Q2W wu = q2_load(wsh[warp], u);
+#pragma unroll
+                    for (int t = 0; t < NT; ++t) acc[t] += q2_dot(wu, xt[t * U + u]);
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                const float s = warp_sum(acc[t]);
+                if (lane == 0) y[(size_t)t * rows + r] = s;
+            }
+            return;
         }
         stage<align_of_size<NT * XRB>()>(xsh, x, NT * XRB, threadIdx.x, 32 * WARPS);
         if (r < rows) stage<align_of_size<WRB>()>(wsh[warp], w + (size_t)r * WRB, WRB, lane, 32);
@@ -371,6 +452,19 @@ __device__ __forceinline__ void unit_contribs_all(const FirstUnit<T>& f, Row row
     }
 }
 
+// The finished rows of a block from its contributions part[t·nrows·U + lr·U + u] (after a
+// __syncthreads): a warp a row, gemv_base's lane order, emit(t, row0 + lr, y).
+template <int T, typename Emit>
+__device__ __forceinline__ void block_row_sums(const float* part, Emit emit, int row0, int nrows, int U, int nt) {
+    const int stride = nrows * U;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int j = warp; j < nt * nrows; j += nw) {
+        const int t = j / nrows, lr = j - t * nrows;
+        const float s = lane_order_sum(part + t * stride + lr * U, U, lane);
+        if (lane == 0) emit(t, row0 + lr, dot_post<T>(s));
+    }
+}
+
 // The block's rows row0 .. row0+nrows of a stacked product (wrow(r): row r's bytes) against nt
 // activation rows; emit(t, r, y) receives each finished output (after dot_post). `f`: the
 // thread's first unit, from first_unit over the block's rows.
@@ -381,12 +475,7 @@ __device__ __forceinline__ void units_block(const FirstUnit<T>& f, WRow wrow, Em
     unit_contribs_all<T>(f, [&](int lr) { return wrow(row0 + lr); }, [&](int) { return x; }, stride, U, xrb, nt,
                          part);
     __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = warp; j < nt * nrows; j += nw) {
-        const int t = j / nrows, lr = j - t * nrows;
-        const float s = lane_order_sum(part + t * stride + lr * U, U, lane);
-        if (lane == 0) emit(t, row0 + lr, dot_post<T>(s));
-    }
+    block_row_sums<T>(part, emit, row0, nrows, U, nt);
 }
 
 // Up to four weights of one format and row length (w0 rows 0..n0, then w1, …) against the same
@@ -468,6 +557,12 @@ __device__ __forceinline__ void moe_gate_up_q8_t(const u8* wg, const u8* wu, u64
     if (threadIdx.x < 32) q8_0_warp(siluf_(gu[threadIdx.x]) * gu[32 + threadIdx.x], blk, threadIdx.x);
 }
 
+template <int T, bool SHARED>
+__device__ __forceinline__ void down_combine_tail(const float* part, float* ys, const int* ids, int n_expert,
+                                                  const float* wts, int kslots, float* out, const float* shared,
+                                                  const float* gate, int h, int t, int r0, int nrows, int U,
+                                                  u32* err);
+
 // Routed experts, decode: the down products of all kslots pairs of row t for rb consecutive
 // output rows, their weighted sum in rank order (moe_combine), and with `shared` the shared
 // expert added as add_sigmoid_gated does: out = Σ_s w_s·y_s (+ σ(gate_t)·shared). Grid (h/rb,
@@ -496,6 +591,17 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
     const FirstUnit<T> f = first_unit<T>(wrow, stride, U);
     unit_contribs_all<T>(f, wrow, [&](int lr) { return xt + (size_t)(lr / nrows) * xrb; }, stride, U, xrb, 1, part);
     __syncthreads();
+    down_combine_tail<T, SHARED>(part, ys, ids, n_expert, wts, kslots, out, shared, gate, h, t, r0, nrows, U, err);
+}
+
+// The end of a down-and-combine block from its contributions part[(s·nrows + r)·U + u] (after a
+// __syncthreads): each (slot, row) sum in gemv_base's lane order, then the weighted sum over the
+// slots in rank order (moe_combine) and the shared expert's gated add.
+template <int T, bool SHARED>
+__device__ __forceinline__ void down_combine_tail(const float* part, float* ys, const int* ids, int n_expert,
+                                                  const float* wts, int kslots, float* out, const float* shared,
+                                                  const float* gate, int h, int t, int r0, int nrows, int U,
+                                                  u32* err) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int j = warp; j < kslots * nrows; j += nw) {
         const float sum = lane_order_sum(part + j * U, U, lane);
@@ -518,6 +624,55 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
         out[o] = acc;
     }
 }
+
+#if defined(GEMV_Q2_0)
+// A thread's contributions in the transposed kernels: one unit u of every row r = g, g + G, …
+// below `nrows` (row(r): the weight row), four weight loads in flight before their dots.
+template <typename Row>
+__device__ __forceinline__ void q2_rows(Row row, const Q2X& a, int u, int g, int G, int nrows, int U, float* part,
+                                        int part0) {
+    for (int r = g; r < nrows; r += 4 * G) {
+        Q2W w[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            if (r + m * G < nrows) w[m] = q2_load(row(r + m * G), u);
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            if (r + m * G < nrows) part[part0 + (r + m * G) * U + u] = q2_dot(w[m], a);
+    }
+}
+
+// moe_gate_up_q8_q2_0's bits with a unit a thread fixed: blockDim.x = G·U threads, thread
+// (g, u) takes unit u of rows g, g + G, … of the block's 64 (32 gate, 32 up).
+extern "C" __global__ void __launch_bounds__(1024)
+moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int n_expert, const u8* x, int kslots,
+                   u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err) {
+    grid_dep_sync();
+    __shared__ float part[UNITS_PART];
+    __shared__ float gu[64];
+    const int q = blockIdx.y, r0 = 32 * blockIdx.x, U = k / 32;
+    const int e = ids[q];
+    const u64 arb = 34 * (u64)(ff / 32);
+    u8* blk = aq + (size_t)q * arb + 34 * (size_t)blockIdx.x;
+    if (e < 0 || e >= n_expert) {
+        if (threadIdx.x == 0) {
+            atomicOr(err, 2u);
+            *(u16*)blk = 0x7e00;  // NaN scale: every product of this pair is NaN
+        }
+        return;
+    }
+    const u8* g = wg + (size_t)e * slab_bytes + (size_t)r0 * wrb;
+    const u8* up = wu + (size_t)e * slab_bytes + (size_t)r0 * wrb;
+    auto wrow = [&](int r) -> const u8* { return r < 32 ? g + (size_t)r * wrb : up + (size_t)(r - 32) * wrb; };
+    const int G = blockDim.x / U, u = threadIdx.x % U, gi = threadIdx.x / U;
+    if (gi < G) q2_rows(wrow, q2_act(x + (size_t)(q / kslots) * xrb, u), u, gi, G, 64, U, part, 0);
+    __syncthreads();
+    block_row_sums<T_Q2_0>(part, [&](int, int r, float v) { gu[r] = v; }, 0, 64, U, 1);
+    __syncthreads();
+    if (threadIdx.x < 32) q8_0_warp(siluf_(gu[threadIdx.x]) * gu[32 + threadIdx.x], blk, threadIdx.x);
+}
+
+#endif
 
 // Threads of a gate/up block: 512, or 256 where the decoder needs more registers than 512
 // threads leave (IQ4_XS, IQ3_XXS; strata_cuda::model::gate_up_threads says the same).
@@ -795,6 +950,59 @@ hc_up_u_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int s
         float acc = 0.f;
         for (int s = 0; s < streams; ++s) acc += sigmoidf_(gs[t * streams * jn + s * jn + jj]) * xr[(size_t)s * h];
         u[(size_t)t * h + j0 + jj] = acc * inv_s;
+    }
+}
+
+// hc_up_u_bf16's bits with four threads a weight row (model::hc_up_q4_applies: rank ≤ 384, so
+// at most 12 units, and 1, 2, 4 or 8 streams). A row's units sum as lane_order_sum then
+// warp_sum would (lane l: 0 + c_l, the other lanes +0, then the xor butterfly): thread q takes
+// the virtual lanes q, q + 4, …, q + 28, runs the butterfly's xor-16, -8 and -4 steps on them
+// itself (its units are the lanes below U) and the xor-2 and -1 steps with its three
+// neighbours — so the units of a row load in parallel, three a thread, all before the wait,
+// with no shared contributions. Block: 64 rows = 64/S columns × S streams; grid ceil(h·S/64).
+extern "C" __global__ void __launch_bounds__(256)
+hc_up_q4_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int streams, int rank, int nt,
+              float inv_s) {
+    __shared__ __align__(16) u8 ash[UNITS_XSTAGE];
+    __shared__ float gs[8 * 64];
+    const int q = threadIdx.x & 3, rr = threadIdx.x >> 2;
+    const int s = rr % streams, jj = rr / streams, J = 64 / streams;
+    const int j0 = blockIdx.x * J, U = rank / 32;
+    const u64 rbytes = 2 * (u64)rank;
+    const bool live = j0 + jj < h;
+    const u8* wr = wu + ((size_t)s * h + (live ? j0 + jj : 0)) * rbytes;
+    UnitW<T_BF16> w[3];
+#pragma unroll
+    for (int m = 0; m < 3; ++m)
+        if (live && q + 4 * m < U) w[m] = load_unit<T_BF16>(wr, q + 4 * m);
+    grid_dep_sync();
+    const u8* a = stage_act(aq, (u64)nt * rbytes, ash);
+    for (int t = 0; t < nt; ++t) {
+        float v[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = 0.f;
+#pragma unroll
+        for (int m = 0; m < 3; ++m)
+            if (live && q + 4 * m < U) v[m] = 0.f + unit_dot_w<T_BF16>(w[m], a + (size_t)t * rbytes, q + 4 * m);
+#pragma unroll
+        for (int d = 4; d >= 1; d >>= 1)
+#pragma unroll
+            for (int m = 0; m < 8; ++m)
+                if ((m & d) == 0 && m + d < 8) v[m] = v[m] + v[m + d];
+        float r = v[0];
+        r += __shfl_xor_sync(FULL_MASK, r, 2);
+        r += __shfl_xor_sync(FULL_MASK, r, 1);
+        if (q == 0) gs[t * 64 + s * J + jj] = r;
+    }
+    __syncthreads();
+    const int jn = min(J, h - j0);
+    const size_t sh = (size_t)streams * h;
+    for (int i = threadIdx.x; i < nt * jn; i += blockDim.x) {
+        const int t = i / jn, c = i - t * jn;
+        const float* xr = xn + (size_t)t * sh + j0 + c;
+        float acc = 0.f;
+        for (int g = 0; g < streams; ++g) acc += sigmoidf_(gs[t * 64 + g * J + c]) * xr[(size_t)g * h];
+        u[(size_t)t * h + j0 + c] = acc * inv_s;
     }
 }
 #endif

@@ -206,6 +206,15 @@ struct DecUnit {
     float f0, f1;
 };
 
+// A 32-bit word of a weight block at a 4-byte offset within it: one load where the format's
+// blocks keep 4-byte alignment (TS a multiple of 4: Q4_K, Q5_K, IQ4_XS; every weight buffer and
+// staged row starts 16-byte aligned and its blocks lie TS apart), else two 16-bit loads.
+template <int T>
+__device__ __forceinline__ u32 ldw(const u8* p) {
+    if constexpr (Fmt<T>::TS % 4 == 0) return *(const u32*)p;
+    else return ld32a2(p);
+}
+
 template <int T>
 __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb) {
     constexpr int QK = Fmt<T>::QK, TS = Fmt<T>::TS, UPB = QK / 32;
@@ -216,22 +225,22 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
     d.f0 = d.f1 = 0.f;
     if (T == T_Q8_0) {
 #pragma unroll
-        for (int k = 0; k < 8; ++k) d.w[k] = (int)ld32a2(b + 2 + 4 * k);
+        for (int k = 0; k < 8; ++k) d.w[k] = (int)ldw<T>(b + 2 + 4 * k);
         d.f0 = ldf16(b);
     } else if (T == T_Q4_0) {
         // Elements j and j + 16 are the low and high nibbles of qs[j], minus 8.
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            const u32 q = ld32a2(b + 2 + 4 * (k & 3));
+            const u32 q = ldw<T>(b + 2 + 4 * (k & 3));
             d.w[k] = (int)__vsub4((k < 4 ? q : q >> 4) & 0x0F0F0F0Fu, 0x08080808u);
         }
         d.f0 = ldf16(b);
     } else if (T == T_Q5_0) {
         // As Q4_0 with a fifth bit from qh (bit j for element j), minus 16.
-        const u32 qh = ld32a2(b + 2);
+        const u32 qh = ldw<T>(b + 2);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            const u32 q = ld32a2(b + 6 + 4 * (k & 3));
+            const u32 q = ldw<T>(b + 6 + 4 * (k & 3));
             const u32 hb = (qh >> (4 * k)) & 0xFu;
             const u32 hi = ((hb & 1u) | (hb & 2u) << 7 | (hb & 4u) << 14 | (hb & 8u) << 21) << 4;
             d.w[k] = (int)__vsub4(((k < 4 ? q : q >> 4) & 0x0F0F0F0Fu) | hi, 0x10101010u);
@@ -241,7 +250,7 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
         const u32 k0 = kvalues_iq4nl_w[0], k1 = kvalues_iq4nl_w[1], k2 = kvalues_iq4nl_w[2], k3 = kvalues_iq4nl_w[3];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const u32 q = ld32a2(b + 2 + 4 * k);
+            const u32 q = ldw<T>(b + 2 + 4 * k);
             d.w[k] = iq4_lookup4(q & 0x0F0F0F0Fu, k0, k1, k2, k3);
             d.w[k + 4] = iq4_lookup4((q >> 4) & 0x0F0F0F0Fu, k0, k1, k2, k3);
         }
@@ -261,8 +270,8 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
         const u8* q = b + (T == T_Q5_K ? 48 : 16) + 32 * (s >> 1);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            u32 v = (ld32a2(q + 4 * k) >> (4 * (s & 1))) & 0x0F0F0F0Fu;
-            if (T == T_Q5_K) v |= ((ld32a2(b + 16 + 4 * k) >> s) & 0x01010101u) << 4;
+            u32 v = (ldw<T>(q + 4 * k) >> (4 * (s & 1))) & 0x0F0F0F0Fu;
+            if (T == T_Q5_K) v |= ((ldw<T>(b + 16 + 4 * k) >> s) & 0x01010101u) << 4;
             d.w[k] = (int)v;
         }
     } else if (T == T_Q3_K) {
@@ -271,8 +280,8 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const int g = k >> 2, l0 = 4 * (k & 3);
-            const u32 qw = ld32a2(b + 32 + 32 * (s >> 2) + 16 * g + l0);
-            const u32 hw = ld32a2(b + 16 * g + l0);
+            const u32 qw = ldw<T>(b + 32 + 32 * (s >> 2) + 16 * g + l0);
+            const u32 hw = ldw<T>(b + 16 * g + l0);
             const u32 lo = (qw >> (2 * (s & 3))) & 0x03030303u;
             const u32 hb = ((hw >> s) & 0x01010101u) << 2;
             d.w[k] = (int)__vsub4(lo | hb, 0x04040404u);
@@ -286,8 +295,8 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
         const u8* qh = b + 128 + 32 * half;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            const u32 lo = (ld32a2(ql + 4 * k) >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu;
-            const u32 hi = ((ld32a2(qh + 4 * k) >> (2 * g)) & 0x03030303u) << 4;
+            const u32 lo = (ldw<T>(ql + 4 * k) >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu;
+            const u32 hi = ((ldw<T>(qh + 4 * k) >> (2 * g)) & 0x03030303u) << 4;
             d.w[k] = (int)(lo | hi);  // 0..63; the -32 goes through the group sums
         }
         d.s0 = (i8)b[192 + 2 * s];
@@ -300,7 +309,7 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
         const u32 k0 = kvalues_iq4nl_w[0], k1 = kvalues_iq4nl_w[1], k2 = kvalues_iq4nl_w[2], k3 = kvalues_iq4nl_w[3];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const u32 q = ld32a2(b + 8 + 16 * s + 4 * k);
+            const u32 q = ldw<T>(b + 8 + 16 * s + 4 * k);
             d.w[k] = iq4_lookup4(q & 0x0F0F0F0Fu, k0, k1, k2, k3);
             d.w[k + 4] = iq4_lookup4((q >> 4) & 0x0F0F0F0Fu, k0, k1, k2, k3);
         }
@@ -318,7 +327,7 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
             d.w[2 * l + 1] = apply_signs(tb.g3s[i2], spread_signs4(sg >> 4));
         }
     } else if (T == T_IQ3_XXS) {
-        const u32 aux = ld32a2(b + 66 + 4 * s);
+        const u32 aux = ldw<T>(b + 66 + 4 * s);
         d.s0 = 2 * (int)(aux >> 28) + 1;
         d.f0 = ldf16(b);
 #pragma unroll

@@ -1029,6 +1029,18 @@ pub fn hc_fused_applies(hc: &HcDev<'_>, rows: usize) -> bool {
         && units_rows_per_block(hc.up.k / 32, rows, hc.up.rows).is_some_and(|r| r >= hc.streams)
 }
 
+/// Whether the mix's up product runs gemv.cu hc_up_q4_bf16 (four threads a row, the same bits
+/// as hc_up_u_bf16): at most 12 units of rank, 1, 2, 4 or 8 streams, 1..=8 rows;
+/// `STRATA_CUDA_HC_UP4=0` keeps hc_up_u_bf16, for A/B.
+pub fn hc_up_q4_applies(streams: usize, rank: usize, rows: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_HC_UP4"))
+        && matches!(streams, 1 | 2 | 4 | 8)
+        && rank.is_multiple_of(32)
+        && (1..=12).contains(&(rank / 32))
+        && (1..=8).contains(&rows)
+}
+
 /// [`hc_mix`] in three launches (gemv.cu hc_norm_bf16 or hc_combine_norm_bf16, hc_down_bf16,
 /// hc_up_u_bf16) with its bits; with `combine`, the previous block's [`hc_combine`] first
 /// (`x` updated in place, the same bits as the separate launch).
@@ -1135,6 +1147,15 @@ pub fn hc_mix_fused(
             &inv_s
         ]
     )?;
+    if hc_up_q4_applies(st, rank, rows) {
+        return launch!(
+            gpu,
+            "gemv_bf16",
+            "hc_up_q4_bf16",
+            cfg(h.div_ceil(64 / st) as u32, 256),
+            [&hc.up.bytes, &s.aq, &s.xn, u, &hi, &si, &ri, &ni, &inv_s]
+        );
+    }
     let rb = units_rows_per_block(rank / 32, rows, sh)
         .ok_or_else(|| bad(k, format!("rows of {rank}")))?;
     let j = (rb / st).clamp(1, 512 / (rows * st));
@@ -2247,6 +2268,24 @@ fn experts_wide() -> bool {
     *W.get_or_init(|| crate::device::switch_on("STRATA_CUDA_EXPERTS_WIDE"))
 }
 
+/// Whether Q2_0 experts' gate/up runs the transposed-activation kernel (gemv.cu
+/// moe_gate_up_q8_q2t: the same bits with a unit a thread fixed; `STRATA_CUDA_Q2T=0` keeps the
+/// generic decoder, for A/B). (The down product stays generic: a transposed down with eight
+/// rows a thread measured 15.9 µs against the generic 14.5 µs, session 7.)
+fn experts_q2t() -> bool {
+    static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *W.get_or_init(|| crate::device::switch_on("STRATA_CUDA_Q2T"))
+}
+
+/// The transposed Q2_0 gate/up launch for rows of `units` units: its threads (G row groups of
+/// `units`), when it applies.
+pub fn gate_up_q2t_threads(ty: GgmlType, units: usize) -> Option<u32> {
+    // About 512 threads: at ~50 registers two blocks then share an SM, so the 200 blocks of a
+    // decode row's ten experts at rows of 2560 run in one wave.
+    (ty == GgmlType::Q2_0 && experts_q2t() && (1..=1024).contains(&units))
+        .then(|| (units * (512 / units).clamp(1, 64)) as u32)
+}
+
 /// Output rows per block of the fused down-and-combine launch (with `kslots` slots of `units`).
 fn down_rows_per_block(kslots: usize, units: usize) -> usize {
     down_rows_for(kslots, units, if experts_wide() { 1024 } else { 512 })
@@ -2366,15 +2405,18 @@ pub fn moe_experts_fused_on(
         i32_of(k, h)?,
     );
     let (sb, wb, xb) = (u64_of(gslab), u64_of(gwrb), u64_of(gxrb));
+    let (gate_up, threads) = match gate_up_q2t_threads(ex.gate.ty, h / 32) {
+        Some(t) => ("moe_gate_up_q8_q2t".to_string(), t),
+        None => (
+            format!("moe_gate_up_q8_{gn}"),
+            units_threads(64 * h / 32).min(gate_up_threads(ex.gate.ty)),
+        ),
+    };
     launch!(
         gpu,
         &format!("gemv_{gn}"),
-        format!("moe_gate_up_q8_{gn}"),
-        cfg2(
-            (ff / 32) as u32,
-            np as u32,
-            units_threads(64 * h / 32).min(gate_up_threads(ex.gate.ty)),
-        ),
+        gate_up,
+        cfg2((ff / 32) as u32, np as u32, threads),
         [
             &ex.gate.bytes,
             &ex.up.bytes,

@@ -692,7 +692,18 @@ fn direct_optimized_gemvs_equal_the_tiled_kernel() {
 fn fused_hc_mix_equals_the_composed_mix() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new(32);
-    let (s, h, rank) = (4usize, 2560usize, 320usize);
+    // Flash-Next's mix (4 streams of 2560, rank 320: hc_up_q4_bf16's ten units), and a small
+    // one (2 streams of 112: the last block's columns past h; rank 64: two units).
+    for (s, h, rank) in [(4usize, 2560usize, 320usize), (2, 112, 64)] {
+        fused_hc_mix_case(g, &mut rng, s, h, rank);
+    }
+}
+
+fn fused_hc_mix_case(g: &Gpu, rng: &mut Rng, s: usize, h: usize, rank: usize) {
+    assert!(
+        m::hc_up_q4_applies(s, rank, 1)
+            || std::env::var("STRATA_CUDA_HC_UP4").as_deref() == Ok("0")
+    );
     let sh = s * h;
     let norm: Vec<f32> = (0..sh).map(|_| 1.0 + 0.02 * rng.normal()).collect();
     let bf = |v: &[f32], rows: usize, k: usize| {
