@@ -146,9 +146,11 @@ fn once(loaded: &Loaded, t: Test, ubatch: usize, rng: &mut SplitMix64) -> Result
 
 /// The 15 kernels with the most device time, per token (`per` tokens profiled, `total` µs of
 /// kernel time a token).
-fn profile_table(ks: &[strata_cuda::KernelTime], per: f64, total: f64) {
-    eprintln!("| kernel | launches/token | µs/token | share |");
-    eprintln!("| --- | ---: | ---: | ---: |");
+fn profile_table(ks: &[strata_cuda::KernelTime], per: f64, total: f64, bw: f64) {
+    eprintln!(
+        "| kernel | launches/token | µs/token | share | MB/token | floor µs/token | × floor |"
+    );
+    eprintln!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     // Every kernel of at least 0.5 % (at most 40 rows), then the rest in one row.
     let share = |us: f64| 100.0 * us / per / total.max(1e-9);
     let shown = ks
@@ -157,8 +159,21 @@ fn profile_table(ks: &[strata_cuda::KernelTime], per: f64, total: f64) {
         .take_while(|k| share(k.us) >= 0.5)
         .count();
     for k in &ks[..shown] {
+        // The floor: the bytes its launches must read over the measured copy bandwidth
+        // (kernels whose launchers state no bytes show none).
+        let (mb, floor, ratio) = match k.bytes {
+            Some(b) if b > 0 => {
+                let fl = b as f64 / bw * 1e6 / per;
+                (
+                    format!("{:.2}", b as f64 / 1e6 / per),
+                    format!("{fl:.1}"),
+                    format!("{:.1}", k.us / per / fl.max(1e-9)),
+                )
+            }
+            _ => ("-".into(), "-".into(), "-".into()),
+        };
         eprintln!(
-            "| {} | {:.1} | {:.1} | {:.1} % |",
+            "| {} | {:.1} | {:.1} | {:.1} % | {mb} | {floor} | {ratio} |",
             k.name,
             k.launches as f64 / per,
             k.us / per,
@@ -171,13 +186,19 @@ fn profile_table(ks: &[strata_cuda::KernelTime], per: f64, total: f64) {
             .iter()
             .fold((0usize, 0.0f64), |(a, b), k| (a + k.launches, b + k.us));
         eprintln!(
-            "| ({} other kernels) | {:.1} | {:.1} | {:.1} % |",
+            "| ({} other kernels) | {:.1} | {:.1} | {:.1} % | | | |",
             rest.len(),
             l as f64 / per,
             us / per,
             share(us)
         );
     }
+    let bytes: u64 = ks.iter().filter_map(|k| k.bytes).sum();
+    eprintln!(
+        "stated bytes {:.1} MB/token: a floor of {:.0} µs/token at the copy bandwidth",
+        bytes as f64 / 1e6 / per,
+        bytes as f64 / bw * 1e6 / per
+    );
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
@@ -285,6 +306,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
         // Decode tokens at each depth with events around every launch: device time per kernel
         // per token. (The events cost host time, so the timed tests above ran without them.)
         let n = a.n_gen.iter().copied().max().unwrap_or(0).max(8);
+        let bw = gpu.copy_bandwidth()?;
+        eprintln!(
+            "copy bandwidth {:.2} TB/s (a device-to-device copy, read + write): each kernel's \
+             floor is the bytes it must read over it",
+            bw / 1e12
+        );
         for &d in &a.n_depth {
             let mut s = loaded.session(n_ctx)?;
             feed(s.as_mut(), &mut rng, d, a.ubatch)?;
@@ -301,7 +328,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                  of kernel time per token; {wall:.0} µs wall per token with the events on (the \
                  rest is host time and launch gaps)"
             );
-            profile_table(&ks, n as f64, total);
+            profile_table(&ks, n as f64, total, bw);
         }
         // One prefill of the first -p size, the same way: where a prompt's time goes.
         if let Some(&p) = a.n_prompt.iter().find(|&&p| p > 0) {
@@ -318,7 +345,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                  of kernel time per token; {wall:.0} µs wall per token with the events on",
                 a.ubatch
             );
-            profile_table(&ks, p as f64, total);
+            profile_table(&ks, p as f64, total, bw);
         }
     }
 

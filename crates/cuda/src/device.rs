@@ -88,8 +88,11 @@ pub struct Gpu {
     pub loads: Vec<ModuleLoad>,
     modules: HashMap<&'static str, Arc<CudaModule>>,
     funcs: Mutex<HashMap<String, CudaFunction>>,
-    /// Per-launch timing (events around every launch) while profiling is on.
-    profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
+    /// Per-launch timing (events around every launch, and the bytes the launch must read
+    /// when its launcher said so) while profiling is on.
+    profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent, Option<u64>)>>>,
+    /// The bytes the next timed launch must read ([`Gpu::note_bytes`]).
+    next_bytes: Mutex<Option<u64>>,
     /// The ops of the step being recorded (record mode: launches are kept, not issued).
     rec: Mutex<Option<Vec<crate::record::Op>>>,
 }
@@ -100,6 +103,10 @@ pub struct KernelTime {
     pub name: String,
     pub launches: usize,
     pub us: f64,
+    /// The bytes its launches must read (weights and activations), when every launch's
+    /// launcher states them ([`Gpu::note_bytes`]); the kernel's floor is these over the copy
+    /// bandwidth.
+    pub bytes: Option<u64>,
 }
 
 impl Gpu {
@@ -179,6 +186,7 @@ impl Gpu {
             modules,
             funcs: Mutex::new(HashMap::new()),
             profile: Mutex::new(None),
+            next_bytes: Mutex::new(None),
             rec: Mutex::new(None),
         })
     }
@@ -236,19 +244,56 @@ impl Gpu {
             .unwrap_or_default();
         self.sync()?;
         let mut by: HashMap<String, KernelTime> = HashMap::new();
-        for (name, a, b) in recs {
+        for (name, a, b, bytes) in recs {
             let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?;
             let e = by.entry(name.clone()).or_insert(KernelTime {
                 name,
                 launches: 0,
                 us: 0.0,
+                bytes: Some(0),
             });
             e.launches += 1;
             e.us += ms as f64 * 1000.0;
+            e.bytes = e.bytes.zip(bytes).map(|(s, b)| s + b);
         }
         let mut v: Vec<KernelTime> = by.into_values().collect();
         v.sort_by(|a, b| b.us.total_cmp(&a.us));
         Ok(v)
+    }
+
+    /// States the bytes the next launch must read (its weights and activation rows), for the
+    /// profile's floor column; a no-op unless profiling.
+    pub fn note_bytes(&self, bytes: usize) {
+        if self.profiling() {
+            *self.next_bytes.lock().unwrap_or_else(|p| p.into_inner()) = Some(bytes as u64);
+        }
+    }
+
+    /// The device's copy bandwidth in bytes a second (read + write) of a device-to-device copy of
+    /// 256 MiB, best of five: the profile's floor divides each kernel's bytes by it.
+    pub fn copy_bandwidth(&self) -> Result<f64, CudaError> {
+        let n = 256usize << 20;
+        let src = self.zeros::<u8>(n)?;
+        let mut dst = self.zeros::<u8>(n)?;
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let a = self
+                .stream
+                .record_event(flags)
+                .map_err(drv("cuEventRecord"))?;
+            self.stream
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(drv("cuMemcpyDtoD"))?;
+            let b = self
+                .stream
+                .record_event(flags)
+                .map_err(drv("cuEventRecord"))?;
+            self.sync()?;
+            let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))? as f64;
+            best = best.min(ms);
+        }
+        Ok(2.0 * n as f64 / (best.max(1e-6) * 1e-3))
     }
 
     /// Runs `launch` between two events when profiling (the launch! macro's hook).
@@ -272,7 +317,12 @@ impl Gpu {
             .stream
             .record_event(flags)
             .map_err(drv("cuEventRecord"))?;
-        recs.push((name.to_string(), a, b));
+        let bytes = self
+            .next_bytes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        recs.push((name.to_string(), a, b, bytes));
         Ok(())
     }
 

@@ -646,6 +646,7 @@ pub fn product(
         need(k, "y", y.len(), nt * w.rows)?;
         let ri = i32_of(k, w.rows)?;
         let tn = product_module(w.ty)?;
+        gpu.note_bytes(w.rows * w.row_bytes()? + nt * w.act_row_bytes()?);
         launch!(
             gpu,
             &format!("gemv_{tn}"),
@@ -852,6 +853,7 @@ pub fn product_units(
     }
     let (ni, ki, rbi) = (i32_of(k, nt)?, i32_of(k, w0.k)?, i32_of(k, rb)?);
     let (wb, xb) = (u64_of(wrb), u64_of(xrb));
+    gpu.note_bytes(total * wrb + nt * xrb);
     launch!(
         gpu,
         &format!("gemv_{tn}"),
@@ -1080,6 +1082,10 @@ pub fn hc_mix_fused(
     );
     let eps = hc.eps;
     let blocks = (rows * st) as u32;
+    // The rows, the norm's weight (and the combine's y and inj).
+    gpu.note_bytes(
+        4 * (rows * sh + sh) + matches!(x, MixInput::Combine { .. }) as usize * 4 * rows * (h + st),
+    );
     match x {
         MixInput::Combine { x, y, inj } => {
             need(k, "x", x.len(), rows * sh)?;
@@ -1128,6 +1134,7 @@ pub fn hc_mix_fused(
     let rb = units_rows_per_block(sh / 32, rows, total)
         .ok_or_else(|| bad(k, format!("rows of {sh}")))?;
     let (nii, rbi) = (i32_of(k, n_inj)?, i32_of(k, rb)?);
+    gpu.note_bytes(2 * total * sh + 2 * rows * sh);
     launch!(
         gpu,
         "gemv_bf16",
@@ -1147,6 +1154,8 @@ pub fn hc_mix_fused(
             &inv_s
         ]
     )?;
+    // The up rows, the activation image and the normed rows.
+    gpu.note_bytes(2 * sh * rank + 2 * rows * rank + 4 * rows * sh);
     if hc_up_q4_applies(st, rank, rows) {
         return launch!(
             gpu,
@@ -2412,6 +2421,8 @@ pub fn moe_experts_fused_on(
             units_threads(64 * h / 32).min(gate_up_threads(ex.gate.ty)),
         ),
     };
+    // Each pair's 32-row blocks of gate and up, and its activation row.
+    gpu.note_bytes(np * (2 * ff * gwrb + gxrb));
     launch!(
         gpu,
         &format!("gemv_{gn}"),
@@ -2447,6 +2458,7 @@ pub fn moe_experts_fused_on(
         nt as u32,
         units_threads(ks * rb * ff / 32),
     );
+    gpu.note_bytes(np * (h * dwrb + dxrb));
     match shared {
         None => launch!(
             gpu,

@@ -306,6 +306,7 @@ pub fn gemv(
     let ri = i32_of(k, rows)?;
     let tn = ty.name().to_lowercase();
     let module = format!("gemv_{tn}");
+    gpu.note_bytes(rows * wrb + nt * xrb);
     if optimized(k, variant)? && kk == 2560 {
         launch!(
             gpu,
