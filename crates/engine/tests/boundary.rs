@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use common::tiny_dir;
 use strata_convert::{convert_mtp, ConvertOptions, OutType};
-use strata_engine::backend::{AttnDims, DevicePick, ExpertWeights, StepKey};
+use strata_engine::backend::{AttnDims, DevicePick, DraftMap, DraftSlop, ExpertWeights, StepKey};
 use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
 use strata_engine::kernels::registry;
 use strata_engine::qwen4exp::ops::{GdnParams, HcWeights, QsaSelect};
@@ -47,6 +47,8 @@ struct Log {
     float_downloads: usize,
     id_downloads: usize,
     ids_downloaded: usize,
+    /// Draft rows the device's slop operation edited.
+    slop_pens: usize,
 }
 
 struct Recording {
@@ -148,6 +150,25 @@ impl Backend for Recording {
     fn pick_draft(&self, logits: &CpuBuf) -> R<CpuIds> {
         self.buf("pick_draft", logits);
         self.cpu.pick_draft(logits)
+    }
+    fn pick_draft_mapped(&self, logits: &CpuBuf, map: Option<&DraftMap<CpuIds>>) -> R<CpuIds> {
+        self.buf("pick_draft_mapped", logits);
+        self.cpu.pick_draft_mapped(logits, map)
+    }
+    fn slop_pen_draft(
+        &self,
+        logits: &mut CpuBuf,
+        slop: &DraftSlop<CpuIds, CpuBuf>,
+        prev: Option<&CpuIds>,
+        state: &CpuIds,
+    ) -> R<CpuIds> {
+        self.buf("slop_pen_draft", logits);
+        self.log.lock().unwrap().slop_pens += 1;
+        self.cpu.slop_pen_draft(logits, slop, prev, state)
+    }
+    fn write_ids(&self, dst: &mut CpuIds, at: usize, src: &CpuIds) -> R<()> {
+        self.op("write_ids", at, src.0.len());
+        self.cpu.write_ids(dst, at, src)
     }
     fn copy(&self, x: &CpuBuf) -> R<CpuBuf> {
         self.buf("copy", x);

@@ -8,15 +8,19 @@
 //!
 //! It never touches the trunk: the target ([`super::target`]) hands it the rows to catch up on.
 
+use std::sync::Arc;
 use std::time::Instant;
 
+use crate::backend::{DraftMap, DraftSlop};
 use crate::decode::DraftEdit;
-use crate::error::Result;
-use crate::qwen4exp::mtp::MtpState;
+use crate::error::{EngineError, Result};
+use crate::qwen4exp::mtp::{DraftTokens, MtpState};
 use crate::qwen4exp::ops::Qwen4expOps;
 use crate::qwen4exp::Model;
+use crate::sampler::slop::CompiledSlop;
+use crate::sampler::DraftEdits;
 
-use super::{argmax, softmax_prob, DraftHook, DraftVocab, SpecStats};
+use super::{argmax, softmax_prob, DraftHook, DraftVocab, SpecStats, MAX_WINDOW};
 
 /// The first draft of the next window: the MTP's pre-mixer output at the last consumed
 /// position (one row) and its logits over the draft rows, both still on the device.
@@ -37,10 +41,18 @@ pub(crate) struct MtpDrafter<'m, B: Qwen4expOps> {
     pub(crate) mtp: MtpState<B>,
     min_p: f32,
     vocab: Option<DraftVocab>,
-    /// The draft vocabulary's ids on the device (the LM-head rows a draft computes).
-    draft_rows: Option<B::Ids>,
+    /// The draft vocabulary's ids on the device (the LM-head rows a draft computes, and the
+    /// map of a draft pick to token ids).
+    map: Option<DraftMap<B::Ids>>,
     /// The identity map, for drafts over the full vocabulary.
     full_inverse: Vec<i32>,
+    /// A chain's picks on the device, gathered for one download at its end ([`MAX_WINDOW`]
+    /// slots), and the next draft step's token (one slot, so the step reads it at the same
+    /// address every time: a replaying backend's step stays the same).
+    chain_ids: Option<B::Ids>,
+    next_id: Option<B::Ids>,
+    /// Slop mode 1's tables on the device, for the configuration they were made from.
+    slop: Option<(Arc<CompiledSlop>, DraftSlop<B::Ids, B::Buf>)>,
     next_draft: Option<NextDraft<B>>,
     catchup: Option<Catchup<B>>,
     /// The judge may rewind (slop mode 2): keep each window's first draft, so that a rewind
@@ -72,17 +84,29 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         } else {
             Vec::new()
         };
-        let draft_rows = match &vocab {
-            Some(v) if drafts => Some(model.backend().upload_ids(v.ids())?),
+        let b = model.backend();
+        let map = match &vocab {
+            Some(v) if drafts => Some(DraftMap::new(b, v.ids(), model.config().n_vocab)?),
             _ => None,
+        };
+        let (chain_ids, next_id) = if drafts {
+            (
+                Some(b.upload_ids(&[0; MAX_WINDOW])?),
+                Some(b.upload_ids(&[0])?),
+            )
+        } else {
+            (None, None)
         };
         Ok(MtpDrafter {
             model,
             mtp,
             min_p,
             vocab,
-            draft_rows,
+            map,
             full_inverse,
+            chain_ids,
+            next_id,
+            slop: None,
             next_draft: None,
             catchup: None,
             may_rewind: false,
@@ -110,7 +134,7 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
             return Ok(());
         };
         let t0 = Instant::now();
-        let rows = self.draft_rows.as_ref();
+        let rows = self.map.as_ref().map(|m| &m.dev);
         let (logits, hidden) =
             self.model
                 .mtp_forward_dev(&mut self.mtp, &c.hidden, &c.next, true, rows)?;
@@ -162,10 +186,37 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         (tok, p)
     }
 
+    /// Makes slop mode 1's device tables for `slop` (once per configuration).
+    fn slop_tables(&mut self, slop: &Arc<CompiledSlop>) -> Result<()> {
+        if self.slop.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, slop)) {
+            return Ok(());
+        }
+        let inverse = match &self.vocab {
+            Some(v) => v.inverse_map().to_vec(),
+            None => self.full_inverse.clone(),
+        };
+        let n_draft = self
+            .vocab
+            .as_ref()
+            .map_or(self.model.config().n_vocab, |v| v.len());
+        let t = DraftSlop::new(self.model.backend(), Arc::clone(slop), inverse, n_draft)?;
+        self.slop = Some((Arc::clone(slop), t));
+        Ok(())
+    }
+
     /// The draft chain; each draft's logits get the judge's edits for the history before it
     /// (the consumed tokens, the pending token and the earlier drafts), so a draft never
-    /// proposes what the sampler has removed. When no draft needs an edit and there is no
-    /// floor, each draft is picked on the device and only its id comes back.
+    /// proposes what the sampler has removed.
+    ///
+    /// One decision, per chain, says where the drafts are edited and picked: on the device
+    /// when the edits are none or slop mode 1 ([`DraftEdit::draft_edits`]) and there is no
+    /// draft floor (`min_p` needs the draft's probability). There each draft's logits get
+    /// `slop_pen_draft` (its state carried on the device from the state after the history,
+    /// advanced by each draft), `pick_draft_mapped` gives the token id, and that id feeds the
+    /// next head step on the device: nothing is read between drafts, and the chain's ids come
+    /// back in one download at its end. A hook over the drafts (tests, forced acceptance) sees
+    /// each draft, so it reads each id. Otherwise (penalties, DRY, slop mode 2, a floor) each
+    /// draft's logits are downloaded and edited on the host.
     #[allow(clippy::too_many_arguments)]
     fn chain(
         &mut self,
@@ -183,72 +234,140 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         if max == 0 {
             return Ok(drafts);
         }
-        let b = self.model.backend();
-        let edits = self.penalize && edit.device_pick().is_none();
-        let on_device = !edits && self.min_p == 0.0;
-        let base = position + 1;
-        let mut history = Vec::new();
-        if edits {
-            history.reserve(base + max);
-            history.extend_from_slice(consumed);
-            history.push(pending);
+        if max > MAX_WINDOW {
+            return Err(EngineError::Input(format!(
+                "draft chain: {max} drafts; at most {MAX_WINDOW}"
+            )));
         }
+        let base = position + 1;
+        let mut history = Vec::with_capacity(base + max);
+        history.extend_from_slice(consumed);
+        history.push(pending);
+        let device = if self.min_p > 0.0 {
+            None
+        } else if !self.penalize {
+            Some(DraftEdits::None)
+        } else {
+            edit.draft_edits(&history)
+        };
+        let mut state = None;
+        if let Some(DraftEdits::Slop { slop, state: s0 }) = &device {
+            self.slop_tables(slop)?;
+            let ids = DraftSlop::<B::Ids, B::Buf>::state_ids(s0);
+            state = Some(self.model.backend().upload_ids(&ids)?);
+        }
+        let b = self.model.backend();
+        let tables = match (&device, &self.slop) {
+            (Some(DraftEdits::Slop { .. }), Some((_, t))) => Some(t),
+            _ => None,
+        };
+        // The chain stays on the device: no hook reads its drafts.
+        let stays = device.is_some() && self.hook.is_none();
+        let mut count = 0usize;
+        // The previous draft's id on the device (slop's `prev`), and the next step's token
+        // when it came from the host.
+        let mut prev: Option<B::Ids> = None;
         let mut hidden = first.hidden;
         let mut logits = first.logits;
         loop {
-            let j = drafts.len();
-            let proposed = if on_device {
-                let ids = b.download_ids(&b.pick_draft(&logits)?)?;
-                let i = *ids
-                    .first()
-                    .ok_or_else(|| crate::error::EngineError::shape("pick_draft", "no row"))?
-                    as usize;
-                match &self.vocab {
-                    Some(v) => v.ids().get(i).copied().unwrap_or(0),
-                    None => i as u32,
+            let j = count;
+            let mut next_host = None;
+            if device.is_some() {
+                if let (Some(t), Some(s)) = (tables, state.as_ref()) {
+                    state = Some(b.slop_pen_draft(&mut logits, t, prev.as_ref(), s)?);
+                }
+                let ids = b.pick_draft_mapped(&logits, self.map.as_ref())?;
+                if stays {
+                    let (chain, next) = match (self.chain_ids.as_mut(), self.next_id.as_mut()) {
+                        (Some(c), Some(n)) => (c, n),
+                        _ => return Err(EngineError::shape("draft chain", "no chain buffers")),
+                    };
+                    b.write_ids(chain, j, &ids)?;
+                    b.write_ids(next, 0, &ids)?;
+                    prev = Some(ids);
+                } else {
+                    let proposed = *b
+                        .download_ids(&ids)?
+                        .first()
+                        .ok_or_else(|| EngineError::shape("pick_draft_mapped", "no row"))?;
+                    let tok = match self.hook.as_mut() {
+                        Some(h) => match h.draft(base + j, proposed) {
+                            Some(t) => t,
+                            None => break,
+                        },
+                        None => proposed,
+                    };
+                    drafts.push(tok);
+                    prev = match (tables, tok == proposed) {
+                        (None, _) => None,
+                        (Some(_), true) => Some(ids),
+                        (Some(_), false) => Some(b.upload_ids(&[tok])?),
+                    };
+                    next_host = Some(tok);
                 }
             } else {
                 let mut host = b.download(&logits)?;
-                if edits {
-                    let inverse: &[i32] = match &self.vocab {
-                        Some(v) => v.inverse_map(),
-                        None => &self.full_inverse,
-                    };
-                    edit.edit(&mut host, inverse, base + j, &history);
-                    // Everything removed: no draft can be right.
-                    if !host.iter().any(|&x| x > f32::NEG_INFINITY) {
-                        break;
-                    }
+                let inverse: &[i32] = match &self.vocab {
+                    Some(v) => v.inverse_map(),
+                    None => &self.full_inverse,
+                };
+                edit.edit(&mut host, inverse, base + j, &history);
+                // Everything removed: no draft can be right.
+                if !host.iter().any(|&x| x > f32::NEG_INFINITY) {
+                    break;
                 }
                 let (proposed, p) = self.pick_host(&host);
                 if p < self.min_p {
                     break;
                 }
-                proposed
-            };
-            let tok = match self.hook.as_mut() {
-                Some(h) => match h.draft(base + j, proposed) {
-                    Some(t) => t,
-                    None => break,
-                },
-                None => proposed,
-            };
-            drafts.push(tok);
-            if edits {
+                let tok = match self.hook.as_mut() {
+                    Some(h) => match h.draft(base + j, proposed) {
+                        Some(t) => t,
+                        None => break,
+                    },
+                    None => proposed,
+                };
+                drafts.push(tok);
                 history.push(tok);
+                next_host = Some(tok);
             }
-            if drafts.len() == max {
+            count += 1;
+            if count == max {
                 break;
             }
             let t0 = Instant::now();
-            let rows = self.draft_rows.as_ref();
-            let (lg, hid) =
-                self.model
-                    .mtp_forward_dev(&mut self.mtp, &hidden, &[tok], true, rows)?;
+            let rows = self.map.as_ref().map(|m| &m.dev);
+            let (lg, hid) = match (next_host, self.next_id.as_ref()) {
+                (Some(tok), _) => {
+                    self.model
+                        .mtp_forward_dev(&mut self.mtp, &hidden, &[tok], true, rows)?
+                }
+                (None, Some(next)) => self.model.mtp_forward_from(
+                    &mut self.mtp,
+                    &hidden,
+                    DraftTokens::Device {
+                        ids: next,
+                        from: 0,
+                        n: 1,
+                    },
+                    true,
+                    rows,
+                )?,
+                (None, None) => return Err(EngineError::shape("draft chain", "no next token")),
+            };
             logits = lg;
             hidden = hid;
             stats.draft_steps += 1;
             stats.draft_time += t0.elapsed();
+        }
+        if stays {
+            // The chain's one read: its ids.
+            let chain = self
+                .chain_ids
+                .as_ref()
+                .ok_or_else(|| EngineError::shape("draft chain", "no chain buffer"))?;
+            let ids = b.download_ids(chain)?;
+            drafts.extend_from_slice(&ids[..count]);
         }
         Ok(drafts)
     }
