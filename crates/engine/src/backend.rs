@@ -746,19 +746,7 @@ pub trait Backend: Send + Sync {
         logits: &Self::Buf,
         map: Option<&DraftMap<Self::Ids>>,
     ) -> Result<Self::Ids> {
-        let idx = self.download_ids(&self.pick_draft(logits)?)?;
-        let ids = match map {
-            Some(m) => idx
-                .iter()
-                .map(|&i| {
-                    m.host.get(i as usize).copied().ok_or_else(|| {
-                        EngineError::shape("pick_draft_mapped", format!("index {i}"))
-                    })
-                })
-                .collect::<Result<Vec<u32>>>()?,
-            None => idx,
-        };
-        self.upload_ids(&ids)
+        pick_draft_mapped_on_host(self, logits, map)
     }
 
     /// Slop mode 1 on one row of draft logits, in place (the report's `mtp_slop_pen`; the
@@ -828,6 +816,29 @@ pub fn pick_rows_on_host<B: Backend + ?Sized>(
         .enumerate()
         .map(|(r, row)| crate::sampler::pick_row(pick, row, first_position + r as u64))
         .collect::<Result<Vec<u32>>>()?;
+    b.upload_ids(&ids)
+}
+
+/// [`Backend::pick_draft_mapped`] through the host: [`Backend::pick_draft`], the index
+/// downloaded and mapped by the host copy of the table, the id uploaded (the default).
+pub fn pick_draft_mapped_on_host<B: Backend + ?Sized>(
+    b: &B,
+    logits: &B::Buf,
+    map: Option<&DraftMap<B::Ids>>,
+) -> Result<B::Ids> {
+    let idx = b.download_ids(&b.pick_draft(logits)?)?;
+    let ids = match map {
+        Some(m) => {
+            idx.iter()
+                .map(|&i| {
+                    m.host.get(i as usize).copied().ok_or_else(|| {
+                        EngineError::shape("pick_draft_mapped", format!("index {i}"))
+                    })
+                })
+                .collect::<Result<Vec<u32>>>()?
+        }
+        None => idx,
+    };
     b.upload_ids(&ids)
 }
 

@@ -57,11 +57,7 @@ pub trait Pick {
     /// What `penalize_draft` does to the draft chain after `ctx.history`, when a backend can
     /// do it on the device (none, or slop mode 1): the chain then moves only ids. None (the
     /// default): the drafts are edited on the host.
-    fn draft_edits(
-        &self,
-        ctx: &SampleContext<'_>,
-        slop: Option<&SlopState>,
-    ) -> Option<DraftEdits> {
+    fn draft_edits(&self, ctx: &SampleContext<'_>, slop: Option<&SlopState>) -> Option<DraftEdits> {
         let _ = (ctx, slop);
         None
     }
@@ -88,11 +84,7 @@ impl Pick for Sampler {
     fn device_pick(&self) -> Option<DevicePick> {
         self.config().device_pick()
     }
-    fn draft_edits(
-        &self,
-        ctx: &SampleContext<'_>,
-        slop: Option<&SlopState>,
-    ) -> Option<DraftEdits> {
+    fn draft_edits(&self, ctx: &SampleContext<'_>, slop: Option<&SlopState>) -> Option<DraftEdits> {
         Sampler::draft_edits(self, ctx, slop)
     }
 }

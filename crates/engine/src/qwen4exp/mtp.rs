@@ -37,7 +37,11 @@ pub fn file_has_head(file: &GgufFile) -> bool {
 /// `from..from + n` of a device id buffer (a draft chain's previous pick).
 pub(crate) enum DraftTokens<'a, B: Backend> {
     Host(&'a [u32]),
-    Device { ids: &'a B::Ids, from: usize, n: usize },
+    Device {
+        ids: &'a B::Ids,
+        from: usize,
+        n: usize,
+    },
 }
 
 impl<B: Backend> DraftTokens<'_, B> {
@@ -403,7 +407,9 @@ impl<B: Qwen4expOps> Model<B> {
             kind: StepKind::Draft,
             rows: n,
             // The tokens' source changes the step's inputs (an upload or a device copy).
-            outputs: (last_only as u32) | ((rows.is_some() as u32) << 1) | ((on_device as u32) << 2),
+            outputs: (last_only as u32)
+                | ((rows.is_some() as u32) << 1)
+                | ((on_device as u32) << 2),
             seq: st.id,
         };
         let out = b.step(key, || {

@@ -188,7 +188,11 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
 
     /// Makes slop mode 1's device tables for `slop` (once per configuration).
     fn slop_tables(&mut self, slop: &Arc<CompiledSlop>) -> Result<()> {
-        if self.slop.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, slop)) {
+        if self
+            .slop
+            .as_ref()
+            .is_some_and(|(c, _)| Arc::ptr_eq(c, slop))
+        {
             return Ok(());
         }
         let inverse = match &self.vocab {
