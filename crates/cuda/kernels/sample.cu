@@ -365,9 +365,10 @@ pick_rows(const float* logits, int nv, unsigned int* out, int nan_err, unsigned 
 // (the catalogue's pick; every value −∞ or NaN: index 0); `map` (`mapped` != 0) turns the
 // index into the draft vocabulary's token id, else the index is the token. The index is below
 // `nv` and the map's ids were checked against the vocabulary on the host, so the id is valid.
+// `vals` gets the picked logit's bits (−∞ or NaN: every draft logit was removed).
 extern "C" __global__ void __launch_bounds__(1024)
 pick_draft_map(const float* logits, int nv, const unsigned int* map, int mapped,
-               unsigned int* out) {
+               unsigned int* out, unsigned int* vals) {
     grid_dep_sync();
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -379,5 +380,6 @@ pick_draft_map(const float* logits, int nv, const unsigned int* map, int mapped,
     if (threadIdx.x == 0) {
         const unsigned int i = bi == PICK_NONE ? 0u : (unsigned int)bi;
         out[blockIdx.x] = mapped ? map[i] : i;
+        vals[blockIdx.x] = __float_as_uint(l[i]);
     }
 }

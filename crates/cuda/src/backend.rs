@@ -24,7 +24,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
 use strata_engine::backend::{
-    AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, DraftMap, DraftSlop,
+    AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, DraftMap, DraftPick,
+    DraftSlop,
     ExpertWeights, KvType, StepKey, Usage,
 };
 use strata_engine::kernels::ActFmt;
@@ -1835,7 +1836,7 @@ impl Backend for CudaBackend {
         &self,
         logits: &CudaBuf,
         map: Option<&DraftMap<CudaIds>>,
-    ) -> Result<CudaIds> {
+    ) -> Result<DraftPick<CudaIds>> {
         let (rows, nv) = (logits.rows, logits.cols);
         if nv == 0 {
             return Err(EngineError::Input("pick: no draft logits".to_string()));
@@ -1852,8 +1853,12 @@ impl Backend for CudaBackend {
             len: rows,
             data: self.mem::<u32>(rows)?,
         };
+        let mut vals = CudaIds {
+            len: rows,
+            data: self.mem::<u32>(rows)?,
+        };
         if rows == 0 {
-            return Ok(out);
+            return Ok(DraftPick { ids: out, values: vals });
         }
         let nvi = i32::try_from(nv)
             .map_err(|_| shape("pick_draft_mapped", format!("{nv} draft logits")))?;
@@ -1869,10 +1874,14 @@ impl Backend for CudaBackend {
             "sample",
             "pick_draft_map",
             cfg(rows as u32, 1024),
-            [&*logits.data, &nvi, table, &mapped, &mut *out.data]
+            [&*logits.data, &nvi, table, &mapped, &mut *out.data, &mut *vals.data]
         )
         .map_err(dev)?;
-        Ok(out)
+        drop(none);
+        Ok(DraftPick {
+            ids: out,
+            values: vals,
+        })
     }
 
     /// Slop mode 1 on a draft row in place (sample.cu `slop_pen_chain`: `slop_pen_opt` with the

@@ -669,10 +669,12 @@ fn draft_chain_ops_on_cuda_equal_the_cpu() {
         let pg = gpu.pick_draft_mapped(&lg, mg).unwrap();
         let pc = cpu.pick_draft_mapped(&lc, mc).unwrap();
         let mut chain = gpu.upload_ids(&[0; 8]).unwrap();
-        gpu.write_ids(&mut chain, 2, &pg).unwrap();
+        gpu.write_ids(&mut chain, 2, &pg.ids).unwrap();
         let got = gpu.download_ids(&chain).unwrap();
-        assert_eq!(&got[2..5], &pc.0[..], "{nv} draft ids: picks");
+        assert_eq!(&got[2..5], &pc.ids.0[..], "{nv} draft ids: picks");
         assert_eq!((got[..2].to_vec(), got[5..].to_vec()), (vec![0; 2], vec![0; 3]));
+        assert_eq!(gpu.download_ids(&pg.values).unwrap(), pc.values.0, "{nv}: values");
+        assert_eq!(pc.values.0[0], f32::NEG_INFINITY.to_bits(), "the −∞ row");
     }
 }
 

@@ -388,6 +388,19 @@ impl<I> DraftMap<I> {
     }
 }
 
+/// What [`Backend::pick_draft_mapped`] returns: per row, the token id and the picked logit's
+/// bits (as u32 ids, so both stay on the device beside the chain's other ids).
+pub struct DraftPick<I> {
+    pub ids: I,
+    pub values: I,
+}
+
+/// Whether a draft pick's logit (its bits) leaves a draft: any value above −∞ (the host chain
+/// ends at a draft whose every logit the edits removed).
+pub fn draft_alive(value_bits: u32) -> bool {
+    f32::from_bits(value_bits) > f32::NEG_INFINITY
+}
+
 /// Slop mode 1 on the draft logits as device tables (DESIGN.md §5; the catalogue's
 /// `kernels::slop`, the report's `mtp_slop_pen`), made once per drafter and slop
 /// configuration: the compiled configuration (the host code the default runs), the kernel's
@@ -736,16 +749,18 @@ pub trait Backend: Send + Sync {
     }
 
     /// [`Backend::pick_draft`] mapped to full-vocabulary token ids on the device: through the
-    /// draft vocabulary's table `map`, or the index itself (the full vocabulary). Every id it
-    /// returns is a valid token by construction (the pick's index is below the row length, the
-    /// map's entries were checked against the vocabulary when it was made: [`DraftMap::new`]),
-    /// so the ids can feed the next draft step without reaching the host. The default picks
-    /// with [`Backend::pick_draft`], downloads the index and maps it on the host.
+    /// draft vocabulary's table `map`, or the index itself (the full vocabulary), with the
+    /// picked logit's bits beside each id (−∞ or NaN: every draft logit was removed, where the
+    /// host chain stops). Every id it returns is a valid token by construction (the pick's
+    /// index is below the row length, the map's entries were checked against the vocabulary
+    /// when it was made: [`DraftMap::new`]), so the ids can feed the next draft step without
+    /// reaching the host. The default downloads the logits and runs the catalogue's pick on
+    /// the host ([`pick_draft_mapped_on_host`]).
     fn pick_draft_mapped(
         &self,
         logits: &Self::Buf,
         map: Option<&DraftMap<Self::Ids>>,
-    ) -> Result<Self::Ids> {
+    ) -> Result<DraftPick<Self::Ids>> {
         pick_draft_mapped_on_host(self, logits, map)
     }
 
@@ -819,27 +834,34 @@ pub fn pick_rows_on_host<B: Backend + ?Sized>(
     b.upload_ids(&ids)
 }
 
-/// [`Backend::pick_draft_mapped`] through the host: [`Backend::pick_draft`], the index
-/// downloaded and mapped by the host copy of the table, the id uploaded (the default).
+/// [`Backend::pick_draft_mapped`] through the host: the logits downloaded, each row picked by
+/// the catalogue's `pick` (`kernels::pick::pick_baseline`) with the map's host ids, the ids and
+/// values uploaded (the default).
 pub fn pick_draft_mapped_on_host<B: Backend + ?Sized>(
     b: &B,
     logits: &B::Buf,
     map: Option<&DraftMap<B::Ids>>,
-) -> Result<B::Ids> {
-    let idx = b.download_ids(&b.pick_draft(logits)?)?;
-    let ids = match map {
-        Some(m) => {
-            idx.iter()
-                .map(|&i| {
-                    m.host.get(i as usize).copied().ok_or_else(|| {
-                        EngineError::shape("pick_draft_mapped", format!("index {i}"))
-                    })
-                })
-                .collect::<Result<Vec<u32>>>()?
-        }
-        None => idx,
-    };
-    b.upload_ids(&ids)
+) -> Result<DraftPick<B::Ids>> {
+    let cols = logits.cols();
+    if cols == 0 {
+        return Err(EngineError::Input("pick: no draft logits".to_string()));
+    }
+    let v = b.download(logits)?;
+    let table: &[i32] = map.map_or(&[], |m| &m.host_i32);
+    let (mut ids, mut values) = (Vec::new(), Vec::new());
+    for row in v.chunks(cols) {
+        let p = crate::kernels::pick::pick_baseline(row, table)?;
+        ids.push(
+            u32::try_from(p.token).map_err(|_| {
+                EngineError::shape("pick_draft_mapped", format!("index {}", p.index))
+            })?,
+        );
+        values.push(p.value.to_bits());
+    }
+    Ok(DraftPick {
+        ids: b.upload_ids(&ids)?,
+        values: b.upload_ids(&values)?,
+    })
 }
 
 /// [`Backend::slop_pen_draft`] on the host: the sampler's code on downloaded logits and state

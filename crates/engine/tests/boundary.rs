@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use common::tiny_dir;
 use strata_convert::{convert_mtp, ConvertOptions, OutType};
 use strata_engine::backend::{
-    AttnDims, DevicePick, DraftMap, DraftSlop, ExpertWeights, StepKey, StepKind,
+    AttnDims, DevicePick, DraftMap, DraftPick, DraftSlop, ExpertWeights, StepKey, StepKind,
 };
 use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
 use strata_engine::generate::{GenOptions, Qwen4expSession};
@@ -31,8 +31,8 @@ use strata_engine::sampler::{
     self, Pick as SamplerPick, SampleContext, Sampler, SamplerConfig, Stage,
 };
 use strata_engine::speculative::guarded;
-use strata_engine::speculative::DraftVocab;
 use strata_engine::speculative::{DraftHook, SpecConfig, SpecDecoder};
+use strata_engine::speculative::{DraftVocab, CHAIN_STEP};
 use strata_engine::{
     Backend, CpuBackend, CpuBuf, CpuWeight, DeviceBuf, EngineError, KvType, Qwen4expOps, Usage,
 };
@@ -175,7 +175,11 @@ impl Backend for Recording {
         self.buf("pick_draft", logits);
         self.cpu.pick_draft(logits)
     }
-    fn pick_draft_mapped(&self, logits: &CpuBuf, map: Option<&DraftMap<CpuIds>>) -> R<CpuIds> {
+    fn pick_draft_mapped(
+        &self,
+        logits: &CpuBuf,
+        map: Option<&DraftMap<CpuIds>>,
+    ) -> R<DraftPick<CpuIds>> {
         self.buf("pick_draft_mapped", logits);
         self.cpu.pick_draft_mapped(logits, map)
     }
@@ -229,7 +233,16 @@ impl Backend for Recording {
     fn step<T: Send>(&self, key: StepKey, f: impl FnOnce() -> R<T> + Send) -> R<T> {
         {
             let mut l = self.log.lock().unwrap();
-            assert!(!l.in_step, "steps do not nest");
+            if l.in_step {
+                // A step inside a step (a draft chain's head steps): part of the outer one,
+                // as a capturing backend records it; the event says where it ran.
+                assert_eq!(key.kind, StepKind::Draft, "only draft steps nest");
+                l.current.push(("step", key.rows, key.outputs as usize));
+                drop(l);
+                let out = f();
+                self.log.lock().unwrap().events.push(Ev::Step(key));
+                return out;
+            }
             l.in_step = true;
             l.current.clear();
         }
@@ -617,8 +630,9 @@ fn a_device_pick_window_moves_only_ids_and_emits_the_plain_tokens() {
                 "{name} window {window}: {} id downloads for one window",
                 log.id_downloads
             );
-            // The drafts' picks (one id each) and the window's (one per row).
-            assert!(log.ids_downloaded <= out.offered + (out.offered + 1));
+            // The drafts' picks (the id and its logit's bits each) and the window's (one per
+            // row).
+            assert!(log.ids_downloaded <= 2 * out.offered + (out.offered + 1));
         }
         assert_eq!(got, want, "{name} window {window}: not the plain tokens");
         let s = dec.stats();
@@ -712,11 +726,13 @@ fn cpu_device_picks_equal_the_host_sampler() {
 
 /// The draft chain behind the boundary (issue "Boundary", point 4; issue "CUDA MTP", point 1,
 /// host side): per draft chain, what happened between the head's catch-up (a draft step with
-/// host tokens) and the next verify pass: the chained draft steps (their tokens on the
-/// device, key bit 2) and every download.
+/// host tokens) and the next verify pass: the chain's step (`CHAIN_STEP`), the head steps
+/// inside it (their tokens on the device, key bit 2) and every download.
 #[derive(Debug, Default)]
 struct Chain {
     device_steps: usize,
+    /// The chain steps (the whole chain as one step) and their rows (drafts).
+    chain_steps: Vec<usize>,
     downloads: Vec<Ev>,
 }
 
@@ -725,6 +741,11 @@ fn chains(events: &[Ev]) -> Vec<Chain> {
     let mut cur: Option<Chain> = None;
     for e in events {
         match e {
+            Ev::Step(k) if k.kind == StepKind::Draft && k.outputs & CHAIN_STEP != 0 => cur
+                .as_mut()
+                .expect("a chain after a catch-up")
+                .chain_steps
+                .push(k.rows),
             Ev::Step(k) if k.kind == StepKind::Draft && k.outputs & 4 == 0 => {
                 cur = Some(Chain::default())
             }
@@ -862,12 +883,25 @@ fn spec_guarded(
     )
     .unwrap();
     let log = m.backend().take();
+    // Capturable: nothing crossed inside a step, and every chain step of one key ran the same
+    // operations on the same shapes (so a capturing backend replays one graph per N).
+    assert!(log.violations.is_empty(), "{:?}", log.violations);
+    let mut traces: HashMap<StepKey, &Trace> = HashMap::new();
+    for (k, t) in log.steps.iter().filter(|(k, _)| k.outputs & CHAIN_STEP != 0) {
+        assert_eq!(*traces.entry(*k).or_insert(t), t, "chain step {k:?}: another trace");
+    }
     let chains = chains(&log.events);
     let drafts = match mode {
         ChainMode::Device => chains
             .iter()
             .filter_map(|c| match c.downloads.first() {
-                Some(Ev::Ids(ids)) => Some(ids[..c.device_steps + 1].to_vec()),
+                // The chain's ids, as long as its picked logits are above −∞.
+                Some(Ev::Ids(ids)) => Some(
+                    (0..c.device_steps + 1)
+                        .take_while(|&j| strata_engine::backend::draft_alive(ids[8 + j]))
+                        .map(|j| ids[j])
+                        .collect::<Vec<u32>>(),
+                ),
                 _ => None,
             })
             .flatten()
@@ -960,6 +994,10 @@ fn a_device_draft_chain_downloads_its_ids_once_and_emits_the_plain_tokens() {
                     c.downloads
                 );
                 assert!(c.device_steps + 1 < window, "{what}: {c:?}");
+                // The whole chain ran as one step of its drafts' rows, the head steps inside.
+                if !c.downloads.is_empty() {
+                    assert_eq!(c.chain_steps, vec![c.device_steps + 1], "{what}: {c:?}");
+                }
             }
             let drafted: usize = with_drafts.iter().map(|c| c.device_steps + 1).sum();
             assert_eq!(drafted as u64, run.offered, "{what}: drafts offered");
@@ -1209,10 +1247,12 @@ fn slop_pen_draft_is_the_samplers_host_code_bit_for_bit() {
 }
 
 /// `pick_draft_mapped` (issue "Boundary", point 4): the CPU's (the catalogue `pick` mapping
-/// through the draft ids) equals the trait's default (the host map) on rows with ties, −∞
-/// rows and NaN; every id it gives is a token of the draft vocabulary (the full vocabulary:
-/// the index), so ids that never reach the host are valid by construction; a map with an id
-/// outside the vocabulary is refused when it is made.
+/// through the draft ids) and the trait's default (the host) give, per row, the token of the
+/// first largest logit (ties to the lower index, NaN never chosen, index 0 when nothing is
+/// above −∞: the oracle written out below) and that logit's bits, on rows with ties, −∞ rows
+/// and NaN; every id is a token of the draft vocabulary (the full vocabulary: the index), so
+/// ids that never reach the host are valid by construction; a map with an id outside the
+/// vocabulary is refused when it is made.
 #[test]
 fn pick_draft_mapped_gives_valid_token_ids() {
     let cpu = CpuBackend::new(1).unwrap();
@@ -1220,31 +1260,55 @@ fn pick_draft_mapped_gives_valid_token_ids() {
     let ids: Vec<u32> = (0..n_vocab as u32).filter(|t| t % 7 == 3).collect();
     let map = DraftMap::new(&cpu, &ids, n_vocab).unwrap();
     let nv = ids.len();
+    let oracle = |row: &[f32]| -> usize {
+        let mut best: Option<usize> = None;
+        for (i, &v) in row.iter().enumerate() {
+            if v > f32::NEG_INFINITY && best.is_none_or(|b| v > row[b]) {
+                best = Some(i);
+            }
+        }
+        best.unwrap_or(0)
+    };
     let mut rng = Lcg(5);
     for case in 0..6 {
         let mut rows: Vec<f32> = (0..3 * nv).map(|_| rng.logit()).collect();
         match case {
             1 => rows.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
-            2 => rows[nv + 5] = f32::NAN,
+            2 => {
+                rows[nv + 5] = f32::NAN;
+                rows[..nv].iter_mut().for_each(|x| *x = f32::NAN);
+            }
             3 => rows.iter_mut().for_each(|x| *x = 1.0),
             _ => {}
         }
         let logits = cpu.upload(3, nv, &rows).unwrap();
-        let got = cpu.pick_draft_mapped(&logits, Some(&map)).unwrap();
-        let want =
-            strata_engine::backend::pick_draft_mapped_on_host(&cpu, &logits, Some(&map)).unwrap();
-        assert_eq!(got, want, "case {case}");
-        assert!(
-            got.0.iter().all(|t| ids.contains(t)),
-            "case {case}: {got:?}"
-        );
-        let full = cpu.pick_draft_mapped(&logits, None).unwrap();
-        assert!(
-            full.0.iter().all(|&i| (i as usize) < nv),
-            "case {case}: {full:?}"
-        );
-        let want = strata_engine::backend::pick_draft_mapped_on_host(&cpu, &logits, None).unwrap();
-        assert_eq!(full, want, "case {case}");
+        let want: Vec<usize> = rows.chunks(nv).map(oracle).collect();
+        let bits: Vec<u32> = want
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| rows[r * nv + i].to_bits())
+            .collect();
+        for (what, map, tokens) in [
+            (
+                "draft vocabulary",
+                Some(&map),
+                want.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+            ),
+            (
+                "full vocabulary",
+                None,
+                want.iter().map(|&i| i as u32).collect(),
+            ),
+        ] {
+            let got = cpu.pick_draft_mapped(&logits, map).unwrap();
+            let dflt =
+                strata_engine::backend::pick_draft_mapped_on_host(&cpu, &logits, map).unwrap();
+            for (who, p) in [("cpu", &got), ("default", &dflt)] {
+                assert_eq!(p.ids.0, tokens, "case {case}, {what}, {who}");
+                assert_eq!(p.values.0, bits, "case {case}, {what}, {who}: values");
+            }
+            assert!(got.ids.0.iter().all(|t| (*t as usize) < n_vocab));
+        }
     }
     let err = DraftMap::new(&cpu, &[3, n_vocab as u32], n_vocab)
         .err()

@@ -1062,22 +1062,26 @@ impl Backend for CpuBackend {
         &self,
         logits: &CpuBuf,
         map: Option<&crate::backend::DraftMap<CpuIds>>,
-    ) -> Result<CpuIds> {
+    ) -> Result<crate::backend::DraftPick<CpuIds>> {
         if logits.cols == 0 {
             return Err(EngineError::Input("pick: no draft logits".to_string()));
         }
-        let ids: &[i32] = map.map_or(&[], |m| &m.host_i32);
+        let table: &[i32] = map.map_or(&[], |m| &m.host_i32);
         let f = self.kernels.pick.get();
-        let ids = (0..logits.rows)
-            .map(|r| {
-                let p = f(logits.row(r), ids)?;
-                // The index is below the row length and the map's ids were checked against
-                // the vocabulary: the token is valid by construction.
-                u32::try_from(p.token)
-                    .map_err(|_| EngineError::shape("pick_draft_mapped", "no token".to_string()))
-            })
-            .collect::<Result<Vec<u32>>>()?;
-        Ok(CpuIds(ids))
+        let (mut ids, mut values) = (Vec::new(), Vec::new());
+        for r in 0..logits.rows {
+            let p = f(logits.row(r), table)?;
+            // The index is below the row length and the map's ids were checked against the
+            // vocabulary: the token is valid by construction.
+            ids.push(u32::try_from(p.token).map_err(|_| {
+                EngineError::shape("pick_draft_mapped", format!("index {}", p.index))
+            })?);
+            values.push(p.value.to_bits());
+        }
+        Ok(crate::backend::DraftPick {
+            ids: CpuIds(ids),
+            values: CpuIds(values),
+        })
     }
 
     /// The catalogue's `slop_pen` (the selected variant) on the row, in place.

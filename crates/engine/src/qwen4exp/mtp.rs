@@ -365,6 +365,16 @@ impl<B: Qwen4expOps> Model<B> {
         self.mtp_forward_from(st, hidden, DraftTokens::Host(next_tokens), last_only, rows)
     }
 
+    /// Refuses, before anything runs, `rows` more head positions than the head's cache holds.
+    pub(crate) fn mtp_check_room(&self, st: &MtpState<B>, rows: usize) -> Result<()> {
+        match &st.layer {
+            LayerState::Attn(cache) => cache.check_room(st.pos + rows),
+            _ => Err(EngineError::Input(
+                "the MTP state holds no attention cache".to_string(),
+            )),
+        }
+    }
+
     /// [`Model::mtp_forward_dev`] whose next tokens are host ids or ids already on the device
     /// (a draft chain's previous pick, embedded on the device: no host round trip). Device ids
     /// are not range-checked here: they never reach the host, and the only ones the chain

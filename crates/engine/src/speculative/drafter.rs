@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::backend::{DraftMap, DraftSlop};
+use crate::backend::{draft_alive, DeviceBuf, DraftMap, DraftSlop, StepKey, StepKind};
 use crate::decode::DraftEdit;
 use crate::error::{EngineError, Result};
 use crate::qwen4exp::mtp::{DraftTokens, MtpState};
@@ -21,6 +21,11 @@ use crate::sampler::slop::CompiledSlop;
 use crate::sampler::DraftEdits;
 
 use super::{argmax, softmax_prob, DraftHook, DraftVocab, SpecStats, MAX_WINDOW};
+
+/// `StepKey::outputs` of a whole draft chain run as one step (bit 3; bit 1: a draft
+/// vocabulary, bit 4: slop mode 1). The head steps inside it keep their own keys' bits
+/// (`qwen4exp::mtp`: bit 2 marks their tokens as device ids).
+pub const CHAIN_STEP: u32 = 1 << 3;
 
 /// The first draft of the next window: the MTP's pre-mixer output at the last consumed
 /// position (one row) and its logits over the draft rows, both still on the device.
@@ -46,11 +51,14 @@ pub(crate) struct MtpDrafter<'m, B: Qwen4expOps> {
     map: Option<DraftMap<B::Ids>>,
     /// The identity map, for drafts over the full vocabulary.
     full_inverse: Vec<i32>,
-    /// A chain's picks on the device, gathered for one download at its end ([`MAX_WINDOW`]
-    /// slots), and the next draft step's token (one slot, so the step reads it at the same
-    /// address every time: a replaying backend's step stays the same).
+    /// A chain's picks on the device, gathered for one download at its end: [`MAX_WINDOW`]
+    /// token ids, then their picked logits' bits. And the next draft step's token (slot 0, so
+    /// the step reads it at the same address every time: a replaying backend's step stays the
+    /// same), with its logit's bits in slot 1 when a hook reads the pick.
     chain_ids: Option<B::Ids>,
     next_id: Option<B::Ids>,
+    /// The first draft's hidden row and logits where the chain step reads them.
+    chain_in: Option<(B::Buf, B::Buf)>,
     /// Slop mode 1's tables on the device, for the configuration they were made from.
     slop: Option<(Arc<CompiledSlop>, DraftSlop<B::Ids, B::Buf>)>,
     next_draft: Option<NextDraft<B>>,
@@ -91,8 +99,8 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         };
         let (chain_ids, next_id) = if drafts {
             (
-                Some(b.upload_ids(&[0; MAX_WINDOW])?),
-                Some(b.upload_ids(&[0])?),
+                Some(b.upload_ids(&[0; 2 * MAX_WINDOW])?),
+                Some(b.upload_ids(&[0; 2])?),
             )
         } else {
             (None, None)
@@ -106,6 +114,7 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
             full_inverse,
             chain_ids,
             next_id,
+            chain_in: None,
             slop: None,
             next_draft: None,
             catchup: None,
@@ -254,61 +263,65 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         } else {
             edit.draft_edits(&history)
         };
-        let mut state = None;
-        if let Some(DraftEdits::Slop { slop, state: s0 }) = &device {
-            self.slop_tables(slop)?;
-            let ids = DraftSlop::<B::Ids, B::Buf>::state_ids(s0);
-            state = Some(self.model.backend().upload_ids(&ids)?);
-        }
-        let b = self.model.backend();
-        let tables = match (&device, &self.slop) {
-            (Some(DraftEdits::Slop { .. }), Some((_, t))) => Some(t),
+        let slop_state = match &device {
+            Some(DraftEdits::Slop { slop, state: s0 }) => {
+                self.slop_tables(slop)?;
+                Some(DraftSlop::<B::Ids, B::Buf>::state_ids(s0))
+            }
             _ => None,
         };
-        // The chain stays on the device: no hook reads its drafts.
-        let stays = device.is_some() && self.hook.is_none();
-        let mut count = 0usize;
-        // The previous draft's id on the device (slop's `prev`), and the next step's token
-        // when it came from the host.
+        if device.is_some() && self.hook.is_none() {
+            return self.chain_on_device(first, max, slop_state, stats);
+        }
+        let b = self.model.backend();
+        let mut state = match &slop_state {
+            Some(s) => Some(b.upload_ids(s)?),
+            None => None,
+        };
+        let tables = match (&slop_state, &self.slop) {
+            (Some(_), Some((_, t))) => Some(t),
+            _ => None,
+        };
+        // The previous draft's id on the device (slop's `prev`).
         let mut prev: Option<B::Ids> = None;
         let mut hidden = first.hidden;
         let mut logits = first.logits;
         loop {
-            let j = count;
-            let mut next_host = None;
-            if device.is_some() {
+            let j = drafts.len();
+            let tok = if device.is_some() {
+                // Edited and picked on the device; the hook reads each pick (the id and its
+                // logit's bits, one read).
                 if let (Some(t), Some(s)) = (tables, state.as_ref()) {
                     state = Some(b.slop_pen_draft(&mut logits, t, prev.as_ref(), s)?);
                 }
-                let ids = b.pick_draft_mapped(&logits, self.map.as_ref())?;
-                if stays {
-                    let (chain, next) = match (self.chain_ids.as_mut(), self.next_id.as_mut()) {
-                        (Some(c), Some(n)) => (c, n),
-                        _ => return Err(EngineError::shape("draft chain", "no chain buffers")),
-                    };
-                    b.write_ids(chain, j, &ids)?;
-                    b.write_ids(next, 0, &ids)?;
-                    prev = Some(ids);
-                } else {
-                    let proposed = *b
-                        .download_ids(&ids)?
-                        .first()
-                        .ok_or_else(|| EngineError::shape("pick_draft_mapped", "no row"))?;
-                    let tok = match self.hook.as_mut() {
-                        Some(h) => match h.draft(base + j, proposed) {
-                            Some(t) => t,
-                            None => break,
-                        },
-                        None => proposed,
-                    };
-                    drafts.push(tok);
-                    prev = match (tables, tok == proposed) {
-                        (None, _) => None,
-                        (Some(_), true) => Some(ids),
-                        (Some(_), false) => Some(b.upload_ids(&[tok])?),
-                    };
-                    next_host = Some(tok);
+                let picked = b.pick_draft_mapped(&logits, self.map.as_ref())?;
+                let next = self
+                    .next_id
+                    .as_mut()
+                    .ok_or_else(|| EngineError::shape("draft chain", "no pick buffer"))?;
+                b.write_ids(next, 0, &picked.ids)?;
+                b.write_ids(next, 1, &picked.values)?;
+                let read = b.download_ids(next)?;
+                let &[proposed, value] = read.as_slice() else {
+                    return Err(EngineError::shape("pick_draft_mapped", "no row"));
+                };
+                // Everything removed: no draft can be right (the host chain's rule).
+                if !draft_alive(value) {
+                    break;
                 }
+                let tok = match self.hook.as_mut() {
+                    Some(h) => match h.draft(base + j, proposed) {
+                        Some(t) => t,
+                        None => break,
+                    },
+                    None => proposed,
+                };
+                prev = match (tables, tok == proposed) {
+                    (None, _) => None,
+                    (Some(_), true) => Some(picked.ids),
+                    (Some(_), false) => Some(b.upload_ids(&[tok])?),
+                };
+                tok
             } else {
                 let mut host = b.download(&logits)?;
                 let inverse: &[i32] = match &self.vocab {
@@ -331,49 +344,124 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
                     },
                     None => proposed,
                 };
-                drafts.push(tok);
                 history.push(tok);
-                next_host = Some(tok);
-            }
-            count += 1;
-            if count == max {
+                tok
+            };
+            drafts.push(tok);
+            if drafts.len() == max {
                 break;
             }
             let t0 = Instant::now();
             let rows = self.map.as_ref().map(|m| &m.dev);
-            let (lg, hid) = match (next_host, self.next_id.as_ref()) {
-                (Some(tok), _) => {
-                    self.model
-                        .mtp_forward_dev(&mut self.mtp, &hidden, &[tok], true, rows)?
-                }
-                (None, Some(next)) => self.model.mtp_forward_from(
-                    &mut self.mtp,
-                    &hidden,
-                    DraftTokens::Device {
-                        ids: next,
-                        from: 0,
-                        n: 1,
-                    },
-                    true,
-                    rows,
-                )?,
-                (None, None) => return Err(EngineError::shape("draft chain", "no next token")),
-            };
+            let (lg, hid) =
+                self.model
+                    .mtp_forward_dev(&mut self.mtp, &hidden, &[tok], true, rows)?;
             logits = lg;
             hidden = hid;
             stats.draft_steps += 1;
             stats.draft_time += t0.elapsed();
         }
-        if stays {
-            // The chain's one read: its ids.
-            let chain = self
-                .chain_ids
-                .as_ref()
-                .ok_or_else(|| EngineError::shape("draft chain", "no chain buffer"))?;
-            let ids = b.download_ids(chain)?;
-            drafts.extend_from_slice(&ids[..count]);
-        }
         Ok(drafts)
+    }
+
+    /// The chain on the device as one step, keyed by its length (a capturing backend records
+    /// it once per `N` and replays it: "a graph per N"): per draft, `slop_pen_draft` (when
+    /// `slop_state`, the state array after the history, is given), `pick_draft_mapped` into
+    /// the chain's slots and the next step's token, and the next head step on that token (a
+    /// step inside the step). The first draft's hidden row and logits are copied to buffers
+    /// of the drafter's first, so the step reads the same addresses whichever catch-up made
+    /// them. Nothing is read until the step is done; then the chain's ids, once.
+    fn chain_on_device(
+        &mut self,
+        first: NextDraft<B>,
+        max: usize,
+        slop_state: Option<Vec<u32>>,
+        stats: &mut SpecStats,
+    ) -> Result<Vec<u32>> {
+        let model = self.model;
+        let b = model.backend();
+        // Every head step's room, before any runs: a step that failed part-way would leave the
+        // head's length ahead of what ran.
+        model.mtp_check_room(&self.mtp, max - 1)?;
+        let fits = |x: &Option<(B::Buf, B::Buf)>| {
+            x.as_ref().is_some_and(|(h, l)| {
+                h.cols() == first.hidden.cols() && l.cols() == first.logits.cols()
+            })
+        };
+        if !fits(&self.chain_in) {
+            self.chain_in = Some((
+                b.zeros(1, first.hidden.cols())?,
+                b.zeros(1, first.logits.cols())?,
+            ));
+        }
+        let (Some((hidden0, logits0)), Some(chain), Some(next)) = (
+            self.chain_in.as_mut(),
+            self.chain_ids.as_mut(),
+            self.next_id.as_mut(),
+        ) else {
+            return Err(EngineError::shape("draft chain", "no chain buffers"));
+        };
+        b.copy_into(hidden0, &first.hidden)?;
+        b.copy_into(logits0, &first.logits)?;
+        let tables = match (&slop_state, &self.slop) {
+            (Some(_), Some((_, t))) => Some(t),
+            _ => None,
+        };
+        let map = self.map.as_ref();
+        let mtp = &mut self.mtp;
+        let key = StepKey {
+            kind: StepKind::Draft,
+            rows: max,
+            outputs: CHAIN_STEP | (map.is_some() as u32) << 1 | (tables.is_some() as u32) << 4,
+            seq: mtp.id,
+        };
+        let t0 = Instant::now();
+        b.step(key, || {
+            let mut state = match &slop_state {
+                Some(s) => Some(b.upload_ids(s)?),
+                None => None,
+            };
+            let mut prev: Option<B::Ids> = None;
+            let mut owned: Option<(B::Buf, B::Buf)> = None;
+            for j in 0..max {
+                let out = {
+                    let (hidden, logits) = match owned.as_mut() {
+                        Some((h, l)) => (&*h, l),
+                        None => (&*hidden0, &mut *logits0),
+                    };
+                    if let (Some(t), Some(s)) = (tables, state.as_ref()) {
+                        state = Some(b.slop_pen_draft(logits, t, prev.as_ref(), s)?);
+                    }
+                    let picked = b.pick_draft_mapped(logits, map)?;
+                    b.write_ids(chain, j, &picked.ids)?;
+                    b.write_ids(chain, MAX_WINDOW + j, &picked.values)?;
+                    b.write_ids(next, 0, &picked.ids)?;
+                    prev = Some(picked.ids);
+                    if j + 1 == max {
+                        break;
+                    }
+                    let tokens = DraftTokens::Device {
+                        ids: &*next,
+                        from: 0,
+                        n: 1,
+                    };
+                    let rows = map.map(|m| &m.dev);
+                    model.mtp_forward_from(mtp, hidden, tokens, true, rows)?
+                };
+                owned = Some((out.1, out.0));
+            }
+            Ok(())
+        })?;
+        stats.draft_steps += max as u64 - 1;
+        stats.draft_time += t0.elapsed();
+        // The chain's one read: its ids and their logits' bits. It ends where the host's
+        // would: at the first draft whose every logit the edits removed (the steps after it
+        // ran for nothing).
+        let ids = b.download_ids(chain)?;
+        let alive = (0..max)
+            .take_while(|&j| draft_alive(ids[MAX_WINDOW + j]))
+            .count();
+        Ok(ids[..alive].to_vec())
     }
 
     /// Whether the head can follow the target back to the window's start (it kept the

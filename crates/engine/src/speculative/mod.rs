@@ -46,6 +46,7 @@ use crate::sampler::{DraftEdits, SampleContext, Sampler};
 pub use crate::kernels::pick::argmax;
 pub use draft_vocab::DraftVocab;
 use drafter::MtpDrafter;
+pub use drafter::CHAIN_STEP;
 use target::{Committed, Target};
 
 /// The largest verify window (rows of one trunk pass).
