@@ -99,8 +99,8 @@ extern "C" __global__ void __launch_bounds__(32) slop_pen_base(SLOP_PARAMS) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) slop_pen_opt(SLOP_PARAMS) {
-    grid_dep_sync();
+// The body of slop_pen_opt (the caller waited for the previous launch: grid_dep_sync).
+__device__ __forceinline__ void slop_pen_opt_body(SLOP_PARAMS) {
     __shared__ int st[SLOP_STATE_LEN];
     __shared__ int cnt[8];
     __shared__ int nkeep;
@@ -215,6 +215,29 @@ extern "C" __global__ void __launch_bounds__(256) slop_pen_opt(SLOP_PARAMS) {
         const int d = draft_of(inverse, banned[i], nv);
         if (d >= 0) logits[d] = NEG_INF;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) slop_pen_opt(SLOP_PARAMS) {
+    grid_dep_sync();
+    slop_pen_opt_body(logits, nv, inverse, pen_ids, pen_vals, n_pen, newline, n_nl, blank, n_bl,
+                      ph_tok, ph_start, ph_pen, n_ph, banned, n_banned, cap_nl, cap_bl, mode, prev,
+                      st_in, st_out);
+}
+
+// slop_pen_opt for a draft chain on the device (Backend::slop_pen_draft): the previous draft's
+// token is read from device memory (`prev_id[0]`, the previous pick's output; −1 as
+// 0xffffffff: none), so the chain needs no host read between drafts.
+extern "C" __global__ void __launch_bounds__(256)
+slop_pen_chain(float* logits, int nv, const int* inverse, const int* pen_ids, const float* pen_vals,
+               int n_pen, const int* newline, int n_nl, const int* blank, int n_bl,
+               const int* ph_tok, const int* ph_start, const float* ph_pen, int n_ph,
+               const int* banned, int n_banned, int cap_nl, int cap_bl, int mode,
+               const int* prev_id, const int* st_in, int* st_out) {
+    grid_dep_sync();
+    const int prev = prev_id[0];
+    slop_pen_opt_body(logits, nv, inverse, pen_ids, pen_vals, n_pen, newline, n_nl, blank, n_bl,
+                      ph_tok, ph_start, ph_pen, n_ph, banned, n_banned, cap_nl, cap_bl, mode, prev,
+                      st_in, st_out);
 }
 
 // ---- pick --------------------------------------------------------------------------------
@@ -334,5 +357,29 @@ pick_rows(const float* logits, int nv, unsigned int* out, int nan_err, unsigned 
     if (threadIdx.x == 0) {
         out[blockIdx.x] = bi == PICK_NONE ? 0u : (unsigned int)bi;
         if (nan && nan_err) atomicOr(err, ERR_NAN_LOGIT);
+    }
+}
+
+// ---- pick_draft_map: pick_rows for draft rows, mapped to token ids (Backend::pick_draft_mapped)
+// One 1024-thread block per row: the largest logit, ties to the lower index, NaN never chosen
+// (the catalogue's pick; every value −∞ or NaN: index 0); `map` (`mapped` != 0) turns the
+// index into the draft vocabulary's token id, else the index is the token. The index is below
+// `nv` and the map's ids were checked against the vocabulary on the host, so the id is valid.
+// `vals` gets the picked logit's bits (−∞ or NaN: every draft logit was removed).
+extern "C" __global__ void __launch_bounds__(1024)
+pick_draft_map(const float* logits, int nv, const unsigned int* map, int mapped,
+               unsigned int* out, unsigned int* vals) {
+    grid_dep_sync();
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float* l = logits + (size_t)blockIdx.x * nv;
+    float bv = NEG_INF;
+    int bi = PICK_NONE;
+    for (int i = threadIdx.x; i < nv; i += 1024) pick_take(l[i], i, bv, bi);
+    pick_block<32>(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        const unsigned int i = bi == PICK_NONE ? 0u : (unsigned int)bi;
+        out[blockIdx.x] = mapped ? map[i] : i;
+        vals[blockIdx.x] = __float_as_uint(l[i]);
     }
 }

@@ -24,8 +24,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
 use strata_engine::backend::{
-    AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, ExpertWeights, KvType,
-    StepKey, Usage,
+    AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, DraftMap, DraftPick,
+    DraftSlop,
+    ExpertWeights, KvType, StepKey, Usage,
 };
 use strata_engine::kernels::ActFmt;
 use strata_engine::qwen4exp::ops::{
@@ -1827,6 +1828,154 @@ impl Backend for CudaBackend {
 
     fn pick_draft(&self, logits: &CudaBuf) -> Result<CudaIds> {
         self.pick_on_device(logits, false)
+    }
+
+    /// The draft pick mapped to token ids on the device (sample.cu `pick_draft_map`): only
+    /// the ids exist, on the device, for the next draft step to embed.
+    fn pick_draft_mapped(
+        &self,
+        logits: &CudaBuf,
+        map: Option<&DraftMap<CudaIds>>,
+    ) -> Result<DraftPick<CudaIds>> {
+        let (rows, nv) = (logits.rows, logits.cols);
+        if nv == 0 {
+            return Err(EngineError::Input("pick: no draft logits".to_string()));
+        }
+        if let Some(m) = map {
+            if m.dev.len != nv {
+                return Err(shape(
+                    "pick_draft_mapped",
+                    format!("{} map ids for draft rows of {nv}", m.dev.len),
+                ));
+            }
+        }
+        let mut out = CudaIds {
+            len: rows,
+            data: self.mem::<u32>(rows)?,
+        };
+        let mut vals = CudaIds {
+            len: rows,
+            data: self.mem::<u32>(rows)?,
+        };
+        if rows == 0 {
+            return Ok(DraftPick { ids: out, values: vals });
+        }
+        let nvi = i32::try_from(nv)
+            .map_err(|_| shape("pick_draft_mapped", format!("{nv} draft logits")))?;
+        let mapped = map.is_some() as i32;
+        // Without a map the kernel reads none: any id buffer stands in for the pointer.
+        let none = self.err_word();
+        let table: &CudaSlice<u32> = match map {
+            Some(m) => &m.dev.data,
+            None => &none,
+        };
+        kernel!(
+            self.gpu,
+            "sample",
+            "pick_draft_map",
+            cfg(rows as u32, 1024),
+            [&*logits.data, &nvi, table, &mapped, &mut *out.data, &mut *vals.data]
+        )
+        .map_err(dev)?;
+        drop(none);
+        Ok(DraftPick {
+            ids: out,
+            values: vals,
+        })
+    }
+
+    /// Slop mode 1 on a draft row in place (sample.cu `slop_pen_chain`: `slop_pen_opt` with the
+    /// previous draft's token read from the device), the tables uploaded once
+    /// ([`DraftSlop::new`], which validated them), the state carried on the device.
+    fn slop_pen_draft(
+        &self,
+        logits: &mut CudaBuf,
+        slop: &DraftSlop<CudaIds, CudaBuf>,
+        prev: Option<&CudaIds>,
+        state: &CudaIds,
+    ) -> Result<CudaIds> {
+        let k = "slop_pen_draft";
+        if logits.rows != 1 || logits.cols != slop.n_draft {
+            return Err(shape(
+                k,
+                format!(
+                    "logits {}×{} for one row of {} draft logits",
+                    logits.rows, logits.cols, slop.n_draft
+                ),
+            ));
+        }
+        let len = strata_engine::kernels::slop::STATE_LEN;
+        if state.len != len {
+            return Err(shape(k, format!("a state of {} values, expected {len}", state.len)));
+        }
+        let prev = prev.unwrap_or(&slop.no_prev);
+        if prev.len != 1 {
+            return Err(shape(k, format!("{} previous tokens, expected one", prev.len)));
+        }
+        let t = &slop.tables;
+        let i = |what: &str, n: usize| {
+            i32::try_from(n).map_err(|_| shape("slop_pen_draft", format!("{n} {what}")))
+        };
+        let nvi = i(&"draft logits", slop.n_draft)?;
+        let (n_pen, n_nl, n_bl, n_ph) = (
+            i("penalties", t.pen_ids.len())?,
+            i("newline tokens", t.newline.len())?,
+            i("blank tokens", t.blank.len())?,
+            i("phrases", t.n_phrases())?,
+        );
+        let (n_banned, mode) = (0i32, i32::from(slop.compiled.mode()));
+        let mut out = CudaIds {
+            len,
+            data: self.mem::<u32>(len)?,
+        };
+        kernel!(
+            self.gpu,
+            "sample",
+            "slop_pen_chain",
+            cfg(1, 256),
+            [
+                &mut *logits.data,
+                &nvi,
+                &*slop.inverse.data,
+                &*slop.pen_ids.data,
+                &*slop.pen_vals.data,
+                &n_pen,
+                &*slop.newline.data,
+                &n_nl,
+                &*slop.blank.data,
+                &n_bl,
+                &*slop.phrase_tokens.data,
+                &*slop.phrase_start.data,
+                &*slop.phrase_pen.data,
+                &n_ph,
+                &*slop.none.data,
+                &n_banned,
+                &t.cap_newline,
+                &t.cap_blank,
+                &mode,
+                &*prev.data,
+                &*state.data,
+                &mut *out.data
+            ]
+        )
+        .map_err(dev)?;
+        Ok(out)
+    }
+
+    /// A device copy into `dst` at `at` (a recorded copy inside a recorded step).
+    fn write_ids(&self, dst: &mut CudaIds, at: usize, src: &CudaIds) -> Result<()> {
+        if at + src.len > dst.len {
+            return Err(shape(
+                "write_ids",
+                format!("{} ids at {at} of {}", src.len, dst.len),
+            ));
+        }
+        let st = self.gpu.stream();
+        let (d, s) = (
+            record::addr_mut(&mut *dst.data, st),
+            record::addr(&*src.data, st),
+        );
+        self.copy_dev(d + 4 * at as u64, s, 4 * src.len)
     }
 
     fn add_bias(&self, x: &mut CudaBuf, b: &CudaWeight) -> Result<()> {

@@ -531,3 +531,228 @@ fn qwen2_in_the_default_models_formats_on_cuda_matches_the_cpu() {
     eprintln!("qwen2 mixed formats, greedy: {same} of 64 tokens equal before the first difference");
     assert_eq!(tg, tc, "greedy tokens differ from position {same}");
 }
+
+/// A toy vocabulary over `n` ids for the slop tables (the CUDA tests carry no tokenizer):
+/// every 37th id prints as a newline, every 41st (from 1) as a space, the rest as `t<id>`,
+/// which is also how a phrase names a token.
+struct ToyVocab(usize);
+
+impl strata_engine::sampler::vocab::SamplerVocab for ToyVocab {
+    fn n_vocab(&self) -> usize {
+        self.0
+    }
+    fn piece(&self, id: u32) -> Vec<u8> {
+        if id % 37 == 0 {
+            b"\n".to_vec()
+        } else if id % 41 == 1 {
+            b" ".to_vec()
+        } else {
+            format!("t{id}").into_bytes()
+        }
+    }
+    fn encode(&self, text: &str) -> strata_engine::Result<Vec<u32>> {
+        Ok(text
+            .strip_prefix('t')
+            .and_then(|d| d.parse::<u32>().ok())
+            .filter(|&t| (t as usize) < self.0)
+            .into_iter()
+            .collect())
+    }
+}
+
+/// Greedy with slop mode 1 alone over the toy vocabulary: `tokens` penalized (the first
+/// banned), run caps 1 and 2.
+fn slop_mode_1(tokens: &[u32]) -> strata_engine::sampler::SamplerConfig {
+    use strata_engine::sampler::slop::{ListChoice, SlopConfig, SlopEntry};
+    strata_engine::sampler::SamplerConfig {
+        stages: vec![strata_engine::sampler::Stage::Slop(SlopConfig {
+            mode: 1,
+            list: ListChoice::None,
+            entries: tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| SlopEntry {
+                    phrase: format!("t{t}"),
+                    penalty: if i == 0 { f32::INFINITY } else { 3.0 + i as f32 },
+                })
+                .collect(),
+            newline_run_cap: 1,
+            blank_run_cap: 2,
+            ..SlopConfig::default()
+        })],
+        pick: strata_engine::sampler::Pick::Greedy,
+    }
+}
+
+/// Records the head's proposals and keeps them.
+struct Proposals(Arc<std::sync::Mutex<Vec<u32>>>);
+
+impl strata_engine::speculative::DraftHook for Proposals {
+    fn draft(&mut self, _position: usize, proposed: u32) -> Option<u32> {
+        self.0.lock().unwrap().push(proposed);
+        Some(proposed)
+    }
+}
+
+/// The draft chain's device operations on CUDA (issue "CUDA MTP", point 1): `slop_pen_draft`
+/// (sample.cu `slop_pen_chain`, the previous draft read on the device) gives bit for bit the
+/// CPU's draft logits and states over a walk through newline, blank, penalized and other
+/// tokens (full vocabulary and a draft vocabulary of every third id); `pick_draft_mapped`
+/// gives the CPU's token ids; `write_ids` gathers ids.
+#[test]
+fn draft_chain_ops_on_cuda_equal_the_cpu() {
+    use strata_engine::backend::{DraftMap, DraftSlop};
+    use strata_engine::Backend;
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new(1).unwrap();
+    let n = 5000usize;
+    let sampler = strata_engine::sampler::Sampler::with_vocab(
+        slop_mode_1(&[7, 9, 300, 301, 4000]),
+        &ToyVocab(n),
+    )
+    .unwrap();
+    let compiled = Arc::clone(sampler.slop().unwrap());
+    let mut seed = 17u64;
+    let mut next = move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 33) as u32
+    };
+    let walk: Vec<u32> = (0..40)
+        .map(|i| match i % 5 {
+            0 | 1 => 37 * (1 + next() % 100),
+            2 => 41 * (next() % 100) + 1,
+            3 => [7u32, 9, 300, 301, 4000][next() as usize % 5],
+            _ => next() % n as u32,
+        })
+        .collect();
+    let full: Vec<i32> = (0..n as i32).collect();
+    let mut third = vec![-1i32; n];
+    let mut ids = Vec::new();
+    for t in (0..n).step_by(3) {
+        third[t] = ids.len() as i32;
+        ids.push(t as u32);
+    }
+    for inverse in [&full, &third] {
+        let nv = inverse.iter().filter(|&&d| d >= 0).count();
+        let dg = DraftSlop::new(&gpu, Arc::clone(&compiled), inverse.clone(), nv).unwrap();
+        let dc = DraftSlop::new(&cpu, Arc::clone(&compiled), inverse.clone(), nv).unwrap();
+        let s0 = DraftSlop::<strata_engine::cpu::CpuIds, strata_engine::CpuBuf>::state_ids(
+            &Default::default(),
+        );
+        let (mut sg, mut sc) = (gpu.upload_ids(&s0).unwrap(), cpu.upload_ids(&s0).unwrap());
+        let mut removed = 0;
+        for (k, t) in std::iter::once(None).chain(walk.iter().copied().map(Some)).enumerate() {
+            let raw: Vec<f32> = (0..nv).map(|_| (next() % 2000) as f32 / 100.0 - 10.0).collect();
+            let mut lg = gpu.upload(1, nv, &raw).unwrap();
+            let mut lc = cpu.upload(1, nv, &raw).unwrap();
+            let pg = t.map(|t| gpu.upload_ids(&[t]).unwrap());
+            let pc = t.map(|t| cpu.upload_ids(&[t]).unwrap());
+            sg = gpu.slop_pen_draft(&mut lg, &dg, pg.as_ref(), &sg).unwrap();
+            sc = cpu.slop_pen_draft(&mut lc, &dc, pc.as_ref(), &sc).unwrap();
+            let (vg, vc) = (gpu.download(&lg).unwrap(), cpu.download(&lc).unwrap());
+            assert!(bits_eq(&vg, &vc), "{nv} draft ids, step {k}: logits");
+            assert_eq!(gpu.download_ids(&sg).unwrap(), cpu.download_ids(&sc).unwrap(), "step {k}");
+            removed += vc.iter().filter(|x| x.is_infinite()).count();
+        }
+        assert!(removed > 0, "the caps never bit");
+        // The mapped pick over three rows (one all −∞), gathered into one buffer.
+        let map_g = DraftMap::new(&gpu, &ids, n).unwrap();
+        let map_c = DraftMap::new(&cpu, &ids, n).unwrap();
+        let mut rows: Vec<f32> = (0..3 * nv).map(|_| (next() % 999) as f32).collect();
+        rows[..nv].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+        let (lg, lc) = (gpu.upload(3, nv, &rows).unwrap(), cpu.upload(3, nv, &rows).unwrap());
+        let (mg, mc) = if nv == n {
+            (None, None)
+        } else {
+            (Some(&map_g), Some(&map_c))
+        };
+        let pg = gpu.pick_draft_mapped(&lg, mg).unwrap();
+        let pc = cpu.pick_draft_mapped(&lc, mc).unwrap();
+        let mut chain = gpu.upload_ids(&[0; 8]).unwrap();
+        gpu.write_ids(&mut chain, 2, &pg.ids).unwrap();
+        let got = gpu.download_ids(&chain).unwrap();
+        assert_eq!(&got[2..5], &pc.ids.0[..], "{nv} draft ids: picks");
+        assert_eq!((got[..2].to_vec(), got[5..].to_vec()), (vec![0; 2], vec![0; 3]));
+        assert_eq!(gpu.download_ids(&pg.values).unwrap(), pc.values.0, "{nv}: values");
+        assert_eq!(pc.values.0[0], f32::NEG_INFINITY.to_bits(), "the −∞ row");
+    }
+}
+
+/// Speculative decoding under slop mode 1 on CUDA (issue "CUDA MTP", point 2): the tiny
+/// fixture with its head, windows 2..8, the draft chain on the device (edited by
+/// `slop_pen_chain`, picked by `pick_draft_map`, nothing read between drafts) emits the plain
+/// guarded loop's tokens and stop on CUDA; the drafts of the device chain read draft by
+/// draft equal those of the host chain (logits downloaded and edited by the sampler).
+#[test]
+fn slop_mode_1_speculative_equals_plain_on_cuda() {
+    use strata_engine::generate::{GenOptions, Qwen4expSession};
+    use strata_engine::sampler::{guard, Sampler, SamplerConfig};
+    use strata_engine::speculative::guarded;
+    let Some(gpu) = gpu() else { return };
+    let mut m = load(&tiny("model-f32.gguf"), gpu, &LoadOptions::default());
+    let (w, _) = strata_convert::convert_mtp(
+        &tiny("hf"),
+        &strata_convert::ConvertOptions {
+            out_type: strata_convert::OutType::F32,
+            include_shared: false,
+        },
+    )
+    .unwrap();
+    m.attach_mtp(Arc::new(
+        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
+    ))
+    .unwrap();
+    let vocab = ToyVocab(m.config().n_vocab);
+    let prompt = Golden::open(tiny("golden.safetensors")).ids("input_ids")[..30].to_vec();
+    const NEW: usize = 40;
+    let plain = |cfg: &SamplerConfig| {
+        let mut s = Sampler::with_vocab(cfg.clone(), &vocab).unwrap();
+        let g = guard::generate(
+            &mut Qwen4expSession::new(&m).unwrap(),
+            &prompt,
+            &mut s,
+            &|_| false,
+            &GenOptions {
+                max_tokens: NEW,
+                prefill_chunk: 512,
+            },
+            &mut |_| true,
+        )
+        .unwrap();
+        (g.generation.tokens, g.stop)
+    };
+    let free = plain(&SamplerConfig::greedy()).0;
+    let cfg = slop_mode_1(&free[2..6]);
+    let want = plain(&cfg);
+    assert_ne!(want.0, free, "the penalties changed nothing");
+    for window in 2..=8 {
+        let run = |min_p: f32, hook: bool| {
+            let mut s = Sampler::with_vocab(cfg.clone(), &vocab).unwrap();
+            let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let mut d = SpecDecoder::new(
+                &m,
+                SpecConfig {
+                    window,
+                    min_p,
+                    ..SpecConfig::default()
+                },
+            )
+            .unwrap();
+            if hook {
+                d = d.with_draft_hook(Proposals(Arc::clone(&seen)));
+            }
+            let g = guarded::generate(&mut d, &prompt, &mut s, &|_| false, NEW, &mut |_| true)
+                .unwrap();
+            let drafts = seen.lock().unwrap().clone();
+            ((g.tokens, g.stop), drafts)
+        };
+        let (device, _) = run(0.0, false);
+        let (hooked, dev_drafts) = run(0.0, true);
+        let (host, host_drafts) = run(1e-30, true);
+        for (what, got) in [("device", &device), ("hooked", &hooked), ("host", &host)] {
+            assert_eq!(got, &want, "window {window}, {what} chain: not plain");
+        }
+        assert!(!dev_drafts.is_empty());
+        assert_eq!(dev_drafts, host_drafts, "window {window}: device vs host drafts");
+    }
+}

@@ -144,7 +144,33 @@ pub struct StepInputs<B: Backend + ?Sized> {
 impl<B: Backend + ?Sized> StepInputs<B> {
     /// Inputs for `tokens` at positions `start..`, with block starts for each of `ratios`.
     pub fn new(b: &B, tokens: &[u32], start: usize, ratios: &[usize]) -> Result<Self> {
-        let host_positions: Vec<u32> = (start..start + tokens.len())
+        Self::build(b, start, tokens.len(), ratios, |b| b.upload_ids(tokens))
+    }
+
+    /// Inputs for `n` tokens already on the device (entries `from..from + n` of `tokens`:
+    /// the previous draft's pick, which never reached the host) at positions `start..`, with
+    /// block starts for each of `ratios`. The tokens are copied into the step's own inputs (a
+    /// view where the backend has one), so a replaying backend reads them at the step's
+    /// addresses.
+    pub fn with_tokens(
+        b: &B,
+        tokens: &B::Ids,
+        from: usize,
+        n: usize,
+        start: usize,
+        ratios: &[usize],
+    ) -> Result<Self> {
+        Self::build(b, start, n, ratios, |b| b.ids_range(tokens, from, n))
+    }
+
+    fn build(
+        b: &B,
+        start: usize,
+        n: usize,
+        ratios: &[usize],
+        tokens: impl FnOnce(&B) -> Result<B::Ids>,
+    ) -> Result<Self> {
+        let host_positions: Vec<u32> = (start..start + n)
             .map(|p| {
                 u32::try_from(p)
                     .map_err(|_| EngineError::Input(format!("position {p} is too large")))
@@ -158,7 +184,7 @@ impl<B: Backend + ?Sized> StepInputs<B> {
             blocks.push((r, Blocks::new(b, &host_positions, r)?));
         }
         Ok(StepInputs {
-            tokens: b.upload_ids(tokens)?,
+            tokens: tokens(b)?,
             positions: b.upload_ids(&host_positions)?,
             blocks,
             host_positions,
@@ -309,6 +335,160 @@ pub enum DevicePick {
     /// A draw from `softmax(logits / temperature)` with Philox keyed by (seed, position): the
     /// sampler chain `[temperature] → draw` (`temperature` 1 has no stage).
     Draw { seed: u64, temperature: f32 },
+}
+
+/// The draft vocabulary's id table on the device (draft index → full-vocabulary token id),
+/// uploaded once per drafter: the rows of the LM head a draft computes
+/// ([`Backend::matmul_rows`]) and the map of a draft pick ([`Backend::pick_draft_mapped`]).
+/// Generic over the id buffer (not the backend) so that a backend wrapping another (a test's
+/// recording backend) can hand it on.
+pub struct DraftMap<I> {
+    /// The ids on the host (the default methods' map), as given.
+    pub host: Vec<u32>,
+    /// The same ids as the catalogue's `pick` takes them.
+    pub host_i32: Vec<i32>,
+    pub dev: I,
+}
+
+impl<I> DraftMap<I> {
+    /// The map of `ids` (each below `n_vocab`: checked, so a mapped pick can only produce
+    /// valid token ids).
+    pub fn new<B: Backend<Ids = I> + ?Sized>(b: &B, ids: &[u32], n_vocab: usize) -> Result<Self> {
+        if ids.is_empty() {
+            return Err(EngineError::Input(
+                "draft vocabulary: no ids to map".to_string(),
+            ));
+        }
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(EngineError::Input(format!(
+                "draft vocabulary: token {bad} is outside the vocabulary of {n_vocab}"
+            )));
+        }
+        let host_i32 = ids
+            .iter()
+            .map(|&t| {
+                i32::try_from(t).map_err(|_| {
+                    EngineError::Input(format!("draft vocabulary: token {t} is too large"))
+                })
+            })
+            .collect::<Result<Vec<i32>>>()?;
+        Ok(DraftMap {
+            host: ids.to_vec(),
+            host_i32,
+            dev: b.upload_ids(ids)?,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.host.is_empty()
+    }
+}
+
+/// What [`Backend::pick_draft_mapped`] returns: per row, the token id and the picked logit's
+/// bits (as u32 ids, so both stay on the device beside the chain's other ids).
+pub struct DraftPick<I> {
+    pub ids: I,
+    pub values: I,
+}
+
+/// Whether a draft pick's logit (its bits) leaves a draft: any value above −∞ (the host chain
+/// ends at a draft whose every logit the edits removed).
+pub fn draft_alive(value_bits: u32) -> bool {
+    f32::from_bits(value_bits) > f32::NEG_INFINITY
+}
+
+/// Slop mode 1 on the draft logits as device tables (DESIGN.md §5; the catalogue's
+/// `kernels::slop`, the report's `mtp_slop_pen`), made once per drafter and slop
+/// configuration: the compiled configuration (the host code the default runs), the kernel's
+/// tables through the draft vocabulary's inverse map, and those tables on the device (ids as
+/// u32 holding the kernel's i32 bits; −1 is `u32::MAX`). Generic over the buffers, as
+/// [`DraftMap`].
+pub struct DraftSlop<I, F> {
+    pub compiled: std::sync::Arc<crate::sampler::slop::CompiledSlop>,
+    pub tables: crate::kernels::slop::SlopTables,
+    /// Draft logits per row (the draft vocabulary's size).
+    pub n_draft: usize,
+    pub inverse: I,
+    pub pen_ids: I,
+    pub pen_vals: F,
+    pub newline: I,
+    pub blank: I,
+    pub phrase_tokens: I,
+    pub phrase_start: I,
+    pub phrase_pen: F,
+    /// No ids (the banned list, which mode 1 never reads).
+    pub none: I,
+    /// One id, −1: "no previous draft" for a kernel that reads the previous token from the
+    /// device.
+    pub no_prev: I,
+}
+
+impl<I, F> DraftSlop<I, F> {
+    /// The tables of `compiled` (slop mode 1) for draft logits of `n_draft` values, `inverse`
+    /// mapping each full id to its draft index or −1. Checked once here (the kernel's
+    /// `SlopTables::validate`), so the per-draft operation checks only its state.
+    pub fn new<B: Backend<Ids = I, Buf = F> + ?Sized>(
+        b: &B,
+        compiled: std::sync::Arc<crate::sampler::slop::CompiledSlop>,
+        inverse: Vec<i32>,
+        n_draft: usize,
+    ) -> Result<Self> {
+        if compiled.mode() != 1 {
+            return Err(EngineError::Input(format!(
+                "slop mode {} on the device: only mode 1 is a device operation",
+                compiled.mode()
+            )));
+        }
+        let tables = compiled.kernel_tables(inverse);
+        tables
+            .validate(n_draft)
+            .map_err(|e| EngineError::Input(e.to_string()))?;
+        let bits = |v: &[i32]| -> Vec<u32> { v.iter().map(|&x| x as u32).collect() };
+        let vals = |v: &[f32]| b.upload(1, v.len(), v);
+        Ok(DraftSlop {
+            inverse: b.upload_ids(&bits(&tables.inverse))?,
+            pen_ids: b.upload_ids(&bits(&tables.pen_ids))?,
+            pen_vals: vals(&tables.pen_vals)?,
+            newline: b.upload_ids(&bits(&tables.newline))?,
+            blank: b.upload_ids(&bits(&tables.blank))?,
+            phrase_tokens: b.upload_ids(&bits(&tables.phrase_tokens))?,
+            phrase_start: b.upload_ids(&bits(&tables.phrase_start))?,
+            phrase_pen: vals(&tables.phrase_pen)?,
+            none: b.upload_ids(&[])?,
+            no_prev: b.upload_ids(&[u32::MAX])?,
+            compiled,
+            tables,
+            n_draft,
+        })
+    }
+
+    /// The kernel's state array of `s` as the device holds it (u32 holding i32 bits).
+    pub fn state_ids(s: &crate::sampler::slop::TokenState) -> Vec<u32> {
+        crate::sampler::slop::CompiledSlop::kernel_state(s)
+            .into_iter()
+            .map(|x| x as u32)
+            .collect()
+    }
+
+    /// The token state a device state array holds (mode 1: the runs; a malformed array is
+    /// an error naming what is wrong).
+    pub fn token_state(&self, state: &[u32]) -> Result<crate::sampler::slop::TokenState> {
+        let st: Vec<i32> = state.iter().map(|&x| x as i32).collect();
+        self.tables
+            .validate_state(&st)
+            .map_err(|e| EngineError::Input(e.to_string()))?;
+        Ok(crate::sampler::slop::TokenState {
+            newline_run: st[0],
+            blank_run: st[1],
+            matches: (0..st[2] as usize)
+                .map(|i| (st[3 + 2 * i] as u32, st[4 + 2 * i] as u32))
+                .collect(),
+        })
+    }
 }
 
 /// The routed experts of one MoE layer: 3-D stacks, one `[rows, row_len]` slab per expert.
@@ -568,6 +748,56 @@ pub trait Backend: Send + Sync {
         self.upload_ids(&ids)
     }
 
+    /// [`Backend::pick_draft`] mapped to full-vocabulary token ids on the device: through the
+    /// draft vocabulary's table `map`, or the index itself (the full vocabulary), with the
+    /// picked logit's bits beside each id (−∞ or NaN: every draft logit was removed, where the
+    /// host chain stops). Every id it returns is a valid token by construction (the pick's
+    /// index is below the row length, the map's entries were checked against the vocabulary
+    /// when it was made: [`DraftMap::new`]), so the ids can feed the next draft step without
+    /// reaching the host. The default downloads the logits and runs the catalogue's pick on
+    /// the host ([`pick_draft_mapped_on_host`]).
+    fn pick_draft_mapped(
+        &self,
+        logits: &Self::Buf,
+        map: Option<&DraftMap<Self::Ids>>,
+    ) -> Result<DraftPick<Self::Ids>> {
+        pick_draft_mapped_on_host(self, logits, map)
+    }
+
+    /// Slop mode 1 on one row of draft logits, in place (the report's `mtp_slop_pen`; the
+    /// catalogue's `kernels::slop` has the contract): the state array `state` (the kernel's,
+    /// [`DraftSlop::state_ids`]) is first advanced by `prev`, the previous draft's token (a
+    /// one-id buffer; None: the state is already current), then the penalties of the advanced
+    /// state are applied through the inverse map; returns the advanced state. The default is
+    /// the sampler's own host code (`CompiledSlop::advance`, then `DraftCursor::penalize_draft`:
+    /// `Sampler::penalize_draft`'s semantics): the logits, the state and `prev` downloaded,
+    /// edited, uploaded.
+    fn slop_pen_draft(
+        &self,
+        logits: &mut Self::Buf,
+        slop: &DraftSlop<Self::Ids, Self::Buf>,
+        prev: Option<&Self::Ids>,
+        state: &Self::Ids,
+    ) -> Result<Self::Ids> {
+        slop_pen_draft_on_host(self, logits, slop, prev, state)
+    }
+
+    /// `dst[at..at + src.len()] = src` (a draft chain's ids gathered for one download). The
+    /// default goes through the host.
+    fn write_ids(&self, dst: &mut Self::Ids, at: usize, src: &Self::Ids) -> Result<()> {
+        let mut d = self.download_ids(dst)?;
+        let s = self.download_ids(src)?;
+        let slot = d.get_mut(at..at + s.len()).ok_or_else(|| {
+            EngineError::shape(
+                "write_ids",
+                format!("{} ids at {at} of {}", s.len(), dst.len()),
+            )
+        })?;
+        slot.copy_from_slice(&s);
+        *dst = self.upload_ids(&d)?;
+        Ok(())
+    }
+
     /// Dense causal softmax attention (GQA): query row `r` attends to cache rows
     /// `0..=positions[r]`, which `write_kv` wrote at precision `kv` (with F16 the query and the
     /// probabilities take F16 values too).
@@ -602,6 +832,79 @@ pub fn pick_rows_on_host<B: Backend + ?Sized>(
         .map(|(r, row)| crate::sampler::pick_row(pick, row, first_position + r as u64))
         .collect::<Result<Vec<u32>>>()?;
     b.upload_ids(&ids)
+}
+
+/// [`Backend::pick_draft_mapped`] through the host: the logits downloaded, each row picked by
+/// the catalogue's `pick` (`kernels::pick::pick_baseline`) with the map's host ids, the ids and
+/// values uploaded (the default).
+pub fn pick_draft_mapped_on_host<B: Backend + ?Sized>(
+    b: &B,
+    logits: &B::Buf,
+    map: Option<&DraftMap<B::Ids>>,
+) -> Result<DraftPick<B::Ids>> {
+    let cols = logits.cols();
+    if cols == 0 {
+        return Err(EngineError::Input("pick: no draft logits".to_string()));
+    }
+    let v = b.download(logits)?;
+    let table: &[i32] = map.map_or(&[], |m| &m.host_i32);
+    let (mut ids, mut values) = (Vec::new(), Vec::new());
+    for row in v.chunks(cols) {
+        let p = crate::kernels::pick::pick_baseline(row, table)?;
+        ids.push(
+            u32::try_from(p.token).map_err(|_| {
+                EngineError::shape("pick_draft_mapped", format!("index {}", p.index))
+            })?,
+        );
+        values.push(p.value.to_bits());
+    }
+    Ok(DraftPick {
+        ids: b.upload_ids(&ids)?,
+        values: b.upload_ids(&values)?,
+    })
+}
+
+/// [`Backend::slop_pen_draft`] on the host: the sampler's code on downloaded logits and state
+/// (the default, and the reference a backend's kernel keeps the bits of).
+pub fn slop_pen_draft_on_host<B: Backend + ?Sized>(
+    b: &B,
+    logits: &mut B::Buf,
+    slop: &DraftSlop<B::Ids, B::Buf>,
+    prev: Option<&B::Ids>,
+    state: &B::Ids,
+) -> Result<B::Ids> {
+    if logits.rows() != 1 || logits.cols() != slop.n_draft {
+        return Err(EngineError::shape(
+            "slop_pen_draft",
+            format!(
+                "logits {}×{} for one row of {} draft logits",
+                logits.rows(),
+                logits.cols(),
+                slop.n_draft
+            ),
+        ));
+    }
+    let mut s = slop.token_state(&b.download_ids(state)?)?;
+    if let Some(p) = prev {
+        let p = b.download_ids(p)?;
+        let &[tok] = p.as_slice() else {
+            return Err(EngineError::shape(
+                "slop_pen_draft",
+                format!("{} previous tokens, expected one", p.len()),
+            ));
+        };
+        if tok as usize >= slop.tables.inverse.len() {
+            return Err(EngineError::Input(format!(
+                "slop_pen_draft: previous token {tok} is outside the vocabulary"
+            )));
+        }
+        s = slop.compiled.advance(&s, tok);
+    }
+    let mut v = b.download(logits)?;
+    crate::sampler::slop::DraftCursor::new(&slop.compiled, s.clone(), &[])
+        .penalize_draft(&mut v, &slop.tables.inverse);
+    *logits = b.upload(1, v.len(), &v)?;
+    b.upload_ids(&DraftSlop::<B::Ids, B::Buf>::state_ids(&s))
 }
 
 /// [`Backend::rms_norm_prepared`] as the composition of [`Backend::rms_norm`] and

@@ -28,7 +28,7 @@ use crate::error::{EngineError, Result};
 use crate::generate::{GenOptions, StopReason, Timings};
 use crate::sampler::guard::GuardStop;
 use crate::sampler::slop::{Accepted, DeadEnd, SlopState};
-use crate::sampler::{SampleContext, Sampled, Sampler};
+use crate::sampler::{DraftEdits, SampleContext, Sampled, Sampler};
 
 /// Chooses tokens: the sampler chain with an explicit slop state, or a simpler picker.
 pub trait Pick {
@@ -54,6 +54,13 @@ pub trait Pick {
     fn device_pick(&self) -> Option<DevicePick> {
         None
     }
+    /// What `penalize_draft` does to the draft chain after `ctx.history`, when a backend can
+    /// do it on the device (none, or slop mode 1): the chain then moves only ids. None (the
+    /// default): the drafts are edited on the host.
+    fn draft_edits(&self, ctx: &SampleContext<'_>, slop: Option<&SlopState>) -> Option<DraftEdits> {
+        let _ = (ctx, slop);
+        None
+    }
 }
 
 impl Pick for Sampler {
@@ -76,6 +83,9 @@ impl Pick for Sampler {
     }
     fn device_pick(&self) -> Option<DevicePick> {
         self.config().device_pick()
+    }
+    fn draft_edits(&self, ctx: &SampleContext<'_>, slop: Option<&SlopState>) -> Option<DraftEdits> {
+        Sampler::draft_edits(self, ctx, slop)
     }
 }
 
@@ -109,6 +119,13 @@ impl Pick for ByPicker<'_> {
     fn device_pick(&self) -> Option<DevicePick> {
         self.0.device_pick()
     }
+    fn draft_edits(
+        &self,
+        ctx: &SampleContext<'_>,
+        _slop: Option<&SlopState>,
+    ) -> Option<DraftEdits> {
+        self.0.draft_edits(ctx.position as usize, ctx.history)
+    }
 }
 
 /// The draft editor a stepper's drafter calls for each draft (the judge: its pick and slop
@@ -119,6 +136,12 @@ pub trait DraftEdit {
     /// The trunk's pick when it is a device pick and drafts need no edit (no slop state, no
     /// penalties): the drafter may then pick drafts on the device and download only ids.
     fn device_pick(&self) -> Option<DevicePick> {
+        None
+    }
+    /// The edits of the draft chain after `history` when a backend can make them on the device
+    /// ([`Pick::draft_edits`] with the judge's slop state). None: edit on the host.
+    fn draft_edits(&self, history: &[u32]) -> Option<DraftEdits> {
+        let _ = history;
         None
     }
 }
@@ -244,6 +267,15 @@ impl DraftEdit for Judge<'_, '_> {
             Some(_) => None,
             None => self.pick.device_pick(),
         }
+    }
+    fn draft_edits(&self, history: &[u32]) -> Option<DraftEdits> {
+        self.pick.draft_edits(
+            &SampleContext {
+                position: history.len() as u64,
+                history,
+            },
+            self.t.slop.as_ref(),
+        )
     }
 }
 

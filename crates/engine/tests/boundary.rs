@@ -16,20 +16,29 @@ use std::sync::{Arc, Mutex};
 
 use common::tiny_dir;
 use strata_convert::{convert_mtp, ConvertOptions, OutType};
-use strata_engine::backend::{AttnDims, DevicePick, ExpertWeights, StepKey};
+use strata_engine::backend::{
+    AttnDims, DevicePick, DraftMap, DraftPick, DraftSlop, ExpertWeights, StepKey, StepKind,
+};
 use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
+use strata_engine::generate::{GenOptions, Qwen4expSession};
 use strata_engine::kernels::registry;
 use strata_engine::qwen4exp::ops::{GdnParams, HcWeights, QsaSelect};
 use strata_engine::qwen4exp::{LoadOptions, Model, Want};
+use strata_engine::sampler::guard::{self, GuardStop};
+use strata_engine::sampler::slop::{ListChoice, SlopConfig, SlopEntry};
+use strata_engine::sampler::vocab::SamplerVocab;
 use strata_engine::sampler::{
     self, Pick as SamplerPick, SampleContext, Sampler, SamplerConfig, Stage,
 };
+use strata_engine::speculative::guarded;
 use strata_engine::speculative::{DraftHook, SpecConfig, SpecDecoder};
+use strata_engine::speculative::{DraftVocab, CHAIN_STEP};
 use strata_engine::{
     Backend, CpuBackend, CpuBuf, CpuWeight, DeviceBuf, EngineError, KvType, Qwen4expOps, Usage,
 };
 use strata_gguf::{GgufFile, TensorInfo};
 use strata_quant::GgmlType;
+use strata_tokenizer::Tokenizer;
 
 /// One operation of a step: its name and the shape of what it produced (or was given).
 type Trace = Vec<(&'static str, usize, usize)>;
@@ -47,6 +56,18 @@ struct Log {
     float_downloads: usize,
     id_downloads: usize,
     ids_downloaded: usize,
+    /// Draft rows the device's slop operation edited.
+    slop_pens: usize,
+    /// Steps and downloads in order (the draft chain test reads what crossed between steps).
+    events: Vec<Ev>,
+}
+
+/// A step (its key) or a download (of a float buffer, or of an id vector with its ids).
+#[derive(Clone, Debug)]
+enum Ev {
+    Step(StepKey),
+    Floats,
+    Ids(Vec<u32>),
 }
 
 struct Recording {
@@ -127,7 +148,11 @@ impl Backend for Recording {
     }
     fn download(&self, x: &CpuBuf) -> R<Vec<f32>> {
         self.host("download");
-        self.log.lock().unwrap().float_downloads += 1;
+        {
+            let mut l = self.log.lock().unwrap();
+            l.float_downloads += 1;
+            l.events.push(Ev::Floats);
+        }
         self.cpu.download(x)
     }
     fn download_ids(&self, ids: &CpuIds) -> R<Vec<u32>> {
@@ -136,6 +161,7 @@ impl Backend for Recording {
             let mut l = self.log.lock().unwrap();
             l.id_downloads += 1;
             l.ids_downloaded += ids.0.len();
+            l.events.push(Ev::Ids(ids.0.clone()));
         }
         self.cpu.download_ids(ids)
     }
@@ -148,6 +174,29 @@ impl Backend for Recording {
     fn pick_draft(&self, logits: &CpuBuf) -> R<CpuIds> {
         self.buf("pick_draft", logits);
         self.cpu.pick_draft(logits)
+    }
+    fn pick_draft_mapped(
+        &self,
+        logits: &CpuBuf,
+        map: Option<&DraftMap<CpuIds>>,
+    ) -> R<DraftPick<CpuIds>> {
+        self.buf("pick_draft_mapped", logits);
+        self.cpu.pick_draft_mapped(logits, map)
+    }
+    fn slop_pen_draft(
+        &self,
+        logits: &mut CpuBuf,
+        slop: &DraftSlop<CpuIds, CpuBuf>,
+        prev: Option<&CpuIds>,
+        state: &CpuIds,
+    ) -> R<CpuIds> {
+        self.buf("slop_pen_draft", logits);
+        self.log.lock().unwrap().slop_pens += 1;
+        self.cpu.slop_pen_draft(logits, slop, prev, state)
+    }
+    fn write_ids(&self, dst: &mut CpuIds, at: usize, src: &CpuIds) -> R<()> {
+        self.op("write_ids", at, src.0.len());
+        self.cpu.write_ids(dst, at, src)
     }
     fn copy(&self, x: &CpuBuf) -> R<CpuBuf> {
         self.buf("copy", x);
@@ -184,7 +233,16 @@ impl Backend for Recording {
     fn step<T: Send>(&self, key: StepKey, f: impl FnOnce() -> R<T> + Send) -> R<T> {
         {
             let mut l = self.log.lock().unwrap();
-            assert!(!l.in_step, "steps do not nest");
+            if l.in_step {
+                // A step inside a step (a draft chain's head steps): part of the outer one,
+                // as a capturing backend records it; the event says where it ran.
+                assert_eq!(key.kind, StepKind::Draft, "only draft steps nest");
+                l.current.push(("step", key.rows, key.outputs as usize));
+                drop(l);
+                let out = f();
+                self.log.lock().unwrap().events.push(Ev::Step(key));
+                return out;
+            }
             l.in_step = true;
             l.current.clear();
         }
@@ -193,6 +251,7 @@ impl Backend for Recording {
         l.in_step = false;
         let trace = std::mem::take(&mut l.current);
         l.steps.push((key, trace));
+        l.events.push(Ev::Step(key));
         out
     }
     fn add_assign(&self, x: &mut CpuBuf, y: &CpuBuf) -> R<()> {
@@ -571,8 +630,9 @@ fn a_device_pick_window_moves_only_ids_and_emits_the_plain_tokens() {
                 "{name} window {window}: {} id downloads for one window",
                 log.id_downloads
             );
-            // The drafts' picks (one id each) and the window's (one per row).
-            assert!(log.ids_downloaded <= out.offered + (out.offered + 1));
+            // The drafts' picks (the id and its logit's bits each) and the window's (one per
+            // row).
+            assert!(log.ids_downloaded <= 2 * out.offered + (out.offered + 1));
         }
         assert_eq!(got, want, "{name} window {window}: not the plain tokens");
         let s = dec.stats();
@@ -662,4 +722,596 @@ fn cpu_device_picks_equal_the_host_sampler() {
     let buf = cpu.upload(rows.len(), 5, &nan).unwrap();
     let got = cpu.pick_draft(&buf).unwrap().0;
     assert_eq!(got, vec![1, 0, 0, 2]);
+}
+
+/// The draft chain behind the boundary (issue "Boundary", point 4; issue "CUDA MTP", point 1,
+/// host side): per draft chain, what happened between the head's catch-up (a draft step with
+/// host tokens) and the next verify pass: the chain's step (`CHAIN_STEP`), the head steps
+/// inside it (their tokens on the device, key bit 2) and every download.
+#[derive(Debug, Default)]
+struct Chain {
+    device_steps: usize,
+    /// The chain steps (the whole chain as one step) and their rows (drafts).
+    chain_steps: Vec<usize>,
+    downloads: Vec<Ev>,
+}
+
+fn chains(events: &[Ev]) -> Vec<Chain> {
+    let mut out = Vec::new();
+    let mut cur: Option<Chain> = None;
+    for e in events {
+        match e {
+            Ev::Step(k) if k.kind == StepKind::Draft && k.outputs & CHAIN_STEP != 0 => cur
+                .as_mut()
+                .expect("a chain after a catch-up")
+                .chain_steps
+                .push(k.rows),
+            Ev::Step(k) if k.kind == StepKind::Draft && k.outputs & 4 == 0 => {
+                cur = Some(Chain::default())
+            }
+            Ev::Step(k) if k.kind == StepKind::Draft => {
+                cur.as_mut()
+                    .expect("a chained draft step after a catch-up")
+                    .device_steps += 1
+            }
+            Ev::Step(k) if k.kind == StepKind::Forward => out.extend(cur.take()),
+            Ev::Step(_) => {}
+            d => {
+                if let Some(c) = cur.as_mut() {
+                    c.downloads.push(d.clone())
+                }
+            }
+        }
+    }
+    out
+}
+
+fn tokenizer_of(path: &std::path::Path) -> Tokenizer {
+    Tokenizer::from_gguf(&GgufFile::open(path).unwrap()).unwrap()
+}
+
+/// Greedy with slop mode 1 alone (so the drafts' edits are a device operation): the entries
+/// penalize (and one bans) tokens of the model's own free output, and the run caps are low.
+fn slop_mode_1(entries: &[(String, f32)]) -> SamplerConfig {
+    SamplerConfig {
+        stages: vec![Stage::Slop(SlopConfig {
+            mode: 1,
+            list: ListChoice::None,
+            entries: entries
+                .iter()
+                .map(|(p, v)| SlopEntry {
+                    phrase: p.clone(),
+                    penalty: *v,
+                })
+                .collect(),
+            newline_run_cap: 1,
+            blank_run_cap: 2,
+            ..SlopConfig::default()
+        })],
+        pick: SamplerPick::Greedy,
+    }
+}
+
+/// Plain decoding under `cfg` (the oracle: one token per step, picked by the host sampler
+/// with the sequence's slop state): tokens and stop.
+fn plain_guarded<B: Qwen4expOps>(
+    m: &Model<B>,
+    tok: &Tokenizer,
+    cfg: &SamplerConfig,
+    prompt: &[u32],
+    new: usize,
+) -> (Vec<u32>, GuardStop) {
+    let mut sampler = Sampler::with_vocab(cfg.clone(), tok).unwrap();
+    let g = guard::generate(
+        &mut Qwen4expSession::new(m).unwrap(),
+        prompt,
+        &mut sampler,
+        // No end-of-generation token: the runs are long enough to hold many windows.
+        &|_| false,
+        &GenOptions {
+            max_tokens: new,
+            prefill_chunk: 512,
+        },
+        &mut |_| true,
+    )
+    .unwrap();
+    (g.generation.tokens, g.stop)
+}
+
+/// Records the head's proposals and keeps them (the chain then reads each draft).
+struct Proposals(Arc<Mutex<Vec<u32>>>);
+
+impl DraftHook for Proposals {
+    fn draft(&mut self, _position: usize, proposed: u32) -> Option<u32> {
+        self.0.lock().unwrap().push(proposed);
+        Some(proposed)
+    }
+}
+
+/// How a speculative run's draft chain is driven.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum ChainMode {
+    /// On the device, nothing read between drafts.
+    Device,
+    /// Edited and picked on the device, each draft read by a hook.
+    DeviceHooked,
+    /// Logits downloaded and edited on the host (a draft floor too small to cut anything).
+    Host,
+}
+
+struct SpecRun {
+    tokens: Vec<u32>,
+    stop: GuardStop,
+    /// The drafts in the order they were proposed.
+    drafts: Vec<u32>,
+    offered: u64,
+    chains: Vec<Chain>,
+    slop_pens: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn spec_guarded(
+    m: &Model<Recording>,
+    tok: &Tokenizer,
+    cfg: &SamplerConfig,
+    prompt: &[u32],
+    new: usize,
+    window: usize,
+    mode: ChainMode,
+    draft_vocab: Option<DraftVocab>,
+) -> SpecRun {
+    let mut sampler = Sampler::with_vocab(cfg.clone(), tok).unwrap();
+    let proposals = Arc::new(Mutex::new(Vec::new()));
+    let spec = SpecConfig {
+        window,
+        min_p: if mode == ChainMode::Host { 1e-30 } else { 0.0 },
+        draft_vocab,
+    };
+    let mut dec = SpecDecoder::new(m, spec).unwrap();
+    if mode != ChainMode::Device {
+        dec = dec.with_draft_hook(Proposals(Arc::clone(&proposals)));
+    }
+    m.backend().take();
+    let g = guarded::generate(
+        &mut dec,
+        prompt,
+        &mut sampler,
+        // No end-of-generation token: the runs are long enough to hold many windows.
+        &|_| false,
+        new,
+        &mut |_| true,
+    )
+    .unwrap();
+    let log = m.backend().take();
+    // Capturable: nothing crossed inside a step, and every chain step of one key ran the same
+    // operations on the same shapes (so a capturing backend replays one graph per N).
+    assert!(log.violations.is_empty(), "{:?}", log.violations);
+    let mut traces: HashMap<StepKey, &Trace> = HashMap::new();
+    for (k, t) in log.steps.iter().filter(|(k, _)| k.outputs & CHAIN_STEP != 0) {
+        assert_eq!(*traces.entry(*k).or_insert(t), t, "chain step {k:?}: another trace");
+    }
+    let chains = chains(&log.events);
+    let drafts = match mode {
+        ChainMode::Device => chains
+            .iter()
+            .filter_map(|c| match c.downloads.first() {
+                // The chain's ids, as long as its picked logits are above −∞.
+                Some(Ev::Ids(ids)) => Some(
+                    (0..c.device_steps + 1)
+                        .take_while(|&j| strata_engine::backend::draft_alive(ids[8 + j]))
+                        .map(|j| ids[j])
+                        .collect::<Vec<u32>>(),
+                ),
+                _ => None,
+            })
+            .flatten()
+            .collect(),
+        _ => proposals.lock().unwrap().clone(),
+    };
+    SpecRun {
+        tokens: g.tokens,
+        stop: g.stop,
+        drafts,
+        offered: dec.stats().offered.iter().sum(),
+        chains,
+        slop_pens: log.slop_pens,
+    }
+}
+
+/// Entries for [`slop_mode_1`] from the free greedy output: three of its tokens (trimmed text),
+/// penalized by 4 and 8 and banned.
+fn entries_from(tok: &Tokenizer, free: &[u32]) -> Vec<(String, f32)> {
+    let mut out: Vec<(String, f32)> = Vec::new();
+    for &t in free {
+        let Ok(s) = String::from_utf8(tok.piece(t)) else {
+            continue;
+        };
+        let s = s.trim().to_string();
+        if s.is_empty() || out.iter().any(|(p, _)| *p == s) {
+            continue;
+        }
+        let pen = [4.0, 8.0, f32::INFINITY][out.len()];
+        out.push((s, pen));
+        if out.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(out.len(), 3, "three tokens to penalize in {free:?}");
+    out
+}
+
+/// The draft chain moves only ids (issue "Boundary", point 4; "CUDA MTP", point 1): greedy and
+/// greedy under slop mode 1, windows 2, 4 and 8, with the head's own drafts. Every chain
+/// downloads exactly one id vector — after its last draft step, so nothing between drafts —
+/// and no float buffer; its drafts' slop edits ran as the device operation; the emitted
+/// tokens and the stop are plain decoding's (the oracle: the host sampler one token per step).
+#[test]
+fn a_device_draft_chain_downloads_its_ids_once_and_emits_the_plain_tokens() {
+    let model = with_head(load(Recording::new(), &LoadOptions::default()));
+    let tok = tokenizer_of(&tiny_dir().join("model-f32.gguf"));
+    let prompt: Vec<u32> =
+        common::Golden::open(tiny_dir().join("golden.safetensors")).ids("input_ids")[..30].to_vec();
+    const NEW: usize = 32;
+    let greedy = SamplerConfig::greedy();
+    let (free, _) = plain_guarded(&model, &tok, &greedy, &prompt, NEW);
+    let slop = slop_mode_1(&entries_from(&tok, &free));
+    for (name, cfg) in [("greedy", &greedy), ("slop mode 1", &slop)] {
+        let want = plain_guarded(&model, &tok, cfg, &prompt, NEW);
+        if name != "greedy" {
+            assert_ne!(want.0, free, "{name}: the penalties changed nothing");
+        }
+        for window in [2usize, 4, 8] {
+            let what = format!("{name} window {window}");
+            let run = spec_guarded(
+                &model,
+                &tok,
+                cfg,
+                &prompt,
+                NEW,
+                window,
+                ChainMode::Device,
+                None,
+            );
+            assert_eq!(
+                (&run.tokens, &run.stop),
+                (&want.0, &want.1),
+                "{what}: not plain"
+            );
+            let with_drafts: Vec<&Chain> = run
+                .chains
+                .iter()
+                .filter(|c| !c.downloads.is_empty())
+                .collect();
+            assert!(
+                with_drafts.len() >= 3,
+                "{what}: {} chains",
+                with_drafts.len()
+            );
+            for c in &run.chains {
+                assert!(
+                    c.downloads.len() <= 1 && c.downloads.iter().all(|d| matches!(d, Ev::Ids(_))),
+                    "{what}: a chain downloaded {:?}",
+                    c.downloads
+                );
+                assert!(c.device_steps + 1 < window, "{what}: {c:?}");
+                // The whole chain ran as one step of its drafts' rows, the head steps inside.
+                if !c.downloads.is_empty() {
+                    assert_eq!(c.chain_steps, vec![c.device_steps + 1], "{what}: {c:?}");
+                }
+            }
+            let drafted: usize = with_drafts.iter().map(|c| c.device_steps + 1).sum();
+            assert_eq!(drafted as u64, run.offered, "{what}: drafts offered");
+            if window > 2 {
+                assert!(
+                    with_drafts.iter().any(|c| c.device_steps > 0),
+                    "{what}: no chain fed a pick to the next draft step"
+                );
+            }
+            let pens = if name == "greedy" { 0 } else { drafted };
+            assert_eq!(run.slop_pens, pens, "{what}: slop edits on the device");
+        }
+    }
+}
+
+/// Slop mode 1 on the device chain is the host's (issue "Boundary", point 4): on the tiny
+/// fixture (full vocabulary) and, when present, the small one (a draft vocabulary of 400
+/// ids), greedy windows 3 and 6: the drafts of the device chain (nothing read between them),
+/// of the device chain read draft by draft, and of the host chain (logits downloaded, edited by
+/// `Sampler::penalize_draft`) are the same tokens, and every run emits plain decoding's.
+#[test]
+fn slop_mode_1_drafts_on_the_device_equal_the_host_chain() {
+    let mut cases = vec![(
+        with_head(load(Recording::new(), &LoadOptions::default())),
+        tiny_dir().join("model-f32.gguf"),
+        None,
+    )];
+    if let Some(dir) = common::small_dir() {
+        let path = dir.join("q8_0.gguf");
+        let mut m = Model::load(&path, Recording::new(), &LoadOptions::default()).unwrap();
+        let (w, _) = convert_mtp(
+            &dir.join("hf"),
+            &ConvertOptions {
+                out_type: OutType::F32,
+                include_shared: true,
+            },
+        )
+        .unwrap();
+        m.attach_mtp(Arc::new(
+            GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
+        ))
+        .unwrap();
+        let n = m.config().n_vocab as u32;
+        // Every id the prompt region and the low ids use, and every other one above.
+        let ids: Vec<u32> = (0..n)
+            .filter(|&t| t < 200 || t % 3 == 0)
+            .take(400)
+            .collect();
+        cases.push((
+            m,
+            path,
+            Some(DraftVocab::new(ids, n as usize, "test").unwrap()),
+        ));
+    }
+    for (model, path, vocab) in cases {
+        let tok = tokenizer_of(&path);
+        let g = path.with_file_name("golden.safetensors");
+        let prompt: Vec<u32> = common::Golden::open(g).ids("input_ids")[..24].to_vec();
+        const NEW: usize = 28;
+        let (free, _) = plain_guarded(&model, &tok, &SamplerConfig::greedy(), &prompt, NEW);
+        let cfg = slop_mode_1(&entries_from(&tok, &free));
+        let want = plain_guarded(&model, &tok, &cfg, &prompt, NEW);
+        for window in [3usize, 6] {
+            let what = format!("{} window {window}", path.display());
+            let run = |mode| {
+                spec_guarded(
+                    &model,
+                    &tok,
+                    &cfg,
+                    &prompt,
+                    NEW,
+                    window,
+                    mode,
+                    vocab.clone(),
+                )
+            };
+            let device = run(ChainMode::Device);
+            let hooked = run(ChainMode::DeviceHooked);
+            let host = run(ChainMode::Host);
+            for r in [&device, &hooked, &host] {
+                assert_eq!(
+                    (&r.tokens, &r.stop),
+                    (&want.0, &want.1),
+                    "{what}: not plain"
+                );
+            }
+            assert!(
+                device.drafts.len() >= 8,
+                "{what}: {} drafts",
+                device.drafts.len()
+            );
+            assert_eq!(
+                device.drafts, host.drafts,
+                "{what}: device chain vs host chain"
+            );
+            assert_eq!(
+                hooked.drafts, host.drafts,
+                "{what}: hooked chain vs host chain"
+            );
+            assert!(device.slop_pens > 0 && host.slop_pens == 0, "{what}");
+        }
+    }
+}
+
+/// A small deterministic generator for the op tests below.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) as u32
+    }
+    fn logit(&mut self) -> f32 {
+        (self.next() % 2000) as f32 / 100.0 - 10.0
+    }
+}
+
+/// `slop_pen_draft` (issue "Boundary", point 4): the CPU's operation (the catalogue kernel
+/// `kernels::slop`; its two variants agree bitwise by the kernel's own tests) gives bit for bit the draft logits and the state of the
+/// trait's default (the sampler's host code) and of `Sampler::penalize_draft` on a host copy
+/// with the sequence's slop state after the same tokens — the oracle the drafter used before.
+/// The built-in list compiled against the tiny vocabulary, caps 1 and 2, a walk through
+/// newline, blank, penalized and other tokens; the full vocabulary and a draft vocabulary of
+/// every other id. The walk must remove tokens (caps) and lower others (penalties), or the
+/// test could not fail.
+#[test]
+fn slop_pen_draft_is_the_samplers_host_code_bit_for_bit() {
+    let tok = tokenizer_of(&tiny_dir().join("model-f32.gguf"));
+    let n = tok.n_vocab();
+    let cfg = SamplerConfig {
+        stages: vec![Stage::Slop(SlopConfig {
+            mode: 1,
+            list: ListChoice::Default,
+            entries: [(40u32, f32::INFINITY), (41, 2.5), (45, 0.75), (50, 3.0)]
+                .iter()
+                .map(|&(t, penalty)| SlopEntry {
+                    phrase: String::from_utf8_lossy(&tok.piece(t)).trim().to_string(),
+                    penalty,
+                })
+                .collect(),
+            newline_run_cap: 1,
+            blank_run_cap: 2,
+            ..SlopConfig::default()
+        })],
+        pick: SamplerPick::Greedy,
+    };
+    let sampler = Sampler::with_vocab(cfg, &tok).unwrap();
+    let compiled = Arc::clone(sampler.slop().unwrap());
+    let (newline, blank) = compiled.classes();
+    let pens: Vec<u32> = compiled.token_penalties().iter().map(|e| e.0).collect();
+    assert!(!newline.is_empty() && !blank.is_empty() && !pens.is_empty());
+    let mut rng = Lcg(99);
+    let mut walk: Vec<u32> = Vec::new();
+    for i in 0..60 {
+        walk.push(match i % 6 {
+            0 | 1 => newline[rng.next() as usize % newline.len()],
+            2 => blank[rng.next() as usize % blank.len()],
+            3 => pens[rng.next() as usize % pens.len()],
+            _ => rng.next() % n as u32,
+        });
+    }
+    let full: Vec<i32> = (0..n as i32).collect();
+    let mut every_other = vec![-1i32; n];
+    for (d, t) in (0..n).step_by(2).enumerate() {
+        every_other[t] = d as i32;
+    }
+    let variant = "the selected variant";
+    {
+        let cpu = CpuBackend::new(1).unwrap();
+        for inverse in [&full, &every_other] {
+            let nv = inverse.iter().filter(|&&d| d >= 0).count();
+            let ds = DraftSlop::new(&cpu, Arc::clone(&compiled), inverse.clone(), nv).unwrap();
+            let prompt = [1u32, 2, 3];
+            let mut history = prompt.to_vec();
+            let mut seq = sampler.new_slop_state(prompt.len()).unwrap();
+            let st0 = DraftSlop::<CpuIds, CpuBuf>::state_ids(seq.token_state());
+            let (mut st_dev, mut st_host) =
+                (cpu.upload_ids(&st0).unwrap(), cpu.upload_ids(&st0).unwrap());
+            let (mut removed, mut lowered) = (0, 0);
+            for (k, t) in std::iter::once(None)
+                .chain(walk.iter().copied().map(Some))
+                .enumerate()
+            {
+                let prev = t.map(|t| cpu.upload_ids(&[t]).unwrap());
+                if let Some(t) = t {
+                    assert_eq!(seq.accept(t), strata_engine::sampler::slop::Accepted::Kept);
+                    history.push(t);
+                }
+                let raw: Vec<f32> = (0..nv).map(|_| rng.logit()).collect();
+                let mut dev = cpu.upload(1, nv, &raw).unwrap();
+                let mut host = cpu.upload(1, nv, &raw).unwrap();
+                st_dev = cpu
+                    .slop_pen_draft(&mut dev, &ds, prev.as_ref(), &st_dev)
+                    .unwrap();
+                st_host = strata_engine::backend::slop_pen_draft_on_host(
+                    &cpu,
+                    &mut host,
+                    &ds,
+                    prev.as_ref(),
+                    &st_host,
+                )
+                .unwrap();
+                let mut oracle = raw.clone();
+                sampler.penalize_draft(
+                    &mut oracle,
+                    inverse,
+                    &SampleContext {
+                        position: history.len() as u64,
+                        history: &history,
+                    },
+                    Some(&seq),
+                );
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                let what = format!("{variant}, {nv} draft ids, step {k}");
+                assert_eq!(
+                    bits(dev.as_slice()),
+                    bits(&oracle),
+                    "{what}: kernel vs sampler"
+                );
+                assert_eq!(
+                    bits(host.as_slice()),
+                    bits(&oracle),
+                    "{what}: default vs sampler"
+                );
+                assert_eq!(st_dev, st_host, "{what}: states");
+                assert_eq!(
+                    st_dev.0,
+                    DraftSlop::<CpuIds, CpuBuf>::state_ids(seq.token_state()),
+                    "{what}: state vs the sequence's"
+                );
+                removed += oracle.iter().filter(|x| **x == f32::NEG_INFINITY).count();
+                lowered += oracle
+                    .iter()
+                    .zip(&raw)
+                    .filter(|(a, b)| a.is_finite() && a < b)
+                    .count();
+            }
+            assert!(
+                removed > 0 && lowered > 0,
+                "{removed} removed, {lowered} lowered"
+            );
+        }
+    }
+}
+
+/// `pick_draft_mapped` (issue "Boundary", point 4): the CPU's (the catalogue `pick` mapping
+/// through the draft ids) and the trait's default (the host) give, per row, the token of the
+/// first largest logit (ties to the lower index, NaN never chosen, index 0 when nothing is
+/// above −∞: the oracle written out below) and that logit's bits, on rows with ties, −∞ rows
+/// and NaN; every id is a token of the draft vocabulary (the full vocabulary: the index), so
+/// ids that never reach the host are valid by construction; a map with an id outside the
+/// vocabulary is refused when it is made.
+#[test]
+fn pick_draft_mapped_gives_valid_token_ids() {
+    let cpu = CpuBackend::new(1).unwrap();
+    let n_vocab = 1000usize;
+    let ids: Vec<u32> = (0..n_vocab as u32).filter(|t| t % 7 == 3).collect();
+    let map = DraftMap::new(&cpu, &ids, n_vocab).unwrap();
+    let nv = ids.len();
+    let oracle = |row: &[f32]| -> usize {
+        let mut best: Option<usize> = None;
+        for (i, &v) in row.iter().enumerate() {
+            if v > f32::NEG_INFINITY && best.is_none_or(|b| v > row[b]) {
+                best = Some(i);
+            }
+        }
+        best.unwrap_or(0)
+    };
+    let mut rng = Lcg(5);
+    for case in 0..6 {
+        let mut rows: Vec<f32> = (0..3 * nv).map(|_| rng.logit()).collect();
+        match case {
+            1 => rows.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
+            2 => {
+                rows[nv + 5] = f32::NAN;
+                rows[..nv].iter_mut().for_each(|x| *x = f32::NAN);
+            }
+            3 => rows.iter_mut().for_each(|x| *x = 1.0),
+            _ => {}
+        }
+        let logits = cpu.upload(3, nv, &rows).unwrap();
+        let want: Vec<usize> = rows.chunks(nv).map(oracle).collect();
+        let bits: Vec<u32> = want
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| rows[r * nv + i].to_bits())
+            .collect();
+        for (what, map, tokens) in [
+            (
+                "draft vocabulary",
+                Some(&map),
+                want.iter().map(|&i| ids[i]).collect::<Vec<_>>(),
+            ),
+            (
+                "full vocabulary",
+                None,
+                want.iter().map(|&i| i as u32).collect(),
+            ),
+        ] {
+            let got = cpu.pick_draft_mapped(&logits, map).unwrap();
+            let dflt =
+                strata_engine::backend::pick_draft_mapped_on_host(&cpu, &logits, map).unwrap();
+            for (who, p) in [("cpu", &got), ("default", &dflt)] {
+                assert_eq!(p.ids.0, tokens, "case {case}, {what}, {who}");
+                assert_eq!(p.values.0, bits, "case {case}, {what}, {who}: values");
+            }
+            assert!(got.ids.0.iter().all(|t| (*t as usize) < n_vocab));
+        }
+    }
+    let err = DraftMap::new(&cpu, &[3, n_vocab as u32], n_vocab)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
 }

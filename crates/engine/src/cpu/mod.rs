@@ -27,6 +27,7 @@ use crate::kernels::norm::{RmsNormFn, XprepFn, XprepPairFn};
 use crate::kernels::pick::PickFn;
 use crate::kernels::registry::Chosen;
 use crate::kernels::route::RouteFn;
+use crate::kernels::slop::SlopFn;
 
 /// Element-wise operations split their work only in pieces at least this long (a prefill's
 /// activations; a decode step's rows stay on one thread).
@@ -166,6 +167,7 @@ pub struct CpuKernels {
     pub xprep_pair: Chosen<XprepPairFn>,
     pub rms_norm: Chosen<RmsNormFn>,
     pub pick: Chosen<PickFn>,
+    pub slop_pen: Chosen<SlopFn>,
 }
 
 impl CpuKernels {
@@ -178,6 +180,7 @@ impl CpuKernels {
             xprep_pair: kernels::norm::XPREP_PAIR.resolve()?,
             rms_norm: kernels::norm::RMS_NORM.resolve()?,
             pick: kernels::pick::PICK.resolve()?,
+            slop_pen: kernels::slop::SLOP_PEN.resolve()?,
         })
     }
 
@@ -191,6 +194,7 @@ impl CpuKernels {
             (self.rms_norm.op, self.rms_norm.name),
             (self.pick.op, self.pick.name),
             (self.xprep_pair.op, self.xprep_pair.name),
+            (self.slop_pen.op, self.slop_pen.name),
         ];
         let v: Vec<String> = all
             .iter()
@@ -1051,6 +1055,93 @@ impl Backend for CpuBackend {
             .map(|r| Ok(f(logits.row(r), &[])?.index as u32))
             .collect::<Result<Vec<u32>>>()?;
         Ok(CpuIds(ids))
+    }
+
+    /// The catalogue's `pick` on each row, mapped through the draft ids by the kernel itself.
+    fn pick_draft_mapped(
+        &self,
+        logits: &CpuBuf,
+        map: Option<&crate::backend::DraftMap<CpuIds>>,
+    ) -> Result<crate::backend::DraftPick<CpuIds>> {
+        if logits.cols == 0 {
+            return Err(EngineError::Input("pick: no draft logits".to_string()));
+        }
+        let table: &[i32] = map.map_or(&[], |m| &m.host_i32);
+        let f = self.kernels.pick.get();
+        let (mut ids, mut values) = (Vec::new(), Vec::new());
+        for r in 0..logits.rows {
+            let p = f(logits.row(r), table)?;
+            // The index is below the row length and the map's ids were checked against the
+            // vocabulary: the token is valid by construction.
+            ids.push(u32::try_from(p.token).map_err(|_| {
+                EngineError::shape("pick_draft_mapped", format!("index {}", p.index))
+            })?);
+            values.push(p.value.to_bits());
+        }
+        Ok(crate::backend::DraftPick {
+            ids: CpuIds(ids),
+            values: CpuIds(values),
+        })
+    }
+
+    /// The catalogue's `slop_pen` (the selected variant) on the row, in place.
+    fn slop_pen_draft(
+        &self,
+        logits: &mut CpuBuf,
+        slop: &crate::backend::DraftSlop<CpuIds, CpuBuf>,
+        prev: Option<&CpuIds>,
+        state: &CpuIds,
+    ) -> Result<CpuIds> {
+        if logits.rows != 1 || logits.cols != slop.n_draft {
+            return Err(EngineError::shape(
+                "slop_pen_draft",
+                format!(
+                    "logits {}×{} for one row of {} draft logits",
+                    logits.rows, logits.cols, slop.n_draft
+                ),
+            ));
+        }
+        let prev = match prev.map(|p| p.0.as_slice()) {
+            None => -1,
+            Some(&[t]) => i32::try_from(t).map_err(|_| {
+                EngineError::Input(format!("slop_pen_draft: previous token {t} is too large"))
+            })?,
+            Some(p) => {
+                return Err(EngineError::shape(
+                    "slop_pen_draft",
+                    format!("{} previous tokens, expected one", p.len()),
+                ))
+            }
+        };
+        let st_in: Vec<i32> = state.0.iter().map(|&x| x as i32).collect();
+        let mut st_out = vec![0i32; kernels::slop::STATE_LEN];
+        // The tables were validated when `slop` was made (DraftSlop::new).
+        let checked = kernels::slop::CheckedSlop {
+            tables: &slop.tables,
+            nv: slop.n_draft,
+        };
+        let f = self.kernels.slop_pen.get();
+        f(
+            &checked,
+            u32::from(slop.compiled.mode()),
+            prev,
+            &[],
+            &st_in,
+            &mut st_out,
+            &mut logits.data,
+        )?;
+        Ok(CpuIds(st_out.into_iter().map(|x| x as u32).collect()))
+    }
+
+    fn write_ids(&self, dst: &mut CpuIds, at: usize, src: &CpuIds) -> Result<()> {
+        let n = dst.0.len();
+        dst.0
+            .get_mut(at..at + src.0.len())
+            .ok_or_else(|| {
+                EngineError::shape("write_ids", format!("{} ids at {at} of {n}", src.0.len()))
+            })?
+            .copy_from_slice(&src.0);
+        Ok(())
     }
 
     fn attend_causal(

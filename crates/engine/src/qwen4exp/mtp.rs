@@ -33,6 +33,26 @@ pub fn file_has_head(file: &GgufFile) -> bool {
     file.tensor(MARKER).is_some()
 }
 
+/// The next tokens of an MTP step: host ids (a catch-up's known tokens), or entries
+/// `from..from + n` of a device id buffer (a draft chain's previous pick).
+pub(crate) enum DraftTokens<'a, B: Backend> {
+    Host(&'a [u32]),
+    Device {
+        ids: &'a B::Ids,
+        from: usize,
+        n: usize,
+    },
+}
+
+impl<B: Backend> DraftTokens<'_, B> {
+    fn len(&self) -> usize {
+        match self {
+            DraftTokens::Host(t) => t.len(),
+            DraftTokens::Device { n, .. } => *n,
+        }
+    }
+}
+
 /// The MTP layer's own settings (everything else is the trunk's).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MtpConfig {
@@ -336,10 +356,41 @@ impl<B: Qwen4expOps> Model<B> {
         last_only: bool,
         rows: Option<&B::Ids>,
     ) -> Result<(B::Buf, B::Buf)> {
+        let n_vocab = self.config.n_vocab;
+        if let Some(&t) = next_tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(EngineError::Input(format!(
+                "token id {t} is out of range (vocabulary {n_vocab})"
+            )));
+        }
+        self.mtp_forward_from(st, hidden, DraftTokens::Host(next_tokens), last_only, rows)
+    }
+
+    /// Refuses, before anything runs, `rows` more head positions than the head's cache holds.
+    pub(crate) fn mtp_check_room(&self, st: &MtpState<B>, rows: usize) -> Result<()> {
+        match &st.layer {
+            LayerState::Attn(cache) => cache.check_room(st.pos + rows),
+            _ => Err(EngineError::Input(
+                "the MTP state holds no attention cache".to_string(),
+            )),
+        }
+    }
+
+    /// [`Model::mtp_forward_dev`] whose next tokens are host ids or ids already on the device
+    /// (a draft chain's previous pick, embedded on the device: no host round trip). Device ids
+    /// are not range-checked here: they never reach the host, and the only ones the chain
+    /// passes are its picks, valid tokens by construction (`Backend::pick_draft_mapped`).
+    pub(crate) fn mtp_forward_from(
+        &self,
+        st: &mut MtpState<B>,
+        hidden: &B::Buf,
+        next: DraftTokens<'_, B>,
+        last_only: bool,
+        rows: Option<&B::Ids>,
+    ) -> Result<(B::Buf, B::Buf)> {
         let head = self.head()?;
         let c = &self.config;
         let sh = c.residual_dim();
-        let n = next_tokens.len();
+        let n = next.len();
         if n == 0 {
             return Err(EngineError::Input("MTP forward: no tokens".to_string()));
         }
@@ -348,12 +399,6 @@ impl<B: Qwen4expOps> Model<B> {
                 "MTP input: hidden {}×{} for {n} tokens of {sh}",
                 hidden.rows(),
                 hidden.cols()
-            )));
-        }
-        if let Some(&t) = next_tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-            return Err(EngineError::Input(format!(
-                "token id {t} is out of range (vocabulary {})",
-                c.n_vocab
             )));
         }
         let end = st.pos + n;
@@ -367,14 +412,23 @@ impl<B: Qwen4expOps> Model<B> {
         let b = &self.backend;
         let ratios: Vec<usize> = ratio.into_iter().collect();
         let start = st.pos;
+        let on_device = matches!(next, DraftTokens::Device { .. });
         let key = StepKey {
             kind: StepKind::Draft,
             rows: n,
-            outputs: (last_only as u32) | ((rows.is_some() as u32) << 1),
+            // The tokens' source changes the step's inputs (an upload or a device copy).
+            outputs: (last_only as u32)
+                | ((rows.is_some() as u32) << 1)
+                | ((on_device as u32) << 2),
             seq: st.id,
         };
         let out = b.step(key, || {
-            let inputs = StepInputs::new(b, next_tokens, start, &ratios)?;
+            let inputs = match next {
+                DraftTokens::Host(t) => StepInputs::new(b, t, start, &ratios)?,
+                DraftTokens::Device { ids, from, n } => {
+                    StepInputs::with_tokens(b, ids, from, n, start, &ratios)?
+                }
+            };
             self.mtp_body(head, st, hidden, &inputs, last_only, rows)
         })?;
         if let LayerState::Attn(cache) = &mut st.layer {

@@ -29,6 +29,21 @@ pub enum Sampled {
     DeadEnd,
 }
 
+/// What the chain's edits of a draft chain are, when a backend can make them on the device
+/// ([`Sampler::draft_edits`]): the draft chain then runs without a host read between drafts.
+#[derive(Clone, Debug)]
+pub enum DraftEdits {
+    /// The drafts need no edit (no edit stage, or only neutral ones).
+    None,
+    /// Slop mode 1 and nothing else: the token penalties and the run caps, starting from
+    /// `state`, the token-level state after the history the chain starts from (the state
+    /// [`Sampler::penalize_draft`] would start from), advanced by each draft.
+    Slop {
+        slop: Arc<CompiledSlop>,
+        state: super::slop::TokenState,
+    },
+}
+
 /// Per-stage bindings, parallel to the configuration's stages.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Bound {
@@ -282,6 +297,39 @@ impl Sampler {
             return Ok(Sampled::DeadEnd);
         }
         pick(&self.config.pick, &mut c, ctx).map(Sampled::Token)
+    }
+
+    /// The edits [`Sampler::penalize_draft`] makes to the draft chain that starts after
+    /// `ctx.history`, when they are a device operation: none at all, or slop mode 1 alone (its
+    /// state found exactly as `penalize_draft` finds it: `slop`, else the sampler's own state,
+    /// at its longest agreement with the history). None: the edits need the host (penalties,
+    /// DRY, slop mode 2's phrases and bans).
+    pub fn draft_edits(
+        &self,
+        ctx: &SampleContext<'_>,
+        slop: Option<&SlopState>,
+    ) -> Option<DraftEdits> {
+        for s in &self.config.stages {
+            match s {
+                Stage::Slop(c) if c.mode == 1 || c.mode == 0 => {}
+                e if e.is_edit() && !e.is_neutral_edit() => return None,
+                _ => {}
+            }
+        }
+        let Some(c) = &self.bound.slop else {
+            return Some(DraftEdits::None);
+        };
+        if c.mode() != 1 {
+            return None;
+        }
+        let state = match slop.or(self.bound.own.as_ref()) {
+            Some(s) => s.cursor_for(ctx.history).state().clone(),
+            None => Default::default(),
+        };
+        Some(DraftEdits::Slop {
+            slop: Arc::clone(c),
+            state,
+        })
     }
 
     /// Applies the chain's edit stages (penalties, DRY, slop, in chain order; filters and

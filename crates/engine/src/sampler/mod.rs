@@ -24,7 +24,7 @@ pub mod slop;
 pub mod view;
 pub mod vocab;
 
-pub use bound::Sampled;
+pub use bound::{DraftEdits, Sampled};
 
 use serde::{Deserialize, Serialize};
 

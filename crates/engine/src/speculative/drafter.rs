@@ -8,15 +8,24 @@
 //!
 //! It never touches the trunk: the target ([`super::target`]) hands it the rows to catch up on.
 
+use std::sync::Arc;
 use std::time::Instant;
 
+use crate::backend::{draft_alive, DeviceBuf, DraftMap, DraftSlop, StepKey, StepKind};
 use crate::decode::DraftEdit;
-use crate::error::Result;
-use crate::qwen4exp::mtp::MtpState;
+use crate::error::{EngineError, Result};
+use crate::qwen4exp::mtp::{DraftTokens, MtpState};
 use crate::qwen4exp::ops::Qwen4expOps;
 use crate::qwen4exp::Model;
+use crate::sampler::slop::CompiledSlop;
+use crate::sampler::DraftEdits;
 
-use super::{argmax, softmax_prob, DraftHook, DraftVocab, SpecStats};
+use super::{argmax, softmax_prob, DraftHook, DraftVocab, SpecStats, MAX_WINDOW};
+
+/// `StepKey::outputs` of a whole draft chain run as one step (bit 3; bit 1: a draft
+/// vocabulary, bit 4: slop mode 1). The head steps inside it keep their own keys' bits
+/// (`qwen4exp::mtp`: bit 2 marks their tokens as device ids).
+pub const CHAIN_STEP: u32 = 1 << 3;
 
 /// The first draft of the next window: the MTP's pre-mixer output at the last consumed
 /// position (one row) and its logits over the draft rows, both still on the device.
@@ -37,10 +46,21 @@ pub(crate) struct MtpDrafter<'m, B: Qwen4expOps> {
     pub(crate) mtp: MtpState<B>,
     min_p: f32,
     vocab: Option<DraftVocab>,
-    /// The draft vocabulary's ids on the device (the LM-head rows a draft computes).
-    draft_rows: Option<B::Ids>,
+    /// The draft vocabulary's ids on the device (the LM-head rows a draft computes, and the
+    /// map of a draft pick to token ids).
+    map: Option<DraftMap<B::Ids>>,
     /// The identity map, for drafts over the full vocabulary.
     full_inverse: Vec<i32>,
+    /// A chain's picks on the device, gathered for one download at its end: [`MAX_WINDOW`]
+    /// token ids, then their picked logits' bits. And the next draft step's token (slot 0, so
+    /// the step reads it at the same address every time: a replaying backend's step stays the
+    /// same), with its logit's bits in slot 1 when a hook reads the pick.
+    chain_ids: Option<B::Ids>,
+    next_id: Option<B::Ids>,
+    /// The first draft's hidden row and logits where the chain step reads them.
+    chain_in: Option<(B::Buf, B::Buf)>,
+    /// Slop mode 1's tables on the device, for the configuration they were made from.
+    slop: Option<(Arc<CompiledSlop>, DraftSlop<B::Ids, B::Buf>)>,
     next_draft: Option<NextDraft<B>>,
     catchup: Option<Catchup<B>>,
     /// The judge may rewind (slop mode 2): keep each window's first draft, so that a rewind
@@ -72,17 +92,30 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         } else {
             Vec::new()
         };
-        let draft_rows = match &vocab {
-            Some(v) if drafts => Some(model.backend().upload_ids(v.ids())?),
+        let b = model.backend();
+        let map = match &vocab {
+            Some(v) if drafts => Some(DraftMap::new(b, v.ids(), model.config().n_vocab)?),
             _ => None,
+        };
+        let (chain_ids, next_id) = if drafts {
+            (
+                Some(b.upload_ids(&[0; 2 * MAX_WINDOW])?),
+                Some(b.upload_ids(&[0; 2])?),
+            )
+        } else {
+            (None, None)
         };
         Ok(MtpDrafter {
             model,
             mtp,
             min_p,
             vocab,
-            draft_rows,
+            map,
             full_inverse,
+            chain_ids,
+            next_id,
+            chain_in: None,
+            slop: None,
             next_draft: None,
             catchup: None,
             may_rewind: false,
@@ -110,7 +143,7 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
             return Ok(());
         };
         let t0 = Instant::now();
-        let rows = self.draft_rows.as_ref();
+        let rows = self.map.as_ref().map(|m| &m.dev);
         let (logits, hidden) =
             self.model
                 .mtp_forward_dev(&mut self.mtp, &c.hidden, &c.next, true, rows)?;
@@ -162,10 +195,41 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         (tok, p)
     }
 
+    /// Makes slop mode 1's device tables for `slop` (once per configuration).
+    fn slop_tables(&mut self, slop: &Arc<CompiledSlop>) -> Result<()> {
+        if self
+            .slop
+            .as_ref()
+            .is_some_and(|(c, _)| Arc::ptr_eq(c, slop))
+        {
+            return Ok(());
+        }
+        let inverse = match &self.vocab {
+            Some(v) => v.inverse_map().to_vec(),
+            None => self.full_inverse.clone(),
+        };
+        let n_draft = self
+            .vocab
+            .as_ref()
+            .map_or(self.model.config().n_vocab, |v| v.len());
+        let t = DraftSlop::new(self.model.backend(), Arc::clone(slop), inverse, n_draft)?;
+        self.slop = Some((Arc::clone(slop), t));
+        Ok(())
+    }
+
     /// The draft chain; each draft's logits get the judge's edits for the history before it
     /// (the consumed tokens, the pending token and the earlier drafts), so a draft never
-    /// proposes what the sampler has removed. When no draft needs an edit and there is no
-    /// floor, each draft is picked on the device and only its id comes back.
+    /// proposes what the sampler has removed.
+    ///
+    /// One decision, per chain, says where the drafts are edited and picked: on the device
+    /// when the edits are none or slop mode 1 ([`DraftEdit::draft_edits`]) and there is no
+    /// draft floor (`min_p` needs the draft's probability). There each draft's logits get
+    /// `slop_pen_draft` (its state carried on the device from the state after the history,
+    /// advanced by each draft), `pick_draft_mapped` gives the token id, and that id feeds the
+    /// next head step on the device: nothing is read between drafts, and the chain's ids come
+    /// back in one download at its end. A hook over the drafts (tests, forced acceptance) sees
+    /// each draft, so it reads each id. Otherwise (penalties, DRY, slop mode 2, a floor) each
+    /// draft's logits are downloaded and edited on the host.
     #[allow(clippy::too_many_arguments)]
     fn chain(
         &mut self,
@@ -183,65 +247,112 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         if max == 0 {
             return Ok(drafts);
         }
-        let b = self.model.backend();
-        let edits = self.penalize && edit.device_pick().is_none();
-        let on_device = !edits && self.min_p == 0.0;
-        let base = position + 1;
-        let mut history = Vec::new();
-        if edits {
-            history.reserve(base + max);
-            history.extend_from_slice(consumed);
-            history.push(pending);
+        if max > MAX_WINDOW {
+            return Err(EngineError::Input(format!(
+                "draft chain: {max} drafts; at most {MAX_WINDOW}"
+            )));
         }
+        let base = position + 1;
+        let mut history = Vec::with_capacity(base + max);
+        history.extend_from_slice(consumed);
+        history.push(pending);
+        let device = if self.min_p > 0.0 {
+            None
+        } else if !self.penalize {
+            Some(DraftEdits::None)
+        } else {
+            edit.draft_edits(&history)
+        };
+        let slop_state = match &device {
+            Some(DraftEdits::Slop { slop, state: s0 }) => {
+                self.slop_tables(slop)?;
+                Some(DraftSlop::<B::Ids, B::Buf>::state_ids(s0))
+            }
+            _ => None,
+        };
+        if device.is_some() && self.hook.is_none() {
+            return self.chain_on_device(first, max, slop_state, stats);
+        }
+        let b = self.model.backend();
+        let mut state = match &slop_state {
+            Some(s) => Some(b.upload_ids(s)?),
+            None => None,
+        };
+        let tables = match (&slop_state, &self.slop) {
+            (Some(_), Some((_, t))) => Some(t),
+            _ => None,
+        };
+        // The previous draft's id on the device (slop's `prev`).
+        let mut prev: Option<B::Ids> = None;
         let mut hidden = first.hidden;
         let mut logits = first.logits;
         loop {
             let j = drafts.len();
-            let proposed = if on_device {
-                let ids = b.download_ids(&b.pick_draft(&logits)?)?;
-                let i = *ids
-                    .first()
-                    .ok_or_else(|| crate::error::EngineError::shape("pick_draft", "no row"))?
-                    as usize;
-                match &self.vocab {
-                    Some(v) => v.ids().get(i).copied().unwrap_or(0),
-                    None => i as u32,
+            let tok = if device.is_some() {
+                // Edited and picked on the device; the hook reads each pick (the id and its
+                // logit's bits, one read).
+                if let (Some(t), Some(s)) = (tables, state.as_ref()) {
+                    state = Some(b.slop_pen_draft(&mut logits, t, prev.as_ref(), s)?);
                 }
+                let picked = b.pick_draft_mapped(&logits, self.map.as_ref())?;
+                let next = self
+                    .next_id
+                    .as_mut()
+                    .ok_or_else(|| EngineError::shape("draft chain", "no pick buffer"))?;
+                b.write_ids(next, 0, &picked.ids)?;
+                b.write_ids(next, 1, &picked.values)?;
+                let read = b.download_ids(next)?;
+                let &[proposed, value] = read.as_slice() else {
+                    return Err(EngineError::shape("pick_draft_mapped", "no row"));
+                };
+                // Everything removed: no draft can be right (the host chain's rule).
+                if !draft_alive(value) {
+                    break;
+                }
+                let tok = match self.hook.as_mut() {
+                    Some(h) => match h.draft(base + j, proposed) {
+                        Some(t) => t,
+                        None => break,
+                    },
+                    None => proposed,
+                };
+                prev = match (tables, tok == proposed) {
+                    (None, _) => None,
+                    (Some(_), true) => Some(picked.ids),
+                    (Some(_), false) => Some(b.upload_ids(&[tok])?),
+                };
+                tok
             } else {
                 let mut host = b.download(&logits)?;
-                if edits {
-                    let inverse: &[i32] = match &self.vocab {
-                        Some(v) => v.inverse_map(),
-                        None => &self.full_inverse,
-                    };
-                    edit.edit(&mut host, inverse, base + j, &history);
-                    // Everything removed: no draft can be right.
-                    if !host.iter().any(|&x| x > f32::NEG_INFINITY) {
-                        break;
-                    }
+                let inverse: &[i32] = match &self.vocab {
+                    Some(v) => v.inverse_map(),
+                    None => &self.full_inverse,
+                };
+                edit.edit(&mut host, inverse, base + j, &history);
+                // Everything removed: no draft can be right.
+                if !host.iter().any(|&x| x > f32::NEG_INFINITY) {
+                    break;
                 }
                 let (proposed, p) = self.pick_host(&host);
                 if p < self.min_p {
                     break;
                 }
-                proposed
-            };
-            let tok = match self.hook.as_mut() {
-                Some(h) => match h.draft(base + j, proposed) {
-                    Some(t) => t,
-                    None => break,
-                },
-                None => proposed,
+                let tok = match self.hook.as_mut() {
+                    Some(h) => match h.draft(base + j, proposed) {
+                        Some(t) => t,
+                        None => break,
+                    },
+                    None => proposed,
+                };
+                history.push(tok);
+                tok
             };
             drafts.push(tok);
-            if edits {
-                history.push(tok);
-            }
             if drafts.len() == max {
                 break;
             }
             let t0 = Instant::now();
-            let rows = self.draft_rows.as_ref();
+            let rows = self.map.as_ref().map(|m| &m.dev);
             let (lg, hid) =
                 self.model
                     .mtp_forward_dev(&mut self.mtp, &hidden, &[tok], true, rows)?;
@@ -251,6 +362,106 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
             stats.draft_time += t0.elapsed();
         }
         Ok(drafts)
+    }
+
+    /// The chain on the device as one step, keyed by its length (a capturing backend records
+    /// it once per `N` and replays it: "a graph per N"): per draft, `slop_pen_draft` (when
+    /// `slop_state`, the state array after the history, is given), `pick_draft_mapped` into
+    /// the chain's slots and the next step's token, and the next head step on that token (a
+    /// step inside the step). The first draft's hidden row and logits are copied to buffers
+    /// of the drafter's first, so the step reads the same addresses whichever catch-up made
+    /// them. Nothing is read until the step is done; then the chain's ids, once.
+    fn chain_on_device(
+        &mut self,
+        first: NextDraft<B>,
+        max: usize,
+        slop_state: Option<Vec<u32>>,
+        stats: &mut SpecStats,
+    ) -> Result<Vec<u32>> {
+        let model = self.model;
+        let b = model.backend();
+        // Every head step's room, before any runs: a step that failed part-way would leave the
+        // head's length ahead of what ran.
+        model.mtp_check_room(&self.mtp, max - 1)?;
+        let fits = |x: &Option<(B::Buf, B::Buf)>| {
+            x.as_ref().is_some_and(|(h, l)| {
+                h.cols() == first.hidden.cols() && l.cols() == first.logits.cols()
+            })
+        };
+        if !fits(&self.chain_in) {
+            self.chain_in = Some((
+                b.zeros(1, first.hidden.cols())?,
+                b.zeros(1, first.logits.cols())?,
+            ));
+        }
+        let (Some((hidden0, logits0)), Some(chain), Some(next)) = (
+            self.chain_in.as_mut(),
+            self.chain_ids.as_mut(),
+            self.next_id.as_mut(),
+        ) else {
+            return Err(EngineError::shape("draft chain", "no chain buffers"));
+        };
+        b.copy_into(hidden0, &first.hidden)?;
+        b.copy_into(logits0, &first.logits)?;
+        let tables = match (&slop_state, &self.slop) {
+            (Some(_), Some((_, t))) => Some(t),
+            _ => None,
+        };
+        let map = self.map.as_ref();
+        let mtp = &mut self.mtp;
+        let key = StepKey {
+            kind: StepKind::Draft,
+            rows: max,
+            outputs: CHAIN_STEP | (map.is_some() as u32) << 1 | (tables.is_some() as u32) << 4,
+            seq: mtp.id,
+        };
+        let t0 = Instant::now();
+        b.step(key, || {
+            let mut state = match &slop_state {
+                Some(s) => Some(b.upload_ids(s)?),
+                None => None,
+            };
+            let mut prev: Option<B::Ids> = None;
+            let mut owned: Option<(B::Buf, B::Buf)> = None;
+            for j in 0..max {
+                let out = {
+                    let (hidden, logits) = match owned.as_mut() {
+                        Some((h, l)) => (&*h, l),
+                        None => (&*hidden0, &mut *logits0),
+                    };
+                    if let (Some(t), Some(s)) = (tables, state.as_ref()) {
+                        state = Some(b.slop_pen_draft(logits, t, prev.as_ref(), s)?);
+                    }
+                    let picked = b.pick_draft_mapped(logits, map)?;
+                    b.write_ids(chain, j, &picked.ids)?;
+                    b.write_ids(chain, MAX_WINDOW + j, &picked.values)?;
+                    b.write_ids(next, 0, &picked.ids)?;
+                    prev = Some(picked.ids);
+                    if j + 1 == max {
+                        break;
+                    }
+                    let tokens = DraftTokens::Device {
+                        ids: &*next,
+                        from: 0,
+                        n: 1,
+                    };
+                    let rows = map.map(|m| &m.dev);
+                    model.mtp_forward_from(mtp, hidden, tokens, true, rows)?
+                };
+                owned = Some((out.1, out.0));
+            }
+            Ok(())
+        })?;
+        stats.draft_steps += max as u64 - 1;
+        stats.draft_time += t0.elapsed();
+        // The chain's one read: its ids and their logits' bits. It ends where the host's
+        // would: at the first draft whose every logit the edits removed (the steps after it
+        // ran for nothing).
+        let ids = b.download_ids(chain)?;
+        let alive = (0..max)
+            .take_while(|&j| draft_alive(ids[MAX_WINDOW + j]))
+            .count();
+        Ok(ids[..alive].to_vec())
     }
 
     /// Whether the head can follow the target back to the window's start (it kept the

@@ -39,13 +39,14 @@ use crate::generate::{GenOptions, Timings};
 use crate::qwen4exp::mtp::MtpState;
 use crate::qwen4exp::ops::Qwen4expOps;
 use crate::qwen4exp::{Model, State};
-use crate::sampler::{SampleContext, Sampler};
+use crate::sampler::{DraftEdits, SampleContext, Sampler};
 
 /// The draft chain's pick (ties to the lower index, NaN never chosen): the catalogue's
 /// `mtp_pick`, re-exported under the name callers know.
 pub use crate::kernels::pick::argmax;
 pub use draft_vocab::DraftVocab;
 use drafter::MtpDrafter;
+pub use drafter::CHAIN_STEP;
 use target::{Committed, Target};
 
 /// The largest verify window (rows of one trunk pass).
@@ -95,6 +96,13 @@ pub trait Picker: Send {
     fn device_pick(&self) -> Option<DevicePick> {
         None
     }
+
+    /// What `penalize_draft` does to the draft chain that starts at `position` after
+    /// `history`, when a backend can do it on the device (none, or slop mode 1). Default: None
+    /// (the host edits the drafts).
+    fn draft_edits(&self, _position: usize, _history: &[u32]) -> Option<DraftEdits> {
+        None
+    }
 }
 
 /// Greedy decoding: the largest logit, ties to the lower id — the plain loop's greedy pick
@@ -109,6 +117,10 @@ impl Picker for Greedy {
 
     fn device_pick(&self) -> Option<DevicePick> {
         Some(DevicePick::Greedy)
+    }
+
+    fn draft_edits(&self, _position: usize, _history: &[u32]) -> Option<DraftEdits> {
+        Some(DraftEdits::None)
     }
 }
 
@@ -146,6 +158,17 @@ impl Picker for Sampler {
 
     fn device_pick(&self) -> Option<DevicePick> {
         self.config().device_pick()
+    }
+
+    fn draft_edits(&self, position: usize, history: &[u32]) -> Option<DraftEdits> {
+        Sampler::draft_edits(
+            self,
+            &SampleContext {
+                position: position as u64,
+                history,
+            },
+            None,
+        )
     }
 }
 
