@@ -846,21 +846,43 @@ __device__ __forceinline__ void hc_norm_t(float* x, const float* y, const float*
                                           u16* xq, int h, int streams, float eps) {
     __shared__ float xs[HC_NORM_MAX_H];
     __shared__ float sh[8];
+    constexpr int PER = HC_NORM_MAX_H / 1024;  // a thread's elements (1,024 threads)
     const int tid = threadIdx.x, nth = blockDim.x;
     const int row = blockIdx.x / streams, g = blockIdx.x % streams;
     const size_t base = (size_t)row * streams * h + (size_t)g * h;
     float* xr = x + base;
     const float* wr = w + (size_t)g * h;
+    // The norm's weights depend on no kernel: loaded before the wait.
+    float wv[PER];
+#pragma unroll
+    for (int m = 0; m < PER; ++m)
+        if (tid + m * nth < h) wv[m] = wr[tid + m * nth];
+    grid_dep_sync();
+    // Every input of the thread loaded before the first store (x is written in place).
+    float xv[PER];
+#pragma unroll
+    for (int m = 0; m < PER; ++m)
+        if (tid + m * nth < h) xv[m] = xr[tid + m * nth];
     if (COMBINE) {
         const float a = inj[(size_t)row * streams + g];
         const float* yr = y + (size_t)row * h;
-        for (int i = tid; i < h; i += nth) {
-            const float v = xr[i] + a * yr[i];
-            xr[i] = v;
-            xs[i] = v;
+        float yv[PER];
+#pragma unroll
+        for (int m = 0; m < PER; ++m)
+            if (tid + m * nth < h) yv[m] = yr[tid + m * nth];
+#pragma unroll
+        for (int m = 0; m < PER; ++m) {
+            const int i = tid + m * nth;
+            if (i < h) {
+                const float v = xv[m] + a * yv[m];
+                xr[i] = v;
+                xs[i] = v;
+            }
         }
     } else {
-        for (int i = tid; i < h; i += nth) xs[i] = xr[i];
+#pragma unroll
+        for (int m = 0; m < PER; ++m)
+            if (tid + m * nth < h) xs[tid + m * nth] = xv[m];
     }
     __syncthreads();
     if (tid < 256) {
@@ -875,23 +897,26 @@ __device__ __forceinline__ void hc_norm_t(float* x, const float* y, const float*
     __syncthreads();
     const float sum = ((sh[0] + sh[4]) + (sh[2] + sh[6])) + ((sh[1] + sh[5]) + (sh[3] + sh[7]));
     const float s = rms_scale(sum, h, eps);
-    for (int i = tid; i < h; i += nth) {
-        const float o = (xs[i] * s) * wr[i];
-        xn[base + i] = o;
-        xq[base + i] = f32_to_bf16(o);
+#pragma unroll
+    for (int m = 0; m < PER; ++m) {
+        const int i = tid + m * nth;
+        if (i < h) {
+            const float o = (xs[i] * s) * wv[m];
+            xn[base + i] = o;
+            xq[base + i] = f32_to_bf16(o);
+        }
     }
 }
 
+// (grid_dep_sync() inside hc_norm_t, after the weights' loads.)
 extern "C" __global__ void __launch_bounds__(1024)
 hc_norm_bf16(const float* x, const float* w, float* xn, u16* xq, int h, int streams, float eps) {
-    grid_dep_sync();
     hc_norm_t<false>((float*)x, nullptr, nullptr, w, xn, xq, h, streams, eps);  // not written
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
 hc_combine_norm_bf16(float* x, const float* y, const float* inj, const float* w, float* xn, u16* xq, int h,
                      int streams, float eps) {
-    grid_dep_sync();
     hc_norm_t<true>(x, y, inj, w, xn, xq, h, streams, eps);
 }
 
