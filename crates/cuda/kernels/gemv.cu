@@ -519,6 +519,62 @@ __device__ __forceinline__ void gemv_units_t(const u8* w0, const u8* w1, const u
     units_block<T>(f, wrow, emit, row0, nrows, U, x, xrb, nt, part);
 }
 
+// gemv_units_bf16's bits with a warp a row for rows of K = 2560 (model::units_w_applies): lane
+// l adds its units l, l + 32, l + 64 in order from +0 and the warp sums them (lane_order_sum's
+// order over the unit-parallel contributions). Every unit of the lane loaded before the
+// dependency wait; four rows a block, the up to four weights' rows stacked as gemv_units_t
+// stacks them.
+template <int K, int NT>
+__device__ __forceinline__ void gemv_w_t(const u8* w0, const u8* w1, const u8* w2, const u8* w3, float* y0,
+                                         float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3,
+                                         const u8* x) {
+    constexpr int U = K / 32, PER = (U + 31) / 32;
+    constexpr u64 RB = 2 * (u64)K;
+    const int lane = threadIdx.x & 31, r = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int e1 = n0, e2 = n0 + n1, e3 = n0 + n1 + n2, total = e3 + n3;
+    if (r >= total) return;
+    const u8* wb = r < e1 ? w0 : r < e2 ? w1 : r < e3 ? w2 : w3;
+    const int lr = r < e1 ? r : r < e2 ? r - e1 : r < e3 ? r - e2 : r - e3;
+    const uint4* wr = (const uint4*)(wb + (size_t)lr * RB);
+    uint4 wv[PER][4];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int u = lane + 32 * i;
+        if (u < U) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) wv[i][q] = wr[4 * u + q];
+        }
+    }
+    grid_dep_sync();
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int u = lane + 32 * i;
+        if (u < U) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[t] += bf16_unit(wv[i], (const uint4*)(x + (size_t)t * RB) + 4 * u);
+        }
+    }
+    float* y = r < e1 ? y0 : r < e2 ? y1 : r < e3 ? y2 : y3;
+    const int n = r < e1 ? n0 : r < e2 ? n1 : r < e3 ? n2 : n3;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        const float v = warp_sum(acc[t]);
+        if (lane == 0) y[(size_t)t * n + lr] = v;
+    }
+}
+#if defined(GEMV_BF16)
+#define GEMV_W(NT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+    gemv_w_bf16_k2560_nt##NT(const u8* w0, const u8* w1, const u8* w2, const u8* w3, float* y0, float* y1, \
+                             float* y2, float* y3, int n0, int n1, int n2, int n3, const u8* x) {  \
+        gemv_w_t<2560, NT>(w0, w1, w2, w3, y0, y1, y2, y3, n0, n1, n2, n3, x);                \
+    }
+GEMV_W(1) GEMV_W(2) GEMV_W(3) GEMV_W(4) GEMV_W(5) GEMV_W(6) GEMV_W(7) GEMV_W(8)
+#endif
+
 // Routed experts, decode: gate and up of pair q (row q / kslots, expert ids[q]) for 32
 // consecutive rows of the expert's ff, then swiglu and the Q8_0 block of those 32 values for
 // the down product (moe_gemv × 2, swiglu_f32 and xprep's Q8_0 in one launch). Grid (ff/32,

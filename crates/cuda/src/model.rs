@@ -798,6 +798,17 @@ fn addr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
     s.device_ptr(gpu.stream()).0
 }
 
+/// Whether [`product_units`] runs BF16 rows of 2560 with a warp a row (gemv.cu
+/// gemv_w_bf16_k2560_nt*, the unit-parallel kernel's bits), `STRATA_CUDA_BF16W=1` (off by
+/// default until measured faster; session 7).
+pub fn units_w_applies(w: &DevWeight, nt: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    w.ty == GgmlType::BF16
+        && w.k == 2560
+        && (1..=8).contains(&nt)
+        && *ON.get_or_init(|| std::env::var("STRATA_CUDA_BF16W").is_ok_and(|v| v.trim() == "1"))
+}
+
 /// Whether [`product_units`] runs `w` against `nt` activation rows.
 pub fn units_apply(w: &DevWeight, nt: usize) -> bool {
     (1..=8).contains(&nt)
@@ -854,6 +865,18 @@ pub fn product_units(
     let (ni, ki, rbi) = (i32_of(k, nt)?, i32_of(k, w0.k)?, i32_of(k, rb)?);
     let (wb, xb) = (u64_of(wrb), u64_of(xrb));
     gpu.note_bytes(total * wrb + nt * xrb);
+    if units_w_applies(w0, nt) {
+        return launch!(
+            gpu,
+            "gemv_bf16",
+            format!("gemv_w_bf16_k2560_nt{nt}"),
+            cfg(total.div_ceil(4) as u32, 128),
+            [
+                &wp[0], &wp[1], &wp[2], &wp[3], &yp[0], &yp[1], &yp[2], &yp[3], &n[0], &n[1],
+                &n[2], &n[3], x
+            ]
+        );
+    }
     launch!(
         gpu,
         &format!("gemv_{tn}"),
