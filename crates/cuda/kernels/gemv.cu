@@ -519,6 +519,41 @@ __device__ __forceinline__ void gemv_units_t(const u8* w0, const u8* w1, const u
     units_block<T>(f, wrow, emit, row0, nrows, U, x, xrb, nt, part);
 }
 
+// A BF16 weight row's units for lane `lane` of a warp a row (units lane, lane + 32, …), held
+// in registers from their loads to their dots; the dots add them from +0 in that order, so a
+// warp_sum of the lanes is lane_order_sum's and gemv_opt's sum.
+template <int K>
+struct Bf16Row {
+    static constexpr int U = K / 32, PER = (U + 31) / 32;
+    uint4 v[PER][4];
+};
+
+template <int K>
+__device__ __forceinline__ void bf16_row_load(const uint4* wr, int lane, Bf16Row<K>& w) {
+#pragma unroll
+    for (int i = 0; i < Bf16Row<K>::PER; ++i) {
+        const int u = lane + 32 * i;
+        if (u < Bf16Row<K>::U) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) w.v[i][q] = wr[4 * u + q];
+        }
+    }
+}
+
+template <int K, int NT>
+__device__ __forceinline__ void bf16_row_dots(const Bf16Row<K>& w, const u8* x, int lane, float* acc) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+#pragma unroll
+    for (int i = 0; i < Bf16Row<K>::PER; ++i) {
+        const int u = lane + 32 * i;
+        if (u < Bf16Row<K>::U) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[t] += bf16_unit(w.v[i], (const uint4*)(x + (size_t)t * 2 * K) + 4 * u);
+        }
+    }
+}
+
 // gemv_units_bf16's bits with a warp a row for rows of K = 2560 (model::units_w_applies): lane
 // l adds its units l, l + 32, l + 64 in order from +0 and the warp sums them (lane_order_sum's
 // order over the unit-parallel contributions). Every unit of the lane loaded before the
@@ -528,7 +563,6 @@ template <int K, int NT>
 __device__ __forceinline__ void gemv_w_t(const u8* w0, const u8* w1, const u8* w2, const u8* w3, float* y0,
                                          float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3,
                                          const u8* x) {
-    constexpr int U = K / 32, PER = (U + 31) / 32;
     constexpr u64 RB = 2 * (u64)K;
     const int lane = threadIdx.x & 31, r = blockIdx.x * 4 + (threadIdx.x >> 5);
     const int e1 = n0, e2 = n0 + n1, e3 = n0 + n1 + n2, total = e3 + n3;
@@ -536,27 +570,11 @@ __device__ __forceinline__ void gemv_w_t(const u8* w0, const u8* w1, const u8* w
     const u8* wb = r < e1 ? w0 : r < e2 ? w1 : r < e3 ? w2 : w3;
     const int lr = r < e1 ? r : r < e2 ? r - e1 : r < e3 ? r - e2 : r - e3;
     const uint4* wr = (const uint4*)(wb + (size_t)lr * RB);
-    uint4 wv[PER][4];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int u = lane + 32 * i;
-        if (u < U) {
-#pragma unroll
-            for (int q = 0; q < 4; ++q) wv[i][q] = wr[4 * u + q];
-        }
-    }
+    Bf16Row<K> wv;
+    bf16_row_load(wr, lane, wv);
     grid_dep_sync();
     float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int u = lane + 32 * i;
-        if (u < U) {
-#pragma unroll
-            for (int t = 0; t < NT; ++t) acc[t] += bf16_unit(wv[i], (const uint4*)(x + (size_t)t * RB) + 4 * u);
-        }
-    }
+    bf16_row_dots<K, NT>(wv, x, lane, acc);
     float* y = r < e1 ? y0 : r < e2 ? y1 : r < e3 ? y2 : y3;
     const int n = r < e1 ? n0 : r < e2 ? n1 : r < e3 ? n2 : n3;
 #pragma unroll
@@ -1010,34 +1028,17 @@ hc_down_bf16(const u8* wd, const u8* wi, const u8* xq, u16* aq, float* inj, int 
 template <int K, int NT>
 __device__ __forceinline__ void hc_down_w(const u8* wd, const u8* wi, const u8* xq, u16* aq, float* inj, int rank,
                                           int streams, float inv_s) {
-    constexpr int U = K / 32, PER = (U + 31) / 32;
     constexpr u64 RB = 2 * (u64)K;
     const int r = blockIdx.x, lane = threadIdx.x;
     if (r >= rank + streams) return;
     const uint4* wr = (const uint4*)(r < rank ? wd + (size_t)r * RB : wi + (size_t)(r - rank) * RB);
     // Every unit of the lane's share in flight at once, before the wait (the weights depend on
     // no kernel).
-    uint4 wv[PER][4];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int u = lane + 32 * i;
-        if (u < U) {
-#pragma unroll
-            for (int q = 0; q < 4; ++q) wv[i][q] = wr[4 * u + q];
-        }
-    }
+    Bf16Row<K> wv;
+    bf16_row_load(wr, lane, wv);
     grid_dep_sync();
     float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int u = lane + 32 * i;
-        if (u < U) {
-#pragma unroll
-            for (int t = 0; t < NT; ++t) acc[t] += bf16_unit(wv[i], (const uint4*)(xq + (size_t)t * RB) + 4 * u);
-        }
-    }
+    bf16_row_dots<K, NT>(wv, xq, lane, acc);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
         const float v = warp_sum(acc[t]);
