@@ -37,7 +37,7 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 }
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B).
-pub const SWITCHES: [&str; 7] = [
+pub const SWITCHES: [&str; 8] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -45,6 +45,7 @@ pub const SWITCHES: [&str; 7] = [
     "STRATA_CUDA_HC_UP4",
     "STRATA_CUDA_HC_DOWNW",
     "STRATA_CUDA_BF16W",
+    "STRATA_CUDA_PINNED",
 ];
 
 /// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were
@@ -95,6 +96,9 @@ pub struct Gpu {
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent, Option<u64>)>>>,
     /// The bytes the next timed launch must read ([`Gpu::note_bytes`]).
     next_bytes: Mutex<Option<u64>>,
+    /// Two page-locked staging buffers for weight uploads ([`Gpu::upload_weights`]), made at
+    /// the first large upload.
+    staging: Mutex<Option<[cudarc::driver::PinnedHostSlice<u8>; 2]>>,
     /// The ops of the step being recorded (record mode: launches are kept, not issued).
     rec: Mutex<Option<Vec<crate::record::Op>>>,
 }
@@ -189,6 +193,7 @@ impl Gpu {
             funcs: Mutex::new(HashMap::new()),
             profile: Mutex::new(None),
             next_bytes: Mutex::new(None),
+            staging: Mutex::new(None),
             rec: Mutex::new(None),
         })
     }
@@ -348,6 +353,50 @@ impl Gpu {
 
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, CudaError> {
         self.stream.clone_htod(data).map_err(drv("cuMemcpyHtoD"))
+    }
+
+    /// A weight's bytes (a mapped file's pages) on the device. Past one staging buffer, through
+    /// two page-locked buffers in turn: the host threads copy the next 32 MiB into one while
+    /// the other's copy to the device runs, so the upload is bound by the parallel copy out of
+    /// the page cache and the PCIe link rather than by the driver's single-threaded staging of
+    /// pageable memory. The tail below a whole buffer goes the pageable way.
+    /// `STRATA_CUDA_PINNED=0` uploads every weight the pageable way (for A/B).
+    pub fn upload_weights(&self, bytes: &[u8]) -> Result<CudaSlice<u8>, CudaError> {
+        const STAGE: usize = 32 << 20;
+        if bytes.len() < STAGE || !switch_on("STRATA_CUDA_PINNED") {
+            return self.upload(bytes);
+        }
+        use rayon::prelude::*;
+        // SAFETY: every byte of `dst` is written below before anything reads it.
+        let mut dst = unsafe { self.stream.alloc::<u8>(bytes.len()) }.map_err(drv("cuMemAlloc"))?;
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if staging.is_none() {
+            *staging = Some([self.alloc_pinned(STAGE)?, self.alloc_pinned(STAGE)?]);
+        }
+        let bufs = staging.as_mut().ok_or_else(|| CudaError::Driver {
+            call: "staging".into(),
+            what: "no staging buffers".into(),
+        })?;
+        let full = bytes.len() / STAGE;
+        for c in 0..full {
+            let buf = &mut bufs[c % 2];
+            // Waits for this buffer's previous copy to the device.
+            let host = buf.as_mut_slice().map_err(drv("cuEventSynchronize"))?;
+            host.par_chunks_mut(2 << 20)
+                .zip(bytes[c * STAGE..(c + 1) * STAGE].par_chunks(2 << 20))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            let mut view = dst.slice_mut(c * STAGE..(c + 1) * STAGE);
+            self.stream
+                .memcpy_htod(&*buf, &mut view)
+                .map_err(drv("cuMemcpyHtoDAsync"))?;
+        }
+        if full * STAGE < bytes.len() {
+            let mut view = dst.slice_mut(full * STAGE..);
+            self.stream
+                .memcpy_htod(&bytes[full * STAGE..], &mut view)
+                .map_err(drv("cuMemcpyHtoD"))?;
+        }
+        Ok(dst)
     }
 
     /// A zeroed buffer. In record mode the memset is issued at once (the buffer is new, so no

@@ -394,7 +394,7 @@ impl DevWeight {
     ) -> Result<DevWeight, CudaError> {
         let w = DevWeight {
             ty,
-            bytes: gpu.upload(bytes)?,
+            bytes: gpu.upload_weights(bytes)?,
             rows,
             k,
             n_expert,

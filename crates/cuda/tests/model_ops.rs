@@ -2320,3 +2320,17 @@ fn multi_format_images_equal_single_format_xprep() {
         }
     }
 }
+
+/// Weights past one staging buffer go through the two page-locked buffers in turn (whole 32 MiB
+/// chunks, then the pageable tail): every byte arrives where it belongs.
+#[test]
+fn staged_weight_uploads_arrive_whole() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(61);
+    for len in [(32usize << 20) - 1, 32 << 20, (97 << 20) + 123] {
+        let bytes: Vec<u8> = (0..len).map(|_| rng.u64() as u8).collect();
+        let d = g.upload_weights(&bytes).unwrap();
+        let back: Vec<u8> = g.download(&d).unwrap();
+        assert!(back == bytes, "{len} bytes: the device copy differs");
+    }
+}
