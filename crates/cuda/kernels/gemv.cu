@@ -1020,43 +1020,6 @@ hc_down_bf16(const u8* wd, const u8* wi, const u8* xq, u16* aq, float* inj, int 
     units_block<T_BF16>(f, wrow, emit, row0, nrows, U, xq, rbytes, nt, part);
 }
 
-// hc_down_bf16's bits with a warp a row (model::hc_down_w_applies; rows of K = 10240): lane l
-// adds its units l, l + 32, … in order from +0 and the warp sums them, as lane_order_sum and
-// warp_sum do over the unit-parallel contributions — gemv_opt's order. A block is one warp, so
-// the rank + inject rows spread over every SM, and each lane's ten weight units are loaded
-// before the dependency wait.
-template <int K, int NT>
-__device__ __forceinline__ void hc_down_w(const u8* wd, const u8* wi, const u8* xq, u16* aq, float* inj, int rank,
-                                          int streams, float inv_s) {
-    constexpr u64 RB = 2 * (u64)K;
-    const int r = blockIdx.x, lane = threadIdx.x;
-    if (r >= rank + streams) return;
-    const uint4* wr = (const uint4*)(r < rank ? wd + (size_t)r * RB : wi + (size_t)(r - rank) * RB);
-    // Every unit of the lane's share in flight at once, before the wait (the weights depend on
-    // no kernel).
-    Bf16Row<K> wv;
-    bf16_row_load(wr, lane, wv);
-    grid_dep_sync();
-    float acc[NT];
-    bf16_row_dots<K, NT>(wv, xq, lane, acc);
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        const float v = warp_sum(acc[t]);
-        if (lane == 0) {
-            if (r < rank) aq[(size_t)t * rank + r] = f32_to_bf16(siluf_(v * inv_s));
-            else inj[(size_t)t * streams + (r - rank)] = 2.0f * sigmoidf_(v * inv_s);
-        }
-    }
-}
-#define HC_DOWN_W(NT)                                                                          \
-    extern "C" __global__ void __launch_bounds__(32)                                           \
-    hc_down_w_bf16_k10240_nt##NT(const u8* wd, const u8* wi, const u8* xq, u16* aq, float* inj, int rank, \
-                                 int streams, float inv_s) {                                   \
-        hc_down_w<10240, NT>(wd, wi, xq, aq, inj, rank, streams, inv_s);                      \
-    }
-// (Eight rows would spill: the unit-parallel kernel takes them.)
-HC_DOWN_W(1) HC_DOWN_W(2) HC_DOWN_W(3) HC_DOWN_W(4) HC_DOWN_W(5) HC_DOWN_W(6) HC_DOWN_W(7)
-
 extern "C" __global__ void __launch_bounds__(1024)
 hc_up_u_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int streams, int rank, int nt, int J,
              float inv_s) {

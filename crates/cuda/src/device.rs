@@ -37,13 +37,12 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 }
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B).
-pub const SWITCHES: [&str; 8] = [
+pub const SWITCHES: [&str; 7] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
     "STRATA_CUDA_Q2T",
     "STRATA_CUDA_HC_UP4",
-    "STRATA_CUDA_HC_DOWNW",
     "STRATA_CUDA_BF16W",
     "STRATA_CUDA_PINNED",
 ];

@@ -799,14 +799,14 @@ fn addr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
 }
 
 /// Whether [`product_units`] runs BF16 rows of 2560 with a warp a row (gemv.cu
-/// gemv_w_bf16_k2560_nt*, the unit-parallel kernel's bits), `STRATA_CUDA_BF16W=1` (off by
-/// default until measured faster; session 7).
+/// gemv_w_bf16_k2560_nt*, the unit-parallel kernel's bits: the router with the shared gate, the
+/// GDN and attention projections); `STRATA_CUDA_BF16W=0` keeps the unit-parallel kernel.
 pub fn units_w_applies(w: &DevWeight, nt: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     w.ty == GgmlType::BF16
         && w.k == 2560
         && (1..=8).contains(&nt)
-        && *ON.get_or_init(|| std::env::var("STRATA_CUDA_BF16W").is_ok_and(|v| v.trim() == "1"))
+        && *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_BF16W"))
 }
 
 /// Whether [`product_units`] runs `w` against `nt` activation rows.
@@ -1054,17 +1054,6 @@ pub fn hc_fused_applies(hc: &HcDev<'_>, rows: usize) -> bool {
         && units_rows_per_block(hc.up.k / 32, rows, hc.up.rows).is_some_and(|r| r >= hc.streams)
 }
 
-/// Whether the mix's down (and inject) product runs gemv.cu hc_down_w_bf16_k10240_nt* (a warp a
-/// row, the same bits as hc_down_bf16): rows of 10240, 1..=7 activation rows (eight would
-/// spill). `STRATA_CUDA_HC_DOWNW=1` turns it on (off by default until measured faster;
-/// session 7).
-pub fn hc_down_w_applies(k: usize, rows: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    k == 10240
-        && (1..=7).contains(&rows)
-        && *ON.get_or_init(|| std::env::var("STRATA_CUDA_HC_DOWNW").is_ok_and(|v| v.trim() == "1"))
-}
-
 /// Whether the mix's up product runs gemv.cu hc_up_q4_bf16 (four threads a row, the same bits
 /// as hc_up_u_bf16): at most 12 units of rank, 1, 2, 4 or 8 streams, 1..=8 rows;
 /// `STRATA_CUDA_HC_UP4=0` keeps hc_up_u_bf16, for A/B.
@@ -1169,44 +1158,25 @@ pub fn hc_mix_fused(
         .ok_or_else(|| bad(k, format!("rows of {sh}")))?;
     let (nii, rbi) = (i32_of(k, n_inj)?, i32_of(k, rb)?);
     gpu.note_bytes(2 * total * sh + 2 * rows * sh);
-    if hc_down_w_applies(sh, rows) {
-        launch!(
-            gpu,
-            "gemv_bf16",
-            format!("hc_down_w_bf16_k10240_nt{rows}"),
-            cfg(total as u32, 32),
-            [
-                &hc.down.bytes,
-                &wi.bytes,
-                &s.xq,
-                &mut s.aq,
-                &inj_out,
-                &ri,
-                &nii,
-                &inv_s
-            ]
-        )?;
-    } else {
-        launch!(
-            gpu,
-            "gemv_bf16",
-            "hc_down_bf16",
-            cfg(total.div_ceil(rb) as u32, units_threads(rb * sh / 32)),
-            [
-                &hc.down.bytes,
-                &wi.bytes,
-                &s.xq,
-                &mut s.aq,
-                &inj_out,
-                &ri,
-                &nii,
-                &ki,
-                &ni,
-                &rbi,
-                &inv_s
-            ]
-        )?;
-    }
+    launch!(
+        gpu,
+        "gemv_bf16",
+        "hc_down_bf16",
+        cfg(total.div_ceil(rb) as u32, units_threads(rb * sh / 32)),
+        [
+            &hc.down.bytes,
+            &wi.bytes,
+            &s.xq,
+            &mut s.aq,
+            &inj_out,
+            &ri,
+            &nii,
+            &ki,
+            &ni,
+            &rbi,
+            &inv_s
+        ]
+    )?;
     // The up rows, the activation image and the normed rows.
     gpu.note_bytes(2 * sh * rank + 2 * rows * rank + 4 * rows * sh);
     if hc_up_q4_applies(st, rank, rows) {
