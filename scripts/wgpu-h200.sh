@@ -27,6 +27,12 @@
 #            machine stays warm), then `strata bench model --backend wgpu -p 0 -n 32 -r 2`
 #   profile  `strata bench model --backend wgpu -p 0 -n 8 -r 1 --profile`: dispatches and
 #            submits per decode token and the per-kernel table
+#   small    `strata synth --experts 32` into /dev/shm (6 GB: the same per-token work as the
+#            full file, 10 routed experts a token, in a 10 s load instead of 45 s), then
+#            `bench model --backend wgpu -p 0 -n 32 -r 1 --profile` on it, once per line of
+#            $AB (environment settings, "-" for the defaults): an A/B per line, one load each
+#   full     the full-size file: `bench model -p 0 -n 32 -r 2 --profile` in one load (bench and
+#            the timestamp profile)
 #   base     (not in the default steps) the bench again with session 5's products, norm,
 #            single submit and fresh temporaries (STRATA_WGPU_MM=wg STRATA_WGPU_NORM=seq
 #            STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0; the images keep rms_xprep_par, since
@@ -39,7 +45,9 @@ DEV=${DEV:-.dev/wgpu}
 S=$DEV/strata
 LOG=${OUT:-/tmp/wgpu-h200}
 FULL=${FULL:-/dev/shm/full.gguf}
+SMALL=${SMALL:-/dev/shm/e32.gguf}
 STEPS=${STEPS:-tests bench profile}
+AB=${AB:--}
 mkdir -p "$LOG"
 
 say() { echo "== $(date -u +%H:%M:%S) $*"; }
@@ -99,6 +107,33 @@ for step in $STEPS; do
         [ -s "$FULL" ] || { echo "no $FULL: run the bench step first"; continue; }
         say "bench model --backend wgpu --profile"
         "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 8 -r 1 --ctx 4096 --profile 2>&1 | tee "$LOG/profile.txt"
+        ;;
+    small)
+        if [ ! -s "$SMALL" ]; then
+            say "synth the 32-expert file into $SMALL"
+            "$S" synth --out "$SMALL" --experts 32 --ctx 65536 2>&1 | tail -1
+        fi
+        i=0
+        while read -r env; do
+            [ -n "$env" ] || continue
+            i=$((i + 1))
+            say "small file, settings: $env"
+            [ "$env" = - ] && env=
+            # shellcheck disable=SC2086
+            env $env "$S" bench model -m "$SMALL" --backend wgpu -p 0 -n 32 -r 1 --ctx 4096 --profile \
+                >"$LOG/small-$i.txt" 2>&1
+            echo "settings: ${env:--}" >>"$LOG/small-$i.txt"
+            grep -E "^profile|host per|GPU \(|tg32" "$LOG/small-$i.txt"
+        done <<<"$(echo "$AB" | tr ';' '\n')"
+        ;;
+    full)
+        if [ ! -s "$FULL" ]; then
+            say "synth the full-size file into $FULL"
+            "$S" synth --out "$FULL" --ctx 65536 2>&1 | tail -1
+        fi
+        say "full file: bench model --backend wgpu -p 0 -n 32 -r 2 --profile"
+        "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 32 -r 2 --ctx 4096 --profile >"$LOG/full.txt" 2>&1
+        grep -E "^profile|host per|GPU \(|tg32" "$LOG/full.txt"
         ;;
     base)
         [ -s "$FULL" ] || { echo "no $FULL: run the bench step first"; continue; }

@@ -549,6 +549,20 @@ impl WgpuBackend {
         Ok(v)
     }
 
+    /// Starts GPU timestamps between the dispatches of every submit (the step is recorded
+    /// and submitted as without them); false when the adapter has none inside passes.
+    pub fn gpu_profile_start(&self) -> Result<bool> {
+        self.flush()?;
+        self.g.wait().map_err(dev)?;
+        self.g.stamps_start().map_err(dev)
+    }
+
+    /// Ends the timestamps: GPU time by kernel ([`crate::GpuProfile`]).
+    pub fn gpu_profile_stop(&self) -> Result<crate::GpuProfile> {
+        self.flush()?;
+        self.g.stamps_stop().map_err(dev)
+    }
+
     fn profiling(&self) -> bool {
         self.profile.lock().map(|p| p.is_some()).unwrap_or(false)
     }
@@ -938,6 +952,11 @@ impl WgpuBackend {
             }
             .map_err(dev)?;
             let mut l = l;
+            // The weight rows read (mode 2: each token its expert's slab), the activation
+            // rows and the outputs: what a GB/s figure should count (the bound buffers would
+            // count every expert).
+            let rows_read = if mode == 2 { n_items * nt } else { n_items };
+            l.bytes = (rows_read * w.row_bytes + nt * xrb + total * 4) as u64;
             if self.profiling() {
                 l.name = format!("{} {}", l.name, w.ty);
             }
