@@ -295,7 +295,7 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
         for (var x = 0u; x < cnt; x = x + 1u) {
             let t = token(row, x);
             if (!in_part(t)) { continue; }
-            z = z + exp(score(t - row0, kvc, off, d, causal_ar) * scale - m);
+            z = z + exp(nc(score(t - row0, kvc, off, d, causal_ar) * scale) - m);
         }
         if (phase == 2u) {
             E[sb + 1u] = z;
@@ -309,7 +309,7 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
     for (var x = 0u; x < cnt; x = x + 1u) {
         let t = token(row, x);
         if (!in_part(t)) { continue; }
-        let p = exp(score(t - row0, kvc, off, d, causal_ar) * scale - m);
+        let p = exp(nc(score(t - row0, kvc, off, d, causal_ar) * scale) - m);
         var w = 0.0;
         if (causal_ar) { w = p * inv; } else { w = div_rn(p, z); }
         if (f16) { w = f16r(w); }
@@ -325,6 +325,136 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
         return;
     }
     for (var j = 0u; j < d; j = j + 1u) { D[i * d + j] = ov[j]; }
+}
+
+// `attend` for an unsplit store (phase 0) by one 256-wide workgroup per (row, head), bit for
+// bit: the same per-token arithmetic (score_wg is score on the query in workgroup memory), the
+// maximum taken per invocation and then folded (a maximum does not depend on the order; of two
+// zeros of either sign, which one is kept changes no exp(s - m) below), the sum of
+// exponentials added by one invocation in token order (the exponentials of a tile of 256
+// tokens computed in parallel first), and each output element d by its own invocation adding
+// the tile's weighted values in token order, as `attend`'s loop does. Same parameters as
+// `attend`; one workgroup an item over an (x, y) grid.
+var<workgroup> aq: array<f32, 256>;
+var<workgroup> aw: array<f32, 256>;
+var<workgroup> arow: array<u32, 256>;
+var<workgroup> acnt: u32;
+var<workgroup> am: f32;
+var<workgroup> az: f32;
+
+fn score_wg(t: u32, kvc: u32, off: u32, d: u32, eight: bool) -> f32 {
+    let kb = t * kvc + off;
+    if (!eight) {
+        var s = 0.0;
+        for (var j = 0u; j < d; j = j + 1u) { s = s + nc(aq[j] * B[kb + j]); }
+        return s;
+    }
+    var acc = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let whole = d / 8u * 8u;
+    for (var j = 0u; j < whole; j = j + 8u) {
+        for (var u = 0u; u < 8u; u = u + 1u) { acc[u] = acc[u] + nc(aq[j + u] * B[kb + j + u]); }
+    }
+    for (var j = whole; j < d; j = j + 1u) { acc[j - whole] = acc[j - whole] + nc(aq[j] * B[kb + j]); }
+    let s0 = acc[0] + acc[4];
+    let s1 = acc[1] + acc[5];
+    let s2 = acc[2] + acc[6];
+    let s3 = acc[3] + acc[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+@compute @workgroup_size(256)
+fn attend_wg(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+             @builtin(local_invocation_index) l: u32) {
+    let i = g.y * n.x + g.x;
+    let nh = pu(1u);
+    if (i >= pu(0u) * nh) { return; }
+    let row = i / nh;
+    let h = i % nh;
+    let d = pu(3u);
+    let f16 = pu(4u) != 0u;
+    let causal_ar = pu(9u) != 0u;
+    let kvc = pu(2u) * d;
+    let off = (h / (nh / pu(2u))) * d;
+    let row0 = pu(10u);
+    if (l == 0u) {
+        if (pu(5u) == 0u) { acnt = I[pu(8u) + row] + 1u; } else { acnt = J[row * pu(6u)]; }
+    }
+    if (l < d) {
+        var x = A[i * d + l];
+        if (f16) { x = f16r(x); }
+        aq[l] = x;
+    }
+    let cnt = workgroupUniformLoad(&acnt);
+    let scale = div_rn(1.0, sqrt_rn(f32(d)));
+    // The maximum.
+    var m = f_neg_inf();
+    for (var x = l; x < cnt; x = x + 256u) {
+        let t = token(row, x);
+        if (!in_part(t)) { continue; }
+        m = fmax(m, score_wg(t - row0, kvc, off, d, causal_ar) * scale);
+    }
+    aw[l] = m;
+    workgroupBarrier();
+    if (l == 0u) {
+        var mm = f_neg_inf();
+        for (var u = 0u; u < 256u; u = u + 1u) { mm = fmax(mm, aw[u]); }
+        am = mm;
+    }
+    m = workgroupUniformLoad(&am);
+    // The sum of exponentials, in token order.
+    for (var x0 = 0u; x0 < cnt; x0 = x0 + 256u) {
+        let x = x0 + l;
+        arow[l] = NONE;
+        if (x < cnt) {
+            let t = token(row, x);
+            if (in_part(t)) {
+                aw[l] = exp(nc(score_wg(t - row0, kvc, off, d, causal_ar) * scale) - m);
+                arow[l] = t;
+            }
+        }
+        workgroupBarrier();
+        if (l == 0u) {
+            var z = 0.0;
+            if (x0 > 0u) { z = az; }
+            for (var u = 0u; u < min(256u, cnt - x0); u = u + 1u) {
+                if (arow[u] != NONE) { z = z + aw[u]; }
+            }
+            az = z;
+        }
+        workgroupBarrier();
+    }
+    var z = 0.0;
+    if (cnt > 0u) { z = workgroupUniformLoad(&az); }
+    let inv = div_rn(1.0, z);
+    // The weighted values: output element l adds the tile's tokens in order.
+    var o = 0.0;
+    for (var x0 = 0u; x0 < cnt; x0 = x0 + 256u) {
+        let x = x0 + l;
+        arow[l] = NONE;
+        if (x < cnt) {
+            let t = token(row, x);
+            if (in_part(t)) {
+                let p = exp(nc(score_wg(t - row0, kvc, off, d, causal_ar) * scale) - m);
+                var w = 0.0;
+                if (causal_ar) { w = p * inv; } else { w = div_rn(p, z); }
+                if (f16) { w = f16r(w); }
+                aw[l] = w;
+                arow[l] = (t - row0) * kvc + off;
+            }
+        }
+        workgroupBarrier();
+        if (l < d) {
+            for (var u = 0u; u < min(256u, cnt - x0); u = u + 1u) {
+                let vb = arow[u];
+                if (vb == NONE) { continue; }
+                var v = C[vb + l];
+                if (f16 && !causal_ar) { v = f16r(v); }
+                o = o + nc(aw[u] * v);
+            }
+        }
+        workgroupBarrier();
+    }
+    if (l < d) { D[i * d + l] = o; }
 }
 
 // ---- qwen4exp -----------------------------------------------------------------------------

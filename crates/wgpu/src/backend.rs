@@ -232,6 +232,11 @@ pub struct WgpuBackend {
     /// The core RMS norm's kernel: the lane order by a workgroup on GPUs, by one invocation
     /// on CPU adapters (the same bits); `STRATA_WGPU_NORM=seq|lanes1|wg` forces one.
     norm: NormKernel,
+    /// Attention over an unsplit store by `model::attend_wg` (a 256-wide workgroup per row and
+    /// head) instead of `model::attend` (one invocation per row and head, serial over the
+    /// tokens and the head's values): the same bits. On by default; `STRATA_WGPU_ATTN=serial`
+    /// keeps the baseline. A split store always runs the baseline's three phases.
+    attn_wg: bool,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
     /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
     profile: Mutex<Option<Profile>>,
@@ -399,10 +404,19 @@ impl WgpuBackend {
             None if g.is_cpu() => 0,
             None => 256,
         };
+        let attn_wg = !matches!(
+            choice(
+                "STRATA_WGPU_ATTN",
+                env("STRATA_WGPU_ATTN").as_deref(),
+                &["serial", "wg"],
+            )?,
+            Some("serial")
+        );
         let fuse = switch("STRATA_WGPU_FUSE", env("STRATA_WGPU_FUSE").as_deref())?;
         let hw_f16 = switch("STRATA_WGPU_HWF16", env("STRATA_WGPU_HWF16").as_deref())?;
         Ok(WgpuBackend {
             pool: pool_on.then(|| Mutex::new(Pool::default())),
+            attn_wg,
             norm,
             chunk,
             g: Arc::new(g),
@@ -446,6 +460,13 @@ impl WgpuBackend {
     /// Submits a step's dispatches every `n` dispatches (0: once, at the end of the step).
     pub fn with_submit_chunk(mut self, n: usize) -> WgpuBackend {
         self.chunk = n;
+        self
+    }
+
+    /// Attention by a workgroup per row and head (`model::attend_wg`, true) or the serial
+    /// baseline (`model::attend`): the same bits.
+    pub fn with_attention_wg(mut self, on: bool) -> WgpuBackend {
+        self.attn_wg = on;
         self
     }
 
@@ -1853,6 +1874,17 @@ impl WgpuBackend {
             1,
         ];
         let n = q.rows * n_head;
+        if kp.len() == 1 && self.attn_wg {
+            let (gx, gy) = item_grid(n);
+            self.model(
+                "attend_wg",
+                &p,
+                [Some(&q.b), Some(kp[0].0), Some(vp[0].0), Some(&out.b), None],
+                [ib, jb, None],
+                (gx, gy, 1),
+            )?;
+            return Ok(out);
+        }
         if kp.len() == 1 {
             self.model_n(
                 "attend",

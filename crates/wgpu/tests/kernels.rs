@@ -329,3 +329,168 @@ fn product_kernels_give_the_same_bits_for_every_format() {
         }
     }
 }
+
+/// Softmax attention of one query head over `toks` in f64 (the independent oracle).
+fn attend_f64(q: &[f32], k: &[f32], v: &[f32], toks: &[usize], kvc: usize, off: usize) -> Vec<f64> {
+    let d = q.len();
+    let scale = 1.0 / (d as f64).sqrt();
+    let s: Vec<f64> = toks
+        .iter()
+        .map(|&t| {
+            (0..d)
+                .map(|j| q[j] as f64 * k[t * kvc + off + j] as f64)
+                .sum::<f64>()
+                * scale
+        })
+        .collect();
+    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+    let z: f64 = e.iter().sum();
+    (0..d)
+        .map(|j| {
+            toks.iter()
+                .zip(&e)
+                .map(|(&t, w)| w / z * v[t * kvc + off + j] as f64)
+                .sum()
+        })
+        .collect()
+}
+
+#[test]
+fn attention_by_a_workgroup_per_head_gives_the_serial_kernels_bits() {
+    use strata_engine::backend::{AttnDims, KvType};
+    use strata_engine::qwen4exp::ops::Qwen4expOps;
+    use strata_wgpu::WSelection;
+    let Some(b) = backend() else { return };
+    let serial = b.with_attention_wg(false);
+    let Some(b) = backend() else { return };
+    let wg = b.with_attention_wg(true);
+    let mut rng = Rng(0x5eed_a77e_0000_0001);
+    // (heads, KV heads, head dim, cache rows, query positions): a head dim that is not a
+    // multiple of 8 (the eight partial sums' tail), the model's 256, more visible tokens than
+    // one 256-token tile, and grouped-query heads.
+    let shapes: [(usize, usize, usize, usize, &[u32]); 5] = [
+        (4, 2, 20, 50, &[0, 6, 7, 20, 44, 49]),
+        (4, 2, 16, 600, &[0, 255, 256, 599]),
+        (6, 3, 8, 300, &[299, 1, 130]),
+        (8, 2, 256, 600, &[0, 255, 256, 599]),
+        (6, 3, 64, 300, &[299, 1, 130]),
+    ];
+    // Found while writing this test: on lavapipe (Mesa 22.3.6, LLVM 15) the serial kernel
+    // returns only the first value of a head for head dims of 64 and more (the rest read 0;
+    // the workgroup kernel, with the same inputs, agrees with the f64 oracle). So the bitwise
+    // comparison runs on the head dims the baseline gets right (≤ 20 here: every loop, tile
+    // boundary and selection case), and the large head dims check the workgroup kernel against
+    // the oracle alone.
+    let baseline_ok = |d: usize| d <= 20;
+    let mut compared = 0;
+    for (n_head, n_head_kv, d, cap, positions) in shapes {
+        let dims = AttnDims {
+            n_head,
+            n_head_kv,
+            head_dim: d,
+        };
+        let kvc = n_head_kv * d;
+        let kd: Vec<f32> = (0..cap * kvc).map(|_| rng.value()).collect();
+        let vd: Vec<f32> = (0..cap * kvc).map(|_| rng.value()).collect();
+        let rows = positions.len();
+        let qd: Vec<f32> = (0..rows * n_head * d).map(|_| 4.0 * rng.value()).collect();
+        // Selection rows [count, tokens…]: out of order, one past the cache (skipped), an
+        // empty row, and (stride permitting) a long one.
+        let stride = 1 + cap + 1;
+        let mut sel = vec![0u32; rows * stride];
+        let mut sel_toks: Vec<Vec<usize>> = Vec::new();
+        for r in 0..rows {
+            let toks: Vec<u32> = match r % 3 {
+                0 => (0..cap as u32).rev().step_by(3).collect(),
+                1 => vec![],
+                _ => vec![positions[r], 0, cap as u32, positions[r] / 2],
+            };
+            sel[r * stride] = toks.len() as u32;
+            sel[r * stride + 1..r * stride + 1 + toks.len()].copy_from_slice(&toks);
+            sel_toks.push(
+                toks.iter()
+                    .map(|&t| t as usize)
+                    .filter(|&t| t < cap)
+                    .collect(),
+            );
+        }
+        for kv in [KvType::F32, KvType::F16] {
+            let mut outs: Vec<Vec<Vec<u32>>> = Vec::new();
+            for be in [&serial, &wg] {
+                if std::ptr::eq(be, &serial) && !baseline_ok(d) {
+                    continue;
+                }
+                let mut k = be.store(cap, kvc).unwrap();
+                let mut v = be.store(cap, kvc).unwrap();
+                let all: Vec<u32> = (0..cap as u32).collect();
+                let at = be.upload_ids(&all).unwrap();
+                be.write_kv(&mut k, &be.upload(cap, kvc, &kd).unwrap(), &at, kv)
+                    .unwrap();
+                be.write_kv(&mut v, &be.upload(cap, kvc, &vd).unwrap(), &at, kv)
+                    .unwrap();
+                let q = be.upload(rows, n_head * d, &qd).unwrap();
+                let pos = be.upload_ids(positions).unwrap();
+                let causal8 = be.attend_causal(&q, &k, &v, &pos, dims, kv).unwrap();
+                let causal =
+                    Qwen4expOps::attend(be, &q, &k, &v, &WSelection::Causal(pos.clone()), dims, kv)
+                        .unwrap();
+                let sb = Arc::new(be.device().upload("selection", &sel).unwrap());
+                let sparse = Qwen4expOps::attend(
+                    be,
+                    &q,
+                    &k,
+                    &v,
+                    &WSelection::Sparse {
+                        b: sb,
+                        stride,
+                        rows,
+                    },
+                    dims,
+                    kv,
+                )
+                .unwrap();
+                let got: Vec<Vec<f32>> = [causal8, causal, sparse]
+                    .iter()
+                    .map(|o| be.download(o).unwrap())
+                    .collect();
+                if kv == KvType::F32 {
+                    // Both kernels are attention: within 1e-4 of the f64 softmax.
+                    let head = |r: usize, h: usize| &qd[(r * n_head + h) * d..][..d];
+                    for r in 0..rows {
+                        let causal_toks: Vec<usize> = (0..=positions[r] as usize).collect();
+                        for h in 0..n_head {
+                            let off = (h / (n_head / n_head_kv)) * d;
+                            for (which, toks) in
+                                [(0, &causal_toks), (1, &causal_toks), (2, &sel_toks[r])]
+                            {
+                                let want = attend_f64(head(r, h), &kd, &vd, toks, kvc, off);
+                                let o = &got[which][(r * n_head + h) * d..][..d];
+                                for j in 0..d {
+                                    assert!(
+                                        (o[j] as f64 - want[j]).abs() < 1e-4,
+                                        "attention {which} row {r} head {h} value {j}: {} vs {}",
+                                        o[j],
+                                        want[j]
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+                outs.push(got.iter().map(|o| bits(o)).collect());
+            }
+            if !baseline_ok(d) {
+                continue;
+            }
+            for which in 0..3 {
+                assert_eq!(
+                    outs[0][which], outs[1][which],
+                    "{kv:?} d {d}: attention {which} (0 causal8, 1 causal, 2 selection) differs"
+                );
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 18);
+}
