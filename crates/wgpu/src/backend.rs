@@ -266,17 +266,21 @@ pub enum ProductKernel {
     /// adjacent lanes (one block's adjacent elements: their decoders share the scale and word
     /// loads), the activation read once for all outputs.
     Blocks,
-    /// `mq::mmb` for products of at least [`MMR_MIN`] outputs (tokens × items), `mq::mm` for
-    /// smaller ones, where eight outputs a workgroup would leave most of a GPU idle (GPUs).
+    /// `mq::mmt`: a 64-wide workgroup for [`MMR_ROWS`] outputs, 8 invocations an output, each
+    /// keeping 32 adjacent lanes in registers (one block of every block format a step) and
+    /// running the tree's first five levels itself: no barrier in the loop.
+    Threads,
+    /// `mq::mmt` for products of at least [`MMT_MIN`] outputs (tokens × items), `mq::mm` for
+    /// smaller ones, where 8 invocations an output would leave most of a GPU idle (GPUs).
     Auto,
 }
 
 /// Outputs per workgroup of `mq::mmr` and `mq::mmb`.
 pub const MMR_ROWS: usize = 8;
 
-/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmb` (512 workgroups
-/// of it: several per SM on the H200's 132).
-pub const MMR_MIN: usize = 4096;
+/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmt` (2,048
+/// invocations: below that `mm`'s 256 an output keep more of the GPU busy).
+pub const MMT_MIN: usize = 256;
 
 /// The kernel of the core RMS norm (`Backend::rms_norm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -378,13 +382,14 @@ impl WgpuBackend {
         let products = match choice(
             "STRATA_WGPU_MM",
             env("STRATA_WGPU_MM").as_deref(),
-            &["lanes", "wg", "rows", "auto", "blocks"],
+            &["lanes", "wg", "rows", "auto", "blocks", "threads"],
         )? {
             Some("lanes") => ProductKernel::Lanes1,
             Some("wg") => ProductKernel::Workgroup,
             Some("rows") => ProductKernel::Rows,
             Some("auto") => ProductKernel::Auto,
             Some("blocks") => ProductKernel::Blocks,
+            Some("threads") => ProductKernel::Threads,
             _ if g.is_cpu() => ProductKernel::Lanes1,
             _ => ProductKernel::Auto,
         };
@@ -915,11 +920,14 @@ impl WgpuBackend {
         for part in &w.parts {
             let n_items = if mode == 0 { part.rows } else { items };
             let kernel = match self.products {
-                ProductKernel::Auto if n_items * nt >= MMR_MIN => ProductKernel::Blocks,
+                ProductKernel::Auto if n_items * nt >= MMT_MIN => ProductKernel::Threads,
                 ProductKernel::Auto => ProductKernel::Workgroup,
                 k => k,
             };
-            let rows_kernel = matches!(kernel, ProductKernel::Rows | ProductKernel::Blocks);
+            let rows_kernel = matches!(
+                kernel,
+                ProductKernel::Rows | ProductKernel::Blocks | ProductKernel::Threads
+            );
             let (gx, gy) = if rows_kernel {
                 item_grid(n_items.div_ceil(MMR_ROWS))
             } else {
@@ -969,6 +977,11 @@ impl WgpuBackend {
                     let spec = shaders::spec_mmr(w.ty, self.hw_f16, MMR_ROWS);
                     self.g
                         .launch("mq", "mmb", &spec, &p, &bufs, (gx, gy, nt as u32))
+                }
+                ProductKernel::Threads => {
+                    let spec = shaders::spec_mmr(w.ty, self.hw_f16, MMR_ROWS);
+                    self.g
+                        .launch("mq", "mmt", &spec, &p, &bufs, (gx, gy, nt as u32))
                 }
             }
             .map_err(dev)?;

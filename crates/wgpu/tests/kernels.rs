@@ -9,7 +9,7 @@
 //! - the activation images with parallel block scales (`rms_xprep_par`) equal the serial
 //!   baseline (`rms_xprep_base`) and the CPU's quantizers byte for byte, ties and specials
 //!   included;
-//! - the products `mm1`, `mm`, `mmr` and `mmb` give the same bits for every format the backend reads,
+//! - the products `mm1`, `mm`, `mmr`, `mmb` and `mmt` give the same bits for every format the backend reads,
 //!   dense and gathered rows, item counts that are not a multiple of the rows per workgroup,
 //!   and stay within the stated bound of the f64 dot of the decoded operands.
 
@@ -231,6 +231,7 @@ fn product_kernels_give_the_same_bits_for_every_format() {
         ProductKernel::Lanes1,
         ProductKernel::Rows,
         ProductKernel::Blocks,
+        ProductKernel::Threads,
     ] {
         let Some(b) = backend() else { return };
         kernels.push(b.with_product_kernel(pk));
@@ -241,9 +242,11 @@ fn product_kernels_give_the_same_bits_for_every_format() {
         .map(|(_, t)| *t);
     let mut rng = Rng(0xfeed_0000_0000_0077);
     for (i, ty) in formats.enumerate() {
-        // 29 outputs (not a multiple of mmr's 8), rows of 512 (two K-quant super-blocks);
-        // three tokens; 11 gathered rows with repeats.
-        let (m, k, nt) = (29usize, 512usize, 3usize);
+        // 29 outputs (not a multiple of mmr's 8), rows of 640 where the blocks allow (lanes
+        // 128..255 and mmt's groups 4..7 one element short), else 512 (two K-quant
+        // super-blocks); three tokens; 11 gathered rows with repeats.
+        let k = if 640 % ty.block_size() == 0 { 640 } else { 512 };
+        let (m, nt) = (29usize, 3usize);
         let wbytes = weight_bytes(ty, m, k, 300 + i as u64);
         let f = file(vec![(
             "w".into(),
@@ -262,7 +265,7 @@ fn product_kernels_give_the_same_bits_for_every_format() {
             let idb = b.upload_ids(&ids).unwrap();
             gathered.push(b.download(&b.matmul_rows(&w, &idb, &xb).unwrap()).unwrap());
         }
-        for j in 1..4 {
+        for j in 1..kernels.len() {
             assert!(
                 bits(&dense[j]) == bits(&dense[0]),
                 "{ty}: dense products of kernel {j} differ from mq::mm"

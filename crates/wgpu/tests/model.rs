@@ -933,6 +933,8 @@ fn both_product_kernels_give_the_same_logits_bitwise() {
         (ProductKernel::Workgroup, NormKernel::Lanes1, 0),
         (ProductKernel::Rows, NormKernel::Workgroup, 7),
         (ProductKernel::Blocks, NormKernel::Workgroup, 0),
+        (ProductKernel::Threads, NormKernel::Workgroup, 64),
+        (ProductKernel::Auto, NormKernel::Workgroup, 0),
     ] {
         let b = backend()
             .unwrap()
