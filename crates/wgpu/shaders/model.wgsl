@@ -693,6 +693,43 @@ fn tkey(x: f32) -> u32 {
     return u | 0x80000000u;
 }
 
+// qsa_select's block scores with a 64-wide workgroup per (row, block of the part), bit for
+// bit: invocation h takes head h's dot product in qsa_select's order, then one invocation adds
+// the heads' relu(dot) in head order and scales, as qsa_select's loop does. Same parameters as
+// qsa_select (p11 the part's first block, p12 its blocks: one workgroup each, p14 the x groups);
+// a qsa_select dispatch with p12 = 0 (no scoring) selects afterwards. At most 256 heads.
+var<workgroup> qdots: array<f32, 256>;
+
+@compute @workgroup_size(64)
+fn qsa_score(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let item = g.y * pu(14u) + g.x;
+    let prows = max(pu(12u), 1u);
+    let row = item / prows;
+    let row0 = pu(11u);
+    let b = row0 + item % prows;
+    let qc = pu(1u);
+    let d = pu(2u);
+    let heads = qc / d;
+    var live = row < pu(0u);
+    if (live) {
+        let pos = I[pu(8u) + row];
+        live = b < min((pos + 1u) / pu(3u), pu(7u));
+    }
+    for (var h = l; h < heads; h = h + 64u) {
+        var dot = 0.0;
+        if (live) {
+            for (var j = 0u; j < d; j = j + 1u) { dot = dot + nc(A[row * qc + h * d + j] * B[(b - row0) * d + j]); }
+        }
+        qdots[h] = dot;
+    }
+    workgroupBarrier();
+    if (l == 0u && live) {
+        var s = 0.0;
+        for (var h = 0u; h < heads; h = h + 1u) { s = s + fmax(qdots[h], 0.0); }
+        C[row * pu(9u) + b] = s * div_rn(1.0, sqrt_rn(f32(d)));
+    }
+}
+
 // QSA selection, one invocation per query row: queries A (p0 rows of p1, heads of p2), pooled
 // blocks B (p7 rows), positions I from p8, block size p3, budget p4, rule p5 (0 reference,
 // 1 llama.cpp). Out J: per row [count, tokens ascending] in rows of p6. B is the store's part

@@ -234,8 +234,10 @@ pub struct WgpuBackend {
     norm: NormKernel,
     /// Attention over an unsplit store by `model::attend_wg` (a 256-wide workgroup per row and
     /// head) instead of `model::attend` (one invocation per row and head, serial over the
-    /// tokens and the head's values): the same bits. On by default; `STRATA_WGPU_ATTN=serial`
-    /// keeps the baseline. A split store always runs the baseline's three phases.
+    /// tokens and the head's values), and the QSA block scores by `model::qsa_score` (a
+    /// workgroup per row and block) before `qsa_select` selects: the same bits. On by default;
+    /// `STRATA_WGPU_ATTN=serial` keeps the baselines. A split store's attention always runs the
+    /// baseline's three phases.
     attn_wg: bool,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
     /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
@@ -342,7 +344,7 @@ fn grid(n: usize) -> (u32, u32, u32) {
 }
 
 /// (x groups, y groups) covering `n` items of one workgroup each, and the x count.
-fn item_grid(n: usize) -> (u32, u32) {
+pub(crate) fn item_grid(n: usize) -> (u32, u32) {
     let n = n.max(1);
     let gx = n.min(65535);
     (gx as u32, n.div_ceil(gx) as u32)
@@ -466,6 +468,17 @@ impl WgpuBackend {
     pub fn with_submit_chunk(mut self, n: usize) -> WgpuBackend {
         self.chunk = n;
         self
+    }
+
+    /// Whether attention and the QSA block scores run by workgroups (`attend_wg`,
+    /// `qsa_score`) rather than the serial baselines.
+    pub(crate) fn attn_wg(&self) -> bool {
+        self.attn_wg
+    }
+
+    /// A 4-byte buffer bound where a kernel reads nothing (qsa_select scoring no part).
+    pub(crate) fn unused_f32(&self) -> &Buf {
+        &self.dummies[1]
     }
 
     /// Attention by a workgroup per row and head (`model::attend_wg`, true) or the serial

@@ -497,3 +497,65 @@ fn attention_by_a_workgroup_per_head_gives_the_serial_kernels_bits() {
     }
     assert_eq!(compared, 18);
 }
+
+#[test]
+fn qsa_scores_by_workgroups_give_the_serial_selection_and_the_cpus() {
+    use strata_engine::qwen4exp::ops::{QsaRule, QsaSelect, Qwen4expOps};
+    use strata_engine::CpuBackend;
+    use strata_wgpu::WSelection;
+    let Some(b) = backend() else { return };
+    let serial = b.with_attention_wg(false);
+    let Some(b) = backend() else { return };
+    let wg = b.with_attention_wg(true);
+    let cpu = CpuBackend::new(1).unwrap();
+    let mut rng = Rng(0x5eed_95a0_0000_0003);
+    // (heads, head dim, pooled blocks in the store, block size, budget, query positions):
+    // several blocks above and below the budget, a position before the first whole block.
+    let cases: [(usize, usize, usize, usize, usize, &[u32]); 2] = [
+        (4, 16, 12, 4, 12, &[2, 17, 47, 30]),
+        (70, 8, 40, 8, 64, &[319, 100, 7]),
+    ];
+    let mut checked = 0;
+    for (heads, d, nblocks, ratio, budget, positions) in cases {
+        let rows = positions.len();
+        let qd: Vec<f32> = (0..rows * heads * d).map(|_| rng.value()).collect();
+        // Scores of a few distinct levels, so the selections have ties to break.
+        let bd: Vec<f32> = (0..nblocks * d)
+            .map(|_| (rng.next() % 5) as f32 * 0.25 - 0.5)
+            .collect();
+        for rule in [QsaRule::Reference, QsaRule::LlamaCpp] {
+            let sel = QsaSelect {
+                ratio,
+                budget,
+                rule,
+            };
+            let mut got = Vec::new();
+            for be in [&serial, &wg] {
+                let q = be.upload(rows, heads * d, &qd).unwrap();
+                let blocks = be.upload(nblocks, d, &bd).unwrap();
+                let pos = be.upload_ids(positions).unwrap();
+                let WSelection::Sparse { b, stride, .. } =
+                    Qwen4expOps::qsa_select(be, &q, &blocks, &pos, sel).unwrap()
+                else {
+                    panic!("a QSA selection that is not sparse")
+                };
+                be.flush().unwrap();
+                let v: Vec<u32> = be.device().download(&b).unwrap();
+                got.push((v, stride));
+            }
+            assert_eq!(got[0], got[1], "{rule:?} heads {heads}: selections differ");
+            // The CPU's selection, token for token.
+            let q = cpu.upload(rows, heads * d, &qd).unwrap();
+            let blocks = cpu.upload(nblocks, d, &bd).unwrap();
+            let pos = cpu.upload_ids(positions).unwrap();
+            let want = Qwen4expOps::qsa_select(&cpu, &q, &blocks, &pos, sel).unwrap();
+            let (v, stride) = &got[1];
+            for (r, toks) in want.0.iter().enumerate() {
+                let n = v[r * stride] as usize;
+                assert_eq!(&v[r * stride + 1..r * stride + 1 + n], &toks[..], "{rule:?} row {r}");
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4);
+}
