@@ -280,9 +280,10 @@ pub enum ProductKernel {
 /// Outputs per workgroup of `mq::mmr` and `mq::mmb`.
 pub const MMR_ROWS: usize = 8;
 
-/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmt` (2,048
-/// invocations: below that `mm`'s 256 an output keep more of the GPU busy).
-pub const MMT_MIN: usize = 256;
+/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmt` (16,384
+/// invocations; below that `mm`'s 256 an output keep more of the GPU busy: a 320-output
+/// product over 10,240 values would be 2,560 invocations of 1,280 elements each).
+pub const MMT_MIN: usize = 2048;
 
 /// The kernel of the core RMS norm (`Backend::rms_norm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -374,7 +374,13 @@ impl Qwen4expOps for WgpuBackend {
             self.model_n(
                 "qsa_select",
                 &p,
-                [Some(&qi.b), Some(self.unused_f32()), Some(&scores), None, None],
+                [
+                    Some(&qi.b),
+                    Some(self.unused_f32()),
+                    Some(&scores),
+                    None,
+                    None,
+                ],
                 [Some(&positions.b), Some(&out), Some(&scratch)],
                 rows,
             )?;

@@ -552,7 +552,11 @@ fn qsa_scores_by_workgroups_give_the_serial_selection_and_the_cpus() {
             let (v, stride) = &got[1];
             for (r, toks) in want.0.iter().enumerate() {
                 let n = v[r * stride] as usize;
-                assert_eq!(&v[r * stride + 1..r * stride + 1 + n], &toks[..], "{rule:?} row {r}");
+                assert_eq!(
+                    &v[r * stride + 1..r * stride + 1 + n],
+                    &toks[..],
+                    "{rule:?} row {r}"
+                );
             }
             checked += 1;
         }
