@@ -29,7 +29,7 @@
 #            submits per decode token and the per-kernel table
 #   small    `strata synth --experts 32` into /dev/shm (6 GB: the same per-token work as the
 #            full file, 10 routed experts a token, in a 10 s load instead of 45 s), then
-#            `bench model --backend wgpu -p 0 -n 32 -r 1 --profile` on it, once per line of
+#            `bench model --backend wgpu -p 0 -n $N -r 1 --profile` on it (N=32), once per line of
 #            $AB (environment settings, "-" for the defaults): an A/B per line, one load each
 #   full     the full-size file: `bench model -p 0 -n 32 -r 2 --profile` in one load (bench and
 #            the timestamp profile)
@@ -38,6 +38,7 @@
 #            STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0; the images keep rms_xprep_par, since
 #            STRATA_WGPU_FUSE=0 would also undo session 5's fusions), for an A/B on one machine;
 #            then with the products by mq::mmr instead of the default mq::mmb (STRATA_WGPU_MM=rows)
+# TMAX (seconds, default 300) bounds each bench of `small` and the kernel tests.
 # Logs go to $OUT (the device tool brings them back) or /tmp/wgpu-h200. A dry run here:
 #   REQUIRE_NVIDIA=0 FULL=fixtures/qwen4exp/tiny/model-f32.gguf bash scripts/wgpu-h200.sh
 set -uo pipefail
@@ -78,7 +79,7 @@ for step in $STEPS; do
     tests)
         say "kernel and tiny-model tests on the H200's Vulkan"
         if [ -x "$DEV/bin/kernels" ]; then
-            "$DEV/bin/kernels" --test-threads 1 2>&1 | grep -v XDG_RUNTIME_DIR | tee "$LOG/kernels.txt" | grep -E "^test |test result|panicked"
+            timeout "${TMAX:-300}" "$DEV/bin/kernels" --test-threads 1 2>&1 | grep -v XDG_RUNTIME_DIR | tee "$LOG/kernels.txt" | grep -E "^test |test result|panicked"
         else
             echo "no $DEV/bin/kernels: kernel tests skipped"
         fi
@@ -120,7 +121,7 @@ for step in $STEPS; do
             say "small file, settings: $env"
             [ "$env" = - ] && env=
             # shellcheck disable=SC2086
-            env $env "$S" bench model -m "$SMALL" --backend wgpu -p 0 -n 32 -r 1 --ctx 4096 --profile \
+            env $env timeout "${TMAX:-300}" "$S" bench model -m "$SMALL" --backend wgpu -p 0 -n "${N:-32}" -r 1 --ctx 4096 --profile \
                 >"$LOG/small-$i.txt" 2>&1
             echo "settings: ${env:--}" >>"$LOG/small-$i.txt"
             grep -E "^profile|host per|GPU \(|tg32" "$LOG/small-$i.txt"

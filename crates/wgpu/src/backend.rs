@@ -235,8 +235,8 @@ pub struct WgpuBackend {
     /// Attention over an unsplit store by `model::attend_wg` (a 256-wide workgroup per row and
     /// head) instead of `model::attend` (one invocation per row and head, serial over the
     /// tokens and the head's values), and the QSA block scores by `model::qsa_score` (a
-    /// workgroup per row and block) before `qsa_select` selects: the same bits. On by default;
-    /// `STRATA_WGPU_ATTN=serial` keeps the baselines. A split store's attention always runs the
+    /// workgroup per row and block) before `qsa_select` selects: the same bits. On by default
+    /// on GPUs (CPU adapters: the serial kernels); `STRATA_WGPU_ATTN=serial|wg` forces one. A split store's attention always runs the
     /// baseline's three phases.
     attn_wg: bool,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
@@ -412,14 +412,18 @@ impl WgpuBackend {
             None if g.is_cpu() => 0,
             None => 256,
         };
-        let attn_wg = !matches!(
-            choice(
-                "STRATA_WGPU_ATTN",
-                env("STRATA_WGPU_ATTN").as_deref(),
-                &["serial", "wg"],
-            )?,
-            Some("serial")
-        );
+        // On CPU adapters the serial kernels stay the default: lavapipe runs each of
+        // qsa_score's workgroups (one per block the store can hold, most of them past the
+        // visible blocks) as a coroutine switch per invocation.
+        let attn_wg = match choice(
+            "STRATA_WGPU_ATTN",
+            env("STRATA_WGPU_ATTN").as_deref(),
+            &["serial", "wg"],
+        )? {
+            Some("serial") => false,
+            Some(_) => true,
+            None => !g.is_cpu(),
+        };
         let fuse = switch("STRATA_WGPU_FUSE", env("STRATA_WGPU_FUSE").as_deref())?;
         let hw_f16 = switch("STRATA_WGPU_HWF16", env("STRATA_WGPU_HWF16").as_deref())?;
         Ok(WgpuBackend {
