@@ -550,9 +550,7 @@ var<workgroup> gsc: vec2<f32>;
 // Gated DeltaNet over the rows in order, one workgroup per value head h (invocation j owns the
 // state's column j): qkv A, z B, gates C, state D (in place), out E, norm weight I (f32 bits).
 // p0 rows, p1 key heads, p2 value heads, p3 head_k (<= 256), p4 head_v (<= 256), p5 eps.
-@compute @workgroup_size(64)
-fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-    let h = g.x;
+fn gdn_head(h: u32, t: u32, nt: u32) {
     let nk = pu(1u);
     let nv = pu(2u);
     let dk = pu(3u);
@@ -574,14 +572,14 @@ fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: 
             gsc = vec2<f32>(div_rn(1.0, sqrt_rn(sq + 1e-6)), div_rn(1.0, sqrt_rn(sk + 1e-6)));
         }
         workgroupBarrier();
-        for (var i = t; i < dk; i = i + 64u) {
+        for (var i = t; i < dk; i = i + nt) {
             gq[i] = (A[qb + i] * gsc.x) * qscale;
             gk[i] = A[kb + i] * gsc.y;
         }
         workgroupBarrier();
         let beta = C[2u * (row * nv + h)];
         let decay = C[2u * (row * nv + h) + 1u];
-        for (var j = t; j < dv; j = j + 64u) {
+        for (var j = t; j < dv; j = j + nt) {
             var ks = 0.0;
             for (var i = 0u; i < dk; i = i + 1u) {
                 let s = D[sb + i * dv + j] * decay;
@@ -604,12 +602,25 @@ fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: 
             gsc = vec2<f32>(rms_scale(ss, dv, pf(5u)), 0.0);
         }
         workgroupBarrier();
-        for (var j = t; j < dv; j = j + 64u) {
+        for (var j = t; j < dv; j = j + nt) {
             let zi = row * nv * dv + h * dv + j;
             E[zi] = ((go[j] * gsc.x) * bitcast<f32>(I[j])) * sigm(B[zi]);
         }
         workgroupBarrier();
     }
+}
+
+@compute @workgroup_size(64)
+fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    gdn_head(g.x, t, 64u);
+}
+
+// `gdn` with a 128-wide workgroup: an invocation per value column (dv ≤ 128) instead of two,
+// each column's sums in the same order, so the same bits (the GPUs' default, with the
+// attention kernels).
+@compute @workgroup_size(128)
+fn gdn_wg(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    gdn_head(g.x, t, 128u);
 }
 
 // Mean of the p2 raw keys (A, p3 rows of p1) of the block row r's position I[p4 + r] completes;

@@ -235,8 +235,9 @@ pub struct WgpuBackend {
     /// Attention over an unsplit store by `model::attend_wg` (a 256-wide workgroup per row and
     /// head) instead of `model::attend` (one invocation per row and head, serial over the
     /// tokens and the head's values), and the QSA block scores by `model::qsa_score` (a
-    /// workgroup per row and block) before `qsa_select` selects: the same bits. On by default
-    /// on GPUs (CPU adapters: the serial kernels); `STRATA_WGPU_ATTN=serial|wg` forces one. A split store's attention always runs the
+    /// workgroup per row and block) before `qsa_select` selects, and GDN by `model::gdn_wg`
+    /// (128 invocations a head instead of 64): the same bits. On by default on GPUs (CPU
+    /// adapters: the serial kernels); `STRATA_WGPU_ATTN=serial|wg` forces one. A split store's attention always runs the
     /// baseline's three phases.
     attn_wg: bool,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
@@ -272,18 +273,28 @@ pub enum ProductKernel {
     /// keeping 32 adjacent lanes in registers (one block of every block format a step) and
     /// running the tree's first five levels itself: no barrier in the loop.
     Threads,
-    /// `mq::mmt` for products of at least [`MMT_MIN`] outputs (tokens × items), `mq::mm` for
-    /// smaller ones, where 8 invocations an output would leave most of a GPU idle (GPUs).
+    /// `mq::mmt` where [`mmt_pays`] (short rows or very many outputs), `mq::mm` elsewhere
+    /// (GPUs).
     Auto,
 }
 
 /// Outputs per workgroup of `mq::mmr` and `mq::mmb`.
 pub const MMR_ROWS: usize = 8;
 
-/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmt` (16,384
+/// Outputs of a product from which [`ProductKernel::Auto`] may take `mq::mmt` (16,384
 /// invocations; below that `mm`'s 256 an output keep more of the GPU busy: a 320-output
 /// product over 10,240 values would be 2,560 invocations of 1,280 elements each).
 pub const MMT_MIN: usize = 2048;
+
+/// Whether [`ProductKernel::Auto`] takes `mq::mmt` for `outputs` outputs over rows of `k`.
+/// Measured on the H200 (docs/PERF.md, session 7 call 2): `mmt` wins where `mm`'s tree
+/// dominates, short rows (hc_up: 10,240 outputs over 320, the experts' down products: 25,600
+/// over 640) and the 248,320-output head, and loses where each of its invocations walks a
+/// long row with few invocations in all (ssm_out, Q5_K, 2,560 outputs over 6,144: 376 µs
+/// against `mm`'s 104), so rows longer than 1,024 stay on `mm` below 65,536 outputs.
+pub fn mmt_pays(outputs: usize, k: usize) -> bool {
+    outputs >= 65536 || (outputs >= MMT_MIN && k <= 1024)
+}
 
 /// The kernel of the core RMS norm (`Backend::rms_norm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -938,7 +949,7 @@ impl WgpuBackend {
         for part in &w.parts {
             let n_items = if mode == 0 { part.rows } else { items };
             let kernel = match self.products {
-                ProductKernel::Auto if n_items * nt >= MMT_MIN => ProductKernel::Threads,
+                ProductKernel::Auto if mmt_pays(n_items * nt, k) => ProductKernel::Threads,
                 ProductKernel::Auto => ProductKernel::Workgroup,
                 k => k,
             };
@@ -1010,7 +1021,10 @@ impl WgpuBackend {
             let rows_read = if mode == 2 { n_items * nt } else { n_items };
             l.bytes = (rows_read * w.row_bytes + nt * xrb + total * 4) as u64;
             if self.profiling() {
-                l.name = format!("{} {}", l.name, w.ty);
+                // The shape too (outputs × k, and "e" for an expert slab per token), so a
+                // profile separates a format's products by shape.
+                let e = if mode == 2 { "e" } else { "" };
+                l.name = format!("{} {} {n_items}{e}×{k}", l.name, w.ty);
             }
             self.push(l)?;
         }

@@ -242,7 +242,7 @@ impl Qwen4expOps for WgpuBackend {
             n * nv,
         )?;
         self.model(
-            "gdn",
+            if self.attn_wg() { "gdn_wg" } else { "gdn" },
             &[
                 u32_of(op, n)?,
                 u32_of(op, nk)?,
