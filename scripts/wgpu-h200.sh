@@ -38,7 +38,7 @@
 #            STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0; the images keep rms_xprep_par, since
 #            STRATA_WGPU_FUSE=0 would also undo session 5's fusions), for an A/B on one machine;
 #            then with the products by mq::mmr instead of the default mq::mmb (STRATA_WGPU_MM=rows)
-# TMAX (seconds, default 300) bounds each bench of `small` and the kernel tests.
+# TMAX (seconds, default 300) bounds each bench of `small` and each test binary.
 # Logs go to $OUT (the device tool brings them back) or /tmp/wgpu-h200. A dry run here:
 #   REQUIRE_NVIDIA=0 FULL=fixtures/qwen4exp/tiny/model-f32.gguf bash scripts/wgpu-h200.sh
 set -uo pipefail
@@ -91,7 +91,7 @@ for step in $STEPS; do
             if [ -n "$root" ] && [ ! -e "$root/fixtures" ]; then
                 mkdir -p "$root/crates/wgpu" && ln -s "$PWD/fixtures" "$root/fixtures"
             fi
-            "$DEV/bin/model" --test-threads 1 2>&1 | grep -v XDG_RUNTIME_DIR | tee "$LOG/tests.txt" | grep -E "^test |test result|vs |same bits|bit for bit"
+            timeout "${TMAX:-300}" "$DEV/bin/model" --test-threads 1 2>&1 | grep -v XDG_RUNTIME_DIR | tee "$LOG/tests.txt" | grep -E "^test |test result|vs |same bits|bit for bit"
         else
             echo "no $DEV/bin/model: tests skipped"
         fi
