@@ -11,6 +11,8 @@
 #   bin/model  the wgpu model test binary:
 #                cargo test --release -p strata-wgpu --test model --no-run   (prints the path)
 #                cp <that path> .dev/wgpu/bin/model
+#                echo "$PWD" > .dev/wgpu/bin/model.root   (the checkout it was built in; needed
+#                when the binary is stripped)
 #   bin/kernels  the wgpu kernel test binary (optimized kernels bitwise against their
 #              baselines and the CPU's oracles, every decoder format), likewise:
 #                cargo test --release -p strata-wgpu --test kernels --no-run
@@ -86,8 +88,14 @@ for step in $STEPS; do
         if [ -x "$DEV/bin/model" ]; then
             # The test binary finds the fixtures through the path it was built in
             # (CARGO_MANIFEST_DIR/../../fixtures); point that path at this checkout.
-            dir=$(grep -a -o '/[[:alnum:]_./+-]*/crates/wgpu' "$DEV/bin/model" | sort | uniq -c | sort -rn | awk 'NR==1{print $2}')
-            root=${dir%/crates/wgpu}
+            # The build's root: $DEV/bin/model.root when given (a stripped binary's strings
+            # run together, so the path found in it may carry a neighbour's bytes).
+            if [ -s "$DEV/bin/model.root" ]; then
+                root=$(cat "$DEV/bin/model.root")
+            else
+                dir=$(grep -a -o '/[[:alnum:]_./+-]*/crates/wgpu' "$DEV/bin/model" | sort | uniq -c | sort -rn | awk 'NR==1{print $2}')
+                root=${dir%/crates/wgpu}
+            fi
             if [ -n "$root" ] && [ ! -e "$root/fixtures" ]; then
                 mkdir -p "$root/crates/wgpu" && ln -s "$PWD/fixtures" "$root/fixtures"
             fi
