@@ -486,9 +486,9 @@ fn attention_by_a_workgroup_per_head_gives_the_serial_kernels_bits() {
             if !baseline_ok(d) {
                 continue;
             }
-            for which in 0..3 {
+            for (which, (a, b)) in outs[0].iter().zip(&outs[1]).enumerate() {
                 assert_eq!(
-                    outs[0][which], outs[1][which],
+                    a, b,
                     "{kv:?} d {d}: attention {which} (0 causal8, 1 causal, 2 selection) differs"
                 );
                 compared += 1;
@@ -511,7 +511,8 @@ fn qsa_scores_by_workgroups_give_the_serial_selection_and_the_cpus() {
     let mut rng = Rng(0x5eed_95a0_0000_0003);
     // (heads, head dim, pooled blocks in the store, block size, budget, query positions):
     // several blocks above and below the budget, a position before the first whole block.
-    let cases: [(usize, usize, usize, usize, usize, &[u32]); 2] = [
+    type Case<'a> = (usize, usize, usize, usize, usize, &'a [u32]);
+    let cases: [Case; 2] = [
         (4, 16, 12, 4, 12, &[2, 17, 47, 30]),
         (70, 8, 40, 8, 64, &[319, 100, 7]),
     ];
