@@ -234,12 +234,17 @@ pub struct WgpuBackend {
     norm: NormKernel,
     /// Attention over an unsplit store by `model::attend_wg` (a 256-wide workgroup per row and
     /// head) instead of `model::attend` (one invocation per row and head, serial over the
-    /// tokens and the head's values), and the QSA block scores by `model::qsa_score` (a
-    /// workgroup per row and block) before `qsa_select` selects, and GDN by `model::gdn_wg`
-    /// (128 invocations a head instead of 64): the same bits. On by default on GPUs (CPU
-    /// adapters: the serial kernels); `STRATA_WGPU_ATTN=serial|wg` forces one. A split store's attention always runs the
-    /// baseline's three phases.
+    /// tokens and the head's values): the same bits. On by default on every adapter (on
+    /// lavapipe the serial kernel returns only a head's first value for head dims of 64 and
+    /// more: docs/WGPU.md). A split store's attention always runs the baseline's three phases.
     attn_wg: bool,
+    /// The QSA block scores by `model::qsa_score` (a workgroup per row and block) before
+    /// `qsa_select` selects, and GDN by `model::gdn_wg` (128 invocations a head instead of
+    /// 64): the same bits. On by default on GPUs; on CPU adapters the serial kernels (lavapipe
+    /// runs each of qsa_score's workgroups, one per block the store can hold, most of them past
+    /// the visible blocks, as a coroutine switch per invocation).
+    /// `STRATA_WGPU_ATTN=serial|wg` sets both this and `attn_wg`.
+    seq_wg: bool,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
     /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
     profile: Mutex<Option<Profile>>,
@@ -423,23 +428,21 @@ impl WgpuBackend {
             None if g.is_cpu() => 0,
             None => 256,
         };
-        // On CPU adapters the serial kernels stay the default: lavapipe runs each of
-        // qsa_score's workgroups (one per block the store can hold, most of them past the
-        // visible blocks) as a coroutine switch per invocation.
-        let attn_wg = match choice(
+        let (attn_wg, seq_wg) = match choice(
             "STRATA_WGPU_ATTN",
             env("STRATA_WGPU_ATTN").as_deref(),
             &["serial", "wg"],
         )? {
-            Some("serial") => false,
-            Some(_) => true,
-            None => !g.is_cpu(),
+            Some("serial") => (false, false),
+            Some(_) => (true, true),
+            None => (true, !g.is_cpu()),
         };
         let fuse = switch("STRATA_WGPU_FUSE", env("STRATA_WGPU_FUSE").as_deref())?;
         let hw_f16 = switch("STRATA_WGPU_HWF16", env("STRATA_WGPU_HWF16").as_deref())?;
         Ok(WgpuBackend {
             pool: pool_on.then(|| Mutex::new(Pool::default())),
             attn_wg,
+            seq_wg,
             norm,
             chunk,
             g: Arc::new(g),
@@ -486,10 +489,10 @@ impl WgpuBackend {
         self
     }
 
-    /// Whether attention and the QSA block scores run by workgroups (`attend_wg`,
-    /// `qsa_score`) rather than the serial baselines.
-    pub(crate) fn attn_wg(&self) -> bool {
-        self.attn_wg
+    /// Whether the QSA block scores and GDN run by workgroups (`qsa_score`, `gdn_wg`) rather
+    /// than the serial baselines.
+    pub(crate) fn seq_wg(&self) -> bool {
+        self.seq_wg
     }
 
     /// A 4-byte buffer bound where a kernel reads nothing (qsa_select scoring no part).
@@ -497,10 +500,11 @@ impl WgpuBackend {
         &self.dummies[1]
     }
 
-    /// Attention by a workgroup per row and head (`model::attend_wg`, true) or the serial
-    /// baseline (`model::attend`): the same bits.
+    /// Attention, the QSA block scores and GDN by workgroups (`model::attend_wg`,
+    /// `qsa_score`, `gdn_wg`: true) or the serial baselines: the same bits.
     pub fn with_attention_wg(mut self, on: bool) -> WgpuBackend {
         self.attn_wg = on;
+        self.seq_wg = on;
         self
     }
 

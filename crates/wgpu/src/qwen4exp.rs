@@ -242,7 +242,7 @@ impl Qwen4expOps for WgpuBackend {
             n * nv,
         )?;
         self.model(
-            if self.attn_wg() { "gdn_wg" } else { "gdn" },
+            if self.seq_wg() { "gdn_wg" } else { "gdn" },
             &[
                 u32_of(op, n)?,
                 u32_of(op, nk)?,
@@ -351,7 +351,7 @@ impl Qwen4expOps for WgpuBackend {
             0,
             0,
         ];
-        if self.attn_wg() && qi.cols / d <= 256 {
+        if self.seq_wg() && qi.cols / d <= 256 {
             // The scores by a workgroup per (row, block), part by part; then one dispatch
             // selects (p12 = 0: it scores nothing).
             for (bb, row0, prows) in parts {
