@@ -11,6 +11,8 @@
 #   bin/model  the wgpu model test binary:
 #                cargo test --release -p strata-wgpu --test model --no-run   (prints the path)
 #                cp <that path> .dev/wgpu/bin/model
+#                echo "$PWD" > .dev/wgpu/bin/model.root   (the checkout it was built in; needed
+#                when the binary is stripped)
 #   bin/kernels  the wgpu kernel test binary (optimized kernels bitwise against their
 #              baselines and the CPU's oracles, every decoder format), likewise:
 #                cargo test --release -p strata-wgpu --test kernels --no-run
@@ -27,11 +29,18 @@
 #            machine stays warm), then `strata bench model --backend wgpu -p 0 -n 32 -r 2`
 #   profile  `strata bench model --backend wgpu -p 0 -n 8 -r 1 --profile`: dispatches and
 #            submits per decode token and the per-kernel table
+#   small    `strata synth --experts 32` into /dev/shm (6 GB: the same per-token work as the
+#            full file, 10 routed experts a token, in a 10 s load instead of 45 s), then
+#            `bench model --backend wgpu -p 0 -n $N -r 1 --profile` on it (N=32), once per line of
+#            $AB (environment settings, "-" for the defaults): an A/B per line, one load each
+#   full     the full-size file: `bench model -p 0 -n 32 -r 2 --profile` in one load (bench and
+#            the timestamp profile)
 #   base     (not in the default steps) the bench again with session 5's products, norm,
 #            single submit and fresh temporaries (STRATA_WGPU_MM=wg STRATA_WGPU_NORM=seq
 #            STRATA_WGPU_CHUNK=0 STRATA_WGPU_POOL=0; the images keep rms_xprep_par, since
 #            STRATA_WGPU_FUSE=0 would also undo session 5's fusions), for an A/B on one machine;
 #            then with the products by mq::mmr instead of the default mq::mmb (STRATA_WGPU_MM=rows)
+# TMAX (seconds, default 300) bounds each bench of `small` and each test binary.
 # Logs go to $OUT (the device tool brings them back) or /tmp/wgpu-h200. A dry run here:
 #   REQUIRE_NVIDIA=0 FULL=fixtures/qwen4exp/tiny/model-f32.gguf bash scripts/wgpu-h200.sh
 set -uo pipefail
@@ -39,7 +48,9 @@ DEV=${DEV:-.dev/wgpu}
 S=$DEV/strata
 LOG=${OUT:-/tmp/wgpu-h200}
 FULL=${FULL:-/dev/shm/full.gguf}
+SMALL=${SMALL:-/dev/shm/e32.gguf}
 STEPS=${STEPS:-tests bench profile}
+AB=${AB:--}
 mkdir -p "$LOG"
 
 say() { echo "== $(date -u +%H:%M:%S) $*"; }
@@ -70,19 +81,25 @@ for step in $STEPS; do
     tests)
         say "kernel and tiny-model tests on the H200's Vulkan"
         if [ -x "$DEV/bin/kernels" ]; then
-            "$DEV/bin/kernels" --test-threads 1 2>&1 | grep -v XDG_RUNTIME_DIR | tee "$LOG/kernels.txt" | grep -E "^test |test result|panicked"
+            timeout "${TMAX:-300}" "$DEV/bin/kernels" --test-threads 1 2>&1 | grep -v XDG_RUNTIME_DIR | tee "$LOG/kernels.txt" | grep -E "^test |test result|panicked"
         else
             echo "no $DEV/bin/kernels: kernel tests skipped"
         fi
         if [ -x "$DEV/bin/model" ]; then
             # The test binary finds the fixtures through the path it was built in
             # (CARGO_MANIFEST_DIR/../../fixtures); point that path at this checkout.
-            dir=$(grep -a -o '/[[:alnum:]_./+-]*/crates/wgpu' "$DEV/bin/model" | sort | uniq -c | sort -rn | awk 'NR==1{print $2}')
-            root=${dir%/crates/wgpu}
+            # The build's root: $DEV/bin/model.root when given (a stripped binary's strings
+            # run together, so the path found in it may carry a neighbour's bytes).
+            if [ -s "$DEV/bin/model.root" ]; then
+                root=$(cat "$DEV/bin/model.root")
+            else
+                dir=$(grep -a -o '/[[:alnum:]_./+-]*/crates/wgpu' "$DEV/bin/model" | sort | uniq -c | sort -rn | awk 'NR==1{print $2}')
+                root=${dir%/crates/wgpu}
+            fi
             if [ -n "$root" ] && [ ! -e "$root/fixtures" ]; then
                 mkdir -p "$root/crates/wgpu" && ln -s "$PWD/fixtures" "$root/fixtures"
             fi
-            "$DEV/bin/model" --test-threads 1 2>&1 | grep -v XDG_RUNTIME_DIR | tee "$LOG/tests.txt" | grep -E "^test |test result|vs |same bits|bit for bit"
+            timeout "${TMAX:-300}" "$DEV/bin/model" --test-threads 1 2>&1 | grep -v XDG_RUNTIME_DIR | tee "$LOG/tests.txt" | grep -E "^test |test result|vs |same bits|bit for bit"
         else
             echo "no $DEV/bin/model: tests skipped"
         fi
@@ -99,6 +116,33 @@ for step in $STEPS; do
         [ -s "$FULL" ] || { echo "no $FULL: run the bench step first"; continue; }
         say "bench model --backend wgpu --profile"
         "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 8 -r 1 --ctx 4096 --profile 2>&1 | tee "$LOG/profile.txt"
+        ;;
+    small)
+        if [ ! -s "$SMALL" ]; then
+            say "synth the 32-expert file into $SMALL"
+            "$S" synth --out "$SMALL" --experts 32 --ctx 65536 2>&1 | tail -1
+        fi
+        i=0
+        while read -r env; do
+            [ -n "$env" ] || continue
+            i=$((i + 1))
+            say "small file, settings: $env"
+            [ "$env" = - ] && env=
+            # shellcheck disable=SC2086
+            env $env timeout "${TMAX:-300}" "$S" bench model -m "$SMALL" --backend wgpu -p 0 -n "${N:-32}" -r 1 --ctx 4096 --profile \
+                >"$LOG/small-$i.txt" 2>&1
+            echo "settings: ${env:--}" >>"$LOG/small-$i.txt"
+            grep -E "^profile|host per|GPU \(|tg32" "$LOG/small-$i.txt"
+        done <<<"$(echo "$AB" | tr ';' '\n')"
+        ;;
+    full)
+        if [ ! -s "$FULL" ]; then
+            say "synth the full-size file into $FULL"
+            "$S" synth --out "$FULL" --ctx 65536 2>&1 | tail -1
+        fi
+        say "full file: bench model --backend wgpu -p 0 -n 32 -r 2 --profile"
+        "$S" bench model -m "$FULL" --backend wgpu -p 0 -n 32 -r 2 --ctx 4096 --profile >"$LOG/full.txt" 2>&1
+        grep -E "^profile|host per|GPU \(|tg32" "$LOG/full.txt"
         ;;
     base)
         [ -s "$FULL" ] || { echo "no $FULL: run the bench step first"; continue; }

@@ -201,6 +201,132 @@ fn profile_table(ks: &[strata_cuda::KernelTime], per: f64, total: f64, bw: f64) 
     );
 }
 
+/// `--profile` on wgpu, decode at depth `d`: (1) the stream as it runs, counted: dispatches
+/// and submits per token and the host's time per token split into building launches,
+/// recording + submitting and waiting; (2) the same with GPU timestamps between dispatches
+/// (nothing serialised beyond what the step does): GPU busy time per token and per kernel
+/// (count, total, mean, bytes, GB/s). Without timestamps on the adapter, (2) falls back to each
+/// dispatch submitted and waited for on its own (wall times, only to rank kernels).
+fn wgpu_profile(
+    w: &strata_wgpu::WgpuBackend,
+    loaded: &Loaded,
+    a: &Args,
+    d: usize,
+    rng: &mut SplitMix64,
+) -> Result<()> {
+    let n = a.n_gen.iter().copied().max().unwrap_or(0).max(8);
+    let per = |x: u64| x as f64 / n as f64;
+    let us = |ns: u64| ns as f64 / 1e3 / n as f64;
+    let mut s = loaded.session(loaded.n_ctx_model())?;
+    feed(s.as_mut(), rng, d, a.ubatch)?;
+    feed(s.as_mut(), rng, 1, 1)?;
+    let c0 = w.counters();
+    let h0 = w.device().host.get();
+    w.profile_start(false)?;
+    let w0 = Instant::now();
+    feed(s.as_mut(), rng, n, 1)?;
+    let counted = w.profile_stop()?;
+    let wall = w0.elapsed().as_nanos() as u64;
+    let c1 = w.counters();
+    let h1 = w.device().host.get();
+    let (launch, submit, wait) = (h1.0 - h0.0, h1.1 - h0.1, h1.2 - h0.2);
+    eprintln!(
+        "profile (wgpu), decode at depth {d} ({n} tokens): {:.1} dispatches and {:.1} submits \
+         per token, {:.0} µs wall per token",
+        per(c1.dispatches - c0.dispatches),
+        per(c1.submits - c0.submits),
+        us(wall),
+    );
+    eprintln!(
+        "  host per token: {:.0} µs recording ({:.0} building launches: pipelines, bind \
+         groups; {:.0} encoding passes and submitting; {:.0} the model's own host code), {:.0} \
+         µs waiting for the GPU",
+        us(wall.saturating_sub(wait)),
+        us(launch),
+        us(submit),
+        us(wall.saturating_sub(wait + launch + submit)),
+        us(wait),
+    );
+    w.profile_start(false)?;
+    if w.gpu_profile_start()? {
+        let w0 = Instant::now();
+        feed(s.as_mut(), rng, n, 1)?;
+        let wall = w0.elapsed().as_nanos() as u64;
+        let g = w.gpu_profile_stop()?;
+        w.profile_stop()?;
+        let busy = g.busy_ns / 1e3 / n as f64;
+        eprintln!(
+            "  GPU (timestamps between dispatches, {} passes): {busy:.0} µs busy per token, \
+             {:.0} µs wall per token with the stamps on ({:.0} % busy)",
+            g.passes,
+            us(wall),
+            100.0 * busy / us(wall).max(1e-9)
+        );
+        let mut ks: Vec<_> = g.by.into_iter().collect();
+        ks.sort_by(|x, y| y.1 .1.total_cmp(&x.1 .1).then(x.0.cmp(&y.0)));
+        eprintln!(
+            "| kernel | dispatches/token | GPU µs/token | mean µs | share | MB/token | GB/s |"
+        );
+        eprintln!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let total: f64 = ks.iter().map(|k| k.1 .1).sum::<f64>().max(1e-9);
+        let shown = ks.len().min(30);
+        for (name, (cnt, ns, bytes)) in &ks[..shown] {
+            eprintln!(
+                "| {name} | {:.1} | {:.1} | {:.2} | {:.1} % | {:.2} | {:.0} |",
+                per(*cnt),
+                ns / 1e3 / n as f64,
+                ns / 1e3 / (*cnt).max(1) as f64,
+                100.0 * ns / total,
+                *bytes as f64 / 1e6 / n as f64,
+                *bytes as f64 / ns.max(1e-9)
+            );
+        }
+        if shown < ks.len() {
+            let rest = &ks[shown..];
+            let (c, t) = rest
+                .iter()
+                .fold((0u64, 0.0f64), |(c, t), k| (c + k.1 .0, t + k.1 .1));
+            eprintln!(
+                "| ({} other kernels) | {:.1} | {:.1} | | {:.1} % | | |",
+                rest.len(),
+                per(c),
+                t / 1e3 / n as f64,
+                100.0 * t / total
+            );
+        }
+        eprintln!(
+            "(bytes: the products' weight rows read, activations and outputs; other kernels \
+             their bound buffers' sizes, an upper bound)"
+        );
+        return Ok(());
+    }
+    w.profile_stop()?;
+    // No timestamps on this adapter: each dispatch waited for on its own (host time included,
+    // so the times only rank kernels).
+    w.profile_start(true)?;
+    feed(s.as_mut(), rng, n, 1)?;
+    let timed = w.profile_stop()?;
+    let total: f64 = timed.iter().map(|k| k.secs).sum::<f64>() * 1e6 / n as f64;
+    eprintln!("  no GPU timestamps on this adapter: each dispatch waited for on its own, {total:.0} µs per token");
+    eprintln!("| kernel | dispatches/token | µs/token (waited singly) | share |");
+    eprintln!("| --- | ---: | ---: | ---: |");
+    for k in &timed {
+        eprintln!(
+            "| {} | {:.1} | {:.1} | {:.1} % |",
+            k.name,
+            per(k.launches),
+            k.secs * 1e6 / n as f64,
+            100.0 * k.secs * 1e6 / n as f64 / total.max(1e-9)
+        );
+    }
+    eprintln!(
+        "({} kernels; {} dispatches in the one-stream run)",
+        timed.len(),
+        counted.iter().map(|k| k.launches).sum::<u64>()
+    );
+    Ok(())
+}
+
 pub fn run(a: Args) -> Result<ExitCode> {
     if a.repetitions == 0 {
         bail!("--repetitions must be at least 1");
@@ -350,51 +476,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
 
     if let (true, Some(w)) = (a.profile, wgpu) {
-        // Dispatches per decode token (the one-stream run, counted), then each kernel's wall
-        // time with every dispatch submitted and waited for on its own.
-        let n = a.n_gen.iter().copied().max().unwrap_or(0).max(8);
-        let per = |x: u64| x as f64 / n as f64;
         for &d in &a.n_depth {
-            let mut s = loaded.session(n_ctx)?;
-            feed(s.as_mut(), &mut rng, d, a.ubatch)?;
-            feed(s.as_mut(), &mut rng, 1, 1)?;
-            let c0 = w.counters();
-            w.profile_start(false)?;
-            let w0 = Instant::now();
-            feed(s.as_mut(), &mut rng, n, 1)?;
-            let counted = w.profile_stop()?;
-            let wall = w0.elapsed().as_secs_f64() * 1e6 / n as f64;
-            let c1 = w.counters();
-            w.profile_start(true)?;
-            feed(s.as_mut(), &mut rng, n, 1)?;
-            let timed = w.profile_stop()?;
-            let total: f64 = timed.iter().map(|k| k.secs).sum::<f64>() * 1e6 / n as f64;
-            eprintln!(
-                "profile (wgpu), decode at depth {d} ({n} tokens): {:.1} dispatches and {:.1} \
-                 submits per token, {wall:.0} µs wall per token; with each dispatch waited for \
-                 on its own, {total:.0} µs per token",
-                per(c1.dispatches - c0.dispatches),
-                per(c1.submits - c0.submits),
-            );
-            eprintln!("| kernel | dispatches/token | µs/token (waited singly) | share |");
-            eprintln!("| --- | ---: | ---: | ---: |");
-            for k in &timed {
-                eprintln!(
-                    "| {} | {:.1} | {:.1} | {:.1} % |",
-                    k.name,
-                    per(k.launches),
-                    k.secs * 1e6 / n as f64,
-                    100.0 * k.secs * 1e6 / n as f64 / total.max(1e-9)
-                );
-            }
-            let launches =
-                |v: &[strata_wgpu::KernelStat]| v.iter().map(|k| k.launches).sum::<u64>();
-            eprintln!(
-                "({} kernels; {} dispatches in the one-stream run, {} in the timed run)",
-                timed.len(),
-                launches(&counted),
-                launches(&timed)
-            );
+            wgpu_profile(w, &loaded, &a, d, &mut rng)?;
         }
     }
 

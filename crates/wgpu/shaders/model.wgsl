@@ -295,7 +295,7 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
         for (var x = 0u; x < cnt; x = x + 1u) {
             let t = token(row, x);
             if (!in_part(t)) { continue; }
-            z = z + exp(score(t - row0, kvc, off, d, causal_ar) * scale - m);
+            z = z + exp(nc(score(t - row0, kvc, off, d, causal_ar) * scale) - m);
         }
         if (phase == 2u) {
             E[sb + 1u] = z;
@@ -309,7 +309,7 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
     for (var x = 0u; x < cnt; x = x + 1u) {
         let t = token(row, x);
         if (!in_part(t)) { continue; }
-        let p = exp(score(t - row0, kvc, off, d, causal_ar) * scale - m);
+        let p = exp(nc(score(t - row0, kvc, off, d, causal_ar) * scale) - m);
         var w = 0.0;
         if (causal_ar) { w = p * inv; } else { w = div_rn(p, z); }
         if (f16) { w = f16r(w); }
@@ -325,6 +325,136 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
         return;
     }
     for (var j = 0u; j < d; j = j + 1u) { D[i * d + j] = ov[j]; }
+}
+
+// `attend` for an unsplit store (phase 0) by one 256-wide workgroup per (row, head), bit for
+// bit: the same per-token arithmetic (score_wg is score on the query in workgroup memory), the
+// maximum taken per invocation and then folded (a maximum does not depend on the order; of two
+// zeros of either sign, which one is kept changes no exp(s - m) below), the sum of
+// exponentials added by one invocation in token order (the exponentials of a tile of 256
+// tokens computed in parallel first), and each output element d by its own invocation adding
+// the tile's weighted values in token order, as `attend`'s loop does. Same parameters as
+// `attend`; one workgroup an item over an (x, y) grid.
+var<workgroup> aq: array<f32, 256>;
+var<workgroup> aw: array<f32, 256>;
+var<workgroup> arow: array<u32, 256>;
+var<workgroup> acnt: u32;
+var<workgroup> am: f32;
+var<workgroup> az: f32;
+
+fn score_wg(t: u32, kvc: u32, off: u32, d: u32, eight: bool) -> f32 {
+    let kb = t * kvc + off;
+    if (!eight) {
+        var s = 0.0;
+        for (var j = 0u; j < d; j = j + 1u) { s = s + nc(aq[j] * B[kb + j]); }
+        return s;
+    }
+    var acc = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let whole = d / 8u * 8u;
+    for (var j = 0u; j < whole; j = j + 8u) {
+        for (var u = 0u; u < 8u; u = u + 1u) { acc[u] = acc[u] + nc(aq[j + u] * B[kb + j + u]); }
+    }
+    for (var j = whole; j < d; j = j + 1u) { acc[j - whole] = acc[j - whole] + nc(aq[j] * B[kb + j]); }
+    let s0 = acc[0] + acc[4];
+    let s1 = acc[1] + acc[5];
+    let s2 = acc[2] + acc[6];
+    let s3 = acc[3] + acc[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+@compute @workgroup_size(256)
+fn attend_wg(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
+             @builtin(local_invocation_index) l: u32) {
+    let i = g.y * n.x + g.x;
+    let nh = pu(1u);
+    if (i >= pu(0u) * nh) { return; }
+    let row = i / nh;
+    let h = i % nh;
+    let d = pu(3u);
+    let f16 = pu(4u) != 0u;
+    let causal_ar = pu(9u) != 0u;
+    let kvc = pu(2u) * d;
+    let off = (h / (nh / pu(2u))) * d;
+    let row0 = pu(10u);
+    if (l == 0u) {
+        if (pu(5u) == 0u) { acnt = I[pu(8u) + row] + 1u; } else { acnt = J[row * pu(6u)]; }
+    }
+    if (l < d) {
+        var x = A[i * d + l];
+        if (f16) { x = f16r(x); }
+        aq[l] = x;
+    }
+    let cnt = workgroupUniformLoad(&acnt);
+    let scale = div_rn(1.0, sqrt_rn(f32(d)));
+    // The maximum.
+    var m = f_neg_inf();
+    for (var x = l; x < cnt; x = x + 256u) {
+        let t = token(row, x);
+        if (!in_part(t)) { continue; }
+        m = fmax(m, score_wg(t - row0, kvc, off, d, causal_ar) * scale);
+    }
+    aw[l] = m;
+    workgroupBarrier();
+    if (l == 0u) {
+        var mm = f_neg_inf();
+        for (var u = 0u; u < 256u; u = u + 1u) { mm = fmax(mm, aw[u]); }
+        am = mm;
+    }
+    m = workgroupUniformLoad(&am);
+    // The sum of exponentials, in token order.
+    for (var x0 = 0u; x0 < cnt; x0 = x0 + 256u) {
+        let x = x0 + l;
+        arow[l] = NONE;
+        if (x < cnt) {
+            let t = token(row, x);
+            if (in_part(t)) {
+                aw[l] = exp(nc(score_wg(t - row0, kvc, off, d, causal_ar) * scale) - m);
+                arow[l] = t;
+            }
+        }
+        workgroupBarrier();
+        if (l == 0u) {
+            var z = 0.0;
+            if (x0 > 0u) { z = az; }
+            for (var u = 0u; u < min(256u, cnt - x0); u = u + 1u) {
+                if (arow[u] != NONE) { z = z + aw[u]; }
+            }
+            az = z;
+        }
+        workgroupBarrier();
+    }
+    var z = 0.0;
+    if (cnt > 0u) { z = workgroupUniformLoad(&az); }
+    let inv = div_rn(1.0, z);
+    // The weighted values: output element l adds the tile's tokens in order.
+    var o = 0.0;
+    for (var x0 = 0u; x0 < cnt; x0 = x0 + 256u) {
+        let x = x0 + l;
+        arow[l] = NONE;
+        if (x < cnt) {
+            let t = token(row, x);
+            if (in_part(t)) {
+                let p = exp(nc(score_wg(t - row0, kvc, off, d, causal_ar) * scale) - m);
+                var w = 0.0;
+                if (causal_ar) { w = p * inv; } else { w = div_rn(p, z); }
+                if (f16) { w = f16r(w); }
+                aw[l] = w;
+                arow[l] = (t - row0) * kvc + off;
+            }
+        }
+        workgroupBarrier();
+        if (l < d) {
+            for (var u = 0u; u < min(256u, cnt - x0); u = u + 1u) {
+                let vb = arow[u];
+                if (vb == NONE) { continue; }
+                var v = C[vb + l];
+                if (f16 && !causal_ar) { v = f16r(v); }
+                o = o + nc(aw[u] * v);
+            }
+        }
+        workgroupBarrier();
+    }
+    if (l < d) { D[i * d + l] = o; }
 }
 
 // ---- qwen4exp -----------------------------------------------------------------------------
@@ -420,9 +550,7 @@ var<workgroup> gsc: vec2<f32>;
 // Gated DeltaNet over the rows in order, one workgroup per value head h (invocation j owns the
 // state's column j): qkv A, z B, gates C, state D (in place), out E, norm weight I (f32 bits).
 // p0 rows, p1 key heads, p2 value heads, p3 head_k (<= 256), p4 head_v (<= 256), p5 eps.
-@compute @workgroup_size(64)
-fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
-    let h = g.x;
+fn gdn_head(h: u32, t: u32, nt: u32) {
     let nk = pu(1u);
     let nv = pu(2u);
     let dk = pu(3u);
@@ -444,14 +572,14 @@ fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: 
             gsc = vec2<f32>(div_rn(1.0, sqrt_rn(sq + 1e-6)), div_rn(1.0, sqrt_rn(sk + 1e-6)));
         }
         workgroupBarrier();
-        for (var i = t; i < dk; i = i + 64u) {
+        for (var i = t; i < dk; i = i + nt) {
             gq[i] = (A[qb + i] * gsc.x) * qscale;
             gk[i] = A[kb + i] * gsc.y;
         }
         workgroupBarrier();
         let beta = C[2u * (row * nv + h)];
         let decay = C[2u * (row * nv + h) + 1u];
-        for (var j = t; j < dv; j = j + 64u) {
+        for (var j = t; j < dv; j = j + nt) {
             var ks = 0.0;
             for (var i = 0u; i < dk; i = i + 1u) {
                 let s = D[sb + i * dv + j] * decay;
@@ -474,12 +602,25 @@ fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: 
             gsc = vec2<f32>(rms_scale(ss, dv, pf(5u)), 0.0);
         }
         workgroupBarrier();
-        for (var j = t; j < dv; j = j + 64u) {
+        for (var j = t; j < dv; j = j + nt) {
             let zi = row * nv * dv + h * dv + j;
             E[zi] = ((go[j] * gsc.x) * bitcast<f32>(I[j])) * sigm(B[zi]);
         }
         workgroupBarrier();
     }
+}
+
+@compute @workgroup_size(64)
+fn gdn(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    gdn_head(g.x, t, 64u);
+}
+
+// `gdn` with a 128-wide workgroup: an invocation per value column (dv ≤ 128) instead of two,
+// each column's sums in the same order, so the same bits (the GPUs' default, with the
+// attention kernels).
+@compute @workgroup_size(128)
+fn gdn_wg(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    gdn_head(g.x, t, 128u);
 }
 
 // Mean of the p2 raw keys (A, p3 rows of p1) of the block row r's position I[p4 + r] completes;
@@ -561,6 +702,43 @@ fn tkey(x: f32) -> u32 {
     let u = bitcast<u32>(x);
     if ((u & 0x80000000u) != 0u) { return ~u; }
     return u | 0x80000000u;
+}
+
+// qsa_select's block scores with a 64-wide workgroup per (row, block of the part), bit for
+// bit: invocation h takes head h's dot product in qsa_select's order, then one invocation adds
+// the heads' relu(dot) in head order and scales, as qsa_select's loop does. Same parameters as
+// qsa_select (p11 the part's first block, p12 its blocks: one workgroup each, p14 the x groups);
+// a qsa_select dispatch with p12 = 0 (no scoring) selects afterwards. At most 256 heads.
+var<workgroup> qdots: array<f32, 256>;
+
+@compute @workgroup_size(64)
+fn qsa_score(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let item = g.y * pu(14u) + g.x;
+    let prows = max(pu(12u), 1u);
+    let row = item / prows;
+    let row0 = pu(11u);
+    let b = row0 + item % prows;
+    let qc = pu(1u);
+    let d = pu(2u);
+    let heads = qc / d;
+    var live = row < pu(0u);
+    if (live) {
+        let pos = I[pu(8u) + row];
+        live = b < min((pos + 1u) / pu(3u), pu(7u));
+    }
+    for (var h = l; h < heads; h = h + 64u) {
+        var dot = 0.0;
+        if (live) {
+            for (var j = 0u; j < d; j = j + 1u) { dot = dot + nc(A[row * qc + h * d + j] * B[(b - row0) * d + j]); }
+        }
+        qdots[h] = dot;
+    }
+    workgroupBarrier();
+    if (l == 0u && live) {
+        var s = 0.0;
+        for (var h = 0u; h < heads; h = h + 1u) { s = s + fmax(qdots[h], 0.0); }
+        C[row * pu(9u) + b] = s * div_rn(1.0, sqrt_rn(f32(d)));
+    }
 }
 
 // QSA selection, one invocation per query row: queries A (p0 rows of p1, heads of p2), pooled

@@ -26,7 +26,14 @@ fn f16v(h: u32) -> f32 {
 }
 
 fn xb(o: u32) -> u32 { return (XQ[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
-fn xh(o: u32) -> u32 { return xb(o) | (xb(o + 1u) << 8u); }
+// Two bytes of an image: one word load when they lie in one word (every BF16 element, the
+// Q8_0 scales of even rows), the same value as two byte loads.
+fn xh(o: u32) -> u32 {
+    let s = (o & 3u) * 8u;
+    let lo = XQ[o >> 2u];
+    if (s <= 16u) { return (lo >> s) & 0xffffu; }
+    return (lo >> 24u) | ((XQ[(o >> 2u) + 1u] & 0xffu) << 8u);
+}
 
 // Element i of activation row tok (images of kernels::actq; F32 rows as they are).
 fn xv(fmt: u32, xrb: u32, tok: u32, i: u32) -> f32 {
@@ -246,6 +253,59 @@ fn mmb(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) u: 
     if (u < SPEC_R) {
         let it = mm_item(o0 + u, tok);
         if (it.z != 0u) { Y[tok * pu(12u) + it.y] = epi(redr[256u * u]); }
+    }
+}
+
+// `mm` with 8 invocations an output, bit for bit: invocation g of an output keeps the lane
+// sums of lanes 32g..32g+31 in registers, lane l adding nc(w_i·x_i) for i = l + 256k in k order
+// as in `mm` (its 32 elements a step are adjacent: one block of every block-quantized format, so
+// the decoders' scale and word loads are shared), then runs block_sum256's first five levels on
+// its 32 lanes itself (level s: lane j < s adds lane j + s, as the tree does) and the last three
+// over the 8 group sums in the tree's order (a0+a4, a1+a5, a2+a6, a3+a7; a0+a2, a1+a3; a0+a1).
+// No barrier in the loop, one at the end; a 64-wide workgroup for 8 outputs. Same parameters as
+// `mm`; p16 counts groups of 8 items.
+var<workgroup> redt: array<f32, 64>;
+
+@compute @workgroup_size(64)
+fn mmt(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) u: u32) {
+    let r = u / 8u;
+    let gq = u % 8u;
+    let o = (g.y * pu(16u) + g.x) * 8u + r;
+    let tok = g.z;
+    let k = pu(2u);
+    let wrb = pu(4u);
+    let xf = pu(8u);
+    let xrb = pu(5u);
+    let xt = tok / pu(15u);
+    let it = mm_item(o, tok);
+    var acc: array<f32, 32>;
+    for (var j = 0u; j < 32u; j = j + 1u) { acc[j] = 0.0; }
+    if (it.z != 0u) {
+        let wr = it.x * wrb;
+        for (var i0 = 32u * gq; i0 < k; i0 = i0 + 256u) {
+            for (var j = 0u; j < 32u; j = j + 1u) {
+                let i = i0 + j;
+                if (i < k) {
+                    let w = deq(SPEC_TY, wr + (i / SPEC_BS) * SPEC_TS, i % SPEC_BS);
+                    acc[j] = acc[j] + nc(w * xv(xf, xrb, xt, i));
+                }
+            }
+        }
+    }
+    for (var s = 16u; s > 0u; s = s >> 1u) {
+        for (var j = 0u; j < s; j = j + 1u) { acc[j] = acc[j] + acc[j + s]; }
+    }
+    redt[u] = acc[0];
+    workgroupBarrier();
+    if (gq == 0u && it.z != 0u) {
+        let b = 8u * r;
+        let a0 = redt[b] + redt[b + 4u];
+        let a1 = redt[b + 1u] + redt[b + 5u];
+        let a2 = redt[b + 2u] + redt[b + 6u];
+        let a3 = redt[b + 3u] + redt[b + 7u];
+        let c0 = a0 + a2;
+        let c1 = a1 + a3;
+        Y[tok * pu(12u) + it.y] = epi(c0 + c1);
     }
 }
 

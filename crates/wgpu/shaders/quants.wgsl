@@ -9,8 +9,21 @@
 // (legacy.rs, kquants.rs, iquants.rs, lowbit.rs) the same way.
 
 fn wb(o: u32) -> u32 { return (W[o >> 2u] >> ((o & 3u) * 8u)) & 0xffu; }
-fn wh(o: u32) -> u32 { return wb(o) | (wb(o + 1u) << 8u); }
-fn ww(o: u32) -> u32 { return wh(o) | (wh(o + 2u) << 16u); }
+// Two and four little-endian bytes at any offset: one word load when they lie in one word
+// (every BF16 element, the f16 scales of even-sized blocks), else two; the same value as
+// assembling them byte by byte.
+fn wh(o: u32) -> u32 {
+    let s = (o & 3u) * 8u;
+    let lo = W[o >> 2u];
+    if (s <= 16u) { return (lo >> s) & 0xffffu; }
+    return (lo >> 24u) | ((W[(o >> 2u) + 1u] & 0xffu) << 8u);
+}
+fn ww(o: u32) -> u32 {
+    let s = (o & 3u) * 8u;
+    let lo = W[o >> 2u];
+    if (s == 0u) { return lo; }
+    return (lo >> s) | (W[(o >> 2u) + 1u] << (32u - s));
+}
 // `f16v` is the including module's f16 decoder: the integer one (common.wgsl), or in mq.wgsl's
 // optimized variant the hardware's.
 fn wf16(o: u32) -> f32 { return f16v(wh(o)); }

@@ -232,6 +232,19 @@ pub struct WgpuBackend {
     /// The core RMS norm's kernel: the lane order by a workgroup on GPUs, by one invocation
     /// on CPU adapters (the same bits); `STRATA_WGPU_NORM=seq|lanes1|wg` forces one.
     norm: NormKernel,
+    /// Attention over an unsplit store by `model::attend_wg` (a 256-wide workgroup per row and
+    /// head) instead of `model::attend` (one invocation per row and head, serial over the
+    /// tokens and the head's values): the same bits. On by default on every adapter (on
+    /// lavapipe the serial kernel returns only a head's first value for head dims of 64 and
+    /// more: docs/WGPU.md). A split store's attention always runs the baseline's three phases.
+    attn_wg: bool,
+    /// The QSA block scores by `model::qsa_score` (a workgroup per row and block) before
+    /// `qsa_select` selects, and GDN by `model::gdn_wg` (128 invocations a head instead of
+    /// 64): the same bits. On by default on GPUs; on CPU adapters the serial kernels (lavapipe
+    /// runs each of qsa_score's workgroups, one per block the store can hold, most of them past
+    /// the visible blocks, as a coroutine switch per invocation).
+    /// `STRATA_WGPU_ATTN=serial|wg` sets both this and `attn_wg`.
+    seq_wg: bool,
     /// Per-kernel counts (and seconds when timed) while a profile runs: from construction with
     /// `STRATA_WGPU_PROFILE` set (timed), or between `profile_start` and `profile_stop`.
     profile: Mutex<Option<Profile>>,
@@ -261,17 +274,32 @@ pub enum ProductKernel {
     /// adjacent lanes (one block's adjacent elements: their decoders share the scale and word
     /// loads), the activation read once for all outputs.
     Blocks,
-    /// `mq::mmb` for products of at least [`MMR_MIN`] outputs (tokens × items), `mq::mm` for
-    /// smaller ones, where eight outputs a workgroup would leave most of a GPU idle (GPUs).
+    /// `mq::mmt`: a 64-wide workgroup for [`MMR_ROWS`] outputs, 8 invocations an output, each
+    /// keeping 32 adjacent lanes in registers (one block of every block format a step) and
+    /// running the tree's first five levels itself: no barrier in the loop.
+    Threads,
+    /// `mq::mmt` where [`mmt_pays`] (short rows or very many outputs), `mq::mm` elsewhere
+    /// (GPUs).
     Auto,
 }
 
 /// Outputs per workgroup of `mq::mmr` and `mq::mmb`.
 pub const MMR_ROWS: usize = 8;
 
-/// Outputs of a product from which [`ProductKernel::Auto`] takes `mq::mmb` (512 workgroups
-/// of it: several per SM on the H200's 132).
-pub const MMR_MIN: usize = 4096;
+/// Outputs of a product from which [`ProductKernel::Auto`] may take `mq::mmt` (16,384
+/// invocations; below that `mm`'s 256 an output keep more of the GPU busy: a 320-output
+/// product over 10,240 values would be 2,560 invocations of 1,280 elements each).
+pub const MMT_MIN: usize = 2048;
+
+/// Whether [`ProductKernel::Auto`] takes `mq::mmt` for `outputs` outputs over rows of `k`.
+/// Measured on the H200 (docs/PERF.md, session 7 call 2): `mmt` wins where `mm`'s tree
+/// dominates, short rows (hc_up: 10,240 outputs over 320, the experts' down products: 25,600
+/// over 640) and the 248,320-output head, and loses where each of its invocations walks a
+/// long row with few invocations in all (ssm_out, Q5_K, 2,560 outputs over 6,144: 376 µs
+/// against `mm`'s 104), so rows longer than 1,024 stay on `mm` below 65,536 outputs.
+pub fn mmt_pays(outputs: usize, k: usize) -> bool {
+    outputs >= 65536 || (outputs >= MMT_MIN && k <= 1024)
+}
 
 /// The kernel of the core RMS norm (`Backend::rms_norm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -333,7 +361,7 @@ fn grid(n: usize) -> (u32, u32, u32) {
 }
 
 /// (x groups, y groups) covering `n` items of one workgroup each, and the x count.
-fn item_grid(n: usize) -> (u32, u32) {
+pub(crate) fn item_grid(n: usize) -> (u32, u32) {
     let n = n.max(1);
     let gx = n.min(65535);
     (gx as u32, n.div_ceil(gx) as u32)
@@ -373,13 +401,14 @@ impl WgpuBackend {
         let products = match choice(
             "STRATA_WGPU_MM",
             env("STRATA_WGPU_MM").as_deref(),
-            &["lanes", "wg", "rows", "auto", "blocks"],
+            &["lanes", "wg", "rows", "auto", "blocks", "threads"],
         )? {
             Some("lanes") => ProductKernel::Lanes1,
             Some("wg") => ProductKernel::Workgroup,
             Some("rows") => ProductKernel::Rows,
             Some("auto") => ProductKernel::Auto,
             Some("blocks") => ProductKernel::Blocks,
+            Some("threads") => ProductKernel::Threads,
             _ if g.is_cpu() => ProductKernel::Lanes1,
             _ => ProductKernel::Auto,
         };
@@ -399,10 +428,21 @@ impl WgpuBackend {
             None if g.is_cpu() => 0,
             None => 256,
         };
+        let (attn_wg, seq_wg) = match choice(
+            "STRATA_WGPU_ATTN",
+            env("STRATA_WGPU_ATTN").as_deref(),
+            &["serial", "wg"],
+        )? {
+            Some("serial") => (false, false),
+            Some(_) => (true, true),
+            None => (true, !g.is_cpu()),
+        };
         let fuse = switch("STRATA_WGPU_FUSE", env("STRATA_WGPU_FUSE").as_deref())?;
         let hw_f16 = switch("STRATA_WGPU_HWF16", env("STRATA_WGPU_HWF16").as_deref())?;
         Ok(WgpuBackend {
             pool: pool_on.then(|| Mutex::new(Pool::default())),
+            attn_wg,
+            seq_wg,
             norm,
             chunk,
             g: Arc::new(g),
@@ -446,6 +486,25 @@ impl WgpuBackend {
     /// Submits a step's dispatches every `n` dispatches (0: once, at the end of the step).
     pub fn with_submit_chunk(mut self, n: usize) -> WgpuBackend {
         self.chunk = n;
+        self
+    }
+
+    /// Whether the QSA block scores and GDN run by workgroups (`qsa_score`, `gdn_wg`) rather
+    /// than the serial baselines.
+    pub(crate) fn seq_wg(&self) -> bool {
+        self.seq_wg
+    }
+
+    /// A 4-byte buffer bound where a kernel reads nothing (qsa_select scoring no part).
+    pub(crate) fn unused_f32(&self) -> &Buf {
+        &self.dummies[1]
+    }
+
+    /// Attention, the QSA block scores and GDN by workgroups (`model::attend_wg`,
+    /// `qsa_score`, `gdn_wg`: true) or the serial baselines: the same bits.
+    pub fn with_attention_wg(mut self, on: bool) -> WgpuBackend {
+        self.attn_wg = on;
+        self.seq_wg = on;
         self
     }
 
@@ -547,6 +606,20 @@ impl WgpuBackend {
         let v = self.profile();
         *self.profile.lock().map_err(|_| dev(WgpuError::Poisoned))? = None;
         Ok(v)
+    }
+
+    /// Starts GPU timestamps between the dispatches of every submit (the step is recorded
+    /// and submitted as without them); false when the adapter has none inside passes.
+    pub fn gpu_profile_start(&self) -> Result<bool> {
+        self.flush()?;
+        self.g.wait().map_err(dev)?;
+        self.g.stamps_start().map_err(dev)
+    }
+
+    /// Ends the timestamps: GPU time by kernel ([`crate::GpuProfile`]).
+    pub fn gpu_profile_stop(&self) -> Result<crate::GpuProfile> {
+        self.flush()?;
+        self.g.stamps_stop().map_err(dev)
     }
 
     fn profiling(&self) -> bool {
@@ -880,11 +953,14 @@ impl WgpuBackend {
         for part in &w.parts {
             let n_items = if mode == 0 { part.rows } else { items };
             let kernel = match self.products {
-                ProductKernel::Auto if n_items * nt >= MMR_MIN => ProductKernel::Blocks,
+                ProductKernel::Auto if mmt_pays(n_items * nt, k) => ProductKernel::Threads,
                 ProductKernel::Auto => ProductKernel::Workgroup,
                 k => k,
             };
-            let rows_kernel = matches!(kernel, ProductKernel::Rows | ProductKernel::Blocks);
+            let rows_kernel = matches!(
+                kernel,
+                ProductKernel::Rows | ProductKernel::Blocks | ProductKernel::Threads
+            );
             let (gx, gy) = if rows_kernel {
                 item_grid(n_items.div_ceil(MMR_ROWS))
             } else {
@@ -935,11 +1011,24 @@ impl WgpuBackend {
                     self.g
                         .launch("mq", "mmb", &spec, &p, &bufs, (gx, gy, nt as u32))
                 }
+                ProductKernel::Threads => {
+                    let spec = shaders::spec_mmr(w.ty, self.hw_f16, MMR_ROWS);
+                    self.g
+                        .launch("mq", "mmt", &spec, &p, &bufs, (gx, gy, nt as u32))
+                }
             }
             .map_err(dev)?;
             let mut l = l;
+            // The weight rows read (mode 2: each token its expert's slab), the activation
+            // rows and the outputs: what a GB/s figure should count (the bound buffers would
+            // count every expert).
+            let rows_read = if mode == 2 { n_items * nt } else { n_items };
+            l.bytes = (rows_read * w.row_bytes + nt * xrb + total * 4) as u64;
             if self.profiling() {
-                l.name = format!("{} {}", l.name, w.ty);
+                // The shape too (outputs × k, and "e" for an expert slab per token), so a
+                // profile separates a format's products by shape.
+                let e = if mode == 2 { "e" } else { "" };
+                l.name = format!("{} {} {n_items}{e}×{k}", l.name, w.ty);
             }
             self.push(l)?;
         }
@@ -1834,6 +1923,17 @@ impl WgpuBackend {
             1,
         ];
         let n = q.rows * n_head;
+        if kp.len() == 1 && self.attn_wg {
+            let (gx, gy) = item_grid(n);
+            self.model(
+                "attend_wg",
+                &p,
+                [Some(&q.b), Some(kp[0].0), Some(vp[0].0), Some(&out.b), None],
+                [ib, jb, None],
+                (gx, gy, 1),
+            )?;
+            return Ok(out);
+        }
         if kp.len() == 1 {
             self.model_n(
                 "attend",

@@ -44,7 +44,69 @@ pub struct Wgpu {
     /// until a submit, so a model's load (35 GiB for the full-size file) is flushed and waited
     /// for every [`STAGE_FLUSH`] bytes instead of staging it all at once.
     staged: AtomicU64,
+    /// GPU timestamps between dispatches are possible (the adapter offers
+    /// `TIMESTAMP_QUERY_INSIDE_PASSES`; lavapipe and NVIDIA's Vulkan do).
+    pub timestamps: bool,
+    /// Host time spent building launches, recording + submitting them, and waiting.
+    pub host: HostTimes,
+    /// Timestamp readbacks of the submits since [`Wgpu::stamps_start`], or `None` (off).
+    stamps: Mutex<Option<Vec<StampRead>>>,
 }
+
+/// Host nanoseconds by phase, summed since the device opened (differences give a run's).
+#[derive(Default, Debug)]
+pub struct HostTimes {
+    /// In [`Wgpu::launch`]: pipeline lookup, parameter words, bind group (cached or made).
+    pub launch_ns: AtomicU64,
+    /// In [`Wgpu::submit`]: the compute pass recorded and the command buffer submitted.
+    pub submit_ns: AtomicU64,
+    /// In [`Wgpu::wait`] and [`Wgpu::download_bytes`]: blocked until the queue is idle.
+    pub wait_ns: AtomicU64,
+}
+
+impl HostTimes {
+    /// (launch, submit, wait) nanoseconds so far.
+    pub fn get(&self) -> (u64, u64, u64) {
+        (
+            self.launch_ns.load(Ordering::Relaxed),
+            self.submit_ns.load(Ordering::Relaxed),
+            self.wait_ns.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Adds the time since it was made to a counter when dropped (every return path counts).
+struct Timer<'a>(&'a AtomicU64, Instant);
+
+impl Drop for Timer<'_> {
+    fn drop(&mut self) {
+        self.0
+            .fetch_add(self.1.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// One compute pass's timestamps on their way back: the launches' names and bytes, and the
+/// buffer the `n + 1` stamps (before the first dispatch, after each) are copied into.
+struct StampRead {
+    names: Vec<String>,
+    bytes: Vec<u64>,
+    buf: wgpu::Buffer,
+}
+
+/// GPU time by kernel from timestamps written between dispatches (each interval is one
+/// dispatch and the barrier before it; nothing is serialised beyond what the step does).
+#[derive(Default, Debug, Clone)]
+pub struct GpuProfile {
+    /// `module::entry …` → (dispatches, GPU ns, bytes the launches name).
+    pub by: HashMap<String, (u64, f64, u64)>,
+    /// Sum over passes of last stamp − first stamp: the GPU's busy time.
+    pub busy_ns: f64,
+    /// Compute passes timed.
+    pub passes: u64,
+}
+
+/// Dispatches per timed compute pass (a query set holds at most 4,096 stamps).
+const STAMPS_PER_PASS: usize = 4000;
 
 /// Staged upload bytes after which an upload submits and waits (see `Wgpu::staged`).
 const STAGE_FLUSH: u64 = 256 << 20;
@@ -78,6 +140,9 @@ pub struct Launch {
     pub name: String,
     /// The parameter words, set as immediates when the device uses them.
     words: [u32; PARAM_WORDS],
+    /// Bytes the dispatch reads and writes, for profiles' GB/s: by default the bound
+    /// buffers' sizes; the products set the weight bytes they read ([`Launch::bytes`]).
+    pub bytes: u64,
     /// The uniform parameter buffer (without immediates), kept alive with the bind group.
     params: Option<wgpu::Buffer>,
 }
@@ -173,11 +238,20 @@ impl Wgpu {
         let immediates = adapter.features().contains(wgpu::Features::IMMEDIATES)
             && limits.max_immediate_size >= (PARAM_WORDS * 4) as u32
             && std::env::var("STRATA_WGPU_IMMEDIATES").as_deref() != Ok("0");
-        let features = if immediates {
+        let mut features = if immediates {
             wgpu::Features::IMMEDIATES
         } else {
             wgpu::Features::empty()
         };
+        // Timestamps between dispatches for `--profile` (GPU time per kernel without waiting
+        // for each dispatch alone); written only while a profile runs.
+        let stamp_features = wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
+        let timestamps = adapter.features().contains(stamp_features);
+        if timestamps {
+            features |= stamp_features;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("strata"),
             required_features: features,
@@ -208,6 +282,9 @@ impl Wgpu {
             bind_cache: None,
             bind_hits: AtomicU64::new(0),
             staged: AtomicU64::new(0),
+            timestamps,
+            host: HostTimes::default(),
+            stamps: Mutex::new(None),
         })
     }
 
@@ -355,6 +432,8 @@ impl Wgpu {
 
     /// The buffer's bytes back on the host (waits for all submitted work).
     pub fn download_bytes(&self, b: &Buf) -> Result<Vec<u8>, WgpuError> {
+        // A download is the host waiting for the GPU: counted whole (copy, map, wait).
+        let _t = Timer(&self.host.wait_ns, Instant::now());
         if b.placeholder {
             return Err(WgpuError::Launch {
                 kernel: "download".into(),
@@ -375,7 +454,7 @@ impl Wgpu {
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
             let _ = tx.send(r);
         });
-        self.wait()?;
+        self.poll_idle()?;
         rx.recv()
             .map_err(|e| WgpuError::Map(e.to_string()))?
             .map_err(|e| WgpuError::Map(e.to_string()))?;
@@ -399,6 +478,12 @@ impl Wgpu {
 
     /// Blocks until the queue is idle.
     pub fn wait(&self) -> Result<(), WgpuError> {
+        let _t = Timer(&self.host.wait_ns, Instant::now());
+        self.poll_idle()
+    }
+
+    /// [`Wgpu::wait`] without counting the time (callers that count it themselves).
+    fn poll_idle(&self) -> Result<(), WgpuError> {
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| WgpuError::Device(format!("poll: {e}")))?;
@@ -521,6 +606,8 @@ impl Wgpu {
         bufs: &[&Buf],
         groups: (u32, u32, u32),
     ) -> Result<Launch, WgpuError> {
+        let _t = Timer(&self.host.launch_ns, Instant::now());
+        let bytes = bufs.iter().map(|b| b.bytes).sum();
         let n = shaders::storage_bindings(module)?;
         if bufs.len() != n || params.len() >= PARAM_WORDS {
             return Err(WgpuError::Launch {
@@ -595,6 +682,7 @@ impl Wgpu {
                         groups: (groups.0, groups.1.max(1), groups.2.max(1)),
                         name: format!("{module}::{entry}"),
                         words,
+                        bytes,
                         params,
                     });
                 }
@@ -627,6 +715,7 @@ impl Wgpu {
             groups: (groups.0, groups.1.max(1), groups.2.max(1)),
             name: format!("{module}::{entry}"),
             words,
+            bytes,
             params,
         })
     }
@@ -637,16 +726,117 @@ impl Wgpu {
         if launches.is_empty() {
             return Ok(());
         }
+        let _t = Timer(&self.host.submit_ns, Instant::now());
         let mut enc = self.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = enc.begin_compute_pass(&Default::default());
-            for l in launches {
-                l.record(&mut pass);
+        let mut stamps = self.stamps.lock().map_err(|_| WgpuError::Poisoned)?;
+        match stamps.as_mut() {
+            Some(reads) if self.timestamps => {
+                for part in launches.chunks(STAMPS_PER_PASS) {
+                    reads.push(self.record_stamped(&mut enc, part));
+                }
+            }
+            _ => {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                for l in launches {
+                    l.record(&mut pass);
+                }
             }
         }
+        drop(stamps);
         self.queue.submit([enc.finish()]);
         self.staged.store(0, Ordering::Relaxed);
         self.check_errors("dispatch")
+    }
+
+    /// One compute pass of `launches` with a timestamp before the first dispatch and after
+    /// each, resolved and copied into a buffer [`Wgpu::stamps_stop`] reads.
+    fn record_stamped(&self, enc: &mut wgpu::CommandEncoder, launches: &[Launch]) -> StampRead {
+        let n = launches.len() as u32 + 1;
+        let qs = self.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("stamps"),
+            ty: wgpu::QueryType::Timestamp,
+            count: n,
+        });
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.write_timestamp(&qs, 0);
+            for (i, l) in launches.iter().enumerate() {
+                l.record(&mut pass);
+                pass.write_timestamp(&qs, i as u32 + 1);
+            }
+        }
+        let size = 8 * n as u64;
+        let resolve = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("stamps resolve"),
+            size,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("stamps read"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        enc.resolve_query_set(&qs, 0..n, &resolve, 0);
+        enc.copy_buffer_to_buffer(&resolve, 0, &buf, 0, size);
+        StampRead {
+            names: launches.iter().map(|l| l.name.clone()).collect(),
+            bytes: launches.iter().map(|l| l.bytes).collect(),
+            buf,
+        }
+    }
+
+    /// Starts writing timestamps between the dispatches of every submit (false when the
+    /// adapter has no timestamps inside passes).
+    pub fn stamps_start(&self) -> Result<bool, WgpuError> {
+        *self.stamps.lock().map_err(|_| WgpuError::Poisoned)? = Some(Vec::new());
+        Ok(self.timestamps)
+    }
+
+    /// Stops the timestamps, waits for the queue and sums the intervals by kernel.
+    pub fn stamps_stop(&self) -> Result<GpuProfile, WgpuError> {
+        let reads = self
+            .stamps
+            .lock()
+            .map_err(|_| WgpuError::Poisoned)?
+            .take()
+            .unwrap_or_default();
+        let period = self.queue.get_timestamp_period() as f64;
+        let mut prof = GpuProfile::default();
+        for r in &reads {
+            let (tx, rx) = std::sync::mpsc::channel();
+            r.buf.map_async(wgpu::MapMode::Read, .., move |res| {
+                let _ = tx.send(res);
+            });
+            self.wait()?;
+            rx.recv()
+                .map_err(|e| WgpuError::Map(e.to_string()))?
+                .map_err(|e| WgpuError::Map(e.to_string()))?;
+            let view = r
+                .buf
+                .get_mapped_range(..)
+                .map_err(|e| WgpuError::Map(e.to_string()))?;
+            let t: Vec<u64> = view
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                .collect();
+            drop(view);
+            r.buf.unmap();
+            // A counter that wrapped or a driver that wrote no stamp reads as a backwards
+            // step: counted as 0 rather than as 2^64 ticks.
+            let dt = |a: u64, b: u64| b.saturating_sub(a) as f64 * period;
+            prof.passes += 1;
+            prof.busy_ns += dt(t[0], t[t.len() - 1]);
+            for (i, name) in r.names.iter().enumerate() {
+                let e = prof.by.entry(name.clone()).or_insert((0, 0.0, 0));
+                e.0 += 1;
+                e.1 += dt(t[i], t[i + 1]);
+                e.2 += r.bytes[i];
+            }
+        }
+        self.check_errors("timestamps")?;
+        Ok(prof)
     }
 
     /// Records `launches` in order, `repeat` times, in one compute pass; submits and waits.

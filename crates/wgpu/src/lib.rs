@@ -21,7 +21,7 @@ pub mod shaders;
 pub use backend::{
     Counters, KernelStat, NormKernel, ProductKernel, WBuf, WIds, WRoutes, WWeight, WgpuBackend,
 };
-pub use device::{list_adapters, Buf, Launch, Wgpu};
+pub use device::{list_adapters, Buf, GpuProfile, HostTimes, Launch, Wgpu};
 pub use qwen4exp::WSelection;
 
 /// Errors of the wgpu backend (never a panic for a missing adapter or a bad shape).

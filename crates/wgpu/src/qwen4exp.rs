@@ -242,7 +242,7 @@ impl Qwen4expOps for WgpuBackend {
             n * nv,
         )?;
         self.model(
-            "gdn",
+            if self.seq_wg() { "gdn_wg" } else { "gdn" },
             &[
                 u32_of(op, n)?,
                 u32_of(op, nk)?,
@@ -334,6 +334,62 @@ impl Qwen4expOps for WgpuBackend {
         // dispatch selects.
         let parts = blocks.row_parts();
         let last = parts.len() - 1;
+        let mut p = vec![
+            u32_of(op, rows)?,
+            u32_of(op, qi.cols)?,
+            u32_of(op, d)?,
+            u32_of(op, sel.ratio)?,
+            u32_of(op, sel.budget)?,
+            rule,
+            u32_of(op, stride)?,
+            u32_of(op, blocks.rows)?,
+            u32_of(op, positions.off)?,
+            u32_of(op, nb_cap)?,
+            u32_of(op, idx)?,
+            0,
+            0,
+            0,
+            0,
+        ];
+        if self.seq_wg() && qi.cols / d <= 256 {
+            // The scores by a workgroup per (row, block), part by part; then one dispatch
+            // selects (p12 = 0: it scores nothing).
+            for (bb, row0, prows) in parts {
+                let (gx, gy) = crate::backend::item_grid(rows * prows);
+                p[11] = u32_of(op, row0)?;
+                p[12] = u32_of(op, prows)?;
+                p[14] = gx;
+                self.model(
+                    "qsa_score",
+                    &p,
+                    [Some(&qi.b), Some(bb), Some(&scores), None, None],
+                    [Some(&positions.b), None, None],
+                    (gx, gy, 1),
+                )?;
+            }
+            p[11] = 0;
+            p[12] = 0;
+            p[13] = 1;
+            p.truncate(14);
+            self.model_n(
+                "qsa_select",
+                &p,
+                [
+                    Some(&qi.b),
+                    Some(self.unused_f32()),
+                    Some(&scores),
+                    None,
+                    None,
+                ],
+                [Some(&positions.b), Some(&out), Some(&scratch)],
+                rows,
+            )?;
+            return Ok(WSelection::Sparse {
+                b: out,
+                stride,
+                rows,
+            });
+        }
         for (j, (bb, row0, prows)) in parts.into_iter().enumerate() {
             self.model_n(
                 "qsa_select",

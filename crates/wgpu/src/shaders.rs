@@ -318,7 +318,7 @@ pub fn spec_route(n_exp: usize, k: usize) -> Spec {
 }
 
 /// The entries of `model.wgsl` (the whole-model backend's f32 operations).
-pub const MODEL_ENTRIES: [&str; 18] = [
+pub const MODEL_ENTRIES: [&str; 21] = [
     "copy_rows",
     "write_rows",
     "eltwise",
@@ -327,13 +327,16 @@ pub const MODEL_ENTRIES: [&str; 18] = [
     "rms_norm_wg",
     "rope",
     "attend",
+    "attend_wg",
     "hc_u",
     "hc_combine",
     "conv_silu",
     "conv_tail",
     "gdn_gates",
     "gdn",
+    "gdn_wg",
     "qsa_pool",
+    "qsa_score",
     "qsa_select",
     "ple_gate",
     "moe_sum",
@@ -379,6 +382,7 @@ pub fn catalogue() -> Vec<(&'static str, &'static str, Spec)> {
     for (_, ty) in FORMATS.iter().chain(&FLOAT_FORMATS) {
         v.push(("mq", "mmr", spec_mmr(*ty, true, 8)));
         v.push(("mq", "mmb", spec_mmr(*ty, true, 8)));
+        v.push(("mq", "mmt", spec_mmr(*ty, true, 8)));
     }
     for n in [2560usize, 10240] {
         for fmt in ActFmt::ALL {

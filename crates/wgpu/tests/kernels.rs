@@ -9,7 +9,7 @@
 //! - the activation images with parallel block scales (`rms_xprep_par`) equal the serial
 //!   baseline (`rms_xprep_base`) and the CPU's quantizers byte for byte, ties and specials
 //!   included;
-//! - the products `mm1`, `mm`, `mmr` and `mmb` give the same bits for every format the backend reads,
+//! - the products `mm1`, `mm`, `mmr`, `mmb` and `mmt` give the same bits for every format the backend reads,
 //!   dense and gathered rows, item counts that are not a multiple of the rows per workgroup,
 //!   and stay within the stated bound of the f64 dot of the decoded operands.
 
@@ -231,6 +231,7 @@ fn product_kernels_give_the_same_bits_for_every_format() {
         ProductKernel::Lanes1,
         ProductKernel::Rows,
         ProductKernel::Blocks,
+        ProductKernel::Threads,
     ] {
         let Some(b) = backend() else { return };
         kernels.push(b.with_product_kernel(pk));
@@ -241,9 +242,11 @@ fn product_kernels_give_the_same_bits_for_every_format() {
         .map(|(_, t)| *t);
     let mut rng = Rng(0xfeed_0000_0000_0077);
     for (i, ty) in formats.enumerate() {
-        // 29 outputs (not a multiple of mmr's 8), rows of 512 (two K-quant super-blocks);
-        // three tokens; 11 gathered rows with repeats.
-        let (m, k, nt) = (29usize, 512usize, 3usize);
+        // 29 outputs (not a multiple of mmr's 8), rows of 640 where the blocks allow (lanes
+        // 128..255 and mmt's groups 4..7 one element short), else 512 (two K-quant
+        // super-blocks); three tokens; 11 gathered rows with repeats.
+        let k = if 640 % ty.block_size() == 0 { 640 } else { 512 };
+        let (m, nt) = (29usize, 3usize);
         let wbytes = weight_bytes(ty, m, k, 300 + i as u64);
         let f = file(vec![(
             "w".into(),
@@ -262,7 +265,7 @@ fn product_kernels_give_the_same_bits_for_every_format() {
             let idb = b.upload_ids(&ids).unwrap();
             gathered.push(b.download(&b.matmul_rows(&w, &idb, &xb).unwrap()).unwrap());
         }
-        for j in 1..4 {
+        for j in 1..kernels.len() {
             assert!(
                 bits(&dense[j]) == bits(&dense[0]),
                 "{ty}: dense products of kernel {j} differ from mq::mm"
@@ -328,4 +331,236 @@ fn product_kernels_give_the_same_bits_for_every_format() {
             }
         }
     }
+}
+
+/// Softmax attention of one query head over `toks` in f64 (the independent oracle).
+fn attend_f64(q: &[f32], k: &[f32], v: &[f32], toks: &[usize], kvc: usize, off: usize) -> Vec<f64> {
+    let d = q.len();
+    let scale = 1.0 / (d as f64).sqrt();
+    let s: Vec<f64> = toks
+        .iter()
+        .map(|&t| {
+            (0..d)
+                .map(|j| q[j] as f64 * k[t * kvc + off + j] as f64)
+                .sum::<f64>()
+                * scale
+        })
+        .collect();
+    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+    let z: f64 = e.iter().sum();
+    (0..d)
+        .map(|j| {
+            toks.iter()
+                .zip(&e)
+                .map(|(&t, w)| w / z * v[t * kvc + off + j] as f64)
+                .sum()
+        })
+        .collect()
+}
+
+#[test]
+fn attention_by_a_workgroup_per_head_gives_the_serial_kernels_bits() {
+    use strata_engine::backend::{AttnDims, KvType};
+    use strata_engine::qwen4exp::ops::Qwen4expOps;
+    use strata_wgpu::WSelection;
+    let Some(b) = backend() else { return };
+    let serial = b.with_attention_wg(false);
+    let Some(b) = backend() else { return };
+    let wg = b.with_attention_wg(true);
+    let mut rng = Rng(0x5eed_a77e_0000_0001);
+    // (heads, KV heads, head dim, cache rows, query positions): a head dim that is not a
+    // multiple of 8 (the eight partial sums' tail), the model's 256, more visible tokens than
+    // one 256-token tile, and grouped-query heads.
+    let shapes: [(usize, usize, usize, usize, &[u32]); 5] = [
+        (4, 2, 20, 50, &[0, 6, 7, 20, 44, 49]),
+        (4, 2, 16, 600, &[0, 255, 256, 599]),
+        (6, 3, 8, 300, &[299, 1, 130]),
+        (8, 2, 256, 600, &[0, 255, 256, 599]),
+        (6, 3, 64, 300, &[299, 1, 130]),
+    ];
+    // Found while writing this test: on lavapipe (Mesa 22.3.6, LLVM 15) the serial kernel
+    // returns only the first value of a head for head dims of 64 and more (the rest read 0;
+    // the workgroup kernel, with the same inputs, agrees with the f64 oracle). So the bitwise
+    // comparison runs on the head dims the baseline gets right (≤ 20 here: every loop, tile
+    // boundary and selection case), and the large head dims check the workgroup kernel against
+    // the oracle alone.
+    let baseline_ok = |d: usize| d <= 20;
+    let mut compared = 0;
+    for (n_head, n_head_kv, d, cap, positions) in shapes {
+        let dims = AttnDims {
+            n_head,
+            n_head_kv,
+            head_dim: d,
+        };
+        let kvc = n_head_kv * d;
+        let kd: Vec<f32> = (0..cap * kvc).map(|_| rng.value()).collect();
+        let vd: Vec<f32> = (0..cap * kvc).map(|_| rng.value()).collect();
+        let rows = positions.len();
+        let qd: Vec<f32> = (0..rows * n_head * d).map(|_| 4.0 * rng.value()).collect();
+        // Selection rows [count, tokens…]: out of order, one past the cache (skipped), an
+        // empty row, and (stride permitting) a long one.
+        let stride = 1 + cap + 1;
+        let mut sel = vec![0u32; rows * stride];
+        let mut sel_toks: Vec<Vec<usize>> = Vec::new();
+        for r in 0..rows {
+            let toks: Vec<u32> = match r % 3 {
+                0 => (0..cap as u32).rev().step_by(3).collect(),
+                1 => vec![],
+                _ => vec![positions[r], 0, cap as u32, positions[r] / 2],
+            };
+            sel[r * stride] = toks.len() as u32;
+            sel[r * stride + 1..r * stride + 1 + toks.len()].copy_from_slice(&toks);
+            sel_toks.push(
+                toks.iter()
+                    .map(|&t| t as usize)
+                    .filter(|&t| t < cap)
+                    .collect(),
+            );
+        }
+        for kv in [KvType::F32, KvType::F16] {
+            let mut outs: Vec<Vec<Vec<u32>>> = Vec::new();
+            for be in [&serial, &wg] {
+                if std::ptr::eq(be, &serial) && !baseline_ok(d) {
+                    continue;
+                }
+                let mut k = be.store(cap, kvc).unwrap();
+                let mut v = be.store(cap, kvc).unwrap();
+                let all: Vec<u32> = (0..cap as u32).collect();
+                let at = be.upload_ids(&all).unwrap();
+                be.write_kv(&mut k, &be.upload(cap, kvc, &kd).unwrap(), &at, kv)
+                    .unwrap();
+                be.write_kv(&mut v, &be.upload(cap, kvc, &vd).unwrap(), &at, kv)
+                    .unwrap();
+                let q = be.upload(rows, n_head * d, &qd).unwrap();
+                let pos = be.upload_ids(positions).unwrap();
+                let causal8 = be.attend_causal(&q, &k, &v, &pos, dims, kv).unwrap();
+                let causal =
+                    Qwen4expOps::attend(be, &q, &k, &v, &WSelection::Causal(pos.clone()), dims, kv)
+                        .unwrap();
+                let sb = Arc::new(be.device().upload("selection", &sel).unwrap());
+                let sparse = Qwen4expOps::attend(
+                    be,
+                    &q,
+                    &k,
+                    &v,
+                    &WSelection::Sparse {
+                        b: sb,
+                        stride,
+                        rows,
+                    },
+                    dims,
+                    kv,
+                )
+                .unwrap();
+                let got: Vec<Vec<f32>> = [causal8, causal, sparse]
+                    .iter()
+                    .map(|o| be.download(o).unwrap())
+                    .collect();
+                if kv == KvType::F32 {
+                    // Both kernels are attention: within 1e-4 of the f64 softmax.
+                    let head = |r: usize, h: usize| &qd[(r * n_head + h) * d..][..d];
+                    for r in 0..rows {
+                        let causal_toks: Vec<usize> = (0..=positions[r] as usize).collect();
+                        for h in 0..n_head {
+                            let off = (h / (n_head / n_head_kv)) * d;
+                            for (which, toks) in
+                                [(0, &causal_toks), (1, &causal_toks), (2, &sel_toks[r])]
+                            {
+                                let want = attend_f64(head(r, h), &kd, &vd, toks, kvc, off);
+                                let o = &got[which][(r * n_head + h) * d..][..d];
+                                for j in 0..d {
+                                    assert!(
+                                        (o[j] as f64 - want[j]).abs() < 1e-4,
+                                        "attention {which} row {r} head {h} value {j}: {} vs {}",
+                                        o[j],
+                                        want[j]
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+                outs.push(got.iter().map(|o| bits(o)).collect());
+            }
+            if !baseline_ok(d) {
+                continue;
+            }
+            for (which, (a, b)) in outs[0].iter().zip(&outs[1]).enumerate() {
+                assert_eq!(
+                    a, b,
+                    "{kv:?} d {d}: attention {which} (0 causal8, 1 causal, 2 selection) differs"
+                );
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 18);
+}
+
+#[test]
+fn qsa_scores_by_workgroups_give_the_serial_selection_and_the_cpus() {
+    use strata_engine::qwen4exp::ops::{QsaRule, QsaSelect, Qwen4expOps};
+    use strata_engine::CpuBackend;
+    use strata_wgpu::WSelection;
+    let Some(b) = backend() else { return };
+    let serial = b.with_attention_wg(false);
+    let Some(b) = backend() else { return };
+    let wg = b.with_attention_wg(true);
+    let cpu = CpuBackend::new(1).unwrap();
+    let mut rng = Rng(0x5eed_95a0_0000_0003);
+    // (heads, head dim, pooled blocks in the store, block size, budget, query positions):
+    // several blocks above and below the budget, a position before the first whole block.
+    type Case<'a> = (usize, usize, usize, usize, usize, &'a [u32]);
+    let cases: [Case; 2] = [
+        (4, 16, 12, 4, 12, &[2, 17, 47, 30]),
+        (70, 8, 40, 8, 64, &[319, 100, 7]),
+    ];
+    let mut checked = 0;
+    for (heads, d, nblocks, ratio, budget, positions) in cases {
+        let rows = positions.len();
+        let qd: Vec<f32> = (0..rows * heads * d).map(|_| rng.value()).collect();
+        // Scores of a few distinct levels, so the selections have ties to break.
+        let bd: Vec<f32> = (0..nblocks * d)
+            .map(|_| (rng.next() % 5) as f32 * 0.25 - 0.5)
+            .collect();
+        for rule in [QsaRule::Reference, QsaRule::LlamaCpp] {
+            let sel = QsaSelect {
+                ratio,
+                budget,
+                rule,
+            };
+            let mut got = Vec::new();
+            for be in [&serial, &wg] {
+                let q = be.upload(rows, heads * d, &qd).unwrap();
+                let blocks = be.upload(nblocks, d, &bd).unwrap();
+                let pos = be.upload_ids(positions).unwrap();
+                let WSelection::Sparse { b, stride, .. } =
+                    Qwen4expOps::qsa_select(be, &q, &blocks, &pos, sel).unwrap()
+                else {
+                    panic!("a QSA selection that is not sparse")
+                };
+                be.flush().unwrap();
+                let v: Vec<u32> = be.device().download(&b).unwrap();
+                got.push((v, stride));
+            }
+            assert_eq!(got[0], got[1], "{rule:?} heads {heads}: selections differ");
+            // The CPU's selection, token for token.
+            let q = cpu.upload(rows, heads * d, &qd).unwrap();
+            let blocks = cpu.upload(nblocks, d, &bd).unwrap();
+            let pos = cpu.upload_ids(positions).unwrap();
+            let want = Qwen4expOps::qsa_select(&cpu, &q, &blocks, &pos, sel).unwrap();
+            let (v, stride) = &got[1];
+            for (r, toks) in want.0.iter().enumerate() {
+                let n = v[r * stride] as usize;
+                assert_eq!(
+                    &v[r * stride + 1..r * stride + 1 + n],
+                    &toks[..],
+                    "{rule:?} row {r}"
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4);
 }

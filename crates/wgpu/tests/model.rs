@@ -929,16 +929,20 @@ fn both_product_kernels_give_the_same_logits_bitwise() {
         ),
         toks,
     );
-    for (pk, nk, chunk) in [
-        (ProductKernel::Workgroup, NormKernel::Lanes1, 0),
-        (ProductKernel::Rows, NormKernel::Workgroup, 7),
-        (ProductKernel::Blocks, NormKernel::Workgroup, 0),
+    // The last two: the GPUs' defaults (attention and QSA scores by workgroups too).
+    for (pk, nk, chunk, attn_wg) in [
+        (ProductKernel::Workgroup, NormKernel::Lanes1, 0, false),
+        (ProductKernel::Rows, NormKernel::Workgroup, 7, false),
+        (ProductKernel::Blocks, NormKernel::Workgroup, 0, false),
+        (ProductKernel::Threads, NormKernel::Workgroup, 64, true),
+        (ProductKernel::Auto, NormKernel::Workgroup, 0, true),
     ] {
         let b = backend()
             .unwrap()
             .with_product_kernel(pk)
             .with_norm_kernel(nk)
-            .with_submit_chunk(chunk);
+            .with_submit_chunk(chunk)
+            .with_attention_wg(attn_wg);
         let m = load_wgpu("model-bf16.gguf", b, &LoadOptions::default());
         let got = all_logits(&m, toks);
         assert!(
@@ -952,7 +956,7 @@ fn both_product_kernels_give_the_same_logits_bitwise() {
         if chunk > 0 {
             let c = m.backend().counters();
             assert!(
-                c.submits > c.dispatches / 7 / 2,
+                c.submits > c.dispatches / chunk as u64 / 2,
                 "{c:?}: not submitted in chunks"
             );
         }
