@@ -561,9 +561,10 @@ fn bench_spec_windows_are_checked_and_the_help_default_parses() {
     );
     let help = strata(&["bench", "spec", "--help"], None);
     let help = String::from_utf8(help.stdout).unwrap();
+    // The option's default: on its line, or below it when clap lays the help out long.
     let default = help
-        .lines()
-        .find(|l| l.contains("--windows"))
+        .split_once("--windows")
+        .map(|(_, rest)| rest.split("\n      -").next().unwrap_or(rest))
         .and_then(|l| l.split("[default: ").nth(1))
         .and_then(|r| r.split(']').next())
         .filter(|d| d.contains(','))
