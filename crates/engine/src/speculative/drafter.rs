@@ -226,9 +226,10 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
     /// draft floor (`min_p` needs the draft's probability). There each draft's logits get
     /// `slop_pen_draft` (its state carried on the device from the state after the history,
     /// advanced by each draft), `pick_draft_mapped` gives the token id, and that id feeds the
-    /// next head step on the device: nothing is read between drafts, and the chain's ids come
-    /// back in one download at its end. A hook over the drafts (tests, forced acceptance) sees
-    /// each draft, so it reads each id. Otherwise (penalties, DRY, slop mode 2, a floor) each
+    /// next head step on the device, the whole chain one step ([`Self::chain_on_device`]):
+    /// nothing is read between drafts, and the chain's ids come back in one download at its
+    /// end. A hook over the drafts (tests, forced acceptance) sees each draft, so it reads each
+    /// pick and the head steps run one by one. Otherwise (penalties, DRY, slop mode 2, a floor) each
     /// draft's logits are downloaded and edited on the host.
     #[allow(clippy::too_many_arguments)]
     fn chain(
@@ -452,8 +453,11 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
             }
             Ok(())
         })?;
-        stats.draft_steps += max as u64 - 1;
-        stats.draft_time += t0.elapsed();
+        // The chain's head steps, with the picks (and slop edits) between them: one step.
+        if max > 1 {
+            stats.draft_steps += max as u64 - 1;
+            stats.draft_time += t0.elapsed();
+        }
         // The chain's one read: its ids and their logits' bits. It ends where the host's
         // would: at the first draft whose every logit the edits removed (the steps after it
         // ran for nothing).
