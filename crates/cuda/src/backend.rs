@@ -25,8 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
 use strata_engine::backend::{
     AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, DraftMap, DraftPick,
-    DraftSlop,
-    ExpertWeights, KvType, StepKey, Usage,
+    DraftSlop, ExpertWeights, KvType, StepKey, Usage,
 };
 use strata_engine::kernels::ActFmt;
 use strata_engine::qwen4exp::ops::{
@@ -1858,7 +1857,10 @@ impl Backend for CudaBackend {
             data: self.mem::<u32>(rows)?,
         };
         if rows == 0 {
-            return Ok(DraftPick { ids: out, values: vals });
+            return Ok(DraftPick {
+                ids: out,
+                values: vals,
+            });
         }
         let nvi = i32::try_from(nv)
             .map_err(|_| shape("pick_draft_mapped", format!("{nv} draft logits")))?;
@@ -1874,7 +1876,14 @@ impl Backend for CudaBackend {
             "sample",
             "pick_draft_map",
             cfg(rows as u32, 1024),
-            [&*logits.data, &nvi, table, &mapped, &mut *out.data, &mut *vals.data]
+            [
+                &*logits.data,
+                &nvi,
+                table,
+                &mapped,
+                &mut *out.data,
+                &mut *vals.data
+            ]
         )
         .map_err(dev)?;
         drop(none);
@@ -1906,17 +1915,23 @@ impl Backend for CudaBackend {
         }
         let len = strata_engine::kernels::slop::STATE_LEN;
         if state.len != len {
-            return Err(shape(k, format!("a state of {} values, expected {len}", state.len)));
+            return Err(shape(
+                k,
+                format!("a state of {} values, expected {len}", state.len),
+            ));
         }
         let prev = prev.unwrap_or(&slop.no_prev);
         if prev.len != 1 {
-            return Err(shape(k, format!("{} previous tokens, expected one", prev.len)));
+            return Err(shape(
+                k,
+                format!("{} previous tokens, expected one", prev.len),
+            ));
         }
         let t = &slop.tables;
         let i = |what: &str, n: usize| {
             i32::try_from(n).map_err(|_| shape("slop_pen_draft", format!("{n} {what}")))
         };
-        let nvi = i(&"draft logits", slop.n_draft)?;
+        let nvi = i("draft logits", slop.n_draft)?;
         let (n_pen, n_nl, n_bl, n_ph) = (
             i("penalties", t.pen_ids.len())?,
             i("newline tokens", t.newline.len())?,

@@ -542,7 +542,7 @@ impl strata_engine::sampler::vocab::SamplerVocab for ToyVocab {
         self.0
     }
     fn piece(&self, id: u32) -> Vec<u8> {
-        if id % 37 == 0 {
+        if id.is_multiple_of(37) {
             b"\n".to_vec()
         } else if id % 41 == 1 {
             b" ".to_vec()
@@ -573,7 +573,11 @@ fn slop_mode_1(tokens: &[u32]) -> strata_engine::sampler::SamplerConfig {
                 .enumerate()
                 .map(|(i, t)| SlopEntry {
                     phrase: format!("t{t}"),
-                    penalty: if i == 0 { f32::INFINITY } else { 3.0 + i as f32 },
+                    penalty: if i == 0 {
+                        f32::INFINITY
+                    } else {
+                        3.0 + i as f32
+                    },
                 })
                 .collect(),
             newline_run_cap: 1,
@@ -614,7 +618,9 @@ fn draft_chain_ops_on_cuda_equal_the_cpu() {
     let compiled = Arc::clone(sampler.slop().unwrap());
     let mut seed = 17u64;
     let mut next = move || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (seed >> 33) as u32
     };
     let walk: Vec<u32> = (0..40)
@@ -641,8 +647,13 @@ fn draft_chain_ops_on_cuda_equal_the_cpu() {
         );
         let (mut sg, mut sc) = (gpu.upload_ids(&s0).unwrap(), cpu.upload_ids(&s0).unwrap());
         let mut removed = 0;
-        for (k, t) in std::iter::once(None).chain(walk.iter().copied().map(Some)).enumerate() {
-            let raw: Vec<f32> = (0..nv).map(|_| (next() % 2000) as f32 / 100.0 - 10.0).collect();
+        for (k, t) in std::iter::once(None)
+            .chain(walk.iter().copied().map(Some))
+            .enumerate()
+        {
+            let raw: Vec<f32> = (0..nv)
+                .map(|_| (next() % 2000) as f32 / 100.0 - 10.0)
+                .collect();
             let mut lg = gpu.upload(1, nv, &raw).unwrap();
             let mut lc = cpu.upload(1, nv, &raw).unwrap();
             let pg = t.map(|t| gpu.upload_ids(&[t]).unwrap());
@@ -651,7 +662,11 @@ fn draft_chain_ops_on_cuda_equal_the_cpu() {
             sc = cpu.slop_pen_draft(&mut lc, &dc, pc.as_ref(), &sc).unwrap();
             let (vg, vc) = (gpu.download(&lg).unwrap(), cpu.download(&lc).unwrap());
             assert!(bits_eq(&vg, &vc), "{nv} draft ids, step {k}: logits");
-            assert_eq!(gpu.download_ids(&sg).unwrap(), cpu.download_ids(&sc).unwrap(), "step {k}");
+            assert_eq!(
+                gpu.download_ids(&sg).unwrap(),
+                cpu.download_ids(&sc).unwrap(),
+                "step {k}"
+            );
             removed += vc.iter().filter(|x| x.is_infinite()).count();
         }
         assert!(removed > 0, "the caps never bit");
@@ -660,7 +675,10 @@ fn draft_chain_ops_on_cuda_equal_the_cpu() {
         let map_c = DraftMap::new(&cpu, &ids, n).unwrap();
         let mut rows: Vec<f32> = (0..3 * nv).map(|_| (next() % 999) as f32).collect();
         rows[..nv].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
-        let (lg, lc) = (gpu.upload(3, nv, &rows).unwrap(), cpu.upload(3, nv, &rows).unwrap());
+        let (lg, lc) = (
+            gpu.upload(3, nv, &rows).unwrap(),
+            cpu.upload(3, nv, &rows).unwrap(),
+        );
         let (mg, mc) = if nv == n {
             (None, None)
         } else {
@@ -672,8 +690,15 @@ fn draft_chain_ops_on_cuda_equal_the_cpu() {
         gpu.write_ids(&mut chain, 2, &pg.ids).unwrap();
         let got = gpu.download_ids(&chain).unwrap();
         assert_eq!(&got[2..5], &pc.ids.0[..], "{nv} draft ids: picks");
-        assert_eq!((got[..2].to_vec(), got[5..].to_vec()), (vec![0; 2], vec![0; 3]));
-        assert_eq!(gpu.download_ids(&pg.values).unwrap(), pc.values.0, "{nv}: values");
+        assert_eq!(
+            (got[..2].to_vec(), got[5..].to_vec()),
+            (vec![0; 2], vec![0; 3])
+        );
+        assert_eq!(
+            gpu.download_ids(&pg.values).unwrap(),
+            pc.values.0,
+            "{nv}: values"
+        );
         assert_eq!(pc.values.0[0], f32::NEG_INFINITY.to_bits(), "the −∞ row");
     }
 }
@@ -741,8 +766,8 @@ fn slop_mode_1_speculative_equals_plain_on_cuda() {
             if hook {
                 d = d.with_draft_hook(Proposals(Arc::clone(&seen)));
             }
-            let g = guarded::generate(&mut d, &prompt, &mut s, &|_| false, NEW, &mut |_| true)
-                .unwrap();
+            let g =
+                guarded::generate(&mut d, &prompt, &mut s, &|_| false, NEW, &mut |_| true).unwrap();
             let drafts = seen.lock().unwrap().clone();
             ((g.tokens, g.stop), drafts)
         };
@@ -753,6 +778,9 @@ fn slop_mode_1_speculative_equals_plain_on_cuda() {
             assert_eq!(got, &want, "window {window}, {what} chain: not plain");
         }
         assert!(!dev_drafts.is_empty());
-        assert_eq!(dev_drafts, host_drafts, "window {window}: device vs host drafts");
+        assert_eq!(
+            dev_drafts, host_drafts,
+            "window {window}: device vs host drafts"
+        );
     }
 }

@@ -887,8 +887,16 @@ fn spec_guarded(
     // operations on the same shapes (so a capturing backend replays one graph per N).
     assert!(log.violations.is_empty(), "{:?}", log.violations);
     let mut traces: HashMap<StepKey, &Trace> = HashMap::new();
-    for (k, t) in log.steps.iter().filter(|(k, _)| k.outputs & CHAIN_STEP != 0) {
-        assert_eq!(*traces.entry(*k).or_insert(t), t, "chain step {k:?}: another trace");
+    for (k, t) in log
+        .steps
+        .iter()
+        .filter(|(k, _)| k.outputs & CHAIN_STEP != 0)
+    {
+        assert_eq!(
+            *traces.entry(*k).or_insert(t),
+            t,
+            "chain step {k:?}: another trace"
+        );
     }
     let chains = chains(&log.events);
     let drafts = match mode {

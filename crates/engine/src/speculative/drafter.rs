@@ -27,6 +27,12 @@ use super::{argmax, softmax_prob, DraftHook, DraftVocab, SpecStats, MAX_WINDOW};
 /// (`qwen4exp::mtp`: bit 2 marks their tokens as device ids).
 pub const CHAIN_STEP: u32 = 1 << 3;
 
+/// Slop mode 1's device tables and the compiled configuration they were made from.
+type SlopTablesFor<B> = (
+    Arc<CompiledSlop>,
+    DraftSlop<<B as crate::backend::Backend>::Ids, <B as crate::backend::Backend>::Buf>,
+);
+
 /// The first draft of the next window: the MTP's pre-mixer output at the last consumed
 /// position (one row) and its logits over the draft rows, both still on the device.
 struct NextDraft<B: Qwen4expOps> {
@@ -60,7 +66,7 @@ pub(crate) struct MtpDrafter<'m, B: Qwen4expOps> {
     /// The first draft's hidden row and logits where the chain step reads them.
     chain_in: Option<(B::Buf, B::Buf)>,
     /// Slop mode 1's tables on the device, for the configuration they were made from.
-    slop: Option<(Arc<CompiledSlop>, DraftSlop<B::Ids, B::Buf>)>,
+    slop: Option<SlopTablesFor<B>>,
     next_draft: Option<NextDraft<B>>,
     catchup: Option<Catchup<B>>,
     /// The judge may rewind (slop mode 2): keep each window's first draft, so that a rewind
