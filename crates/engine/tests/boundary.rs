@@ -837,6 +837,8 @@ enum ChainMode {
     DeviceHooked,
     /// Logits downloaded and edited on the host (a draft floor too small to cut anything).
     Host,
+    /// Read draft by draft with the sampler's edits of the drafts off (what they change).
+    Unpenalized,
 }
 
 struct SpecRun {
@@ -867,7 +869,9 @@ fn spec_guarded(
         min_p: if mode == ChainMode::Host { 1e-30 } else { 0.0 },
         draft_vocab,
     };
-    let mut dec = SpecDecoder::new(m, spec).unwrap();
+    let mut dec = SpecDecoder::new(m, spec)
+        .unwrap()
+        .with_draft_penalties(mode != ChainMode::Unpenalized);
     if mode != ChainMode::Device {
         dec = dec.with_draft_hook(Proposals(Arc::clone(&proposals)));
     }
@@ -948,8 +952,9 @@ fn entries_from(tok: &Tokenizer, free: &[u32]) -> Vec<(String, f32)> {
     out
 }
 
-/// The draft chain moves only ids (issue "Boundary", point 4; "CUDA MTP", point 1): greedy and
-/// greedy under slop mode 1, windows 2, 4 and 8, with the head's own drafts. Every chain
+/// The draft chain moves only ids (issue "Boundary", point 4; "CUDA MTP", point 1): greedy,
+/// slop mode 1, seeded draws and seeded draws under slop mode 1, windows 2..8, with the head's
+/// own drafts. Every chain
 /// downloads exactly one id vector — after its last draft step, so nothing between drafts —
 /// and no float buffer; its drafts' slop edits ran as the device operation; the emitted
 /// tokens and the stop are plain decoding's (the oracle: the host sampler one token per step).
@@ -963,12 +968,24 @@ fn a_device_draft_chain_downloads_its_ids_once_and_emits_the_plain_tokens() {
     let greedy = SamplerConfig::greedy();
     let (free, _) = plain_guarded(&model, &tok, &greedy, &prompt, NEW);
     let slop = slop_mode_1(&entries_from(&tok, &free));
-    for (name, cfg) in [("greedy", &greedy), ("slop mode 1", &slop)] {
+    // Seeded draws (a temperature, then Philox keyed by position), without and with slop.
+    let seeded = |mut c: SamplerConfig| {
+        c.stages.push(Stage::Temperature { t: 0.8 });
+        c.pick = SamplerPick::Draw { seed: 7 };
+        c
+    };
+    let (seeded_plain, seeded_slop) = (seeded(greedy.clone()), seeded(slop.clone()));
+    for (name, cfg) in [
+        ("greedy", &greedy),
+        ("slop mode 1", &slop),
+        ("seeded", &seeded_plain),
+        ("seeded, slop mode 1", &seeded_slop),
+    ] {
         let want = plain_guarded(&model, &tok, cfg, &prompt, NEW);
-        if name != "greedy" {
+        if name == "slop mode 1" {
             assert_ne!(want.0, free, "{name}: the penalties changed nothing");
         }
-        for window in [2usize, 4, 8] {
+        for window in 2usize..=8 {
             let what = format!("{name} window {window}");
             let run = spec_guarded(
                 &model,
@@ -1015,7 +1032,7 @@ fn a_device_draft_chain_downloads_its_ids_once_and_emits_the_plain_tokens() {
                     "{what}: no chain fed a pick to the next draft step"
                 );
             }
-            let pens = if name == "greedy" { 0 } else { drafted };
+            let pens = if name.contains("slop") { drafted } else { 0 };
             assert_eq!(run.slop_pens, pens, "{what}: slop edits on the device");
         }
     }
@@ -1066,7 +1083,27 @@ fn slop_mode_1_drafts_on_the_device_equal_the_host_chain() {
         let prompt: Vec<u32> = common::Golden::open(g).ids("input_ids")[..24].to_vec();
         const NEW: usize = 28;
         let (free, _) = plain_guarded(&model, &tok, &SamplerConfig::greedy(), &prompt, NEW);
-        let cfg = slop_mode_1(&entries_from(&tok, &free));
+        // Penalize tokens the head drafts, too (its drafts are seldom the trunk's tokens): the
+        // first three the unedited chain proposes.
+        let probe = slop_mode_1(&entries_from(&tok, &free));
+        let drafted = spec_guarded(
+            &model,
+            &tok,
+            &probe,
+            &prompt,
+            NEW,
+            4,
+            ChainMode::Unpenalized,
+            vocab.clone(),
+        )
+        .drafts;
+        let mut entries = entries_from(&tok, &free);
+        for (p, v) in entries_from(&tok, &drafted) {
+            if !entries.iter().any(|(q, _)| *q == p) {
+                entries.push((p, v));
+            }
+        }
+        let cfg = slop_mode_1(&entries);
         let want = plain_guarded(&model, &tok, &cfg, &prompt, NEW);
         for window in [3usize, 6] {
             let what = format!("{} window {window}", path.display());
@@ -1106,6 +1143,17 @@ fn slop_mode_1_drafts_on_the_device_equal_the_host_chain() {
                 "{what}: hooked chain vs host chain"
             );
             assert!(device.slop_pens > 0 && host.slop_pens == 0, "{what}");
+            // The edits changed drafts, so the equality says something.
+            let free = run(ChainMode::Unpenalized);
+            assert_eq!(
+                (&free.tokens, &free.stop),
+                (&want.0, &want.1),
+                "{what}: not plain"
+            );
+            assert_ne!(
+                free.drafts, host.drafts,
+                "{what}: the slop edits changed no draft"
+            );
         }
     }
 }
