@@ -1371,3 +1371,96 @@ fn pick_draft_mapped_gives_valid_token_ids() {
         .unwrap();
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
 }
+
+/// [`Forced`] decided ahead: the same drafts, which the chain can ask for before it runs.
+struct ForcedAhead(Forced);
+
+impl DraftHook for ForcedAhead {
+    fn draft(&mut self, position: usize, proposed: u32) -> Option<u32> {
+        self.0.draft(position, proposed)
+    }
+    fn ahead(&mut self, position: usize) -> Option<Option<u32>> {
+        Some(self.0.draft(position, 0))
+    }
+}
+
+/// Forced drafts decided ahead keep the chain on the device (what `strata bench spec
+/// --force-accept` measures): greedy and slop mode 1, windows 2, 4 and 8, drafts forced to the
+/// plain tokens but every third: the chain fed the forced tokens runs as one step and downloads
+/// one id vector, and the run equals the same hook asked draft by draft — tokens, stop,
+/// drafts offered and accepted per step — and plain decoding.
+#[test]
+fn forced_drafts_decided_ahead_stay_on_the_device() {
+    let model = with_head(load(Recording::new(), &LoadOptions::default()));
+    let tok = tokenizer_of(&tiny_dir().join("model-f32.gguf"));
+    let prompt: Vec<u32> =
+        common::Golden::open(tiny_dir().join("golden.safetensors")).ids("input_ids")[..30].to_vec();
+    const NEW: usize = 32;
+    let greedy = SamplerConfig::greedy();
+    let (free, _) = plain_guarded(&model, &tok, &greedy, &prompt, NEW);
+    let slop = slop_mode_1(&entries_from(&tok, &free));
+    for (name, cfg) in [("greedy", &greedy), ("slop mode 1", &slop)] {
+        let want = plain_guarded(&model, &tok, cfg, &prompt, NEW);
+        let mut truth = prompt.clone();
+        truth.extend(&want.0);
+        for window in [2usize, 4, 8] {
+            let what = format!("{name} window {window}");
+            let run = |ahead: bool| {
+                let mut sampler = Sampler::with_vocab(cfg.clone(), &tok).unwrap();
+                let spec = SpecConfig {
+                    window,
+                    ..SpecConfig::default()
+                };
+                let forced = Forced {
+                    truth: truth.clone(),
+                };
+                let dec = SpecDecoder::new(&model, spec).unwrap();
+                let mut dec = if ahead {
+                    dec.with_draft_hook(ForcedAhead(forced))
+                } else {
+                    dec.with_draft_hook(forced)
+                };
+                model.backend().take();
+                let g = guarded::generate(
+                    &mut dec,
+                    &prompt,
+                    &mut sampler,
+                    &|_| false,
+                    NEW,
+                    &mut |_| true,
+                )
+                .unwrap();
+                let s = dec.stats();
+                let counts = (s.offered.clone(), s.accepted.clone());
+                (g.tokens, g.stop, counts, model.backend().take())
+            };
+            let (t1, s1, c1, _) = run(false);
+            let (t2, s2, c2, log) = run(true);
+            assert_eq!(
+                (&t1, &s1),
+                (&want.0, &want.1),
+                "{what}: per draft, not plain"
+            );
+            assert_eq!((&t2, &s2), (&want.0, &want.1), "{what}: ahead, not plain");
+            assert_eq!(c1, c2, "{what}: drafts offered and accepted");
+            let accepted: u64 = c2.1.iter().sum();
+            assert!(accepted > 0, "{what}: no forced draft accepted");
+            let chains = chains(&log.events);
+            let with_drafts: Vec<&Chain> =
+                chains.iter().filter(|c| !c.downloads.is_empty()).collect();
+            assert!(
+                with_drafts.len() >= 3,
+                "{what}: {} chains",
+                with_drafts.len()
+            );
+            for c in &with_drafts {
+                assert!(
+                    c.downloads.len() == 1 && matches!(c.downloads[0], Ev::Ids(_)),
+                    "{what}: a chain downloaded {:?}",
+                    c.downloads
+                );
+                assert_eq!(c.chain_steps, vec![c.device_steps + 1], "{what}: {c:?}");
+            }
+        }
+    }
+}

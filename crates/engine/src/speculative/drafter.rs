@@ -234,8 +234,9 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
     /// advanced by each draft), `pick_draft_mapped` gives the token id, and that id feeds the
     /// next head step on the device, the whole chain one step ([`Self::chain_on_device`]):
     /// nothing is read between drafts, and the chain's ids come back in one download at its
-    /// end. A hook over the drafts (tests, forced acceptance) sees each draft, so it reads each
-    /// pick and the head steps run one by one. Otherwise (penalties, DRY, slop mode 2, a floor) each
+    /// end. A hook over the drafts that decides ahead (`DraftHook::ahead`: forced acceptance)
+    /// feeds that chain its tokens; one that needs each proposal reads each pick, and the head
+    /// steps run one by one. Otherwise (penalties, DRY, slop mode 2, a floor) each
     /// draft's logits are downloaded and edited on the host.
     #[allow(clippy::too_many_arguments)]
     fn chain(
@@ -277,8 +278,29 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
             }
             _ => None,
         };
-        if device.is_some() && self.hook.is_none() {
-            return self.chain_on_device(first, max, slop_state, stats);
+        if device.is_some() {
+            // Drafts a hook decides ahead (forced acceptance) keep the chain on the device too.
+            let forced = match self.hook.as_mut() {
+                None => Some(None),
+                Some(h) => match h.ahead(base) {
+                    None => None,
+                    Some(first_tok) => {
+                        let mut toks: Vec<u32> = first_tok.into_iter().collect();
+                        if !toks.is_empty() {
+                            for j in 1..max {
+                                match h.ahead(base + j) {
+                                    Some(Some(t)) => toks.push(t),
+                                    _ => break,
+                                }
+                            }
+                        }
+                        Some(Some(toks))
+                    }
+                },
+            };
+            if let Some(forced) = forced {
+                return self.chain_on_device(first, max, slop_state, forced, stats);
+            }
         }
         let b = self.model.backend();
         let mut state = match &slop_state {
@@ -383,10 +405,23 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         first: NextDraft<B>,
         max: usize,
         slop_state: Option<Vec<u32>>,
+        forced: Option<Vec<u32>>,
         stats: &mut SpecStats,
     ) -> Result<Vec<u32>> {
         let model = self.model;
         let b = model.backend();
+        // Forced drafts (a hook's, decided ahead) replace the picks as the chain's tokens; the
+        // chain runs the same operations (the picks too: they say where it would have ended).
+        let max = forced.as_ref().map_or(max, |f| f.len().min(max));
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let n_vocab = model.config().n_vocab;
+        if let Some(&t) = forced.iter().flatten().find(|&&t| t as usize >= n_vocab) {
+            return Err(EngineError::Input(format!(
+                "draft hook: token id {t} is out of range (vocabulary {n_vocab})"
+            )));
+        }
         // Every head step's room, before any runs: a step that failed part-way would leave the
         // head's length ahead of what ran.
         model.mtp_check_room(&self.mtp, max - 1)?;
@@ -419,13 +454,20 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         let key = StepKey {
             kind: StepKind::Draft,
             rows: max,
-            outputs: CHAIN_STEP | (map.is_some() as u32) << 1 | (tables.is_some() as u32) << 4,
+            outputs: CHAIN_STEP
+                | (map.is_some() as u32) << 1
+                | (tables.is_some() as u32) << 4
+                | (forced.is_some() as u32) << 5,
             seq: mtp.id,
         };
         let t0 = Instant::now();
         b.step(key, || {
             let mut state = match &slop_state {
                 Some(s) => Some(b.upload_ids(s)?),
+                None => None,
+            };
+            let forced = match &forced {
+                Some(f) => Some(b.upload_ids(f)?),
                 None => None,
             };
             let mut prev: Option<B::Ids> = None;
@@ -442,15 +484,27 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
                     let picked = b.pick_draft_mapped(logits, map)?;
                     b.write_ids(chain, j, &picked.ids)?;
                     b.write_ids(chain, MAX_WINDOW + j, &picked.values)?;
-                    b.write_ids(next, 0, &picked.ids)?;
-                    prev = Some(picked.ids);
+                    prev = Some(match &forced {
+                        Some(f) => b.ids_range(f, j, 1)?,
+                        None => {
+                            b.write_ids(next, 0, &picked.ids)?;
+                            picked.ids
+                        }
+                    });
                     if j + 1 == max {
                         break;
                     }
-                    let tokens = DraftTokens::Device {
-                        ids: &*next,
-                        from: 0,
-                        n: 1,
+                    let tokens = match &forced {
+                        Some(f) => DraftTokens::Device {
+                            ids: f,
+                            from: j,
+                            n: 1,
+                        },
+                        None => DraftTokens::Device {
+                            ids: &*next,
+                            from: 0,
+                            n: 1,
+                        },
                     };
                     let rows = map.map(|m| &m.dev);
                     model.mtp_forward_from(mtp, hidden, tokens, true, rows)?
@@ -471,7 +525,10 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         let alive = (0..max)
             .take_while(|&j| draft_alive(ids[MAX_WINDOW + j]))
             .count();
-        Ok(ids[..alive].to_vec())
+        Ok(match forced {
+            Some(f) => f[..alive].to_vec(),
+            None => ids[..alive].to_vec(),
+        })
     }
 
     /// Whether the head can follow the target back to the window's start (it kept the
