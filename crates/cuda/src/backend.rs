@@ -1931,7 +1931,7 @@ impl Backend for CudaBackend {
         let i = |what: &str, n: usize| {
             i32::try_from(n).map_err(|_| shape("slop_pen_draft", format!("{n} {what}")))
         };
-        let nvi = i(&"draft logits", slop.n_draft)?;
+        let nvi = i("draft logits", slop.n_draft)?;
         let (n_pen, n_nl, n_bl, n_ph) = (
             i("penalties", t.pen_ids.len())?,
             i("newline tokens", t.newline.len())?,

@@ -542,7 +542,7 @@ impl strata_engine::sampler::vocab::SamplerVocab for ToyVocab {
         self.0
     }
     fn piece(&self, id: u32) -> Vec<u8> {
-        if id % 37 == 0 {
+        if id.is_multiple_of(37) {
             b"\n".to_vec()
         } else if id % 41 == 1 {
             b" ".to_vec()
@@ -747,30 +747,41 @@ fn slop_mode_1_speculative_equals_plain_on_cuda() {
         (g.generation.tokens, g.stop)
     };
     let free = plain(&SamplerConfig::greedy()).0;
-    let cfg = slop_mode_1(&free[2..6]);
+    // A speculative run of `cfg`: (tokens, stop) and, with a hook, the drafts proposed.
+    let spec = |cfg: &SamplerConfig, window: usize, min_p: f32, hook: bool, penalize: bool| {
+        let mut s = Sampler::with_vocab(cfg.clone(), &vocab).unwrap();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut d = SpecDecoder::new(
+            &m,
+            SpecConfig {
+                window,
+                min_p,
+                ..SpecConfig::default()
+            },
+        )
+        .unwrap()
+        .with_draft_penalties(penalize);
+        if hook {
+            d = d.with_draft_hook(Proposals(Arc::clone(&seen)));
+        }
+        let g = guarded::generate(&mut d, &prompt, &mut s, &|_| false, NEW, &mut |_| true).unwrap();
+        let drafts = seen.lock().unwrap().clone();
+        ((g.tokens, g.stop), drafts)
+    };
+    // Penalize trunk tokens and tokens the head drafts (its drafts are seldom the trunk's).
+    let probe = slop_mode_1(&free[2..6]);
+    let (_, drafted) = spec(&probe, 4, 0.0, true, false);
+    let mut listed: Vec<u32> = free[2..6].to_vec();
+    for t in drafted {
+        if listed.len() < 8 && !listed.contains(&t) {
+            listed.push(t);
+        }
+    }
+    let cfg = slop_mode_1(&listed);
     let want = plain(&cfg);
     assert_ne!(want.0, free, "the penalties changed nothing");
     for window in 2..=8 {
-        let run = |min_p: f32, hook: bool| {
-            let mut s = Sampler::with_vocab(cfg.clone(), &vocab).unwrap();
-            let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-            let mut d = SpecDecoder::new(
-                &m,
-                SpecConfig {
-                    window,
-                    min_p,
-                    ..SpecConfig::default()
-                },
-            )
-            .unwrap();
-            if hook {
-                d = d.with_draft_hook(Proposals(Arc::clone(&seen)));
-            }
-            let g =
-                guarded::generate(&mut d, &prompt, &mut s, &|_| false, NEW, &mut |_| true).unwrap();
-            let drafts = seen.lock().unwrap().clone();
-            ((g.tokens, g.stop), drafts)
-        };
+        let run = |min_p: f32, hook: bool| spec(&cfg, window, min_p, hook, true);
         let (device, _) = run(0.0, false);
         let (hooked, dev_drafts) = run(0.0, true);
         let (host, host_drafts) = run(1e-30, true);
@@ -781,6 +792,16 @@ fn slop_mode_1_speculative_equals_plain_on_cuda() {
         assert_eq!(
             dev_drafts, host_drafts,
             "window {window}: device vs host drafts"
+        );
+        // The edits changed drafts, so the equality says something.
+        let (free_run, free_drafts) = spec(&cfg, window, 0.0, true, false);
+        assert_eq!(
+            free_run, want,
+            "window {window}, unedited drafts: not plain"
+        );
+        assert_ne!(
+            free_drafts, host_drafts,
+            "window {window}: the edits changed no draft"
         );
     }
 }

@@ -837,6 +837,8 @@ enum ChainMode {
     DeviceHooked,
     /// Logits downloaded and edited on the host (a draft floor too small to cut anything).
     Host,
+    /// Read draft by draft with the sampler's edits of the drafts off (what they change).
+    Unpenalized,
 }
 
 struct SpecRun {
@@ -867,7 +869,9 @@ fn spec_guarded(
         min_p: if mode == ChainMode::Host { 1e-30 } else { 0.0 },
         draft_vocab,
     };
-    let mut dec = SpecDecoder::new(m, spec).unwrap();
+    let mut dec = SpecDecoder::new(m, spec)
+        .unwrap()
+        .with_draft_penalties(mode != ChainMode::Unpenalized);
     if mode != ChainMode::Device {
         dec = dec.with_draft_hook(Proposals(Arc::clone(&proposals)));
     }
@@ -948,8 +952,9 @@ fn entries_from(tok: &Tokenizer, free: &[u32]) -> Vec<(String, f32)> {
     out
 }
 
-/// The draft chain moves only ids (issue "Boundary", point 4; "CUDA MTP", point 1): greedy and
-/// greedy under slop mode 1, windows 2, 4 and 8, with the head's own drafts. Every chain
+/// The draft chain moves only ids (issue "Boundary", point 4; "CUDA MTP", point 1): greedy,
+/// slop mode 1, seeded draws and seeded draws under slop mode 1, windows 2..8, with the head's
+/// own drafts. Every chain
 /// downloads exactly one id vector — after its last draft step, so nothing between drafts —
 /// and no float buffer; its drafts' slop edits ran as the device operation; the emitted
 /// tokens and the stop are plain decoding's (the oracle: the host sampler one token per step).
@@ -963,12 +968,24 @@ fn a_device_draft_chain_downloads_its_ids_once_and_emits_the_plain_tokens() {
     let greedy = SamplerConfig::greedy();
     let (free, _) = plain_guarded(&model, &tok, &greedy, &prompt, NEW);
     let slop = slop_mode_1(&entries_from(&tok, &free));
-    for (name, cfg) in [("greedy", &greedy), ("slop mode 1", &slop)] {
+    // Seeded draws (a temperature, then Philox keyed by position), without and with slop.
+    let seeded = |mut c: SamplerConfig| {
+        c.stages.push(Stage::Temperature { t: 0.8 });
+        c.pick = SamplerPick::Draw { seed: 7 };
+        c
+    };
+    let (seeded_plain, seeded_slop) = (seeded(greedy.clone()), seeded(slop.clone()));
+    for (name, cfg) in [
+        ("greedy", &greedy),
+        ("slop mode 1", &slop),
+        ("seeded", &seeded_plain),
+        ("seeded, slop mode 1", &seeded_slop),
+    ] {
         let want = plain_guarded(&model, &tok, cfg, &prompt, NEW);
-        if name != "greedy" {
+        if name == "slop mode 1" {
             assert_ne!(want.0, free, "{name}: the penalties changed nothing");
         }
-        for window in [2usize, 4, 8] {
+        for window in 2usize..=8 {
             let what = format!("{name} window {window}");
             let run = spec_guarded(
                 &model,
@@ -1015,7 +1032,7 @@ fn a_device_draft_chain_downloads_its_ids_once_and_emits_the_plain_tokens() {
                     "{what}: no chain fed a pick to the next draft step"
                 );
             }
-            let pens = if name == "greedy" { 0 } else { drafted };
+            let pens = if name.contains("slop") { drafted } else { 0 };
             assert_eq!(run.slop_pens, pens, "{what}: slop edits on the device");
         }
     }
@@ -1066,7 +1083,27 @@ fn slop_mode_1_drafts_on_the_device_equal_the_host_chain() {
         let prompt: Vec<u32> = common::Golden::open(g).ids("input_ids")[..24].to_vec();
         const NEW: usize = 28;
         let (free, _) = plain_guarded(&model, &tok, &SamplerConfig::greedy(), &prompt, NEW);
-        let cfg = slop_mode_1(&entries_from(&tok, &free));
+        // Penalize tokens the head drafts, too (its drafts are seldom the trunk's tokens): the
+        // first three the unedited chain proposes.
+        let probe = slop_mode_1(&entries_from(&tok, &free));
+        let drafted = spec_guarded(
+            &model,
+            &tok,
+            &probe,
+            &prompt,
+            NEW,
+            4,
+            ChainMode::Unpenalized,
+            vocab.clone(),
+        )
+        .drafts;
+        let mut entries = entries_from(&tok, &free);
+        for (p, v) in entries_from(&tok, &drafted) {
+            if !entries.iter().any(|(q, _)| *q == p) {
+                entries.push((p, v));
+            }
+        }
+        let cfg = slop_mode_1(&entries);
         let want = plain_guarded(&model, &tok, &cfg, &prompt, NEW);
         for window in [3usize, 6] {
             let what = format!("{} window {window}", path.display());
@@ -1106,6 +1143,17 @@ fn slop_mode_1_drafts_on_the_device_equal_the_host_chain() {
                 "{what}: hooked chain vs host chain"
             );
             assert!(device.slop_pens > 0 && host.slop_pens == 0, "{what}");
+            // The edits changed drafts, so the equality says something.
+            let free = run(ChainMode::Unpenalized);
+            assert_eq!(
+                (&free.tokens, &free.stop),
+                (&want.0, &want.1),
+                "{what}: not plain"
+            );
+            assert_ne!(
+                free.drafts, host.drafts,
+                "{what}: the slop edits changed no draft"
+            );
         }
     }
 }
@@ -1322,4 +1370,97 @@ fn pick_draft_mapped_gives_valid_token_ids() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+}
+
+/// [`Forced`] decided ahead: the same drafts, which the chain can ask for before it runs.
+struct ForcedAhead(Forced);
+
+impl DraftHook for ForcedAhead {
+    fn draft(&mut self, position: usize, proposed: u32) -> Option<u32> {
+        self.0.draft(position, proposed)
+    }
+    fn ahead(&mut self, position: usize) -> Option<Option<u32>> {
+        Some(self.0.draft(position, 0))
+    }
+}
+
+/// Forced drafts decided ahead keep the chain on the device (what `strata bench spec
+/// --force-accept` measures): greedy and slop mode 1, windows 2, 4 and 8, drafts forced to the
+/// plain tokens but every third: the chain fed the forced tokens runs as one step and downloads
+/// one id vector, and the run equals the same hook asked draft by draft — tokens, stop,
+/// drafts offered and accepted per step — and plain decoding.
+#[test]
+fn forced_drafts_decided_ahead_stay_on_the_device() {
+    let model = with_head(load(Recording::new(), &LoadOptions::default()));
+    let tok = tokenizer_of(&tiny_dir().join("model-f32.gguf"));
+    let prompt: Vec<u32> =
+        common::Golden::open(tiny_dir().join("golden.safetensors")).ids("input_ids")[..30].to_vec();
+    const NEW: usize = 32;
+    let greedy = SamplerConfig::greedy();
+    let (free, _) = plain_guarded(&model, &tok, &greedy, &prompt, NEW);
+    let slop = slop_mode_1(&entries_from(&tok, &free));
+    for (name, cfg) in [("greedy", &greedy), ("slop mode 1", &slop)] {
+        let want = plain_guarded(&model, &tok, cfg, &prompt, NEW);
+        let mut truth = prompt.clone();
+        truth.extend(&want.0);
+        for window in [2usize, 4, 8] {
+            let what = format!("{name} window {window}");
+            let run = |ahead: bool| {
+                let mut sampler = Sampler::with_vocab(cfg.clone(), &tok).unwrap();
+                let spec = SpecConfig {
+                    window,
+                    ..SpecConfig::default()
+                };
+                let forced = Forced {
+                    truth: truth.clone(),
+                };
+                let dec = SpecDecoder::new(&model, spec).unwrap();
+                let mut dec = if ahead {
+                    dec.with_draft_hook(ForcedAhead(forced))
+                } else {
+                    dec.with_draft_hook(forced)
+                };
+                model.backend().take();
+                let g = guarded::generate(
+                    &mut dec,
+                    &prompt,
+                    &mut sampler,
+                    &|_| false,
+                    NEW,
+                    &mut |_| true,
+                )
+                .unwrap();
+                let s = dec.stats();
+                let counts = (s.offered.clone(), s.accepted.clone());
+                (g.tokens, g.stop, counts, model.backend().take())
+            };
+            let (t1, s1, c1, _) = run(false);
+            let (t2, s2, c2, log) = run(true);
+            assert_eq!(
+                (&t1, &s1),
+                (&want.0, &want.1),
+                "{what}: per draft, not plain"
+            );
+            assert_eq!((&t2, &s2), (&want.0, &want.1), "{what}: ahead, not plain");
+            assert_eq!(c1, c2, "{what}: drafts offered and accepted");
+            let accepted: u64 = c2.1.iter().sum();
+            assert!(accepted > 0, "{what}: no forced draft accepted");
+            let chains = chains(&log.events);
+            let with_drafts: Vec<&Chain> =
+                chains.iter().filter(|c| !c.downloads.is_empty()).collect();
+            assert!(
+                with_drafts.len() >= 3,
+                "{what}: {} chains",
+                with_drafts.len()
+            );
+            for c in &with_drafts {
+                assert!(
+                    c.downloads.len() == 1 && matches!(c.downloads[0], Ev::Ids(_)),
+                    "{what}: a chain downloaded {:?}",
+                    c.downloads
+                );
+                assert_eq!(c.chain_steps, vec![c.device_steps + 1], "{what}: {c:?}");
+            }
+        }
+    }
 }

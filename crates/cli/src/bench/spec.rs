@@ -130,6 +130,12 @@ impl DraftHook for ForceRate {
             Some((right + 1) % self.n_vocab)
         }
     }
+
+    /// The choice depends on the position alone, so the draft chain stays on the device (one
+    /// step, its ids read once) as it does with the head's own drafts.
+    fn ahead(&mut self, position: usize) -> Option<Option<u32>> {
+        Some(self.draft(position, 0))
+    }
 }
 
 /// One measured generation.

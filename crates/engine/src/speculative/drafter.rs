@@ -27,6 +27,12 @@ use super::{argmax, softmax_prob, DraftHook, DraftVocab, SpecStats, MAX_WINDOW};
 /// (`qwen4exp::mtp`: bit 2 marks their tokens as device ids).
 pub const CHAIN_STEP: u32 = 1 << 3;
 
+/// Slop mode 1's device tables and the compiled configuration they were made from.
+type SlopTablesFor<B> = (
+    Arc<CompiledSlop>,
+    DraftSlop<<B as crate::backend::Backend>::Ids, <B as crate::backend::Backend>::Buf>,
+);
+
 /// The first draft of the next window: the MTP's pre-mixer output at the last consumed
 /// position (one row) and its logits over the draft rows, both still on the device.
 struct NextDraft<B: Qwen4expOps> {
@@ -60,7 +66,7 @@ pub(crate) struct MtpDrafter<'m, B: Qwen4expOps> {
     /// The first draft's hidden row and logits where the chain step reads them.
     chain_in: Option<(B::Buf, B::Buf)>,
     /// Slop mode 1's tables on the device, for the configuration they were made from.
-    slop: Option<(Arc<CompiledSlop>, DraftSlop<B::Ids, B::Buf>)>,
+    slop: Option<SlopTablesFor<B>>,
     next_draft: Option<NextDraft<B>>,
     catchup: Option<Catchup<B>>,
     /// The judge may rewind (slop mode 2): keep each window's first draft, so that a rewind
@@ -226,9 +232,11 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
     /// draft floor (`min_p` needs the draft's probability). There each draft's logits get
     /// `slop_pen_draft` (its state carried on the device from the state after the history,
     /// advanced by each draft), `pick_draft_mapped` gives the token id, and that id feeds the
-    /// next head step on the device: nothing is read between drafts, and the chain's ids come
-    /// back in one download at its end. A hook over the drafts (tests, forced acceptance) sees
-    /// each draft, so it reads each id. Otherwise (penalties, DRY, slop mode 2, a floor) each
+    /// next head step on the device, the whole chain one step ([`Self::chain_on_device`]):
+    /// nothing is read between drafts, and the chain's ids come back in one download at its
+    /// end. A hook over the drafts that decides ahead (`DraftHook::ahead`: forced acceptance)
+    /// feeds that chain its tokens; one that needs each proposal reads each pick, and the head
+    /// steps run one by one. Otherwise (penalties, DRY, slop mode 2, a floor) each
     /// draft's logits are downloaded and edited on the host.
     #[allow(clippy::too_many_arguments)]
     fn chain(
@@ -270,8 +278,29 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
             }
             _ => None,
         };
-        if device.is_some() && self.hook.is_none() {
-            return self.chain_on_device(first, max, slop_state, stats);
+        if device.is_some() {
+            // Drafts a hook decides ahead (forced acceptance) keep the chain on the device too.
+            let forced = match self.hook.as_mut() {
+                None => Some(None),
+                Some(h) => match h.ahead(base) {
+                    None => None,
+                    Some(first_tok) => {
+                        let mut toks: Vec<u32> = first_tok.into_iter().collect();
+                        if !toks.is_empty() {
+                            for j in 1..max {
+                                match h.ahead(base + j) {
+                                    Some(Some(t)) => toks.push(t),
+                                    _ => break,
+                                }
+                            }
+                        }
+                        Some(Some(toks))
+                    }
+                },
+            };
+            if let Some(forced) = forced {
+                return self.chain_on_device(first, max, slop_state, forced, stats);
+            }
         }
         let b = self.model.backend();
         let mut state = match &slop_state {
@@ -376,10 +405,23 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         first: NextDraft<B>,
         max: usize,
         slop_state: Option<Vec<u32>>,
+        forced: Option<Vec<u32>>,
         stats: &mut SpecStats,
     ) -> Result<Vec<u32>> {
         let model = self.model;
         let b = model.backend();
+        // Forced drafts (a hook's, decided ahead) replace the picks as the chain's tokens; the
+        // chain runs the same operations (the picks too: they say where it would have ended).
+        let max = forced.as_ref().map_or(max, |f| f.len().min(max));
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let n_vocab = model.config().n_vocab;
+        if let Some(&t) = forced.iter().flatten().find(|&&t| t as usize >= n_vocab) {
+            return Err(EngineError::Input(format!(
+                "draft hook: token id {t} is out of range (vocabulary {n_vocab})"
+            )));
+        }
         // Every head step's room, before any runs: a step that failed part-way would leave the
         // head's length ahead of what ran.
         model.mtp_check_room(&self.mtp, max - 1)?;
@@ -412,13 +454,20 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         let key = StepKey {
             kind: StepKind::Draft,
             rows: max,
-            outputs: CHAIN_STEP | (map.is_some() as u32) << 1 | (tables.is_some() as u32) << 4,
+            outputs: CHAIN_STEP
+                | (map.is_some() as u32) << 1
+                | (tables.is_some() as u32) << 4
+                | (forced.is_some() as u32) << 5,
             seq: mtp.id,
         };
         let t0 = Instant::now();
         b.step(key, || {
             let mut state = match &slop_state {
                 Some(s) => Some(b.upload_ids(s)?),
+                None => None,
+            };
+            let forced = match &forced {
+                Some(f) => Some(b.upload_ids(f)?),
                 None => None,
             };
             let mut prev: Option<B::Ids> = None;
@@ -435,15 +484,27 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
                     let picked = b.pick_draft_mapped(logits, map)?;
                     b.write_ids(chain, j, &picked.ids)?;
                     b.write_ids(chain, MAX_WINDOW + j, &picked.values)?;
-                    b.write_ids(next, 0, &picked.ids)?;
-                    prev = Some(picked.ids);
+                    prev = Some(match &forced {
+                        Some(f) => b.ids_range(f, j, 1)?,
+                        None => {
+                            b.write_ids(next, 0, &picked.ids)?;
+                            picked.ids
+                        }
+                    });
                     if j + 1 == max {
                         break;
                     }
-                    let tokens = DraftTokens::Device {
-                        ids: &*next,
-                        from: 0,
-                        n: 1,
+                    let tokens = match &forced {
+                        Some(f) => DraftTokens::Device {
+                            ids: f,
+                            from: j,
+                            n: 1,
+                        },
+                        None => DraftTokens::Device {
+                            ids: &*next,
+                            from: 0,
+                            n: 1,
+                        },
                     };
                     let rows = map.map(|m| &m.dev);
                     model.mtp_forward_from(mtp, hidden, tokens, true, rows)?
@@ -452,8 +513,11 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
             }
             Ok(())
         })?;
-        stats.draft_steps += max as u64 - 1;
-        stats.draft_time += t0.elapsed();
+        // The chain's head steps, with the picks (and slop edits) between them: one step.
+        if max > 1 {
+            stats.draft_steps += max as u64 - 1;
+            stats.draft_time += t0.elapsed();
+        }
         // The chain's one read: its ids and their logits' bits. It ends where the host's
         // would: at the first draft whose every logit the edits removed (the steps after it
         // ran for nothing).
@@ -461,7 +525,10 @@ impl<'m, B: Qwen4expOps> MtpDrafter<'m, B> {
         let alive = (0..max)
             .take_while(|&j| draft_alive(ids[MAX_WINDOW + j]))
             .count();
-        Ok(ids[..alive].to_vec())
+        Ok(match forced {
+            Some(f) => f[..alive].to_vec(),
+            None => ids[..alive].to_vec(),
+        })
     }
 
     /// Whether the head can follow the target back to the window's start (it kept the

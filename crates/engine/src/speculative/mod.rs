@@ -187,6 +187,16 @@ fn softmax_prob(v: &[f32], idx: usize) -> f32 {
 /// (which the chain then continues from) or None to end the chain there.
 pub trait DraftHook: Send {
     fn draft(&mut self, position: usize, proposed: u32) -> Option<u32>;
+
+    /// The draft at `position` decided without the proposal (a hook whose choice depends on
+    /// the position alone, such as forced acceptance): `Some(Some(t))` the draft, `Some(None)`
+    /// the chain ends there; the chain then asks for every position before it runs and stays
+    /// on the device, fed these tokens. `None` (the default): the hook needs each proposal, so
+    /// the chain reads each pick. A hook answers for every position or for none.
+    fn ahead(&mut self, position: usize) -> Option<Option<u32>> {
+        let _ = position;
+        None
+    }
 }
 
 /// What the speculative path did (kept for the server to expose; serializes to JSON).
