@@ -25,9 +25,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use strata_engine::backend::Backend;
-use strata_engine::decode::{
-    DraftEdit, Judged, Lent, Pick as Choose, Progress, Stepper, Verified,
-};
+use strata_engine::decode::{DraftEdit, Judged, Lent, Pick as Choose, Progress, Stepper, Verified};
 use strata_engine::generate::{GenOptions, StopReason, Timings};
 use strata_engine::qwen4exp::mtp::MtpState;
 use strata_engine::qwen4exp::state::Checkpoint;
@@ -1382,7 +1380,12 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
     }
 
     /// What a step streamed, with the log-probabilities, and how the generation ended.
-    fn out(&mut self, end: Option<GuardStop>, mut buf: Vec<u32>, closed: &dyn Fn() -> bool) -> StepOut {
+    fn out(
+        &mut self,
+        end: Option<GuardStop>,
+        mut buf: Vec<u32>,
+        closed: &dyn Fn() -> bool,
+    ) -> StepOut {
         let mut sink = |t: u32| {
             buf.push(t);
             !closed()

@@ -87,11 +87,7 @@ impl Budget {
             Some(avail) => avail.saturating_sub(weights).saturating_sub(HEADROOM),
             None => u64::MAX,
         });
-        Budget {
-            limit,
-            size,
-            n_ctx,
-        }
+        Budget { limit, size, n_ctx }
     }
 
     /// Sequences that fit at the full context.
@@ -101,7 +97,8 @@ impl Budget {
 
     /// The bytes a job of `prompt` tokens generating up to `max_tokens` may reach.
     pub fn need(&self, prompt: usize, max_tokens: usize) -> u64 {
-        self.size.at(prompt.saturating_add(max_tokens).min(self.n_ctx))
+        self.size
+            .at(prompt.saturating_add(max_tokens).min(self.n_ctx))
     }
 
     /// Why a job can never run (its state alone exceeds the budget), if it cannot.
@@ -122,7 +119,11 @@ impl Budget {
         let limit = if self.limit == u64::MAX {
             "no limit known".to_string()
         } else {
-            format!("{} for states: {} fit at that context", mib(self.limit), self.fits())
+            format!(
+                "{} for states: {} fit at that context",
+                mib(self.limit),
+                self.fits()
+            )
         };
         let mut s = format!(
             "sequence state {} + {} per position = {} at context {}; {limit}",

@@ -237,7 +237,11 @@ pub fn run<Q2: Backend, Q4: Qwen4expOps>(
         };
         // A job whose client went away frees its slot now, before any work on it.
         for slot in slots.iter_mut() {
-            if slot.active.as_ref().is_some_and(|a| a.job.events.is_closed()) {
+            if slot
+                .active
+                .as_ref()
+                .is_some_and(|a| a.job.events.is_closed())
+            {
                 finish_turn(model, slot, Turn::Cancelled, clock, &shared);
             }
         }
@@ -299,7 +303,10 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 
 /// The free slot for `job`: the one sharing the longest prefix with its prompt; among equals
 /// the least recently used.
-fn choose_slot<Q2: Backend, Q4: Qwen4expOps>(slots: &[Slot<'_, Q2, Q4>], job: &Job) -> Option<usize> {
+fn choose_slot<Q2: Backend, Q4: Qwen4expOps>(
+    slots: &[Slot<'_, Q2, Q4>],
+    job: &Job,
+) -> Option<usize> {
     slots
         .iter()
         .enumerate()
@@ -470,9 +477,13 @@ fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
             }
             let mut gen = start_gen(model, &mut slot.seq, &mut a.job, ctx)?;
             let events = &a.job.events;
-            let out = gen.step(model, &mut slot.seq, Some(&a.job.prompt), ctx.is_eog, &|| {
-                events.is_closed()
-            });
+            let out = gen.step(
+                model,
+                &mut slot.seq,
+                Some(&a.job.prompt),
+                ctx.is_eog,
+                &|| events.is_closed(),
+            );
             a.phase = Phase::Decode(gen);
             m.prompt_tokens.fetch_add(1, Ordering::Relaxed);
             m.prompt_us
@@ -663,13 +674,15 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
         }
     }
     // A sequence whose context is full fails alone, before the batch runs.
-    plan.retain(|(i, _, toks)| match slots[*i].seq.check_room(model, toks.len()) {
-        Ok(()) => true,
-        Err(e) => {
-            turns.push((*i, Turn::Failed(e)));
-            false
-        }
-    });
+    plan.retain(
+        |(i, _, toks)| match slots[*i].seq.check_room(model, toks.len()) {
+            Ok(()) => true,
+            Err(e) => {
+                turns.push((*i, Turn::Failed(e)));
+                false
+            }
+        },
+    );
     if plan.is_empty() {
         return turns;
     }
@@ -708,6 +721,11 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
     };
     // The step's time, shared between prompt and decode by their rows.
     let m = &ctx.shared.metrics;
+    m.batch_steps.fetch_add(1, Ordering::Relaxed);
+    m.batch_sequences
+        .fetch_add(plan.len() as u64, Ordering::Relaxed);
+    m.batch_sequences_max
+        .fetch_max(plan.len() as u64, Ordering::Relaxed);
     let rows: usize = plan.iter().map(|p| p.2.len()).sum();
     let prompt_rows: usize = plan
         .iter()
