@@ -1,8 +1,9 @@
 //! The worker thread: it owns the model and the `--parallel` sequence slots, takes jobs from a
 //! bounded queue, and steps the active sequences with continuous batching (issue 15): each step
 //! gathers the decode row of every running plain sequence, the last prompt token of those about
-//! to generate, and at most one prefill chunk of a joining sequence (the oldest waiting, cut to
-//! the step's token budget, [`WorkerConfig::batch_tokens`]), and runs them as ONE forward pass
+//! to generate, and at most one chunk's worth of prompt tokens of the joining sequences (oldest
+//! first, so short prompts join together; cut to the step's token budget,
+//! [`WorkerConfig::batch_tokens`]), and runs them as ONE forward pass
 //! ([`Seq::feed_batch`]); each sequence gets exactly the bits it would alone. Sequences join and
 //! leave between steps, so a long prompt never holds the running streams up by more than one
 //! chunk, and a prefill always advances (no starvation). Speculative (MTP) sequences step alone
@@ -605,9 +606,9 @@ enum Row {
 }
 
 /// One step of continuous batching over the plain sequences: every running one's decode row,
-/// the last prompt token of those about to generate, and one prefill chunk (the oldest job
-/// still prefilling; the budget's rest, at least [`MIN_CHUNK`] and at most
-/// [`PREFILL_CHUNK`] tokens) in one forward pass. Returns each slot's turn.
+/// the last prompt token of those about to generate, and one chunk's worth of prompt tokens of
+/// the joining ones (oldest first; the budget's rest, at least [`MIN_CHUNK`] and at most
+/// [`PREFILL_CHUNK`] tokens in all) in one forward pass. Returns each slot's turn.
 fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
     model: &'m ModelHandle<Q2, Q4>,
     slots: &mut [Slot<'m, Q2, Q4>],
@@ -643,7 +644,10 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
             Phase::Prefill { .. } => {}
         }
     }
-    let oldest = slots
+    // Prompt tokens of joining sequences, oldest first: one chunk's worth in all (at most
+    // PREFILL_CHUNK, and the budget's rest but at least MIN_CHUNK), so the running streams
+    // never wait for more than one chunk, and short prompts join together.
+    let mut joining: Vec<(u64, usize)> = slots
         .iter()
         .enumerate()
         .filter_map(|(i, s)| {
@@ -655,23 +659,30 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
                 _ => None,
             }
         })
-        .min();
-    if let Some((_, i)) = oldest {
-        if let Some(a) = slots[i].active.as_ref() {
-            if let Phase::Prefill { next } = a.phase {
-                // Stop the chunk at the next checkpoint position, so the state there is saved;
-                // the prompt's last token is the decoding loop's.
-                let end_prefill = a.job.prompt.len() - 1;
-                let room = budget.saturating_sub(used).clamp(MIN_CHUNK, PREFILL_CHUNK);
-                let mut end = (next + room).min(end_prefill);
-                for &p in &a.job.checkpoint_at {
-                    if p > next && p < end {
-                        end = p;
-                    }
-                }
-                plan.push((i, Row::Chunk { end }, a.job.prompt[next..end].to_vec()));
+        .collect();
+    joining.sort_unstable();
+    let mut room = budget.saturating_sub(used).clamp(MIN_CHUNK, PREFILL_CHUNK);
+    for (_, i) in joining {
+        if room == 0 {
+            break;
+        }
+        let Some(a) = slots[i].active.as_ref() else {
+            continue;
+        };
+        let Phase::Prefill { next } = a.phase else {
+            continue;
+        };
+        // Stop the chunk at the next checkpoint position, so the state there is saved; the
+        // prompt's last token is the decoding loop's.
+        let end_prefill = a.job.prompt.len() - 1;
+        let mut end = (next + room).min(end_prefill);
+        for &p in &a.job.checkpoint_at {
+            if p > next && p < end {
+                end = p;
             }
         }
+        room -= end - next;
+        plan.push((i, Row::Chunk { end }, a.job.prompt[next..end].to_vec()));
     }
     // A sequence whose context is full fails alone, before the batch runs.
     plan.retain(
