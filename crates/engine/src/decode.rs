@@ -618,7 +618,7 @@ impl Progress {
             window,
             started: td,
         });
-        Ok(&self.open.as_ref().map_or(&[][..], |o| &o.window[..]))
+        Ok(self.open.as_ref().map_or(&[][..], |o| &o.window[..]))
     }
 
     /// The second half of [`Progress::window`]: the judge over the window's rows (the logits

@@ -402,7 +402,7 @@ fn rewinding_phrase<F: Fam>(f: &F, tok: &Tokenizer, pick: &Pick, prompt: &[u32])
             if word(ph.as_bytes()[0]) && before.is_some_and(word) {
                 continue;
             }
-            if solo(f, tok, &config(pick, &[ph.clone()]), prompt).rewinds > 0 {
+            if solo(f, tok, &config(pick, std::slice::from_ref(&ph)), prompt).rewinds > 0 {
                 return ph;
             }
         }
