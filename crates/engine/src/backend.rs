@@ -475,6 +475,14 @@ pub trait Backend: Send + Sync {
         f()
     }
 
+    /// Whether a batch of sequences (`crate::batch`) runs as ONE step on this backend. A
+    /// capturing backend keys its graphs by a step's shape, and a batch's shape changes as
+    /// sequences join and leave, so the default is false: `forward_batch` then runs each
+    /// sequence's rows as a step of its own (the same bits, the solo keys). The CPU says true.
+    fn batches_sequences(&self) -> bool {
+        false
+    }
+
     // ---- operations
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
     /// Embedding rows of `ids`, dequantized from any format, each repeated `copies` times along

@@ -264,12 +264,15 @@ impl<B: Backend> Model<B> {
     pub fn forward_batch(&self, items: &mut [BatchItem<'_, B>]) -> Result<Vec<Outputs>> {
         let b = &self.backend;
         let v = self.config.n_vocab;
-        if let [one] = items {
-            return Ok(vec![self.forward_with(
-                one.state,
-                one.tokens,
-                one.last_only,
-            )?]);
+        if items.len() == 1 || !b.batches_sequences() {
+            // One sequence, or a backend that steps sequences apart: each its own step.
+            for it in items.iter() {
+                self.check(it.state, it.tokens)?;
+            }
+            return items
+                .iter_mut()
+                .map(|it| self.forward_with(it.state, it.tokens, it.last_only))
+                .collect();
         }
         let mut tokens = Vec::new();
         let mut positions = Vec::new();

@@ -506,12 +506,22 @@ impl<B: Qwen4expOps> Model<B> {
     pub fn forward_batch(&self, items: &mut [BatchItem<'_, B>]) -> Result<Vec<Outputs>> {
         let b = &self.backend;
         let c = &self.config;
-        if let [one] = items {
-            let want = Want {
-                last_only: one.last_only,
-                ..Want::default()
-            };
-            return Ok(vec![self.forward_with(one.state, one.tokens, want)?]);
+        if items.len() == 1 || !b.batches_sequences() {
+            // One sequence, or a backend that steps sequences apart: each its own step.
+            for it in items.iter() {
+                self.check_tokens(it.tokens)?;
+                self.check_room(it.state, it.state.pos + it.tokens.len())?;
+            }
+            return items
+                .iter_mut()
+                .map(|it| {
+                    let want = Want {
+                        last_only: it.last_only,
+                        ..Want::default()
+                    };
+                    self.forward_with(it.state, it.tokens, want)
+                })
+                .collect();
         }
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
