@@ -174,3 +174,45 @@ fn state_memory_is_enforced_wait_or_429() {
     assert!(r.body.contains("positions"), "{}", r.body);
     assert!(r.body.contains("state memory"), "{}", r.body);
 }
+
+#[test]
+fn a_cancelled_stream_frees_its_slot_while_the_batch_goes_on() {
+    use common::Open;
+    let s = start_with(
+        tiny_model(),
+        LoadSpec {
+            threads: 2,
+            ctx: Some(1 << 17),
+            ..Default::default()
+        },
+        ServerConfig {
+            n_ctx: Some(1 << 17),
+            queue: 4,
+            ..cfg(2)
+        },
+    );
+    let a = s.addr();
+    let long =
+        |p: &str| json!({"prompt": p, "max_tokens": 100_000, "temperature": 0, "stream": true});
+    // A and B hold both slots; C waits in the queue.
+    let mut first = Open::new(a, "/v1/completions", &long("a b"));
+    first.until("data:");
+    let mut second = Open::new(a, "/v1/completions", &long("c d"));
+    second.until("data:");
+    let mut third = Open::new(a, "/v1/completions", &long("e f"));
+    while metric(a, "requests_deferred") < 1.0 {
+        std::thread::yield_now();
+    }
+    // A leaves: its slot goes to C, and B keeps streaming beside it.
+    drop(first);
+    third.until("data:");
+    assert!(metric(a, "requests_cancelled_total") >= 1.0);
+    // B and C run now, stepped together.
+    assert_eq!(metric(a, "requests_processing"), 2.0);
+    assert_eq!(metric(a, "requests_deferred"), 0.0);
+    assert!(!second.until("data:").contains("[DONE]"));
+    assert_eq!(metric(a, "batch_sequences_max"), 2.0);
+    drop(second);
+    drop(third);
+    s.shutdown().unwrap();
+}
