@@ -4,8 +4,10 @@
 //! while the others decode; the batch really ran several sequences per forward
 //! (`batch_sequences_max`). Memory: with a state budget for one sequence a second request waits
 //! (never two at once) and still gets its solo answer, and a request that could never fit gets
-//! 429 naming what it needs. On the tiny qwen4exp fixture, and on the default qwen2 model when
-//! it is cached (else a SKIP message).
+//! 429 naming what it needs. A cancelled stream frees its slot at the next step while the
+//! batch goes on. With the MTP head, speculative streams (stepped alone) and batched plain ones
+//! at once equal their solo runs. On the tiny qwen4exp fixture, and on the default qwen2 model
+//! when it is cached (else a SKIP message).
 
 mod common;
 
@@ -215,4 +217,48 @@ fn a_cancelled_stream_frees_its_slot_while_the_batch_goes_on() {
     drop(second);
     drop(third);
     s.shutdown().unwrap();
+}
+
+/// With an MTP head: speculative requests (window 4, stepped alone beside the batch) and plain
+/// ones (window 1, in the batch) at once each get the stream they get alone.
+#[test]
+fn speculative_and_batched_streams_together_equal_their_solo_runs() {
+    let head = LoadSpec {
+        mtp: Some(common::mtp_head()),
+        ..spec()
+    };
+    let bodies: Vec<Value> = bodies(false)
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut b)| {
+            b["spec"] = json!(if i % 2 == 0 { 4 } else { 1 });
+            b
+        })
+        .collect();
+    let solo = start_with(tiny_model(), head.clone(), cfg(1));
+    let want: Vec<String> = bodies
+        .iter()
+        .map(|b| text_of(&post(solo.addr(), "/v1/completions", b)))
+        .collect();
+    drop(solo);
+    let s = start_with(tiny_model(), head, cfg(8));
+    let addr = s.addr();
+    let got: Vec<String> = std::thread::scope(|sc| {
+        let hs: Vec<_> = bodies
+            .iter()
+            .map(|b| sc.spawn(move || text_of(&post(addr, "/v1/completions", b))))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w, g, "stream {i} (spec {}) differs", bodies[i]["spec"]);
+    }
+    assert!(
+        metric(addr, "spec_passes_total") > 0.0,
+        "no speculative pass ran"
+    );
+    assert!(
+        metric(addr, "batch_sequences_max") > 1.0,
+        "the plain streams never shared a step"
+    );
 }
