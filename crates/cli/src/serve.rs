@@ -41,6 +41,15 @@ pub struct Args {
     /// MiB of recurrent-state checkpoints kept for prefix reuse across turns (qwen4exp)
     #[arg(long, value_name = "MiB", default_value_t = 1024)]
     pub cache_ram: usize,
+    /// Most tokens one batched step runs: every running sequence's decode row plus one
+    /// prefill chunk of a joining one
+    #[arg(long, default_value_t = strata_server::worker::BATCH_TOKENS)]
+    pub batch_tokens: usize,
+    /// MiB all sequence states may hold together (default: the memory available once the
+    /// model is loaded, less a headroom); a request that does not fit waits, one that never
+    /// can gets 429
+    #[arg(long, value_name = "MiB")]
+    pub state_mem: Option<u64>,
     /// The model id that /v1/models lists (default: the file's name)
     #[arg(long)]
     pub alias: Option<String>,
@@ -92,6 +101,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
+    if args.batch_tokens == 0 {
+        bail!("--batch-tokens must be at least 1");
+    }
     if args.model.ctx_size == Some(1) {
         bail!("--ctx 1: out of range; a sequence needs at least 2 positions (a prompt token and the next)");
     }
@@ -125,6 +137,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
         spec: args.spec,
         draft_oracle: None,
         test_token_delay: None,
+        batch_tokens: args.batch_tokens,
+        state_memory: args.state_mem.map(|m| m.saturating_mul(1 << 20)),
     };
     let mut choice = args.model.resolve()?;
     let mtp = args.mtp.clone();

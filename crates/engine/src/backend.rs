@@ -191,6 +191,42 @@ impl<B: Backend + ?Sized> StepInputs<B> {
         })
     }
 
+    /// Inputs for `tokens` at the given positions, which need not be consecutive: the rows of
+    /// several sequences in one step (`crate::batch`), each sequence's own positions in turn.
+    pub fn at_positions(
+        b: &B,
+        tokens: &[u32],
+        positions: &[usize],
+        ratios: &[usize],
+    ) -> Result<Self> {
+        if tokens.len() != positions.len() {
+            return Err(EngineError::shape(
+                "step inputs",
+                format!("{} tokens at {} positions", tokens.len(), positions.len()),
+            ));
+        }
+        let host_positions: Vec<u32> = positions
+            .iter()
+            .map(|&p| {
+                u32::try_from(p)
+                    .map_err(|_| EngineError::Input(format!("position {p} is too large")))
+            })
+            .collect::<Result<_>>()?;
+        let mut blocks: Vec<(usize, Blocks<B>)> = Vec::new();
+        for &r in ratios {
+            if r == 0 || blocks.iter().any(|(q, _)| *q == r) {
+                continue;
+            }
+            blocks.push((r, Blocks::new(b, &host_positions, r)?));
+        }
+        Ok(StepInputs {
+            tokens: b.upload_ids(tokens)?,
+            positions: b.upload_ids(&host_positions)?,
+            blocks,
+            host_positions,
+        })
+    }
+
     pub fn rows(&self) -> usize {
         self.host_positions.len()
     }
@@ -567,6 +603,30 @@ pub trait Backend: Send + Sync {
         let flat = self.reshape(x, 1, n * cols)?;
         self.slice_cols(&flat, (n - 1) * cols, cols)
     }
+    /// `x`'s rows cut into consecutive parts of `lens` rows (summing to its rows): a batch's
+    /// rows handed to each sequence's own work (`crate::batch`). The default views the rows
+    /// as one long row and slices it, which copies each part once.
+    fn split_rows(&self, x: Self::Buf, lens: &[usize]) -> Result<Vec<Self::Buf>> {
+        let (n, cols) = (x.rows(), x.cols());
+        if lens.iter().sum::<usize>() != n {
+            return Err(EngineError::shape(
+                "split_rows",
+                format!("parts of {lens:?} rows of a buffer of {n}"),
+            ));
+        }
+        if lens.len() == 1 {
+            return Ok(vec![x]);
+        }
+        let flat = self.reshape(x, 1, n * cols)?;
+        let mut start = 0;
+        lens.iter()
+            .map(|&len| {
+                let part = self.slice_cols(&flat, start * cols, len * cols)?;
+                start += len;
+                self.reshape(part, len, cols)
+            })
+            .collect()
+    }
     /// Split rows laid out as repeated `[part 0 (chunk) | part 1 (chunk) | ...]` into the parts
     /// (the per-head `[q | gate]` interleave of `attn_q`).
     fn deinterleave(&self, x: &Self::Buf, chunk: usize, parts: usize) -> Result<Vec<Self::Buf>>;
@@ -593,6 +653,14 @@ pub trait Backend: Send + Sync {
     fn step<R: Send>(&self, key: StepKey, f: impl FnOnce() -> Result<R> + Send) -> Result<R> {
         let _ = key;
         f()
+    }
+
+    /// Whether a batch of sequences (`crate::batch`) runs as ONE step on this backend. A
+    /// capturing backend keys its graphs by a step's shape, and a batch's shape changes as
+    /// sequences join and leave, so the default is false: `forward_batch` then runs each
+    /// sequence's rows as a step of its own (the same bits, the solo keys). The CPU says true.
+    fn batches_sequences(&self) -> bool {
+        false
     }
 
     // ---- operations

@@ -438,6 +438,21 @@ pub struct Progress {
     t: Tally,
     seq: Vec<u32>,
     window: usize,
+    /// The window begun and not yet judged ([`Progress::begin_window`]).
+    open: Option<Open>,
+}
+
+/// A window between [`Progress::begin_window`] and [`Progress::end_window`].
+struct Open {
+    window: Vec<u32>,
+    started: Instant,
+}
+
+/// What the trunk gave for a window's rows: each row's logits (`rows · n_vocab`), or the
+/// device's pick after each row ([`Stepper::verify_picked`]).
+pub enum Verified {
+    Logits(Vec<f32>),
+    Ids(Vec<u32>),
 }
 
 impl Progress {
@@ -467,6 +482,7 @@ impl Progress {
             },
             seq: Vec::new(),
             window: window.max(1),
+            open: None,
         }
     }
 
@@ -500,6 +516,35 @@ impl Progress {
         } = lent;
         let mut t = Timings::default();
         let logits = stepper.prefill(prompt, opts, &mut t)?;
+        self.prefilled(
+            Lent {
+                stepper,
+                pick,
+                is_eog,
+                on_token,
+            },
+            prompt,
+            &logits,
+            &t,
+        )
+    }
+
+    /// [`Progress::prefill`] after the caller ran the prompt (alone, or its last rows in a
+    /// batch with other sequences): the stepper holds `prompt`, `logits` are those after it,
+    /// `t` the prompt's timings. Judges the first token; Some when generation ended there.
+    pub fn prefilled(
+        &mut self,
+        lent: Lent<'_>,
+        prompt: &[u32],
+        logits: &[f32],
+        t: &Timings,
+    ) -> Result<Option<GuardStop>> {
+        let Lent {
+            stepper,
+            pick,
+            is_eog,
+            on_token,
+        } = lent;
         self.t.timings.prompt = t.prompt;
         self.t.timings.prompt_tokens = t.prompt_tokens;
         self.t.timings.reused_tokens = t.reused_tokens;
@@ -512,7 +557,7 @@ impl Progress {
         // A rewind here can only return to this same position (nothing was generated before
         // it), whose logits these are: sample it again.
         let end = loop {
-            match j.judge(&logits, prompt)? {
+            match j.judge(logits, prompt)? {
                 Verdict::Kept(_) => break None,
                 Verdict::Rewound => continue,
                 Verdict::End(stop) => break Some(stop),
@@ -546,10 +591,45 @@ impl Progress {
             is_eog,
             on_token,
         } = lent;
+        let window = self
+            .begin_window(Lent {
+                stepper: &mut *stepper,
+                pick: &mut *pick,
+                is_eog,
+                on_token: &mut *on_token,
+            })?
+            .to_vec();
+        // A pick the device can make with no slop state to follow: the window comes back as
+        // one token per row (ids only across the boundary).
+        let device = match (self.t.slop.is_none(), pick.device_pick()) {
+            (true, Some(p)) => stepper.verify_picked(&window, p)?,
+            _ => None,
+        };
+        let rows = match device {
+            Some(ids) => Verified::Ids(ids),
+            None => Verified::Logits(stepper.verify(&window)?),
+        };
+        self.end_window(
+            Lent {
+                stepper,
+                pick,
+                is_eog,
+                on_token,
+            },
+            rows,
+        )
+    }
+
+    /// The first half of [`Progress::window`]: the drafts, and the window `[pending, drafts…]`
+    /// the trunk must run next. The caller runs it (alone with [`Stepper::verify`], or as rows
+    /// of a batch with other sequences: `crate::batch`) so that the stepper holds the window,
+    /// then hands the rows' results to [`Progress::end_window`].
+    pub fn begin_window(&mut self, lent: Lent<'_>) -> Result<&[u32]> {
+        let Lent { stepper, pick, .. } = lent;
         let mut j = Judge {
             pick,
-            is_eog,
-            on_token,
+            is_eog: &|_| false,
+            on_token: &mut |_| true,
             t: &mut self.t,
         };
         let pending = *self
@@ -566,18 +646,49 @@ impl Progress {
         let mut window = Vec::with_capacity(1 + drafts.len());
         window.push(pending);
         window.extend_from_slice(&drafts);
+        self.open = Some(Open {
+            window,
+            started: td,
+        });
+        Ok(self.open.as_ref().map_or(&[][..], |o| &o.window[..]))
+    }
+
+    /// The second half of [`Progress::window`]: the judge over the window's rows (the logits
+    /// of each, or the device's pick of each), then the settle.
+    pub fn end_window(
+        &mut self,
+        lent: Lent<'_>,
+        rows: Verified,
+    ) -> Result<(Judged, Option<GuardStop>)> {
+        let Lent {
+            stepper,
+            pick,
+            is_eog,
+            on_token,
+        } = lent;
+        let Open { window, started } = self
+            .open
+            .take()
+            .ok_or_else(|| EngineError::Input("decode: no window was begun".to_string()))?;
+        let drafts = &window[1..];
+        let mut j = Judge {
+            pick,
+            is_eog,
+            on_token,
+            t: &mut self.t,
+        };
         let n = window.len();
-        // A pick the device can make with no slop state to follow: the window comes back as
-        // one token per row (ids only across the boundary).
-        let device = match (j.t.slop.is_none(), j.pick.device_pick()) {
-            (true, Some(p)) => stepper.verify_picked(&window, p)?,
-            _ => None,
+        let (logits, device) = match rows {
+            Verified::Logits(l) => (l, None),
+            Verified::Ids(ids) => (Vec::new(), Some(ids)),
         };
-        let logits = match device {
-            Some(_) => Vec::new(),
-            None => stepper.verify(&window)?,
-        };
-        j.t.timings.decode += td.elapsed();
+        if device.is_none() && (logits.is_empty() || logits.len() % n != 0) {
+            return Err(EngineError::shape(
+                "verify",
+                format!("{} logits for a window of {n}", logits.len()),
+            ));
+        }
+        j.t.timings.decode += started.elapsed();
         j.t.timings.decoded_tokens += n;
         let v = logits.len() / n;
         let mut end = None;

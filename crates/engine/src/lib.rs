@@ -2,6 +2,7 @@
 //! state, sampler, MTP head and speculative controller.
 
 pub mod backend;
+pub mod batch;
 pub mod cpu;
 pub mod decode;
 pub mod error;

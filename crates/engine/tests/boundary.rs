@@ -73,6 +73,8 @@ enum Ev {
 struct Recording {
     cpu: CpuBackend,
     log: Mutex<Log>,
+    /// Runs a batch of sequences as one step (`Backend::batches_sequences`).
+    batch: bool,
 }
 
 impl Recording {
@@ -80,6 +82,7 @@ impl Recording {
         Recording {
             cpu: CpuBackend::new(1).unwrap(),
             log: Mutex::new(Log::default()),
+            batch: false,
         }
     }
 
@@ -229,6 +232,9 @@ impl Backend for Recording {
     fn write_kv(&self, cache: &mut CpuBuf, x: &CpuBuf, at: &CpuIds, kv: KvType) -> R<()> {
         self.buf("write_kv", x);
         self.cpu.write_kv(cache, x, at, kv)
+    }
+    fn batches_sequences(&self) -> bool {
+        self.batch
     }
     fn step<T: Send>(&self, key: StepKey, f: impl FnOnce() -> R<T> + Send) -> R<T> {
         {
@@ -472,6 +478,86 @@ fn steps_are_capturable_their_trace_depends_only_on_the_key() {
     }
     // 16 decode steps share one key (15 replays), the two windows of 3 and of 4 one each.
     assert_eq!(replays, 15 + 1 + 1, "keys: {:?}", by_key.keys());
+}
+
+/// A batch of sequences (`forward_batch`, docs/BATCHING.md) is one step that moves nothing
+/// across the boundary inside it: three sequences at different positions (one of them
+/// prefilling a chunk the first time) stepped together eight times, then in the same shape at
+/// other positions; every step with the same key runs the same operations, and a backend that
+/// does not batch gets one step per sequence with the same logits.
+#[test]
+fn a_batch_of_sequences_is_one_capturable_step() {
+    let mut rec = Recording::new();
+    rec.batch = true;
+    let model = load(rec, &LoadOptions::default());
+    let mut sts: Vec<_> = (0..3).map(|_| model.new_state().unwrap()).collect();
+    let prompts: [&[u32]; 3] = [&[1, 2, 3], &[4, 5, 6, 7, 8, 9, 10], &[11]];
+    let step = |sts: &mut Vec<strata_engine::State<Recording>>, toks: &[Vec<u32>]| {
+        let mut items: Vec<_> = sts
+            .iter_mut()
+            .zip(toks)
+            .map(|(state, t)| strata_engine::qwen4exp::BatchItem {
+                state,
+                tokens: t,
+                last_only: t.len() > 1,
+            })
+            .collect();
+        model.forward_batch(&mut items).unwrap()
+    };
+    let first: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
+    let mut logits = vec![step(&mut sts, &first)];
+    for i in 0..8u32 {
+        let toks: Vec<Vec<u32>> = (0..3).map(|s| vec![20 + i + s]).collect();
+        logits.push(step(&mut sts, &toks));
+    }
+    let log = model.backend().take();
+    assert!(
+        log.violations.is_empty(),
+        "host transfers inside a batched step: {:?}",
+        log.violations
+    );
+    assert_eq!(log.steps.len(), 9, "one step per batch");
+    let mut by_key: HashMap<StepKey, &Trace> = HashMap::new();
+    let mut replays = 0;
+    for (key, trace) in &log.steps {
+        assert!(
+            trace.iter().any(|o| o.0 == "write_rows"),
+            "the parts were joined"
+        );
+        match by_key.get(key) {
+            Some(first) => {
+                assert_eq!(*first, trace, "two batched steps with key {key:?} differ");
+                replays += 1;
+            }
+            None => {
+                by_key.insert(*key, trace);
+            }
+        }
+    }
+    assert_eq!(replays, 7, "the eight decode batches share one key");
+    // The same sequences stepped apart (a backend that does not batch): the same bits.
+    let apart = load(Recording::new(), &LoadOptions::default());
+    let mut sts: Vec<_> = (0..3).map(|_| apart.new_state().unwrap()).collect();
+    let mut items: Vec<_> = sts
+        .iter_mut()
+        .zip(&first)
+        .map(|(state, t)| strata_engine::qwen4exp::BatchItem {
+            state,
+            tokens: t,
+            last_only: t.len() > 1,
+        })
+        .collect();
+    let solo = apart.forward_batch(&mut items).unwrap();
+    drop(items);
+    assert_eq!(
+        apart.backend().take().steps.len(),
+        3,
+        "one step per sequence"
+    );
+    for (a, b) in solo.iter().zip(&logits[0]) {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.logits), bits(&b.logits));
+    }
 }
 
 /// The caches are fixed-capacity stores: a step that would run past `--ctx` is refused before

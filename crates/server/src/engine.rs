@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use strata_engine::backend::Backend;
-use strata_engine::decode::{DraftEdit, Judged, Lent, Pick as Choose, Progress, Stepper};
+use strata_engine::decode::{DraftEdit, Judged, Lent, Pick as Choose, Progress, Stepper, Verified};
 use strata_engine::generate::{GenOptions, StopReason, Timings};
 use strata_engine::qwen4exp::mtp::MtpState;
 use strata_engine::qwen4exp::state::Checkpoint;
@@ -459,6 +459,80 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
         };
         self.checkpoints.remove(i);
         true
+    }
+
+    /// Where the sequence would end after `n` more tokens, checked against the caches before a
+    /// batch runs (so that one sequence's full context does not fail the others').
+    pub fn check_room(&self, model: &ModelHandle<Q2, Q4>, n: usize) -> Result<()> {
+        if matches!(self.state, SeqState::Lent) {
+            bail!(LENT);
+        }
+        let end = self.len() + n;
+        if end > model.capacity() {
+            return Err(EngineError::ContextFull {
+                what: "the sequence",
+                needed: end,
+                capacity: model.capacity(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Several sequences' tokens in one forward pass (`strata_engine::batch`): each item's
+    /// tokens continue its sequence, and its logits (of the last token, or of each with
+    /// `last_only` false) are the bits [`Seq::feed`] gives it alone. The MTP head is not run
+    /// (it falls behind; speculative requests are stepped alone). On an error every sequence
+    /// of the batch is rolled back (qwen2) or emptied (qwen4exp).
+    pub fn feed_batch(
+        model: &ModelHandle<Q2, Q4>,
+        items: &mut [(&mut Seq<Q2, Q4>, &[u32], bool)],
+    ) -> Result<Vec<Vec<f32>>> {
+        let res = match model {
+            ModelHandle::Qwen2(m) => {
+                let mut batch = Vec::with_capacity(items.len());
+                for (seq, tokens, last_only) in items.iter_mut() {
+                    let SeqState::Qwen2(state) = &mut seq.state else {
+                        bail!("a sequence of one model was used with another");
+                    };
+                    batch.push(qwen2::BatchItem {
+                        state,
+                        tokens,
+                        last_only: *last_only,
+                    });
+                }
+                m.forward_batch(&mut batch)
+                    .map(|o| o.into_iter().map(|o| o.logits).collect())
+            }
+            ModelHandle::Qwen4exp(m) => {
+                let mut batch = Vec::with_capacity(items.len());
+                for (seq, tokens, last_only) in items.iter_mut() {
+                    let SeqState::Qwen4exp { st, .. } = &mut seq.state else {
+                        bail!("a plain batch needs qwen4exp sequences that are not lent");
+                    };
+                    batch.push(qwen4exp::BatchItem {
+                        state: st,
+                        tokens,
+                        last_only: *last_only,
+                    });
+                }
+                m.forward_batch(&mut batch)
+                    .map(|o| o.into_iter().map(|o| o.logits).collect())
+            }
+        };
+        match res {
+            Ok(l) => Ok(l),
+            Err(e) => {
+                // A failed step advanced no position: qwen2's caches are whole below it;
+                // qwen4exp's recurrent states may be part-way, so those sequences start over.
+                if let ModelHandle::Qwen4exp(_) = model {
+                    for (seq, _, _) in items.iter_mut() {
+                        seq.reset(model)?;
+                    }
+                }
+                Err(e.into())
+            }
+        }
     }
 
     /// Takes the trunk's and the head's states out for a speculative decoder.
@@ -1234,6 +1308,88 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
             Some(prompt) => p.prefill(lent, prompt, &GenOptions::default())?,
             None => p.window(lent)?.1,
         };
+        Ok(self.out(end, buf, closed))
+    }
+
+    /// Whether this generation can run its windows as rows of a batch (plain decoding; a
+    /// speculative one steps alone).
+    pub fn batchable(&self) -> bool {
+        self.spec.is_none()
+    }
+
+    /// The first half of a batched step ([`Progress::begin_window`]): the tokens this
+    /// generation's next window runs (plain decoding: the pending token).
+    pub fn begin(
+        &mut self,
+        model: &ModelHandle<Q2, Q4>,
+        seq: &mut Seq<Q2, Q4>,
+    ) -> Result<Vec<u32>> {
+        let (Some(p), None) = (self.p.as_mut(), self.spec.as_ref()) else {
+            bail!("the generation is over or speculative");
+        };
+        let mut stepper = SeqStepper {
+            seq,
+            model,
+            n_ctx: self.n_ctx,
+        };
+        let lent = Lent {
+            stepper: &mut stepper,
+            pick: &mut self.pick,
+            is_eog: &|_| false,
+            on_token: &mut |_| true,
+        };
+        Ok(p.begin_window(lent)?.to_vec())
+    }
+
+    /// The second half of a batched step: `logits` (one row per token of the window, which
+    /// the batch ran through `seq`) judged, then the settle; or, with `first`, the logits
+    /// after the prompt (the batch ran its last token) and the first generated token.
+    pub fn end(
+        &mut self,
+        model: &ModelHandle<Q2, Q4>,
+        seq: &mut Seq<Q2, Q4>,
+        logits: Vec<f32>,
+        first: Option<&[u32]>,
+        is_eog: &dyn Fn(u32) -> bool,
+        closed: &dyn Fn() -> bool,
+    ) -> Result<StepOut> {
+        let (Some(p), None) = (self.p.as_mut(), self.spec.as_ref()) else {
+            bail!("the generation is over or speculative");
+        };
+        let mut buf = Vec::new();
+        let mut sink = |t: u32| {
+            buf.push(t);
+            !closed()
+        };
+        let mut stepper = SeqStepper {
+            seq,
+            model,
+            n_ctx: self.n_ctx,
+        };
+        let lent = Lent {
+            stepper: &mut stepper,
+            pick: &mut self.pick,
+            is_eog,
+            on_token: &mut sink,
+        };
+        let end = match first {
+            Some(prompt) => p.prefilled(lent, prompt, &logits, &Timings::default())?,
+            None => p.end_window(lent, Verified::Logits(logits))?.1,
+        };
+        Ok(self.out(end, buf, closed))
+    }
+
+    /// What a step streamed, with the log-probabilities, and how the generation ended.
+    fn out(
+        &mut self,
+        end: Option<GuardStop>,
+        mut buf: Vec<u32>,
+        closed: &dyn Fn() -> bool,
+    ) -> StepOut {
+        let mut sink = |t: u32| {
+            buf.push(t);
+            !closed()
+        };
         let finish = match end {
             Some(stop) => {
                 let p = self.p.take().expect("checked above");
@@ -1257,7 +1413,7 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
             self.emitted += 1;
             out.tokens.push((t, lp));
         }
-        Ok(out)
+        out
     }
 
     /// Gives the sequence back to its slot (speculative: the decoder's states, the head

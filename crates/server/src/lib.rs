@@ -10,6 +10,7 @@ pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod grammar;
+pub mod memory;
 pub mod metrics;
 pub mod openai;
 pub mod output;
@@ -70,6 +71,12 @@ pub struct ServerConfig {
     /// Test-only: the worker sleeps this long after each decode step, so that a browser test
     /// can stop a generation of the (fast) tiny fixture mid-stream. No flag sets it.
     pub test_token_delay: Option<Duration>,
+    /// Most tokens one batched step runs: every running sequence's decode row plus one prefill
+    /// chunk (`worker::BATCH_TOKENS`).
+    pub batch_tokens: usize,
+    /// Bytes all sequence states may hold together (None: the memory available once the model
+    /// is loaded, less a headroom: `memory::Budget`).
+    pub state_memory: Option<u64>,
 }
 
 impl Default for ServerConfig {
@@ -88,6 +95,8 @@ impl Default for ServerConfig {
             spec: None,
             draft_oracle: None,
             test_token_delay: None,
+            batch_tokens: worker::BATCH_TOKENS,
+            state_memory: None,
         }
     }
 }
@@ -138,6 +147,8 @@ pub struct Shared {
     pub web: web::WebState,
     jobs: SyncSender<worker::Job>,
     pub started: Instant,
+    /// The sequence states' memory, once the model is loaded.
+    budget: OnceLock<memory::Budget>,
 }
 
 impl Shared {
@@ -171,6 +182,14 @@ impl Shared {
     pub fn submit(&self, job: worker::Job) -> Result<(), ApiError> {
         if self.shutting_down() {
             return Err(ApiError::unavailable("the server is shutting down"));
+        }
+        if let Some(why) = self
+            .budget
+            .get()
+            .and_then(|b| b.refuse(job.prompt.len(), job.max_tokens))
+        {
+            self.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+            return Err(ApiError::busy(why));
         }
         self.metrics.deferred.fetch_add(1, Ordering::Relaxed);
         match self.jobs.try_send(job) {
@@ -264,6 +283,7 @@ impl Server {
             web: web::WebState::default(),
             jobs: tx,
             started: Instant::now(),
+            budget: OnceLock::new(),
         });
         let ws = Arc::clone(&shared);
         let worker = std::thread::Builder::new()
@@ -442,11 +462,30 @@ fn load_and_run<Q2: Backend, Q4: Qwen4expOps>(
             String::new()
         }
     );
+    // What one sequence's state costs, and how many fit at the context (printed, enforced).
+    let (weights, on_device) = match &model {
+        ModelHandle::Qwen2(m) => (m.file().file_size(), m.backend().device_memory_used()),
+        ModelHandle::Qwen4exp(m) => (m.file().file_size(), m.backend().device_memory_used()),
+    };
+    let size = memory::StateSize::of(&model);
+    let limit = match (shared.cfg.state_memory, on_device) {
+        (Some(l), _) => Some(l),
+        // A device backend's states are device memory, reserved when the slots are made.
+        (None, Some(_)) => Some(u64::MAX),
+        (None, None) => None,
+    };
+    let budget = memory::Budget::new(size, n_ctx, limit, weights);
+    let _ = shared.budget.set(budget);
+    let line = budget.describe(shared.cfg.parallel);
+    tracing::info!("{line}");
+    eprintln!("strata serve: {line}");
     let cfg = worker::WorkerConfig {
         parallel: shared.cfg.parallel,
         n_ctx,
         cache_ram: shared.cfg.cache_ram,
         draft_oracle: shared.cfg.draft_oracle.clone(),
+        batch_tokens: shared.cfg.batch_tokens.max(1),
+        memory: budget,
     };
     worker::run(model, tok, cfg, rx, shared);
 }

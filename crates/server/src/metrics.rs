@@ -34,6 +34,11 @@ pub struct Metrics {
     pub spec_drafted: [AtomicU64; SPEC_POSITIONS],
     pub spec_accepted: [AtomicU64; SPEC_POSITIONS],
     pub spec_passes: AtomicU64,
+    /// Batched forward passes (continuous batching), the sequences they ran in all, and the
+    /// most sequences one of them ran.
+    pub batch_steps: AtomicU64,
+    pub batch_sequences: AtomicU64,
+    pub batch_sequences_max: AtomicU64,
 }
 
 /// Draft positions a window can hold (`speculative::MAX_WINDOW` − 1).
@@ -104,6 +109,24 @@ impl Metrics {
             "gauge",
             "Average generation throughput in tokens/s.",
             rate(gt, gu),
+        );
+        put(
+            "batch_steps_total",
+            "counter",
+            "Batched forward passes (each over the rows of one or more sequences).",
+            g(&self.batch_steps) as f64,
+        );
+        put(
+            "batch_sequences_total",
+            "counter",
+            "Sequences run by the batched forward passes, summed over the passes.",
+            g(&self.batch_sequences) as f64,
+        );
+        put(
+            "batch_sequences_max",
+            "gauge",
+            "Most sequences one batched forward pass ran.",
+            g(&self.batch_sequences_max) as f64,
         );
         put(
             "requests_processing",

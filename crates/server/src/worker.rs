@@ -1,13 +1,24 @@
 //! The worker thread: it owns the model and the `--parallel` sequence slots, takes jobs from a
-//! bounded queue, and advances every active sequence one unit of work per round (a prefill
-//! chunk or one decode step), in slot order, so that sequences take turns fairly. HTTP handlers
-//! see it only through a [`Job`]'s event channel: the tokens, as they become final, and how the
-//! generation ended. A handler that goes away (client disconnect, a stop string matched) closes
-//! its channel, and the worker drops the job at its next turn.
+//! bounded queue, and steps the active sequences with continuous batching (issue 15): each step
+//! gathers the decode row of every running plain sequence, the last prompt token of those about
+//! to generate, and at most one chunk's worth of prompt tokens of the joining sequences (oldest
+//! first, so short prompts join together; cut to the step's token budget,
+//! [`WorkerConfig::batch_tokens`]), and runs them as ONE forward pass
+//! ([`Seq::feed_batch`]); each sequence gets exactly the bits it would alone. Sequences join and
+//! leave between steps, so a long prompt never holds the running streams up by more than one
+//! chunk, and a prefill always advances (no starvation). Speculative (MTP) sequences step alone
+//! beside the batch, one window per step. HTTP handlers see the worker only through a [`Job`]'s
+//! event channel: the tokens, as they become final, and how the generation ended. A handler that
+//! goes away (client disconnect, a stop string matched) closes its channel, and the worker frees
+//! the job's slot at the start of the next step.
 //!
 //! A new job goes to the free slot whose sequence shares the longest prefix with its prompt
 //! (llama-server's slot similarity), else the least recently used one; the slot's sequence rolls
 //! back to that prefix ([`crate::engine::Seq::rollback`]) and only the rest is prefilled.
+//!
+//! Memory ([`crate::memory`]): the state bytes one sequence needs at the context are known at
+//! start, and so is how many fit; a job is admitted only while the sequences it would make
+//! active fit (else it waits in the queue), and one that cannot fit even alone is refused.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -21,13 +32,24 @@ use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::engine::{
-    Constraint, Finish, Gen, GenRules, ModelHandle, Seq, SpecCounts, ThinkBudget, TokenLogprob,
+    Constraint, Finish, Gen, GenRules, ModelHandle, Seq, SpecCounts, StepOut, ThinkBudget,
+    TokenLogprob,
 };
 use crate::Shared;
 
-/// Prompt tokens per turn of a prefilling sequence: large enough to keep the matrix products
+/// Most prompt tokens of one prefill chunk: large enough to keep the matrix products
 /// efficient, small enough that decoding sequences are not held up for long.
 const PREFILL_CHUNK: usize = 256;
+
+/// The default token budget of one step ([`WorkerConfig::batch_tokens`]): a full chunk beside
+/// up to 256 decode rows. On the CPU a step costs about its rows' weight reads plus their
+/// arithmetic; past a few hundred rows the arithmetic dominates, so a larger step only delays
+/// every stream's next token.
+pub const BATCH_TOKENS: usize = 512;
+
+/// The smallest prefill chunk a step takes when the decode rows use up the budget, so that a
+/// joining sequence still advances every step.
+const MIN_CHUNK: usize = 16;
 
 /// One request's generation.
 pub struct Job {
@@ -78,12 +100,17 @@ struct Active<'m, Q2: Backend, Q4: Qwen4expOps> {
     job: Job,
     phase: Phase<'m, Q2, Q4>,
     started: Instant,
+    /// When it was admitted (the clock): prefill chunks go to the oldest first.
+    admitted: u64,
 }
 
 struct Slot<'m, Q2: Backend, Q4: Qwen4expOps> {
     seq: Seq<Q2, Q4>,
     active: Option<Active<'m, Q2, Q4>>,
     last_used: u64,
+    /// State bytes the slot's sequence may hold: the most its jobs may have reached since it
+    /// was last emptied (a cache keeps the rows it grew to).
+    held: u64,
 }
 
 pub struct WorkerConfig {
@@ -91,6 +118,10 @@ pub struct WorkerConfig {
     pub n_ctx: usize,
     pub cache_ram: usize,
     pub draft_oracle: Option<crate::engine::DraftOracle>,
+    /// Most tokens one step runs (decode rows and the prefill chunk; [`BATCH_TOKENS`]).
+    pub batch_tokens: usize,
+    /// What the sequences' states may hold ([`crate::memory::Budget`]).
+    pub memory: crate::memory::Budget,
 }
 
 /// How a slot's turn left its job.
@@ -118,6 +149,7 @@ pub fn run<Q2: Backend, Q4: Qwen4expOps>(
                 seq,
                 active: None,
                 last_used: 0,
+                held: 0,
             }),
             Err(e) => {
                 tracing::error!("creating a sequence: {e:#}");
@@ -127,6 +159,7 @@ pub fn run<Q2: Backend, Q4: Qwen4expOps>(
         }
     }
     let mut clock = 0u64;
+    let mut waiting: Option<Job> = None;
     let is_eog = |id: u32| tok.is_eog(id);
     let eog = Arc::new(tok.eog_ids());
     loop {
@@ -146,69 +179,86 @@ pub fn run<Q2: Backend, Q4: Qwen4expOps>(
             }
             return;
         }
-        // Admit queued jobs while a slot is free; wait for one only when nothing runs.
+        // A waiting job whose client went away leaves the queue.
+        if waiting.as_ref().is_some_and(|j| j.events.is_closed()) {
+            waiting = None;
+            shared.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+        }
+        // Admit queued jobs while a slot is free and their states fit; wait for one only when
+        // nothing runs. A job that does not fit yet waits (first in line) for others to end.
         while slots.iter().any(|s| s.active.is_none()) {
             let busy = slots.iter().any(|s| s.active.is_some());
-            let job = if busy {
-                match jobs.try_recv() {
-                    Ok(j) => j,
-                    Err(_) => break,
-                }
-            } else {
-                match jobs.recv_timeout(Duration::from_millis(100)) {
-                    Ok(j) => j,
-                    Err(RecvTimeoutError::Timeout) => break,
-                    Err(RecvTimeoutError::Disconnected) => return,
-                }
-            };
-            shared.metrics.deferred.fetch_sub(1, Ordering::Relaxed);
-            clock += 1;
-            admit(model, &mut slots, job, clock, &shared);
-        }
-        for slot in slots.iter_mut() {
-            if slot.active.is_none() {
-                continue;
-            }
-            clock += 1;
-            slot.last_used = clock;
-            let ctx = TurnCtx {
-                n_ctx: cfg.n_ctx,
-                is_eog: &is_eog,
-                eog: &eog,
-                oracle: &cfg.draft_oracle,
-                clock,
-                shared: &shared,
-            };
-            match turn(model, slot, &ctx) {
-                Turn::Running => {}
-                Turn::Done(finish) => {
-                    let spec = match slot.active.as_ref().map(|a| &a.phase) {
-                        Some(Phase::Decode(g)) => g.spec_counts(),
-                        _ => None,
-                    };
-                    if let Some(a) = end_job(model, slot, true) {
-                        let _ = slot.seq.checkpoint(model, clock);
-                        if let Some(s) = &spec {
-                            shared.metrics.add_spec(s);
+            let job = match waiting.take() {
+                Some(j) => j,
+                None => {
+                    let job = if busy {
+                        match jobs.try_recv() {
+                            Ok(j) => j,
+                            Err(_) => break,
                         }
-                        let _ = a.job.events.send(Event::Done { finish, spec });
-                        log_done(&a, &slot.seq, Some(finish));
-                    }
+                    } else {
+                        match jobs.recv_timeout(Duration::from_millis(100)) {
+                            Ok(j) => j,
+                            Err(RecvTimeoutError::Timeout) => break,
+                            Err(RecvTimeoutError::Disconnected) => return,
+                        }
+                    };
+                    shared.metrics.deferred.fetch_sub(1, Ordering::Relaxed);
+                    job
                 }
-                Turn::Cancelled => {
-                    end_job(model, slot, true);
-                    shared.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            };
+            let Some(i) = choose_slot(&slots, &job) else {
+                waiting = Some(job);
+                break;
+            };
+            let need = cfg.memory.need(job.prompt.len(), job.max_tokens);
+            if !make_room(model, &mut slots, i, need, cfg.memory.limit) {
+                if busy {
+                    waiting = Some(job);
+                } else {
+                    let _ = job.events.send(Event::Error(format!(
+                        "the request's sequence state ({need} bytes) does not fit in the server's state memory ({} bytes)",
+                        cfg.memory.limit
+                    )));
                 }
-                Turn::Failed(e) => {
-                    if let Some(a) = end_job(model, slot, false) {
-                        tracing::warn!("generation failed: {e:#}");
-                        let _ = a.job.events.send(Event::Error(format!("{e:#}")));
-                    }
-                }
+                break;
             }
-            if slot.active.is_none() {
-                shared.metrics.processing.fetch_sub(1, Ordering::Relaxed);
+            clock += 1;
+            admit(model, &mut slots[i], job, clock, &shared);
+            slots[i].held = slots[i].held.max(need);
+        }
+        clock += 1;
+        let ctx = TurnCtx {
+            n_ctx: cfg.n_ctx,
+            is_eog: &is_eog,
+            eog: &eog,
+            oracle: &cfg.draft_oracle,
+            clock,
+            shared: &shared,
+        };
+        // A job whose client went away frees its slot now, before any work on it.
+        for slot in slots.iter_mut() {
+            if slot
+                .active
+                .as_ref()
+                .is_some_and(|a| a.job.events.is_closed())
+            {
+                finish_turn(model, slot, Turn::Cancelled, clock, &shared);
             }
+        }
+        // Speculative sequences step alone, one unit of work each.
+        for slot in slots.iter_mut() {
+            if slot.active.as_ref().is_some_and(|a| a.job.window > 1) {
+                slot.last_used = clock;
+                let t = turn(model, slot, &ctx);
+                finish_turn(model, slot, t, clock, &shared);
+            }
+        }
+        // Everything else in one forward pass.
+        let turns = batch_step(model, &mut slots, &ctx, cfg.batch_tokens);
+        for (i, t) in turns {
+            slots[i].last_used = clock;
+            finish_turn(model, &mut slots[i], t, clock, &shared);
         }
         enforce_budget(model, &mut slots, cfg.cache_ram, &shared);
     }
@@ -252,15 +302,13 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-fn admit<'m, Q2: Backend, Q4: Qwen4expOps>(
-    model: &'m ModelHandle<Q2, Q4>,
-    slots: &mut [Slot<'m, Q2, Q4>],
-    job: Job,
-    clock: u64,
-    shared: &Shared,
-) {
-    // The free slot sharing the longest prefix; among equals the least recently used.
-    let Some(i) = slots
+/// The free slot for `job`: the one sharing the longest prefix with its prompt; among equals
+/// the least recently used.
+fn choose_slot<Q2: Backend, Q4: Qwen4expOps>(
+    slots: &[Slot<'_, Q2, Q4>],
+    job: &Job,
+) -> Option<usize> {
+    slots
         .iter()
         .enumerate()
         .filter(|(_, s)| s.active.is_none())
@@ -271,10 +319,51 @@ fn admit<'m, Q2: Backend, Q4: Qwen4expOps>(
             )
         })
         .map(|(i, _)| i)
-    else {
-        return;
+}
+
+/// Whether a job needing `need` state bytes can go to slot `i` within `limit`: the other
+/// slots' held bytes plus the larger of slot `i`'s and `need`. Idle slots other than `i` give
+/// their prefixes up (least recently used first) until it fits.
+fn make_room<Q2: Backend, Q4: Qwen4expOps>(
+    model: &ModelHandle<Q2, Q4>,
+    slots: &mut [Slot<'_, Q2, Q4>],
+    i: usize,
+    need: u64,
+    limit: u64,
+) -> bool {
+    let total = |slots: &[Slot<'_, Q2, Q4>]| -> u64 {
+        slots
+            .iter()
+            .enumerate()
+            .map(|(j, s)| if j == i { s.held.max(need) } else { s.held })
+            .fold(0u64, u64::saturating_add)
     };
-    let slot = &mut slots[i];
+    while total(slots) > limit {
+        let Some(j) = slots
+            .iter()
+            .enumerate()
+            .filter(|(j, s)| *j != i && s.active.is_none() && s.held > 0)
+            .min_by_key(|(_, s)| s.last_used)
+            .map(|(j, _)| j)
+        else {
+            return false;
+        };
+        if let Err(e) = slots[j].seq.reset(model) {
+            tracing::warn!("resetting a sequence: {e:#}");
+            return false;
+        }
+        slots[j].held = 0;
+    }
+    true
+}
+
+fn admit<'m, Q2: Backend, Q4: Qwen4expOps>(
+    model: &'m ModelHandle<Q2, Q4>,
+    slot: &mut Slot<'m, Q2, Q4>,
+    job: Job,
+    clock: u64,
+    shared: &Shared,
+) {
     slot.last_used = clock;
     let common = common_prefix(slot.seq.tokens(), &job.prompt).min(job.prompt.len() - 1);
     let had = slot.seq.len();
@@ -312,6 +401,7 @@ fn admit<'m, Q2: Backend, Q4: Qwen4expOps>(
         job,
         phase: Phase::Prefill { next: reached },
         started: Instant::now(),
+        admitted: clock,
     });
 }
 
@@ -386,33 +476,15 @@ fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
             if a.job.max_tokens == 0 {
                 return Ok(Turn::Done(Finish::MaxTokens));
             }
-            let sampler = a
-                .job
-                .sampler
-                .take()
-                .ok_or_else(|| anyhow::anyhow!("the job has no sampler"))?;
-            let rules = GenRules {
-                max_tokens: a.job.max_tokens,
-                n_ctx: ctx.n_ctx,
-                top_logprobs: a.job.top_logprobs,
-                constraint: a.job.constraint.take(),
-                grammar_after: a.job.grammar_after.take(),
-                think: a.job.think.take(),
-                window: a.job.window,
-                eog: Arc::clone(ctx.eog),
-                oracle: ctx.oracle.clone(),
-            };
-            let mut gen = Box::new(Gen::new(
+            let mut gen = start_gen(model, &mut slot.seq, &mut a.job, ctx)?;
+            let events = &a.job.events;
+            let out = gen.step(
                 model,
                 &mut slot.seq,
-                sampler,
-                prompt.len(),
-                rules,
-            )?);
-            let events = &a.job.events;
-            let out = gen.step(model, &mut slot.seq, Some(prompt), ctx.is_eog, &|| {
-                events.is_closed()
-            });
+                Some(&a.job.prompt),
+                ctx.is_eog,
+                &|| events.is_closed(),
+            );
             a.phase = Phase::Decode(gen);
             m.prompt_tokens.fetch_add(1, Ordering::Relaxed);
             m.prompt_us
@@ -433,17 +505,309 @@ fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
             out
         }
     };
+    Ok(send_out(&a.job, out, m))
+}
+
+/// The generation of a job whose prompt the sequence now holds but its last token.
+fn start_gen<'m, Q2: Backend, Q4: Qwen4expOps>(
+    model: &'m ModelHandle<Q2, Q4>,
+    seq: &mut Seq<Q2, Q4>,
+    job: &mut Job,
+    ctx: &TurnCtx<'_>,
+) -> anyhow::Result<Box<Gen<'m, Q2, Q4>>> {
+    let sampler = job
+        .sampler
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("the job has no sampler"))?;
+    let rules = GenRules {
+        max_tokens: job.max_tokens,
+        n_ctx: ctx.n_ctx,
+        top_logprobs: job.top_logprobs,
+        constraint: job.constraint.take(),
+        grammar_after: job.grammar_after.take(),
+        think: job.think.take(),
+        window: job.window,
+        eog: Arc::clone(ctx.eog),
+        oracle: ctx.oracle.clone(),
+    };
+    Ok(Box::new(Gen::new(
+        model,
+        seq,
+        sampler,
+        job.prompt.len(),
+        rules,
+    )?))
+}
+
+/// Sends a step's final tokens to the job's handler; how the job stands after them.
+fn send_out(job: &Job, out: StepOut, m: &crate::metrics::Metrics) -> Turn {
     for (id, logprob) in out.tokens {
         m.predicted_tokens.fetch_add(1, Ordering::Relaxed);
-        if a.job.events.send(Event::Token { id, logprob }).is_err() {
-            return Ok(Turn::Cancelled);
+        if job.events.send(Event::Token { id, logprob }).is_err() {
+            return Turn::Cancelled;
         }
     }
-    Ok(match out.finish {
+    match out.finish {
         None => Turn::Running,
         Some(Finish::Closed) => Turn::Cancelled,
         Some(f) => Turn::Done(f),
-    })
+    }
+}
+
+/// Ends a slot's step: a finished job reports and leaves, a cancelled or failed one leaves.
+fn finish_turn<'m, Q2: Backend, Q4: Qwen4expOps>(
+    model: &'m ModelHandle<Q2, Q4>,
+    slot: &mut Slot<'m, Q2, Q4>,
+    turn: Turn,
+    clock: u64,
+    shared: &Shared,
+) {
+    let was = slot.active.is_some();
+    match turn {
+        Turn::Running => {}
+        Turn::Done(finish) => {
+            let spec = match slot.active.as_ref().map(|a| &a.phase) {
+                Some(Phase::Decode(g)) => g.spec_counts(),
+                _ => None,
+            };
+            if let Some(a) = end_job(model, slot, true) {
+                let _ = slot.seq.checkpoint(model, clock);
+                if let Some(s) = &spec {
+                    shared.metrics.add_spec(s);
+                }
+                let _ = a.job.events.send(Event::Done { finish, spec });
+                log_done(&a, &slot.seq, Some(finish));
+            }
+        }
+        Turn::Cancelled => {
+            end_job(model, slot, true);
+            shared.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+        }
+        Turn::Failed(e) => {
+            if let Some(a) = end_job(model, slot, false) {
+                tracing::warn!("generation failed: {e:#}");
+                let _ = a.job.events.send(Event::Error(format!("{e:#}")));
+            }
+        }
+    }
+    if was && slot.active.is_none() {
+        shared.metrics.processing.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What a slot's rows are in a step's batch.
+enum Row {
+    /// Its generation's next window.
+    Decode,
+    /// The prompt's last token, whose logits give the first generated token.
+    First,
+    /// Prompt tokens up to `end` (no logits read).
+    Chunk { end: usize },
+}
+
+/// One step of continuous batching over the plain sequences: every running one's decode row,
+/// the last prompt token of those about to generate, and one chunk's worth of prompt tokens of
+/// the joining ones (oldest first; the budget's rest, at least [`MIN_CHUNK`] and at most
+/// [`PREFILL_CHUNK`] tokens in all) in one forward pass. Returns each slot's turn.
+fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
+    model: &'m ModelHandle<Q2, Q4>,
+    slots: &mut [Slot<'m, Q2, Q4>],
+    ctx: &TurnCtx<'_>,
+    budget: usize,
+) -> Vec<(usize, Turn)> {
+    let mut turns = Vec::new();
+    let mut plan: Vec<(usize, Row, Vec<u32>)> = Vec::new();
+    let mut used = 0;
+    for (i, slot) in slots.iter_mut().enumerate() {
+        let Some(a) = slot.active.as_mut() else {
+            continue;
+        };
+        if a.job.window > 1 {
+            continue;
+        }
+        match &mut a.phase {
+            Phase::Decode(gen) => match gen.begin(model, &mut slot.seq) {
+                Ok(w) => {
+                    used += w.len();
+                    plan.push((i, Row::Decode, w));
+                }
+                Err(e) => turns.push((i, Turn::Failed(e))),
+            },
+            Phase::Prefill { next } if *next + 1 >= a.job.prompt.len() => {
+                if a.job.max_tokens == 0 {
+                    turns.push((i, Turn::Done(Finish::MaxTokens)));
+                    continue;
+                }
+                used += 1;
+                plan.push((i, Row::First, vec![a.job.prompt[*next]]));
+            }
+            Phase::Prefill { .. } => {}
+        }
+    }
+    // Prompt tokens of joining sequences, oldest first: one chunk's worth in all (at most
+    // PREFILL_CHUNK, and the budget's rest but at least MIN_CHUNK), so the running streams
+    // never wait for more than one chunk, and short prompts join together.
+    let mut joining: Vec<(u64, usize)> = slots
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            let a = s.active.as_ref()?;
+            match a.phase {
+                Phase::Prefill { next } if a.job.window == 1 && next + 1 < a.job.prompt.len() => {
+                    Some((a.admitted, i))
+                }
+                _ => None,
+            }
+        })
+        .collect();
+    joining.sort_unstable();
+    let mut room = budget.saturating_sub(used).clamp(MIN_CHUNK, PREFILL_CHUNK);
+    for (_, i) in joining {
+        if room == 0 {
+            break;
+        }
+        let Some(a) = slots[i].active.as_ref() else {
+            continue;
+        };
+        let Phase::Prefill { next } = a.phase else {
+            continue;
+        };
+        // Stop the chunk at the next checkpoint position, so the state there is saved; the
+        // prompt's last token is the decoding loop's.
+        let end_prefill = a.job.prompt.len() - 1;
+        let mut end = (next + room).min(end_prefill);
+        for &p in &a.job.checkpoint_at {
+            if p > next && p < end {
+                end = p;
+            }
+        }
+        room -= end - next;
+        plan.push((i, Row::Chunk { end }, a.job.prompt[next..end].to_vec()));
+    }
+    // A sequence whose context is full fails alone, before the batch runs.
+    plan.retain(
+        |(i, _, toks)| match slots[*i].seq.check_room(model, toks.len()) {
+            Ok(()) => true,
+            Err(e) => {
+                turns.push((*i, Turn::Failed(e)));
+                false
+            }
+        },
+    );
+    if plan.is_empty() {
+        return turns;
+    }
+    ctx.shared.web.set_vram(match model {
+        ModelHandle::Qwen2(m) => m.backend().device_memory_used(),
+        ModelHandle::Qwen4exp(m) => m.backend().device_memory_used(),
+    });
+    let t0 = Instant::now();
+    let res = {
+        let mut seqs: Vec<Option<&mut Seq<Q2, Q4>>> =
+            slots.iter_mut().map(|s| Some(&mut s.seq)).collect();
+        let mut items: Vec<(&mut Seq<Q2, Q4>, &[u32], bool)> = Vec::with_capacity(plan.len());
+        for (i, row, toks) in &plan {
+            if let Some(seq) = seqs[*i].take() {
+                items.push((seq, &toks[..], matches!(row, Row::Chunk { .. })));
+            }
+        }
+        Seq::feed_batch(model, &mut items)
+    };
+    let us = t0.elapsed().as_micros() as u64;
+    let logits = match res {
+        Ok(l) if l.len() == plan.len() => l,
+        Ok(_) => {
+            for (i, _, _) in plan {
+                turns.push((i, Turn::Failed(anyhow::anyhow!("a batch lost a sequence"))));
+            }
+            return turns;
+        }
+        Err(e) => {
+            tracing::warn!("a batch of {} sequences failed: {e:#}", plan.len());
+            for (i, _, _) in plan {
+                turns.push((i, Turn::Failed(anyhow::anyhow!("{e:#}"))));
+            }
+            return turns;
+        }
+    };
+    // The step's time, shared between prompt and decode by their rows.
+    let m = &ctx.shared.metrics;
+    m.batch_steps.fetch_add(1, Ordering::Relaxed);
+    m.batch_sequences
+        .fetch_add(plan.len() as u64, Ordering::Relaxed);
+    m.batch_sequences_max
+        .fetch_max(plan.len() as u64, Ordering::Relaxed);
+    let rows: usize = plan.iter().map(|p| p.2.len()).sum();
+    let prompt_rows: usize = plan
+        .iter()
+        .filter(|p| !matches!(p.1, Row::Decode))
+        .map(|p| p.2.len())
+        .sum();
+    let prompt_us = us * prompt_rows as u64 / rows.max(1) as u64;
+    m.prompt_us.fetch_add(prompt_us, Ordering::Relaxed);
+    m.predicted_us.fetch_add(us - prompt_us, Ordering::Relaxed);
+    let decoding = plan.iter().any(|p| matches!(p.1, Row::Decode));
+    for ((i, row, toks), l) in plan.into_iter().zip(logits) {
+        let t = deliver(model, &mut slots[i], row, toks.len(), l, ctx).unwrap_or_else(Turn::Failed);
+        turns.push((i, t));
+    }
+    if decoding {
+        m.decode_calls.fetch_add(1, Ordering::Relaxed);
+        if let Some(d) = ctx.shared.cfg.test_token_delay {
+            std::thread::sleep(d);
+        }
+    }
+    turns
+}
+
+/// Hands a slot the results of its rows in a batch.
+fn deliver<'m, Q2: Backend, Q4: Qwen4expOps>(
+    model: &'m ModelHandle<Q2, Q4>,
+    slot: &mut Slot<'m, Q2, Q4>,
+    row: Row,
+    n: usize,
+    logits: Vec<f32>,
+    ctx: &TurnCtx<'_>,
+) -> anyhow::Result<Turn> {
+    let Some(a) = slot.active.as_mut() else {
+        return Ok(Turn::Running);
+    };
+    let m = &ctx.shared.metrics;
+    let out = match row {
+        Row::Chunk { end } => {
+            m.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
+            a.phase = Phase::Prefill { next: end };
+            if end + 1 == a.job.prompt.len() || a.job.checkpoint_at.contains(&end) {
+                slot.seq.checkpoint(model, ctx.clock)?;
+            }
+            return Ok(Turn::Running);
+        }
+        Row::First => {
+            m.prompt_tokens.fetch_add(1, Ordering::Relaxed);
+            let mut gen = start_gen(model, &mut slot.seq, &mut a.job, ctx)?;
+            let events = &a.job.events;
+            let out = gen.end(
+                model,
+                &mut slot.seq,
+                logits,
+                Some(&a.job.prompt),
+                ctx.is_eog,
+                &|| events.is_closed(),
+            );
+            a.phase = Phase::Decode(gen);
+            out?
+        }
+        Row::Decode => {
+            let Phase::Decode(gen) = &mut a.phase else {
+                anyhow::bail!("a decode row for a sequence that is not decoding");
+            };
+            let events = &a.job.events;
+            gen.end(model, &mut slot.seq, logits, None, ctx.is_eog, &|| {
+                events.is_closed()
+            })?
+        }
+    };
+    Ok(send_out(&a.job, out, m))
 }
 
 /// Drops the oldest checkpoints, across slots, until they fit in `budget` bytes.

@@ -643,6 +643,11 @@ impl Backend for CpuBackend {
         self.pool.install(f)
     }
 
+    /// Every operation is row by row, so a batch's rows are just more rows.
+    fn batches_sequences(&self) -> bool {
+        true
+    }
+
     fn reshape(&self, x: CpuBuf, rows: usize, cols: usize) -> Result<CpuBuf> {
         CpuBuf::new(rows, cols, x.data)
     }

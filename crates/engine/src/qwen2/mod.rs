@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use strata_gguf::GgufFile;
 
-use crate::backend::{Backend, Prepared, RowStore, StepInputs, StepKey, StepKind};
+use crate::backend::{Backend, DeviceBuf, Prepared, RowStore, StepInputs, StepKey, StepKind};
+use crate::batch::{self, Split};
 use crate::error::{EngineError, Result};
 
 pub use config::{Config, LoadOptions, ARCH};
@@ -61,6 +62,17 @@ impl<B: Backend> State<B> {
         &self.tokens
     }
 }
+
+/// One sequence's rows in [`Model::forward_batch`]: its tokens continue `state`.
+pub struct BatchItem<'a, B: Backend> {
+    pub state: &'a mut State<B>,
+    pub tokens: &'a [u32],
+    /// Logits of the last token only (a prefill chunk); else of every token.
+    pub last_only: bool,
+}
+
+/// [`StepKey::outputs`] of a batched step (bit 0 is a solo step's `last_only`).
+const OUT_BATCH: u32 = 2;
 
 pub struct Model<B: Backend> {
     backend: B,
@@ -178,17 +190,8 @@ impl<B: Backend> Model<B> {
         self.forward_with(st, tokens, false)
     }
 
-    /// The forward pass; with `last_only`, logits of the last token only (a prefill that only
-    /// needs the next token skips the LM head for the others). Every operation works row by row,
-    /// so N tokens in one call give the same bits as N calls of one token. On error the state is
-    /// left part-way; truncate it back to its old position before using it again.
-    pub fn forward_with(
-        &self,
-        st: &mut State<B>,
-        tokens: &[u32],
-        last_only: bool,
-    ) -> Result<Outputs> {
-        let b = &self.backend;
+    /// Refuses an empty call, a token outside the vocabulary, or rows past the context.
+    fn check(&self, st: &State<B>, tokens: &[u32]) -> Result<()> {
         let c = &self.config;
         if tokens.is_empty() {
             return Err(EngineError::Input("forward: no tokens".to_string()));
@@ -206,6 +209,35 @@ impl<B: Backend> Model<B> {
                 n, st.pos, c.n_ctx_train
             )));
         }
+        Ok(())
+    }
+
+    /// After a step over `tokens`: the caches hold them, the state is past them.
+    fn advance(&self, st: &mut State<B>, tokens: &[u32]) -> Result<()> {
+        let end = st.pos + tokens.len();
+        for c in &mut st.layers {
+            c.k.set_len(end)?;
+            c.v.set_len(end)?;
+        }
+        st.pos = end;
+        st.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// The forward pass; with `last_only`, logits of the last token only (a prefill that only
+    /// needs the next token skips the LM head for the others). Every operation works row by row,
+    /// so N tokens in one call give the same bits as N calls of one token. On error the state is
+    /// left part-way; truncate it back to its old position before using it again.
+    pub fn forward_with(
+        &self,
+        st: &mut State<B>,
+        tokens: &[u32],
+        last_only: bool,
+    ) -> Result<Outputs> {
+        let b = &self.backend;
+        let c = &self.config;
+        self.check(st, tokens)?;
+        let n = tokens.len();
         let start = st.pos;
         let key = StepKey {
             kind: StepKind::Forward,
@@ -215,26 +247,78 @@ impl<B: Backend> Model<B> {
         };
         let logits = b.step(key, || {
             let inputs = StepInputs::new(b, tokens, start, &[])?;
-            self.layers_and_head(&mut st.layers, &inputs, last_only)
+            self.layers_and_head(&mut [&mut *st], &inputs, &Split::one(), last_only)
         })?;
         let logits = b.download(&logits)?;
-        for c in &mut st.layers {
-            c.k.set_len(st.pos + n)?;
-            c.v.set_len(st.pos + n)?;
-        }
-        st.pos += n;
-        st.tokens.extend_from_slice(tokens);
+        self.advance(st, tokens)?;
         Ok(Outputs {
             logits,
             n_vocab: c.n_vocab,
         })
     }
 
-    /// Embedding, every decoder layer, final norm and head.
+    /// Several sequences' rows in one forward pass (`crate::batch`): each item's tokens
+    /// continue its state, and its logits (of every row, or of the last with `last_only`) are
+    /// the bits of [`Model::forward_with`] on that sequence alone. Every item is checked before
+    /// the step runs; on an error inside the step the states are left part-way.
+    pub fn forward_batch(&self, items: &mut [BatchItem<'_, B>]) -> Result<Vec<Outputs>> {
+        let b = &self.backend;
+        let v = self.config.n_vocab;
+        if items.len() == 1 || !b.batches_sequences() {
+            // One sequence, or a backend that steps sequences apart: each its own step.
+            for it in items.iter() {
+                self.check(it.state, it.tokens)?;
+            }
+            return items
+                .iter_mut()
+                .map(|it| self.forward_with(it.state, it.tokens, it.last_only))
+                .collect();
+        }
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut parts = Vec::with_capacity(items.len());
+        for it in items.iter() {
+            self.check(it.state, it.tokens)?;
+            tokens.extend_from_slice(it.tokens);
+            positions.extend(it.state.pos..it.state.pos + it.tokens.len());
+            parts.push((it.state.id, it.tokens.len(), it.last_only));
+        }
+        let (lens, lasts): (Vec<usize>, Vec<bool>) = parts.iter().map(|p| (p.1, p.2)).unzip();
+        let key = StepKey {
+            kind: StepKind::Forward,
+            rows: tokens.len(),
+            outputs: OUT_BATCH,
+            seq: batch::batch_key(&parts),
+        };
+        let (logits, ranges) = b.step(key, || {
+            let inputs = StepInputs::at_positions(b, &tokens, &positions, &[])?;
+            let split = Split::new(b, &inputs, &lens, &lasts)?;
+            let mut sts: Vec<&mut State<B>> = items.iter_mut().map(|it| &mut *it.state).collect();
+            let logits = self.layers_and_head(&mut sts, &inputs, &split, false)?;
+            let ranges: Vec<(usize, usize)> = (0..sts.len())
+                .map(|i| split.output_range(i, logits.rows()))
+                .collect();
+            Ok((logits, ranges))
+        })?;
+        let logits = b.download(&logits)?;
+        let mut res = Vec::with_capacity(items.len());
+        for (it, (start, len)) in items.iter_mut().zip(ranges) {
+            self.advance(it.state, it.tokens)?;
+            res.push(Outputs {
+                logits: logits[start * v..(start + len) * v].to_vec(),
+                n_vocab: v,
+            });
+        }
+        Ok(res)
+    }
+
+    /// Embedding, every decoder layer, final norm and head, over the rows of the sequences
+    /// `sts` (one, or a batch split by `split`).
     fn layers_and_head(
         &self,
-        caches: &mut [KvCache<B>],
+        sts: &mut [&mut State<B>],
         inputs: &StepInputs<B>,
+        split: &Split<B>,
         last_only: bool,
     ) -> Result<B::Buf> {
         let b = &self.backend;
@@ -242,10 +326,11 @@ impl<B: Backend> Model<B> {
         let n = inputs.rows();
         let mut x = b.embed_rows(&w.token_embd, &inputs.tokens, 1)?;
         let layers = w.layers.len();
-        for (i, (lw, cache)) in w.layers.iter().zip(caches.iter_mut()).enumerate() {
-            if last_only && n > 1 && i + 1 == layers {
+        for (i, lw) in w.layers.iter().enumerate() {
+            if split.is_one() && last_only && n > 1 && i + 1 == layers {
                 // Only the last row's output is read after the last layer: the rows before it
                 // just leave their keys and values in its cache (the same bits as the full pass).
+                let cache = &mut sts[0].layers[i];
                 let mut before = b.copy(&x)?;
                 b.truncate_rows(&mut before, n - 1)?;
                 let h = b.rms_norm_prepared(
@@ -257,31 +342,37 @@ impl<B: Backend> Model<B> {
                 )?;
                 self.store_kv(lw, &h, &b.ids_range(&inputs.positions, 0, n - 1)?, cache)?;
                 x = b.last_row(x)?;
-                let last = b.ids_range(&inputs.positions, n - 1, 1)?;
-                self.decoder_layer(lw, &mut x, &last, cache)?;
+                let last = inputs.range(b, n - 1, 1)?;
+                self.decoder_layer(lw, &mut x, &last, &Split::one(), &mut [cache])?;
             } else {
-                self.decoder_layer(lw, &mut x, &inputs.positions, cache)?;
+                let mut caches: Vec<&mut KvCache<B>> =
+                    sts.iter_mut().map(|s| &mut s.layers[i]).collect();
+                self.decoder_layer(lw, &mut x, inputs, split, &mut caches)?;
             }
         }
-        if last_only {
+        if !split.is_one() {
+            // A batch: each sequence's last row, or all its rows.
+            x = split.output_rows(b, x)?;
+        } else if last_only {
             x = b.last_row(x)?;
         }
         self.lm_head(&x)
     }
 
-    /// `x += attn(norm(x)); x += mlp(norm(x))`.
+    /// `x += attn(norm(x)); x += mlp(norm(x))`; `caches` holds each sequence's of this layer.
     fn decoder_layer(
         &self,
         lw: &LayerW<B::Weight>,
         x: &mut B::Buf,
-        positions: &B::Ids,
-        cache: &mut KvCache<B>,
+        inputs: &StepInputs<B>,
+        split: &Split<B>,
+        caches: &mut [&mut KvCache<B>],
     ) -> Result<()> {
         let b = &self.backend;
         let c = &self.config;
         // Each norm emits its rows with the images its products read (quantized once).
         let h = b.rms_norm_prepared(x, &lw.attn_norm, c.n_embd, c.eps, &[&lw.q, &lw.k, &lw.v])?;
-        let a = self.attention(lw, &h, positions, cache)?;
+        let a = self.attention(lw, &h, inputs, split, caches)?;
         b.add_assign(x, &a)?;
         let h = b.rms_norm_prepared(x, &lw.ffn_norm, c.n_embd, c.eps, &[&lw.gate, &lw.up])?;
         let m = self.mlp(lw, &h)?;
@@ -289,13 +380,15 @@ impl<B: Backend> Model<B> {
     }
 
     /// Causal GQA over the cache: biased projections, NeoX RoPE on q and k, softmax
-    /// attention scaled by 1/sqrt(head_dim), output projection (no bias).
+    /// attention scaled by 1/sqrt(head_dim), output projection (no bias). The projections run
+    /// over every row; the cache writes and attention over each sequence's rows and cache.
     fn attention(
         &self,
         lw: &LayerW<B::Weight>,
         h: &Prepared<B>,
-        positions: &B::Ids,
-        cache: &mut KvCache<B>,
+        inputs: &StepInputs<B>,
+        split: &Split<B>,
+        caches: &mut [&mut KvCache<B>],
     ) -> Result<B::Buf> {
         let b = &self.backend;
         let c = &self.config;
@@ -304,9 +397,27 @@ impl<B: Backend> Model<B> {
         if let Some(bw) = &lw.q_bias {
             b.add_bias(&mut q, bw)?;
         }
-        b.rope_neox(&mut q, hd, hd, c.rope_theta, positions)?;
-        self.append_kv(lw, k, v, positions, cache)?;
-        let a = b.attend_causal(&q, &cache.k.buf, &cache.v.buf, positions, c.attn, c.kv_type)?;
+        b.rope_neox(&mut q, hd, hd, c.rope_theta, &inputs.positions)?;
+        let a = split.each(b, inputs, vec![q, k, v], |i, inp, parts| {
+            let Ok([q, k, v]) = <[B::Buf; 3]>::try_from(parts) else {
+                return Err(EngineError::shape("attention", "projection split"));
+            };
+            let Some(cache) = caches.get_mut(i) else {
+                return Err(EngineError::shape(
+                    "attention",
+                    "a sequence without a cache",
+                ));
+            };
+            self.append_kv(lw, k, v, &inp.positions, cache)?;
+            b.attend_causal(
+                &q,
+                &cache.k.buf,
+                &cache.v.buf,
+                &inp.positions,
+                c.attn,
+                c.kv_type,
+            )
+        })?;
         b.matmul(&lw.o, &a)
     }
 

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use strata_gguf::GgufFile;
 
 use crate::backend::{Backend, DeviceBuf, StepInputs, StepKey, StepKind};
+use crate::batch::{self, Split};
 use crate::error::{EngineError, Result};
 
 pub use config::{Config, LayerKind, LoadOptions, DOCUMENTED_QSA_RATIO};
@@ -90,11 +91,52 @@ impl<B: Backend> Clone for At<'_, B> {
 
 impl<B: Backend> Copy for At<'_, B> {}
 
+/// The rows of a layer call: their step inputs ([`At`]) and how they split into sequences
+/// (`crate::batch`; one sequence for a solo pass). Row-parallel work runs over all of them,
+/// the work on a sequence's own state over its part ([`Rows::each`]).
+pub(crate) struct Rows<'a, B: Backend> {
+    pub at: At<'a, B>,
+    pub split: &'a Split<B>,
+}
+
+impl<B: Backend> Clone for Rows<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Rows<'_, B> {}
+
+impl<B: Backend> Rows<'_, B> {
+    /// `f` over each sequence's rows of `xs`, with that sequence's inputs; results joined.
+    fn each(
+        &self,
+        b: &B,
+        xs: Vec<B::Buf>,
+        mut f: impl FnMut(usize, At<'_, B>, Vec<B::Buf>) -> Result<B::Buf>,
+    ) -> Result<B::Buf> {
+        let theta = self.at.theta;
+        self.split.each(b, self.at.inputs, xs, |i, inputs, parts| {
+            f(i, At { inputs, theta }, parts)
+        })
+    }
+}
+
+/// One sequence's rows in [`Model::forward_batch`]: its tokens continue `state`.
+pub struct BatchItem<'a, B: Backend> {
+    pub state: &'a mut State<B>,
+    pub tokens: &'a [u32],
+    /// Logits of the last token only (a prefill chunk); else of every token.
+    pub last_only: bool,
+}
+
 /// Bits of [`StepKey::outputs`] for the trunk's forward.
 const OUT_LOGITS_ALL: u32 = 1;
 const OUT_HIDDEN: u32 = 2;
 const OUT_LAYERS: u32 = 4;
 const OUT_LOGGED: u32 = 8;
+/// Several sequences' rows (`crate::batch`); the key's `seq` names the batch's composition.
+const OUT_BATCH: u32 = 16;
 
 /// A forward pass's results still on the device.
 pub(crate) struct DevOutputs<B: Backend> {
@@ -457,6 +499,120 @@ impl<B: Qwen4expOps> Model<B> {
         })
     }
 
+    /// Several sequences' rows in one forward pass (`crate::batch`): each item's tokens
+    /// continue its state, and its logits (of every row, or of the last with `last_only`) are
+    /// the bits of [`Model::forward_with`] on that sequence alone. Every item is checked before
+    /// the step runs; on an error inside the step the states are left part-way.
+    pub fn forward_batch(&self, items: &mut [BatchItem<'_, B>]) -> Result<Vec<Outputs>> {
+        let b = &self.backend;
+        let c = &self.config;
+        if items.len() == 1 || !b.batches_sequences() {
+            // One sequence, or a backend that steps sequences apart: each its own step.
+            for it in items.iter() {
+                self.check_tokens(it.tokens)?;
+                self.check_room(it.state, it.state.pos + it.tokens.len())?;
+            }
+            return items
+                .iter_mut()
+                .map(|it| {
+                    let want = Want {
+                        last_only: it.last_only,
+                        ..Want::default()
+                    };
+                    self.forward_with(it.state, it.tokens, want)
+                })
+                .collect();
+        }
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut ple_ids = c.ple.as_ref().map(|_| Vec::new());
+        let mut parts = Vec::with_capacity(items.len());
+        for it in items.iter() {
+            self.check_tokens(it.tokens)?;
+            self.check_room(it.state, it.state.pos + it.tokens.len())?;
+            tokens.extend_from_slice(it.tokens);
+            positions.extend(it.state.pos..it.state.pos + it.tokens.len());
+            if let (Some(p), Some(ids)) = (&c.ple, ple_ids.as_mut()) {
+                ids.extend(ngram::row_ids(p, &it.state.tokens, it.tokens)?);
+            }
+            parts.push((it.state.id, it.tokens.len(), it.last_only));
+        }
+        let (lens, lasts): (Vec<usize>, Vec<bool>) = parts.iter().map(|p| (p.1, p.2)).unzip();
+        let ratios = self.qsa_ratios();
+        let key = StepKey {
+            kind: StepKind::Forward,
+            rows: tokens.len(),
+            outputs: OUT_BATCH,
+            seq: batch::batch_key(&parts),
+        };
+        let out = b.step(key, || {
+            let inputs = StepInputs::at_positions(b, &tokens, &positions, &ratios)?;
+            let split = Split::new(b, &inputs, &lens, &lasts)?;
+            let ple_rows = ple_ids.as_ref().map(|r| b.upload_ids(r)).transpose()?;
+            let mut sts: Vec<&mut State<B>> = items.iter_mut().map(|it| &mut *it.state).collect();
+            let mut logs: Vec<Option<&mut ReplayLog<B>>> = sts.iter().map(|_| None).collect();
+            let rows = Rows {
+                at: At {
+                    inputs: &inputs,
+                    theta: c.rope_theta,
+                },
+                split: &split,
+            };
+            let out = self.layers_and_head(
+                &mut sts,
+                rows,
+                ple_rows.as_ref(),
+                Want::default(),
+                &mut logs,
+            )?;
+            let ranges: Vec<(usize, usize)> = (0..sts.len())
+                .map(|i| split.output_range(i, out.logits.rows()))
+                .collect();
+            Ok((out, ranges))
+        })?;
+        let (out, ranges) = out;
+        let logits = b.download(&out.logits)?;
+        let v = c.n_vocab;
+        let mut res = Vec::with_capacity(items.len());
+        for (it, (start, len)) in items.iter_mut().zip(ranges) {
+            self.advance(it.state, it.tokens)?;
+            res.push(Outputs {
+                logits: logits[start * v..(start + len) * v].to_vec(),
+                n_vocab: v,
+                ..Outputs::default()
+            });
+        }
+        Ok(res)
+    }
+
+    /// Refuses an empty call or a token outside the vocabulary.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(EngineError::Input("forward: no tokens".to_string()));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+            return Err(EngineError::Input(format!(
+                "token id {t} is out of range (vocabulary {})",
+                c.n_vocab
+            )));
+        }
+        Ok(())
+    }
+
+    /// After a step over `tokens`: the caches hold them, the state is past them.
+    fn advance(&self, st: &mut State<B>, tokens: &[u32]) -> Result<()> {
+        let end = st.pos + tokens.len();
+        for (layer, kind) in st.layers.iter_mut().zip(&self.config.layers) {
+            if let (LayerState::Attn(cache), LayerKind::Attention { ratio }) = (layer, kind) {
+                cache.set_len(end, *ratio)?;
+            }
+        }
+        st.pos = end;
+        st.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
     /// [`Model::forward_with`] with the results left on the device; with `log`, the inputs of
     /// every recurrent update are kept so that [`Model::rollback_window`] can later keep only a
     /// prefix of these tokens.
@@ -469,15 +625,7 @@ impl<B: Qwen4expOps> Model<B> {
     ) -> Result<DevOutputs<B>> {
         let b = &self.backend;
         let c = &self.config;
-        if tokens.is_empty() {
-            return Err(EngineError::Input("forward: no tokens".to_string()));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-            return Err(EngineError::Input(format!(
-                "token id {t} is out of range (vocabulary {})",
-                c.n_vocab
-            )));
-        }
+        self.check_tokens(tokens)?;
         let n = tokens.len();
         let end = st.pos + n;
         self.check_room(st, end)?;
@@ -505,15 +653,17 @@ impl<B: Qwen4expOps> Model<B> {
         let out = b.step(key, || {
             let inputs = StepInputs::new(b, tokens, start, &ratios)?;
             let ple_rows = ple_ids.as_ref().map(|r| b.upload_ids(r)).transpose()?;
-            self.layers_and_head(st, &inputs, ple_rows.as_ref(), want, log)
+            let one = Split::one();
+            let rows = Rows {
+                at: At {
+                    inputs: &inputs,
+                    theta: c.rope_theta,
+                },
+                split: &one,
+            };
+            self.layers_and_head(&mut [&mut *st], rows, ple_rows.as_ref(), want, &mut [log])
         })?;
-        for (layer, kind) in st.layers.iter_mut().zip(&c.layers) {
-            if let (LayerState::Attn(cache), LayerKind::Attention { ratio }) = (layer, kind) {
-                cache.set_len(end, *ratio)?;
-            }
-        }
-        st.pos = end;
-        st.tokens.extend_from_slice(tokens);
+        self.advance(st, tokens)?;
         Ok(out)
     }
 
@@ -550,18 +700,21 @@ impl<B: Qwen4expOps> Model<B> {
         Ok(())
     }
 
-    /// The body of [`Model::forward_dev`]: every layer, then the mixer and LM head.
+    /// The body of [`Model::forward_dev`] and [`Model::forward_batch`]: every layer over the
+    /// rows of the sequences `sts` (one, or a batch split by `rows.split`), then the mixer and
+    /// LM head over the rows whose logits are wanted.
     fn layers_and_head(
         &self,
-        st: &mut State<B>,
-        inputs: &StepInputs<B>,
+        sts: &mut [&mut State<B>],
+        rows: Rows<'_, B>,
         ple_rows: Option<&B::Ids>,
         want: Want,
-        mut log: Option<&mut ReplayLog<B>>,
+        logs: &mut [Option<&mut ReplayLog<B>>],
     ) -> Result<DevOutputs<B>> {
         let b = &self.backend;
         let c = &self.config;
         let w = &self.weights;
+        let inputs = rows.at.inputs;
         let n = inputs.rows();
         // X_t = [E[x_t]; …; E[x_t]]: the streams start as copies of the embedding.
         let mut x = b.embed_rows(&w.token_embd, &inputs.tokens, c.hc_streams)?;
@@ -570,44 +723,51 @@ impl<B: Qwen4expOps> Model<B> {
         // Only the last row's output is read after the last layer when nothing but the last
         // logits is wanted: if that layer is an attention layer, the rows before the last only
         // leave their keys in its cache (the same bits as the full pass).
-        let last_row_only = want.last_only
+        let last_row_only = rows.split.is_one()
+            && want.last_only
             && n > 1
             && !want.hidden
             && !want.layer_out
-            && log.is_none()
+            && logs.iter().all(Option::is_none)
             && matches!(c.layers.get(last_layer), Some(LayerKind::Attention { .. }));
         for (l, lw) in w.layers.iter().enumerate() {
-            if let (Some(pw), Some(rows)) = (&lw.ple, ple_rows) {
-                let rec = log.as_deref_mut().map(|g| &mut g.ple);
-                self.ple_block(pw, rows, &mut x, st.ple_conv.as_mut(), rec)?;
+            if let (Some(pw), Some(ids)) = (&lw.ple, ple_rows) {
+                let mut hists: Vec<Option<&mut B::Buf>> =
+                    sts.iter_mut().map(|s| s.ple_conv.as_mut()).collect();
+                let mut recs: Vec<Option<&mut Option<B::Buf>>> = logs
+                    .iter_mut()
+                    .map(|g| g.as_deref_mut().map(|g| &mut g.ple))
+                    .collect();
+                self.ple_block(pw, ids, &mut x, rows, &mut hists, &mut recs)?;
             }
             if last_row_only && l == last_layer {
-                let at = At {
-                    inputs,
-                    theta: c.rope_theta,
-                };
-                let rows = b.reshape(x, n, c.residual_dim())?;
-                x = self.attention_layer_last_row(&c.layers[l], lw, rows, at, &mut st.layers[l])?;
+                let xr = b.reshape(x, n, c.residual_dim())?;
+                x = self.attention_layer_last_row(
+                    &c.layers[l],
+                    lw,
+                    xr,
+                    rows.at,
+                    &mut sts[0].layers[l],
+                )?;
                 continue;
             }
-            let rec = log.as_deref_mut().and_then(|g| g.gdn.get_mut(l));
-            self.decoder_layer(
-                &c.layers[l],
-                lw,
-                &mut x,
-                At {
-                    inputs,
-                    theta: c.rope_theta,
-                },
-                &mut st.layers[l],
-                rec,
-            )?;
+            let mut layer: Vec<&mut LayerState<B>> =
+                sts.iter_mut().map(|s| &mut s.layers[l]).collect();
+            let mut recs: Vec<Option<&mut Option<GdnRecord<B>>>> = logs
+                .iter_mut()
+                .map(|g| g.as_deref_mut().and_then(|g| g.gdn.get_mut(l)))
+                .collect();
+            self.decoder_block(&c.layers[l], lw, &mut x, rows, &mut layer, &mut recs)?;
             if want.layer_out {
                 layer_out.push(b.download(&x)?);
             }
         }
         let hidden = if want.hidden { Some(b.copy(&x)?) } else { None };
-        if want.last_only && !last_row_only {
+        if !rows.split.is_one() {
+            // A batch: each sequence's last row, or all its rows.
+            x = b.reshape(x, n, c.residual_dim())?;
+            x = rows.split.output_rows(b, x)?;
+        } else if want.last_only && !last_row_only {
             x = b.reshape(x, n, c.residual_dim())?;
             x = self.backend.last_row(x)?;
         }
@@ -619,8 +779,8 @@ impl<B: Qwen4expOps> Model<B> {
         })
     }
 
-    /// One decoder layer: token mixer and MoE, each behind a hyper-connection mix and combine.
-    fn decoder_layer(
+    /// One decoder layer over one sequence's rows (the MTP head's layer, a last-row pass).
+    pub(crate) fn decoder_layer(
         &self,
         kind: &LayerKind,
         lw: &LayerW<B::Weight>,
@@ -629,13 +789,27 @@ impl<B: Qwen4expOps> Model<B> {
         st: &mut LayerState<B>,
         rec: Option<&mut Option<GdnRecord<B>>>,
     ) -> Result<()> {
+        let one = Split::one();
+        let rows = Rows { at, split: &one };
+        self.decoder_block(kind, lw, x, rows, &mut [st], &mut [rec])
+    }
+
+    /// One decoder layer: token mixer and MoE, each behind a hyper-connection mix and combine.
+    /// `sts` (and `recs`) hold each sequence's state of this layer.
+    fn decoder_block(
+        &self,
+        kind: &LayerKind,
+        lw: &LayerW<B::Weight>,
+        x: &mut B::Buf,
+        rows: Rows<'_, B>,
+        sts: &mut [&mut LayerState<B>],
+        recs: &mut [Option<&mut Option<GdnRecord<B>>>],
+    ) -> Result<()> {
         let (u, inj) = self.hc_mix(&lw.hc_attn, x)?;
-        let y = match (&lw.mixer, st, kind) {
-            (MixerW::Gdn(gw), LayerState::Gdn { conv, s }, _) => {
-                self.gated_deltanet(gw, &u, conv, s, rec)?
-            }
-            (MixerW::Attn(aw), LayerState::Attn(cache), LayerKind::Attention { ratio }) => {
-                self.qsa_attention(aw, &u, at, cache, *ratio)?
+        let y = match (&lw.mixer, kind) {
+            (MixerW::Gdn(gw), _) => self.gated_deltanet(gw, &u, rows, sts, recs)?,
+            (MixerW::Attn(aw), LayerKind::Attention { ratio }) => {
+                self.qsa_attention(aw, &u, rows, sts, *ratio)?
             }
             _ => {
                 return Err(EngineError::Input(
@@ -689,18 +863,20 @@ impl<B: Qwen4expOps> Model<B> {
 
     // ---- §5 PLE
 
-    /// `X += G + silu(conv(RMSg(G)))`, `G_s = γ_s·V`, `γ_s` from the key/query agreement.
+    /// `X += G + silu(conv(RMSg(G)))`, `G_s = γ_s·V`, `γ_s` from the key/query agreement; the
+    /// conv over each sequence's rows continues its own history (`hists`).
     fn ple_block(
         &self,
         pw: &PleW<B::Weight>,
-        rows: &B::Ids,
+        ids: &B::Ids,
         x: &mut B::Buf,
-        hist: Option<&mut B::Buf>,
-        rec: Option<&mut Option<B::Buf>>,
+        rows: Rows<'_, B>,
+        hists: &mut [Option<&mut B::Buf>],
+        recs: &mut [Option<&mut Option<B::Buf>>],
     ) -> Result<()> {
         let b = &self.backend;
         let c = &self.config;
-        let (Some(pc), Some(table), Some(hist)) = (&c.ple, &self.weights.ple_table, hist) else {
+        let (Some(pc), Some(table)) = (&c.ple, &self.weights.ple_table) else {
             return Err(EngineError::shape(
                 "ple",
                 "PLE layer without its table or state",
@@ -709,47 +885,68 @@ impl<B: Qwen4expOps> Model<B> {
         let (h, eps) = (c.n_embd, c.eps);
         let n = x.rows();
         // e_t = concat_j T[id_j]
-        let e = b.embed_rows(table, rows, 1)?;
+        let e = b.embed_rows(table, ids, 1)?;
         let e = b.reshape(e, n, pc.embed_dim())?;
         let [k, v] = b.matmuls([&pw.key, &pw.value], &e)?;
         let k = b.rms_norm(&k, &pw.norm_key, h, eps)?;
         let q = b.rms_norm(x, &pw.norm_query, h, eps)?;
         let mut g = b.ple_gate(&k, &q, &v, c.hc_streams)?;
         let cn = b.rms_norm(&g, &pw.norm_conv, h, eps)?;
-        let conv = b.conv1d_silu(&cn, &pw.conv, hist, pc.ngram_size)?;
+        let conv = rows.each(b, vec![cn], |i, _, mut parts| {
+            let (Some(cn), Some(Some(hist))) = (parts.pop(), hists.get_mut(i)) else {
+                return Err(EngineError::shape(
+                    "ple",
+                    "PLE layer without its table or state",
+                ));
+            };
+            let conv = b.conv1d_silu(&cn, &pw.conv, hist, pc.ngram_size)?;
+            if let Some(Some(rec)) = recs.get_mut(i) {
+                **rec = Some(cn);
+            }
+            Ok(conv)
+        })?;
         b.add_assign(&mut g, &conv)?;
-        if let Some(rec) = rec {
-            *rec = Some(cn);
-        }
         b.add_assign(x, &g)
     }
 
     // ---- §6 Gated DeltaNet
 
+    /// The projections over every row; the conv and the recurrence over each sequence's rows
+    /// from its own state.
     fn gated_deltanet(
         &self,
         gw: &GdnW<B::Weight>,
         u: &B::Buf,
-        conv: &mut B::Buf,
-        s: &mut B::Buf,
-        rec: Option<&mut Option<GdnRecord<B>>>,
+        rows: Rows<'_, B>,
+        sts: &mut [&mut LayerState<B>],
+        recs: &mut [Option<&mut Option<GdnRecord<B>>>],
     ) -> Result<B::Buf> {
         let b = &self.backend;
         let [raw, z, beta, alpha] = b.matmuls([&gw.qkv, &gw.z, &gw.beta, &gw.alpha], u)?;
-        let m = b.conv1d_silu(&raw, &gw.conv, conv, 1)?;
-        let o = b.gdn_step(&self.gdn_params(gw), &m, &z, &alpha, &beta, s)?;
-        let y = b.matmul(&gw.out, &o)?;
-        if let Some(rec) = rec {
-            // Everything the recurrence read, kept (not copied) for a later partial replay.
-            *rec = Some(GdnRecord {
-                raw,
-                qkv: m,
-                z,
-                alpha,
-                beta,
-            });
-        }
-        Ok(y)
+        let o = rows.each(b, vec![raw, z, alpha, beta], |i, _, parts| {
+            let Ok([raw, z, alpha, beta]) = <[B::Buf; 4]>::try_from(parts) else {
+                return Err(EngineError::shape("gdn", "projection split"));
+            };
+            let Some(LayerState::Gdn { conv, s }) = sts.get_mut(i).map(|s| &mut **s) else {
+                return Err(EngineError::Input(
+                    "a layer's state does not match the model".to_string(),
+                ));
+            };
+            let m = b.conv1d_silu(&raw, &gw.conv, conv, 1)?;
+            let o = b.gdn_step(&self.gdn_params(gw), &m, &z, &alpha, &beta, s)?;
+            if let Some(Some(rec)) = recs.get_mut(i) {
+                // Everything the recurrence read, kept (not copied) for a later partial replay.
+                **rec = Some(GdnRecord {
+                    raw,
+                    qkv: m,
+                    z,
+                    alpha,
+                    beta,
+                });
+            }
+            Ok(o)
+        })?;
+        b.matmul(&gw.out, &o)
     }
 
     fn gdn_params<'a>(&self, gw: &'a GdnW<B::Weight>) -> GdnParams<'a, B::Weight> {
@@ -764,50 +961,56 @@ impl<B: Qwen4expOps> Model<B> {
 
     // ---- §7 QSA attention
 
+    /// The projections and the query norm over every row; the rest (RoPE at each row's
+    /// position, the cache writes, the block selection, attention) over each sequence's rows
+    /// against its own cache; the output gate and projection over every row again.
     fn qsa_attention(
         &self,
         aw: &AttnW<B::Weight>,
         u: &B::Buf,
-        at: At<'_, B>,
-        cache: &mut AttnCache<B>,
+        rows: Rows<'_, B>,
+        sts: &mut [&mut LayerState<B>],
         ratio: Option<usize>,
     ) -> Result<B::Buf> {
         let b = &self.backend;
-        let positions = &at.inputs.positions;
         let c = &self.config;
         let (hd, eps) = (c.attn.head_dim, c.eps);
         let indexed = aw.indexer.as_ref().zip(ratio);
         // Every projection of `u` in one call (one quantization of `u` per activation format).
-        let (qg, keys, qi) = match indexed {
-            Some((ix, _)) => {
-                let [qg, k, v, qi, kraw] = b.matmuls([&aw.q, &aw.k, &aw.v, &ix.q, &ix.k], u)?;
-                (
-                    qg,
-                    QsaKeys {
-                        k,
-                        v,
-                        kraw: Some(kraw),
-                    },
-                    Some(qi),
-                )
-            }
-            None => {
-                let [qg, k, v] = b.matmuls([&aw.q, &aw.k, &aw.v], u)?;
-                (qg, QsaKeys { k, v, kraw: None }, None)
-            }
+        let projected: Vec<B::Buf> = match indexed {
+            Some((ix, _)) => b.matmuls([&aw.q, &aw.k, &aw.v, &ix.q, &ix.k], u)?.into(),
+            None => b.matmuls([&aw.q, &aw.k, &aw.v], u)?.into(),
+        };
+        let mut projected = projected.into_iter();
+        let Some(qg) = projected.next() else {
+            return Err(EngineError::shape("qsa", "projections"));
         };
         let mut parts = b.deinterleave(&qg, hd, 2)?.into_iter();
         let (Some(q), Some(gate)) = (parts.next(), parts.next()) else {
             return Err(EngineError::shape("qsa", "q/gate split"));
         };
-        let mut q = b.rms_norm(&q, &aw.q_norm, hd, eps)?;
-        b.rope_neox(&mut q, hd, c.rot_dims, at.theta, positions)?;
-        self.qsa_store(aw, keys, at, cache, ratio)?;
-        let sel = match (indexed, qi) {
-            (Some((ix, ratio)), Some(qi)) => self.qsa_select(ix, qi, at, cache, ratio)?,
-            _ => b.select_causal(positions)?,
-        };
-        let a = b.attend(&q, &cache.k.buf, &cache.v.buf, &sel, c.attn, c.kv_type)?;
+        let q = b.rms_norm(&q, &aw.q_norm, hd, eps)?;
+        let mut xs = vec![q];
+        xs.extend(projected);
+        let a = rows.each(b, xs, |i, at, parts| {
+            let mut parts = parts.into_iter();
+            let (Some(mut q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+                return Err(EngineError::shape("qsa", "projection split"));
+            };
+            let (qi, kraw) = (parts.next(), parts.next());
+            let Some(LayerState::Attn(cache)) = sts.get_mut(i).map(|s| &mut **s) else {
+                return Err(EngineError::Input(
+                    "a layer's state does not match the model".to_string(),
+                ));
+            };
+            b.rope_neox(&mut q, hd, c.rot_dims, at.theta, &at.inputs.positions)?;
+            self.qsa_store(aw, QsaKeys { k, v, kraw }, at, cache, ratio)?;
+            let sel = match (indexed, qi) {
+                (Some((ix, ratio)), Some(qi)) => self.qsa_select(ix, qi, at, cache, ratio)?,
+                _ => b.select_causal(&at.inputs.positions)?,
+            };
+            b.attend(&q, &cache.k.buf, &cache.v.buf, &sel, c.attn, c.kv_type)
+        })?;
         let a = b.mul_sigmoid(&a, &gate)?;
         b.matmul(&aw.o, &a)
     }
