@@ -631,12 +631,6 @@ __device__ __forceinline__ void moe_gate_up_q8_t(const u8* wg, const u8* wu, u64
     if (threadIdx.x < 32) q8_0_warp(siluf_(gu[threadIdx.x]) * gu[32 + threadIdx.x], blk, threadIdx.x);
 }
 
-template <int T, bool SHARED>
-__device__ __forceinline__ void down_combine_tail(const float* part, float* ys, const int* ids, int n_expert,
-                                                  const float* wts, int kslots, float* out, const float* shared,
-                                                  const float* gate, int h, int t, int r0, int nrows, int U,
-                                                  u32* err);
-
 // Routed experts, decode: the down products of all kslots pairs of row t for rb consecutive
 // output rows, their weighted sum in rank order (moe_combine), and with `shared` the shared
 // expert added as add_sigmoid_gated does: out = Σ_s w_s·y_s (+ σ(gate_t)·shared). Grid (h/rb,
@@ -665,17 +659,6 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
     const FirstUnit<T> f = first_unit<T>(wrow, stride, U);
     unit_contribs_all<T>(f, wrow, [&](int lr) { return xt + (size_t)(lr / nrows) * xrb; }, stride, U, xrb, 1, part);
     __syncthreads();
-    down_combine_tail<T, SHARED>(part, ys, ids, n_expert, wts, kslots, out, shared, gate, h, t, r0, nrows, U, err);
-}
-
-// The end of a down-and-combine block from its contributions part[(s·nrows + r)·U + u] (after a
-// __syncthreads): each (slot, row) sum in gemv_base's lane order, then the weighted sum over the
-// slots in rank order (moe_combine) and the shared expert's gated add.
-template <int T, bool SHARED>
-__device__ __forceinline__ void down_combine_tail(const float* part, float* ys, const int* ids, int n_expert,
-                                                  const float* wts, int kslots, float* out, const float* shared,
-                                                  const float* gate, int h, int t, int r0, int nrows, int U,
-                                                  u32* err) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int j = warp; j < kslots * nrows; j += nw) {
         const float sum = lane_order_sum(part + j * U, U, lane);
@@ -698,6 +681,7 @@ __device__ __forceinline__ void down_combine_tail(const float* part, float* ys, 
         out[o] = acc;
     }
 }
+
 
 #if defined(GEMV_Q2_0)
 // A thread's contributions in the transposed kernels: one unit u of every row r = g, g + G, …

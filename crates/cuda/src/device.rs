@@ -92,7 +92,10 @@ pub struct Gpu {
     funcs: Mutex<HashMap<String, CudaFunction>>,
     /// Per-launch timing (events around every launch, and the bytes the launch must read
     /// when its launcher said so) while profiling is on.
-    profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent, Option<u64>)>>>,
+    profile: Mutex<Option<Vec<Timed>>>,
+    /// Whether `profile` is on, read without its lock by [`Gpu::note_bytes`] (which every
+    /// product launcher calls, profiling or not).
+    profiling_on: std::sync::atomic::AtomicBool,
     /// The bytes the next timed launch must read ([`Gpu::note_bytes`]).
     next_bytes: Mutex<Option<u64>>,
     /// Two page-locked staging buffers for weight uploads ([`Gpu::upload_weights`]), made at
@@ -100,6 +103,14 @@ pub struct Gpu {
     staging: Mutex<Option<[cudarc::driver::PinnedHostSlice<u8>; 2]>>,
     /// The ops of the step being recorded (record mode: launches are kept, not issued).
     rec: Mutex<Option<Vec<crate::record::Op>>>,
+}
+
+/// One timed launch: its kernel, the events around it, the bytes its launcher stated.
+struct Timed {
+    name: String,
+    start: CudaEvent,
+    end: CudaEvent,
+    bytes: Option<u64>,
 }
 
 /// One kernel's share of a profiled run: launches and device time.
@@ -191,6 +202,7 @@ impl Gpu {
             modules,
             funcs: Mutex::new(HashMap::new()),
             profile: Mutex::new(None),
+            profiling_on: std::sync::atomic::AtomicBool::new(false),
             next_bytes: Mutex::new(None),
             staging: Mutex::new(None),
             rec: Mutex::new(None),
@@ -238,6 +250,8 @@ impl Gpu {
     /// Starts timing every launch (events around each; costs host time, so only for profiles).
     pub fn profile_start(&self) {
         *self.profile.lock().unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+        self.profiling_on
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Stops timing and sums the device time per kernel, costliest first.
@@ -248,10 +262,18 @@ impl Gpu {
             .unwrap_or_else(|p| p.into_inner())
             .take()
             .unwrap_or_default();
+        self.profiling_on
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         self.sync()?;
         let mut by: HashMap<String, KernelTime> = HashMap::new();
-        for (name, a, b, bytes) in recs {
-            let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?;
+        for Timed {
+            name,
+            start,
+            end,
+            bytes,
+        } in recs
+        {
+            let ms = start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))?;
             let e = by.entry(name.clone()).or_insert(KernelTime {
                 name,
                 launches: 0,
@@ -270,7 +292,7 @@ impl Gpu {
     /// States the bytes the next launch must read (its weights and activation rows), for the
     /// profile's floor column; a no-op unless profiling.
     pub fn note_bytes(&self, bytes: usize) {
-        if self.profiling() {
+        if self.profiling_on.load(std::sync::atomic::Ordering::Relaxed) {
             *self.next_bytes.lock().unwrap_or_else(|p| p.into_inner()) = Some(bytes as u64);
         }
     }
@@ -328,7 +350,12 @@ impl Gpu {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
-        recs.push((name.to_string(), a, b, bytes));
+        recs.push(Timed {
+            name: name.to_string(),
+            start: a,
+            end: b,
+            bytes,
+        });
         Ok(())
     }
 
