@@ -428,6 +428,18 @@ pub struct Lent<'a> {
     pub on_token: &'a mut dyn FnMut(u32) -> bool,
 }
 
+impl Lent<'_> {
+    /// The same parts lent again for a shorter call (the caller keeps them for later).
+    fn reborrow(&mut self) -> Lent<'_> {
+        Lent {
+            stepper: &mut *self.stepper,
+            pick: &mut *self.pick,
+            is_eog: self.is_eog,
+            on_token: &mut *self.on_token,
+        }
+    }
+}
+
 /// A generation in progress that owns its state and borrows nothing between calls: the judge's
 /// tally and the sequence so far (`seq` = prompt and generated tokens; the stepper holds all of
 /// it but the last, which is pending). The stepper, the pick and the token sink are lent per
@@ -508,25 +520,9 @@ impl Progress {
         prompt: &[u32],
         opts: &GenOptions,
     ) -> Result<Option<GuardStop>> {
-        let Lent {
-            stepper,
-            pick,
-            is_eog,
-            on_token,
-        } = lent;
         let mut t = Timings::default();
-        let logits = stepper.prefill(prompt, opts, &mut t)?;
-        self.prefilled(
-            Lent {
-                stepper,
-                pick,
-                is_eog,
-                on_token,
-            },
-            prompt,
-            &logits,
-            &t,
-        )
+        let logits = lent.stepper.prefill(prompt, opts, &mut t)?;
+        self.prefilled(lent, prompt, &logits, &t)
     }
 
     /// [`Progress::prefill`] after the caller ran the prompt (alone, or its last rows in a
@@ -584,40 +580,19 @@ impl Progress {
 
     /// One verify window: drafts, the trunk's pass, the judge over its rows, the settle.
     /// Returns what was judged and, when generation ended, why.
-    pub fn window(&mut self, lent: Lent<'_>) -> Result<(Judged, Option<GuardStop>)> {
-        let Lent {
-            stepper,
-            pick,
-            is_eog,
-            on_token,
-        } = lent;
-        let window = self
-            .begin_window(Lent {
-                stepper: &mut *stepper,
-                pick: &mut *pick,
-                is_eog,
-                on_token: &mut *on_token,
-            })?
-            .to_vec();
+    pub fn window(&mut self, mut lent: Lent<'_>) -> Result<(Judged, Option<GuardStop>)> {
+        let window = self.begin_window(lent.reborrow())?.to_vec();
         // A pick the device can make with no slop state to follow: the window comes back as
         // one token per row (ids only across the boundary).
-        let device = match (self.t.slop.is_none(), pick.device_pick()) {
-            (true, Some(p)) => stepper.verify_picked(&window, p)?,
+        let device = match (self.t.slop.is_none(), lent.pick.device_pick()) {
+            (true, Some(p)) => lent.stepper.verify_picked(&window, p)?,
             _ => None,
         };
         let rows = match device {
             Some(ids) => Verified::Ids(ids),
-            None => Verified::Logits(stepper.verify(&window)?),
+            None => Verified::Logits(lent.stepper.verify(&window)?),
         };
-        self.end_window(
-            Lent {
-                stepper,
-                pick,
-                is_eog,
-                on_token,
-            },
-            rows,
-        )
+        self.end_window(lent, rows)
     }
 
     /// The first half of [`Progress::window`]: the drafts, and the window `[pending, drafts…]`
