@@ -126,11 +126,17 @@ qsa_scores(const float* qi, const float* blocks, const u32* pos, float* scores, 
     for (int c0 = 0; c0 < d; c0 += 32) {
         const int w = min(32, d - c0);
         __syncthreads();
-        // Warp `warp` stages rows warp, warp + 8, …: 32 consecutive floats of a row per load.
-        for (int rr = warp; rr < 256; rr += 8) {
-            const u32 bb = b0 + rr;
-            if (lane < w) kt[rr][lane] = bb < nb ? blocks[(size_t)bb * d + c0 + lane] : 0.f;
+        // Warp `warp` stages rows warp, warp + 8, …: 32 consecutive floats of a row per load,
+        // every row of the pass loaded before the first store.
+        float kv[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const u32 bb = b0 + warp + 8 * i;
+            kv[i] = (lane < w && bb < nb) ? blocks[(size_t)bb * d + c0 + lane] : 0.f;
         }
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+            if (lane < w) kt[warp + 8 * i][lane] = kv[i];
         __syncthreads();
         for (int i = 0; i < w; ++i) {
             const float kv = kt[threadIdx.x][i];
@@ -502,9 +508,19 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
     for (int c0 = 0; c0 < d; c0 += 32) {
         const int w = min(32, d - c0);
         __syncthreads();
-        for (int rr = warp; rr < live; rr += 8) {
-            const u32 tt = tk[rr];
-            if (lane < w) kt[rr][lane] = tt < cap ? kc[(size_t)tt * kvc + off + c0 + lane] : 0.f;
+        // Every row of the pass loaded before the first store (32 loads in flight a thread:
+        // the rows are gathered by token, so one at a time would wait a memory latency each).
+        float kv[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int rr = warp + 8 * i;
+            const u32 tt = rr < live ? tk[rr] : cap;
+            kv[i] = (lane < w && tt < cap) ? kc[(size_t)tt * kvc + off + c0 + lane] : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int rr = warp + 8 * i;
+            if (rr < live && lane < w) kt[rr][lane] = kv[i];
         }
         __syncthreads();
         if (causal) {
@@ -565,15 +581,16 @@ attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
     const int len = (int)min(256u, T - (u32)c * 256);
     for (int j = threadIdx.x; j < d; j += 256) {
         float acc = 0.f;
-        for (int u0 = 0; u0 < len; u0 += 16) {
-            float vv[16];
+        // 64 value rows in flight a thread (gathered by token: each load a memory latency).
+        for (int u0 = 0; u0 < len; u0 += 64) {
+            float vv[64];
 #pragma unroll
-            for (int u = 0; u < 16; ++u) {
+            for (int u = 0; u < 64; ++u) {
                 const bool ok = u0 + u < len && tk[u0 + u] < cap;
                 vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
             }
 #pragma unroll
-            for (int u = 0; u < 16; ++u)
+            for (int u = 0; u < 64; ++u)
                 if (u0 + u < len && tk[u0 + u] < cap) acc += w[u0 + u] * (causal ? vv[u] : r16(vv[u], f16));
         }
         part[((size_t)rh * max_chunks + c) * d + j] = acc;

@@ -37,7 +37,7 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 }
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B).
-pub const SWITCHES: [&str; 7] = [
+pub const SWITCHES: [&str; 8] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -45,6 +45,7 @@ pub const SWITCHES: [&str; 7] = [
     "STRATA_CUDA_HC_UP4",
     "STRATA_CUDA_BF16W",
     "STRATA_CUDA_PINNED",
+    "STRATA_CUDA_ROUTE_PF",
 ];
 
 /// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were
@@ -360,6 +361,36 @@ impl Gpu {
     }
 
     /// The kernel `name` of module `module` (looked up once, then cached).
+    /// Whether launches of kernel `name` are ablated ([`ablated_kernels`]).
+    pub fn ablated(&self, name: &str) -> bool {
+        let set = ablated_kernels();
+        !set.is_empty() && set.iter().any(|s| s == name)
+    }
+
+    /// An ablated launch of `name`: norm.cu's `noop` on one warp instead (recorded or issued
+    /// as the real launch would be).
+    pub fn launch_ablated(&self, name: &str) -> Result<(), CudaError> {
+        let f = self.func("norm", "noop")?;
+        if self.recording() {
+            let _ = self.record(crate::record::Op::Launch {
+                func: f,
+                cfg: cfg(1, 32),
+                args: Vec::new(),
+            });
+            return Ok(());
+        }
+        let mut b = self.stream().launch_builder(&f);
+        self.timed(name, || {
+            // SAFETY: noop takes no parameters.
+            unsafe { b.launch(cfg(1, 32)) }
+                .map(|_| ())
+                .map_err(|e| CudaError::Launch {
+                    kernel: name.to_string(),
+                    what: e.to_string(),
+                })
+        })
+    }
+
     pub fn func(&self, module: &str, name: &str) -> Result<CudaFunction, CudaError> {
         let mut f = self.funcs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(func) = f.get(name) {
@@ -553,6 +584,26 @@ impl Graph {
     pub fn launch(&self) -> Result<(), CudaError> {
         self.g.launch().map_err(drv("cuGraphLaunch"))
     }
+}
+
+/// The kernels named in `STRATA_CUDA_ABLATE` (comma-separated kernel names): each launch of
+/// one of them becomes an empty one-warp launch (norm.cu `noop`, which only waits for the
+/// kernel before it). A measuring tool only: the model's results are wrong while it is set
+/// (the step runs on stale buffers). `bench model` with it set measures a kernel's marginal
+/// cost inside the recorded graph, where per-launch timers cannot see (the overlap of
+/// programmatic dependent launches).
+pub fn ablated_kernels() -> &'static [String] {
+    static SET: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    SET.get_or_init(|| {
+        std::env::var("STRATA_CUDA_ABLATE")
+            .map(|v| {
+                v.split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default()
+    })
 }
 
 /// A launch configuration of `grid` blocks of `block` threads.

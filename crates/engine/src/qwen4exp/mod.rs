@@ -69,6 +69,13 @@ pub struct Model<B: Backend> {
     mtp: Option<mtp::MtpHead<B::Weight>>,
 }
 
+/// A block's MoE output `y` and its combine's inject gains, not yet added to the streams: the
+/// next block's mix adds them (`hc_combine_mix`, which a GPU fuses into the mix's norm).
+struct Carry<B: Backend> {
+    y: B::Buf,
+    inj: B::Buf,
+}
+
 /// A QSA layer's per-row projections that go into its cache.
 struct QsaKeys<B: Backend> {
     k: B::Buf,
@@ -730,8 +737,11 @@ impl<B: Qwen4expOps> Model<B> {
             && !want.layer_out
             && logs.iter().all(Option::is_none)
             && matches!(c.layers.get(last_layer), Some(LayerKind::Attention { .. }));
+        // The last block's output, added to the streams by the next mix.
+        let mut carry: Option<Carry<B>> = None;
         for (l, lw) in w.layers.iter().enumerate() {
             if let (Some(pw), Some(ids)) = (&lw.ple, ple_rows) {
+                self.settle(&mut x, carry.take())?;
                 let mut hists: Vec<Option<&mut B::Buf>> =
                     sts.iter_mut().map(|s| s.ple_conv.as_mut()).collect();
                 let mut recs: Vec<Option<&mut Option<B::Buf>>> = logs
@@ -741,6 +751,7 @@ impl<B: Qwen4expOps> Model<B> {
                 self.ple_block(pw, ids, &mut x, rows, &mut hists, &mut recs)?;
             }
             if last_row_only && l == last_layer {
+                self.settle(&mut x, carry.take())?;
                 let xr = b.reshape(x, n, c.residual_dim())?;
                 x = self.attention_layer_last_row(
                     &c.layers[l],
@@ -757,10 +768,22 @@ impl<B: Qwen4expOps> Model<B> {
                 .iter_mut()
                 .map(|g| g.as_deref_mut().and_then(|g| g.gdn.get_mut(l)))
                 .collect();
-            self.decoder_block(&c.layers[l], lw, &mut x, rows, &mut layer, &mut recs)?;
+            carry = Some(self.decoder_block_open(
+                &c.layers[l],
+                lw,
+                &mut x,
+                carry.take(),
+                rows,
+                &mut layer,
+                &mut recs,
+            )?);
             if want.layer_out {
+                self.settle(&mut x, carry.take())?;
                 layer_out.push(b.download(&x)?);
             }
+        }
+        if want.hidden || !rows.split.is_one() {
+            self.settle(&mut x, carry.take())?;
         }
         let hidden = if want.hidden { Some(b.copy(&x)?) } else { None };
         if !rows.split.is_one() {
@@ -769,9 +792,17 @@ impl<B: Qwen4expOps> Model<B> {
             x = rows.split.output_rows(b, x)?;
         } else if want.last_only && !last_row_only {
             x = b.reshape(x, n, c.residual_dim())?;
-            x = self.backend.last_row(x)?;
+            x = b.last_row(x)?;
+            carry = carry
+                .map(|k| -> Result<Carry<B>> {
+                    Ok(Carry {
+                        y: b.last_row(k.y)?,
+                        inj: b.last_row(k.inj)?,
+                    })
+                })
+                .transpose()?;
         }
-        let logits = self.lm_head(&x)?;
+        let logits = self.lm_head(&mut x, carry)?;
         Ok(DevOutputs {
             logits,
             hidden,
@@ -805,7 +836,25 @@ impl<B: Qwen4expOps> Model<B> {
         sts: &mut [&mut LayerState<B>],
         recs: &mut [Option<&mut Option<GdnRecord<B>>>],
     ) -> Result<()> {
-        let (u, inj) = self.hc_mix(&lw.hc_attn, x)?;
+        let out = self.decoder_block_open(kind, lw, x, None, rows, sts, recs)?;
+        self.settle(x, Some(out))
+    }
+
+    /// [`Self::decoder_block`] with the combines at its edges left to the mixes beside them:
+    /// `carry` (the block before's output) is added to the streams by this block's first mix,
+    /// and this block's MoE output is returned for the next mix to add.
+    #[allow(clippy::too_many_arguments)]
+    fn decoder_block_open(
+        &self,
+        kind: &LayerKind,
+        lw: &LayerW<B::Weight>,
+        x: &mut B::Buf,
+        carry: Option<Carry<B>>,
+        rows: Rows<'_, B>,
+        sts: &mut [&mut LayerState<B>],
+        recs: &mut [Option<&mut Option<GdnRecord<B>>>],
+    ) -> Result<Carry<B>> {
+        let (u, inj) = self.carry_mix(&lw.hc_attn, x, carry)?;
         let y = match (&lw.mixer, kind) {
             (MixerW::Gdn(gw), _) => self.gated_deltanet(gw, &u, rows, sts, recs)?,
             (MixerW::Attn(aw), LayerKind::Attention { ratio }) => {
@@ -819,7 +868,33 @@ impl<B: Qwen4expOps> Model<B> {
         };
         let (u, inj) = self.hc_combine_mix(x, &y, inj.as_ref(), &lw.hc_ffn)?;
         let y = self.moe(&lw.moe, &u)?;
-        self.hc_combine(x, &y, inj.as_ref())
+        let inj =
+            inj.ok_or_else(|| EngineError::shape("hc_combine", "mix without inject weights"))?;
+        Ok(Carry { y, inj })
+    }
+
+    /// Adds a block's output still carried (if any) to the streams: `X_s += inj_s · y`.
+    fn settle(&self, x: &mut B::Buf, carry: Option<Carry<B>>) -> Result<()> {
+        match carry {
+            Some(k) => self.hc_combine(x, &k.y, Some(&k.inj)),
+            None => Ok(()),
+        }
+    }
+
+    /// `hc`'s mix of the streams, after adding the carried block output (one backend operation,
+    /// the combine fused into the mix's norm).
+    fn carry_mix(
+        &self,
+        hc: &HcW<B::Weight>,
+        x: &mut B::Buf,
+        carry: Option<Carry<B>>,
+    ) -> Result<(B::Buf, Option<B::Buf>)> {
+        match carry {
+            Some(k) => self
+                .backend
+                .hc_combine_mix(x, &k.y, Some(&k.inj), &self.hc_weights(hc)),
+            None => self.hc_mix(hc, x),
+        }
     }
 
     // ---- §4 hyper-connections
@@ -1147,8 +1222,8 @@ impl<B: Qwen4expOps> Model<B> {
 
     // ---- §9 final mixer and LM head
 
-    fn lm_head(&self, x: &B::Buf) -> Result<B::Buf> {
-        let (h, _) = self.hc_mix(&self.weights.output_hc, x)?;
+    fn lm_head(&self, x: &mut B::Buf, carry: Option<Carry<B>>) -> Result<B::Buf> {
+        let (h, _) = self.carry_mix(&self.weights.output_hc, x, carry)?;
         self.backend.matmul(&self.weights.output, &h)
     }
 }
