@@ -77,6 +77,7 @@ X=$DEV/x
 rm -rf "$X" && mkdir -p "$X" && tar -C "$X" -xJf "$DEV/pack.tar.xz"
 [ -f "$DEV/cubin.tar.xz" ] && tar -C "$DEV/cubin" -xJf "$DEV/cubin.tar.xz"
 S=$X/strata
+export S FULL
 export STRATA_CUDA_CACHE=$PWD/$DEV/cubin STRATA_REQUIRE_GPU=1 STRATA_FIXTURES=$PWD/fixtures
 [ -d "$X/small" ] && export STRATA_SMALL_FIXTURES=$PWD/$X/small
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader || true

@@ -56,8 +56,11 @@ __device__ __forceinline__ void gdn_step_t(const float* qkv, const float* z, con
     const int conv_dim = 2 * nk * DK + nv * DV;
     float* sp = state + (size_t)h * DK * DV + j;
     float s[DK];
+    // The state was written by this layer's previous step (or a restore), launches back: its
+    // load overlaps the kernel before (the conv) instead of following it.
 #pragma unroll
     for (int i = 0; i < DK; ++i) s[i] = sp[(size_t)i * DV];
+    grid_dep_sync();
     const float qscale = 1.0f / sqrtf((float)DK);
     for (int t = 0; t < n; ++t) {
         const float* row = qkv + (size_t)t * conv_dim;
@@ -114,7 +117,7 @@ __device__ __forceinline__ void gdn_step_t(const float* qkv, const float* z, con
     extern "C" __global__ void __launch_bounds__(DV)                                                   \
     gdn_step_##DK##_##DV(const float* qkv, const float* z, const float* alpha, const float* beta,      \
                          const float* ssm_a, const float* dt_bias, const float* norm, float* state,    \
-                         float* out, int n, int nk, int nv, float eps) { grid_dep_sync();                               \
+                         float* out, int n, int nk, int nv, float eps) {                                \
         gdn_step_t<DK, DV>(qkv, z, alpha, beta, ssm_a, dt_bias, norm, state, out, n, nk, nv, eps);     \
     }
 GDN_STEP(128, 128)
@@ -145,8 +148,11 @@ gdn_chunk_128(const float* qkv, const float* z, const float* alpha, const float*
     const int conv_dim = 2 * nk * DK + nv * DV;
     float* sp = state + (size_t)h * DK * DV + j;
     float s[DK];
+    // The state was written by this layer's previous step (or a restore), launches back: its
+    // load overlaps the kernel before (the conv) instead of following it.
 #pragma unroll
     for (int i = 0; i < DK; ++i) s[i] = sp[(size_t)i * DV];
+    grid_dep_sync();
     const float qscale = 1.0f / sqrtf((float)DK);
     for (int t0 = 0; t0 < n; t0 += GC) {
         const int cn = min(GC, n - t0);

@@ -635,16 +635,31 @@ __device__ __forceinline__ void moe_gate_up_q8_t(const u8* wg, const u8* wu, u64
 // output rows, their weighted sum in rank order (moe_combine), and with `shared` the shared
 // expert added as add_sigmoid_gated does: out = Σ_s w_s·y_s (+ σ(gate_t)·shared). Grid (h/rb,
 // nt).
+// `early`: `ids` settled as for moe_gate_up_q8_q2t's (the route two or more waiting launches
+// back), so each slot's weight rows are pulled into L2 before the dependency wait.
 template <int T, bool SHARED>
 __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes, const int* ids, int n_expert,
                                                    const u8* aq, const float* wts, int kslots, float* out,
                                                    const float* shared, const float* gate, int h, int k, u64 wrb,
-                                                   u64 xrb, int rb, u32* err) {
+                                                   u64 xrb, int rb, u32* err, int early) {
     __shared__ float part[UNITS_PART];
     __shared__ float ys[256];
     __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
     const int t = blockIdx.y, r0 = blockIdx.x * rb, U = k / 32;
     const int nrows = min(rb, h - r0);
+    if (early && threadIdx.x < 32) {
+        for (int s = threadIdx.x; s < kslots; s += 32) {
+            const int e = __ldcg(ids + t * kslots + s);
+            if (e >= 0 && e < n_expert) {
+                const u8* p = wd + (size_t)e * slab_bytes + (size_t)r0 * wrb;
+                const u64 a = ((u64)p + 15) & ~15ull, b = ((u64)p + (u64)nrows * wrb) & ~15ull;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                if (b > a) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(b - a)));
+#endif
+            }
+        }
+    }
+    grid_dep_sync();
     // Block rows are (slot, output row) pairs: row i = slot i / nrows, output r0 + i % nrows.
     auto wrow = [&](int i) -> const u8* {
         const int s = i / nrows, e = ids[t * kslots + s];
@@ -702,13 +717,30 @@ __device__ __forceinline__ void q2_rows(Row row, const Q2X& a, int u, int g, int
 
 // moe_gate_up_q8_q2_0's bits with a unit a thread fixed: blockDim.x = G·U threads, thread
 // (g, u) takes unit u of rows g, g + G, … of the block's 64 (32 gate, 32 up).
+//
+// `early` (strata_cuda::model::SharedAdd::settled): the launcher guarantees that `ids` was
+// written two or more launches before this one with only waiting launches between (the MoE
+// block's route, then the shared expert's swiglu and down). A grid starts only once every
+// block of the launch before it has passed its own wait, which returned only when the launch
+// before that had completed: so `ids` is complete when this grid starts, and the block's
+// weight rows are pulled into L2 before the dependency wait (the id read through L2 only).
+// The same arithmetic either way. (Session 8 also ran the whole product before the wait, its
+// activation reads through L2 only: 55 µs a launch against 24, removed.)
 extern "C" __global__ void __launch_bounds__(1024)
 moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int n_expert, const u8* x, int kslots,
-                   u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err) {
-    grid_dep_sync();
+                   u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err, int early) {
     __shared__ float part[UNITS_PART];
     __shared__ float gu[64];
     const int q = blockIdx.y, r0 = 32 * blockIdx.x, U = k / 32;
+    if (early && threadIdx.x == 0) {
+        // The block's 32 gate and 32 up rows pulled into L2 while the launches before run.
+        const int e = __ldcg(ids + q);
+        if (e >= 0 && e < n_expert) {
+            prefetch_l2(wg + (size_t)e * slab_bytes + (size_t)r0 * wrb, 32 * wrb);
+            prefetch_l2(wu + (size_t)e * slab_bytes + (size_t)r0 * wrb, 32 * wrb);
+        }
+    }
+    grid_dep_sync();
     const int e = ids[q];
     const u64 arb = 34 * (u64)(ff / 32);
     u8* blk = aq + (size_t)q * arb + 34 * (size_t)blockIdx.x;
@@ -754,17 +786,17 @@ moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, i
     extern "C" __global__ void __launch_bounds__(1024)                                          \
     moe_down_combine_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u8* aq, \
                             const float* wts, int kslots, float* out, int h, int k, u64 wrb, u64 xrb, \
-                            int rb, u32* err) { grid_dep_sync();                                                \
+                            int rb, u32* err) {                                                \
         moe_down_combine_t<T, false>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, nullptr, \
-                                     nullptr, h, k, wrb, xrb, rb, err);                        \
+                                     nullptr, h, k, wrb, xrb, rb, err, 0);                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(1024)                                          \
     moe_down_combine_shared_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert,  \
                                    const u8* aq, const float* wts, int kslots, float* out,      \
                                    const float* shared, const float* gate, int h, int k, u64 wrb, \
-                                   u64 xrb, int rb, u32* err) { grid_dep_sync();                                \
+                                   u64 xrb, int rb, u32* err, int early) {                      \
         moe_down_combine_t<T, true>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, shared, \
-                                    gate, h, k, wrb, xrb, rb, err);                            \
+                                    gate, h, k, wrb, xrb, rb, err, early);                     \
     }
 
 #define PRODUCTS(T, NAME)                                                                      \

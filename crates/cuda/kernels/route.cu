@@ -69,7 +69,7 @@ __device__ __forceinline__ u64 route_key(float v, int idx) {
 }
 
 template <int E, int K>
-__device__ __forceinline__ int route_opt(const float* logits, int* ids, float* wts) {
+__device__ __forceinline__ void route_opt(const float* logits, int* ids, float* wts) {
     constexpr int PER = E / 32;
     const int lane = threadIdx.x;
     const float* l = logits + (size_t)blockIdx.x * E + lane;
@@ -133,53 +133,6 @@ __device__ __forceinline__ int route_opt(const float* logits, int* ids, float* w
             wo[rk] = sv[rk] / sum;
         }
     }
-    // Lane rk's chosen expert (the others: -1), for route_pf.
-    int mine = -1;
-#pragma unroll
-    for (int rk = 0; rk < K; ++rk)
-        if (lane == rk) mine = (int)(~(u32)sel[rk]);
-    return mine;
-}
-
-// Pulls `bytes` at `p` into L2 in 64 KiB bulk prefetches (any thread; a hint: no result
-// depends on it).
-__device__ __forceinline__ void prefetch_l2_span(const u8* p, u64 bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    u64 a = ((u64)p + 15) & ~15ull;
-    const u64 e = ((u64)p + bytes) & ~15ull;
-    while (a < e) {
-        const u64 n = min(e - a, (u64)65536);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)n));
-        a += n;
-    }
-#endif
-}
-
-// route_opt's ids and weights, then lane rk starts pulling its expert's slabs of up to three
-// expert stacks (`w[i]` with `slab[i]` bytes an expert; a null stack is skipped) into L2, so
-// that the experts' products, two or more launches later, find their weights there instead of
-// waiting on DRAM after their dependency wait. The outputs are route_opt's bits.
-template <int E, int K>
-__device__ __forceinline__ void route_pf(const float* l, int* ids, float* w, const u8* w0, const u8* w1,
-                                         const u8* w2, u64 s0, u64 s1, u64 s2) {
-    const int e = route_opt<E, K>(l, ids, w);
-    if (e < 0 || e >= E) return;
-    if (w0) prefetch_l2_span(w0 + (size_t)e * s0, s0);
-    if (w1) prefetch_l2_span(w1 + (size_t)e * s1, s1);
-    if (w2) prefetch_l2_span(w2 + (size_t)e * s2, s2);
-}
-
-extern "C" __global__ void __launch_bounds__(32)
-route_pf_512_10(const float* l, int* ids, float* w, const u8* w0, const u8* w1, const u8* w2, u64 s0, u64 s1,
-                u64 s2) {
-    grid_dep_sync();
-    route_pf<512, 10>(l, ids, w, w0, w1, w2, s0, s1, s2);
-}
-extern "C" __global__ void __launch_bounds__(32)
-route_pf_256_8(const float* l, int* ids, float* w, const u8* w0, const u8* w1, const u8* w2, u64 s0, u64 s1,
-               u64 s2) {
-    grid_dep_sync();
-    route_pf<256, 8>(l, ids, w, w0, w1, w2, s0, s1, s2);
 }
 
 extern "C" __global__ void __launch_bounds__(32) route_opt_512_10(const float* l, int* ids, float* w) {

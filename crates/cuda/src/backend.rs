@@ -53,10 +53,6 @@ const SCRATCH_CACHE_ROWS: usize = 8;
 /// this many, one (row, slot) pair a block (decode, verify windows). Both give the same bits.
 const MOE_GROUPED_ABOVE: usize = 8;
 
-/// The most expert bytes the routing warp pulls into L2 for one MoE block (about half the
-/// H100/H200's 50 MB L2, so the prefetched weights stay there until their products read them).
-const ROUTE_PREFETCH_BYTES: usize = 24 << 20;
-
 /// Batches above this many rows run the GDN recurrence spread over the state's columns (three
 /// launches); at most this many, one block a head. Both give the same bits.
 const GDN_SCAN_ABOVE: usize = 8;
@@ -1022,52 +1018,6 @@ impl CudaBackend {
         ys.into_iter()
             .map(|y| y.ok_or_else(|| shape("matmuls", "a product left out".into())))
             .collect()
-    }
-
-    /// [`Backend::route`] for the fused experts: the routing warp also starts pulling each
-    /// chosen expert's gate, up and down rows into L2 (ops::route_prefetch), as many of the
-    /// three stacks as fit in [`ROUTE_PREFETCH_BYTES`] for these rows; the experts' products
-    /// run three launches later. `STRATA_CUDA_ROUTE_PF=0` routes without it, for A/B.
-    fn route_warm(
-        &self,
-        logits: &CudaBuf,
-        k: usize,
-        ex: &model::ExpertsDev<'_>,
-    ) -> Result<CudaRoutes> {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_ROUTE_PF"));
-        let n = logits.rows;
-        let slabs = [ex.gate, ex.up, ex.down].map(|w| w.slab_bytes().unwrap_or(0));
-        let per = |m: usize| n * k * slabs[..m].iter().sum::<usize>();
-        let m = (1..=3)
-            .rev()
-            .find(|&m| per(m) <= ROUTE_PREFETCH_BYTES)
-            .unwrap_or(0);
-        if !on || m == 0 || n == 0 || k == 0 || k > logits.cols || slabs.contains(&0) {
-            return self.route(logits, k);
-        }
-        let mut ids = self.mem::<i32>(n * k)?;
-        let mut wts = self.alloc(n * k)?;
-        let w = [ex.gate, ex.up, ex.down];
-        let stacks: [Option<(&CudaSlice<u8>, usize)>; 3] =
-            std::array::from_fn(|i| (i < m).then(|| (&w[i].bytes, slabs[i])));
-        ops::route_prefetch(
-            &self.gpu,
-            &logits.data,
-            &mut ids,
-            &mut wts,
-            n,
-            logits.cols,
-            k,
-            stacks,
-        )
-        .map_err(dev)?;
-        Ok(CudaRoutes {
-            rows: n,
-            k,
-            ids,
-            wts,
-        })
     }
 
     /// The mix of [`Qwen4expOps::hc_mix`], of `x` as it is or after the previous block's
@@ -2307,7 +2257,7 @@ impl Qwen4expOps for CudaBackend {
         else {
             return Err(shape("moe_block", "product count".into()));
         };
-        let routes = self.route_warm(&logits, n_used, &devs)?;
+        let routes = self.route(&logits, n_used)?;
         // The shared expert: swiglu straight into its down product's image.
         let fd = mw.down_shexp.dev.act().map_err(dev)?;
         let mut hq = self.alloc_u8(rows * mw.down_shexp.dev.act_row_bytes().map_err(dev)?)?;
@@ -2333,6 +2283,9 @@ impl Qwen4expOps for CudaBackend {
             Some(model::SharedAdd {
                 y: &shared.data,
                 gate: &gate.data,
+                // route, then swiglu_prepare and the shared down product (one waiting launch
+                // each) before the experts.
+                settled: true,
             }),
             &mut out.data,
             &mut err,

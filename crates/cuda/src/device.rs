@@ -36,7 +36,8 @@ pub fn ensure_driver() -> Result<(), CudaError> {
     }
 }
 
-/// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B).
+/// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
+/// `STRATA_CUDA_EARLY_EXPERTS` is the one that is off unless `1`).
 pub const SWITCHES: [&str; 8] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
@@ -45,7 +46,7 @@ pub const SWITCHES: [&str; 8] = [
     "STRATA_CUDA_HC_UP4",
     "STRATA_CUDA_BF16W",
     "STRATA_CUDA_PINNED",
-    "STRATA_CUDA_ROUTE_PF",
+    "STRATA_CUDA_EARLY_EXPERTS",
 ];
 
 /// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were

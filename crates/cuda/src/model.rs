@@ -2388,6 +2388,21 @@ pub struct SharedAdd<'a> {
     pub y: &'a CudaSlice<f32>,
     /// `nt`, before the sigmoid.
     pub gate: &'a CudaSlice<f32>,
+    /// The caller's promise that `ids` and the image `xg` were written two or more launches
+    /// before the experts' first, with only launches that wait for their predecessor between
+    /// (the MoE block: route, then the shared expert's swiglu and down product). The
+    /// transposed Q2_0 gate/up and the down product then pull their blocks' weight rows into
+    /// L2 before their dependency waits (gemv.cu moe_gate_up_q8_q2t's `early`; the same
+    /// bits), when `STRATA_CUDA_EARLY_EXPERTS=1` (opt-in: not yet run on the GPU).
+    pub settled: bool,
+}
+
+/// Whether the experts pull their weight rows into L2 before their dependency wait
+/// ([`SharedAdd::settled`]): opt-in with `STRATA_CUDA_EARLY_EXPERTS=1` until it has been
+/// measured on the GPU (session 8 compiled it but had no device time left to run it).
+fn early_experts() -> bool {
+    static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *W.get_or_init(|| std::env::var("STRATA_CUDA_EARLY_EXPERTS").is_ok_and(|v| v.trim() == "1"))
 }
 
 /// [`moe_experts_fused`] from the gate weight's activation image `xg` already prepared, with
@@ -2437,36 +2452,58 @@ pub fn moe_experts_fused_on(
         i32_of(k, h)?,
     );
     let (sb, wb, xb) = (u64_of(gslab), u64_of(gwrb), u64_of(gxrb));
-    let (gate_up, threads) = match gate_up_q2t_threads(ex.gate.ty, h / 32) {
-        Some(t) => ("moe_gate_up_q8_q2t".to_string(), t),
-        None => (
-            format!("moe_gate_up_q8_{gn}"),
-            units_threads(64 * h / 32).min(gate_up_threads(ex.gate.ty)),
-        ),
-    };
+    let early = i32::from(shared.as_ref().is_some_and(|s| s.settled) && early_experts());
     // Each pair's 32-row blocks of gate and up, and its activation row.
     gpu.note_bytes(np * (2 * ff * gwrb + gxrb));
-    launch!(
-        gpu,
-        &format!("gemv_{gn}"),
-        gate_up,
-        cfg2((ff / 32) as u32, np as u32, threads),
-        [
-            &ex.gate.bytes,
-            &ex.up.bytes,
-            &sb,
-            ids,
-            &ne,
-            xg,
-            &ksi,
-            &mut *aq,
-            &ffi,
-            &hi,
-            &wb,
-            &xb,
-            &mut *err
-        ]
-    )?;
+    match gate_up_q2t_threads(ex.gate.ty, h / 32) {
+        Some(threads) => launch!(
+            gpu,
+            &format!("gemv_{gn}"),
+            "moe_gate_up_q8_q2t",
+            cfg2((ff / 32) as u32, np as u32, threads),
+            [
+                &ex.gate.bytes,
+                &ex.up.bytes,
+                &sb,
+                ids,
+                &ne,
+                xg,
+                &ksi,
+                &mut *aq,
+                &ffi,
+                &hi,
+                &wb,
+                &xb,
+                &mut *err,
+                &early
+            ]
+        )?,
+        None => launch!(
+            gpu,
+            &format!("gemv_{gn}"),
+            format!("moe_gate_up_q8_{gn}"),
+            cfg2(
+                (ff / 32) as u32,
+                np as u32,
+                units_threads(64 * h / 32).min(gate_up_threads(ex.gate.ty))
+            ),
+            [
+                &ex.gate.bytes,
+                &ex.up.bytes,
+                &sb,
+                ids,
+                &ne,
+                xg,
+                &ksi,
+                &mut *aq,
+                &ffi,
+                &hi,
+                &wb,
+                &xb,
+                &mut *err
+            ]
+        )?,
+    }
     let (dslab, dwrb, dxrb) = (
         ex.down.slab_bytes()?,
         ex.down.row_bytes()?,
@@ -2529,7 +2566,8 @@ pub fn moe_experts_fused_on(
                     &dwb,
                     &dxb,
                     &rbi,
-                    err
+                    err,
+                    &early
                 ]
             )
         }

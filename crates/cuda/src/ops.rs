@@ -373,49 +373,6 @@ pub fn route(
     }
 }
 
-/// [`route`]'s optimized kernels, then each chosen expert's slabs of up to three expert
-/// stacks (`stacks`: the weights and their bytes an expert) pulled into L2 by the routing
-/// warp itself (route.cu `route_pf_E_K`, route_opt's bits): the experts' products launched
-/// after it find their weights in L2. Shapes without an optimized kernel route as [`route`].
-#[allow(clippy::too_many_arguments)]
-pub fn route_prefetch(
-    gpu: &Gpu,
-    logits: &CudaSlice<f32>,
-    ids: &mut CudaSlice<i32>,
-    wts: &mut CudaSlice<f32>,
-    nt: usize,
-    n_exp: usize,
-    k: usize,
-    stacks: [Option<(&CudaSlice<u8>, usize)>; 3],
-) -> Result<(), CudaError> {
-    if !((n_exp, k) == (512, 10) || (n_exp, k) == (256, 8)) || stacks.iter().all(Option::is_none) {
-        return route(gpu, "optimized", logits, ids, wts, nt, n_exp, k);
-    }
-    let kn = "route";
-    need(kn, "logits", logits.len(), nt * n_exp)?;
-    need(kn, "ids", ids.len(), nt * k)?;
-    need(kn, "weights", wts.len(), nt * k)?;
-    for (w, slab) in stacks.iter().flatten() {
-        need(kn, "expert stack", w.len(), slab * n_exp)?;
-    }
-    // A missing stack: a null pointer (the kernel skips it).
-    let ptr = |i: usize| -> u64 {
-        stacks[i].map_or(0, |(w, _)| {
-            use cudarc::driver::DevicePtr;
-            w.device_ptr(gpu.stream()).0
-        })
-    };
-    let slab = |i: usize| -> u64 { stacks[i].map_or(0, |(_, s)| s as u64) };
-    let (p0, p1, p2, s0, s1, s2) = (ptr(0), ptr(1), ptr(2), slab(0), slab(1), slab(2));
-    launch!(
-        gpu,
-        "route",
-        format!("route_pf_{n_exp}_{k}"),
-        cfg(nt as u32, 32),
-        [logits, ids, wts, &p0, &p1, &p2, &s0, &s1, &s2]
-    )
-}
-
 /// The slop tables on the device.
 pub struct SlopDev {
     pub inverse: CudaSlice<i32>,
