@@ -152,7 +152,7 @@ for step in $STEPS; do
     ablate)
         # Each of the $NABL (default 20) costliest kernels of the profile ablated in turn
         # (STRATA_CUDA_ABLATE: its launches become empty ones, the results are wrong), plus the
-        # groups in $GROUPS (';'-separated lists): the step time lost is the kernel's marginal
+        # groups in $ABL_GROUPS (';'-separated lists; bash's own GROUPS is read-only): the step time lost is the kernel's marginal
         # cost inside the graph. Base runs at the start and the end.
         synth
         [ -s "$LOG/profile.txt" ] || bench -p 0 -n 8 -r 1 -c 4096 --profile >"$LOG/profile.txt"
@@ -162,7 +162,7 @@ for step in $STEPS; do
         # small ones), and every kernel that does (the products).
         nob=$(grep -E '^\| [a-z_0-9]+ \| [0-9]' "$LOG/profile.txt" | awk -F'|' '{gsub(/ /,"",$2); gsub(/ /,"",$6); if ($6 == "-") print $2}' | awk '!seen[$0]++' | paste -sd,)
         wb=$(grep -E '^\| [a-z_0-9]+ \| [0-9]' "$LOG/profile.txt" | awk -F'|' '{gsub(/ /,"",$2); gsub(/ /,"",$6); if ($6 != "-") print $2}' | awk '!seen[$0]++' | paste -sd,)
-        GROUPS="${GROUPS:-};$nob;$wb"
+        ABL_GROUPS="${ABL_GROUPS:-};$nob;$wb"
         best() { awk -F'|' '/\| tg/ {gsub(/ /,"",$9); print $9}' | tail -1; }
         run_ab() { STRATA_CUDA_ABLATE="$1" bench -p 0 -n 16 -r 2 -c 4096 | best; }
         b0=$(run_ab "")
@@ -170,7 +170,7 @@ for step in $STEPS; do
         echo "| --- | ---: | ---: | ---: |" | tee -a "$LOG/ablate.md"
         row() { awk -v n="$1" -v t="$2" -v b="$b0" 'BEGIN { if (t > 0) printf "| %s | %.2f | %.3f | %.3f |\n", n, t, 1000/t, 1000/b - 1000/t; else printf "| %s | failed | | |\n", n }'; }
         row "(none)" "$b0" | tee -a "$LOG/ablate.md"
-        for n in $names $(echo "${GROUPS:-}" | tr ';' ' '); do
+        for n in $names $(echo "${ABL_GROUPS:-}" | tr ';' ' '); do
             [ "$(left)" -lt 40 ] && { say "ablation stopped: budget"; break; }
             t=$(run_ab "$n")
             row "$n" "${t:-0}" | tee -a "$LOG/ablate.md"
