@@ -594,3 +594,264 @@ attend_split_sum(const float* part, const u32* cnt, const u32* pos, float* out, 
         out[(size_t)rh * d + j] = acc;
     }
 }
+
+// ---- attention for prefill: the heads that share a kv head, together ---------------------------
+// attend_split_scores / attend_split_out for many rows read every key and value row once per
+// (row, head): 24 heads over 2 kv heads read each row 12 times, and at 4096 tokens of context
+// that traffic (≈ 2 × 256 KB a block from L2) is what grows with the prompt. These take one block
+// per (row, group of up to AG heads of one kv head, chunk of 256 tokens): each key and value row
+// is read once for the group. Every score, chunk statistic, weight and partial sum is the split
+// kernels' expression in its order (the scores' dims in order, block_max256 / block_sum256's
+// tree, the chunks' stats in chunk order, the values in token order), so the outputs are the
+// same bits; attend_split_sum finishes both. d % 32 == 0, d ≤ 256.
+#define AG 12
+
+// The block's heads: kv head j = gi / per, heads h0 .. h0 + nh of group gi % per.
+__device__ __forceinline__ void attn_group(int gi, int n_head, int n_head_kv, int& h0, int& nh) {
+    const int g = n_head / n_head_kv, per = (g + AG - 1) / AG;
+    const int j = gi / per, s = gi % per;
+    h0 = j * g + s * AG;
+    nh = min(AG, g - s * AG);
+}
+
+// block_max256 and block_sum256 of AG values at once (`sh` holds 8·AG floats): the same trees.
+__device__ __forceinline__ void block_max256_n(float (&v)[AG], int nh, float* sh) {
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+#pragma unroll
+    for (int h = 0; h < AG; ++h)
+        if (h < nh) v[h] = warp_max(v[h]);
+    __syncthreads();
+    if (l == 0)
+#pragma unroll
+        for (int h = 0; h < AG; ++h)
+            if (h < nh) sh[8 * h + w] = v[h];
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < AG; ++h)
+        if (h < nh) {
+            const float* s = sh + 8 * h;
+            // Lane 0 of block_max256: xor 4, then 2, then 1.
+            const float a0 = fmaxf(s[0], s[4]), a1 = fmaxf(s[1], s[5]), a2 = fmaxf(s[2], s[6]),
+                        a3 = fmaxf(s[3], s[7]);
+            v[h] = fmaxf(fmaxf(a0, a2), fmaxf(a1, a3));
+        }
+}
+
+__device__ __forceinline__ void block_sum256_n(float (&v)[AG], int nh, float* sh) {
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+#pragma unroll
+    for (int h = 0; h < AG; ++h)
+        if (h < nh) v[h] = warp_sum(v[h]);
+    __syncthreads();
+    if (l == 0)
+#pragma unroll
+        for (int h = 0; h < AG; ++h)
+            if (h < nh) sh[8 * h + w] = v[h];
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < AG; ++h)
+        if (h < nh) {
+            const float* s = sh + 8 * h;
+            v[h] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+        }
+}
+
+// Grid (rows · groups, chunks), 256 threads; scratch layouts as attend_split_scores'.
+template <bool CAUSAL>
+__device__ __forceinline__ void attend_group_scores_t(const float* q, const float* kc, const u32* sel, const u32* cnt,
+                                                      const u32* pos, float* scores, float* stats, u32 cap,
+                                                      int n_head, int n_head_kv, int d, int stride, int f16,
+                                                      int max_chunks, u32* err, float* qs, float (*kt)[33],
+                                                      u32* tk, float* sh) {
+    const int groups = n_head_kv * ((n_head / n_head_kv + AG - 1) / AG);
+    const int r = blockIdx.x / groups, c = blockIdx.y;
+    int h0, nh;
+    attn_group(blockIdx.x % groups, n_head, n_head_kv, h0, nh);
+    const int kvc = n_head_kv * d, off = (h0 / (n_head / n_head_kv)) * d;
+    const u32 T = CAUSAL ? pos[r] + 1 : cnt[r];
+    if (T > cap || (u32)c * 256 >= T) return;
+    const float* qh = q + ((size_t)r * n_head + h0) * d;  // the group's heads are consecutive
+    for (int i = threadIdx.x; i < nh * d; i += 256) qs[i] = r16(qh[i], f16);
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    u32 tok = cap;
+    if (t < T) {
+        tok = CAUSAL ? t : sel[(size_t)r * stride + t];
+        if (tok >= cap) {
+            atomicOr(err, ERR_CAPACITY);
+            tok = cap;
+        }
+    }
+    tk[threadIdx.x] = tok;
+    float acc[AG], a[CAUSAL ? AG : 1][8];
+#pragma unroll
+    for (int h = 0; h < AG; ++h) acc[h] = -0.0f;
+#pragma unroll
+    for (int h = 0; h < (CAUSAL ? AG : 1); ++h)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[h][e] = 0.f;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int live = (int)min(256u, T - (u32)c * 256);
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        __syncthreads();
+        for (int rr = warp; rr < live; rr += 8) {
+            const u32 tt = tk[rr];
+            kt[rr][lane] = tt < cap ? kc[(size_t)tt * kvc + off + c0 + lane] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll 2
+        for (int i = 0; i < 32; i += 4) {
+            float kv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) kv[e] = CAUSAL ? kt[threadIdx.x][i + e] : r16(kt[threadIdx.x][i + e], f16);
+#pragma unroll
+            for (int h = 0; h < AG; ++h)
+                if (h < nh) {
+                    const float4 q4 = *(const float4*)&qs[h * d + c0 + i];
+                    if (CAUSAL) {
+                        // attn_score's eight interleaved partials: dim c0 + i + e goes to (i + e) & 7.
+                        a[CAUSAL ? h : 0][(i + 0) & 7] += q4.x * kv[0];
+                        a[CAUSAL ? h : 0][(i + 1) & 7] += q4.y * kv[1];
+                        a[CAUSAL ? h : 0][(i + 2) & 7] += q4.z * kv[2];
+                        a[CAUSAL ? h : 0][(i + 3) & 7] += q4.w * kv[3];
+                    } else {
+                        acc[h] += q4.x * kv[0];
+                        acc[h] += q4.y * kv[1];
+                        acc[h] += q4.z * kv[2];
+                        acc[h] += q4.w * kv[3];
+                    }
+                }
+        }
+    }
+    float s[AG], e[AG];
+#pragma unroll
+    for (int h = 0; h < AG; ++h) {
+        s[h] = NEG_INF;
+        if (h < nh && t < T && tok < cap) {
+            if (CAUSAL) {
+                const int hc = CAUSAL ? h : 0;
+                const float s0 = a[hc][0] + a[hc][4], s1 = a[hc][1] + a[hc][5], s2 = a[hc][2] + a[hc][6],
+                            s3 = a[hc][3] + a[hc][7];
+                s[h] = ((s0 + s2) + (s1 + s3)) * (1.0f / sqrtf((float)d));
+            } else {
+                s[h] = acc[h] * (1.0f / sqrtf((float)d));
+            }
+        }
+        if (h < nh && t < T) scores[((size_t)r * n_head + h0 + h) * cap + t] = s[h];
+        e[h] = s[h];
+    }
+    block_max256_n(e, nh, sh);  // e = the chunk's max per head
+    float m[AG];
+#pragma unroll
+    for (int h = 0; h < AG; ++h) {
+        m[h] = e[h];
+        e[h] = t < T ? expf(s[h] - m[h]) : 0.f;
+    }
+    block_sum256_n(e, nh, sh);
+    if (threadIdx.x == 0)
+#pragma unroll
+        for (int h = 0; h < AG; ++h)
+            if (h < nh) {
+                const size_t at = (((size_t)r * n_head + h0 + h) * max_chunks + c) * 2;
+                stats[at] = m[h];
+                stats[at + 1] = e[h];
+            }
+}
+
+template <bool CAUSAL>
+__device__ __forceinline__ void attend_group_out_t(const float* vc, const u32* sel, const u32* cnt, const u32* pos,
+                                                   const float* scores, const float* stats, float* part, u32 cap,
+                                                   int n_head, int n_head_kv, int d, int stride, int f16,
+                                                   int max_chunks, float (*w)[256], u32* tk, float (*mz)[2]) {
+    const int groups = n_head_kv * ((n_head / n_head_kv + AG - 1) / AG);
+    const int r = blockIdx.x / groups, c = blockIdx.y;
+    int h0, nh;
+    attn_group(blockIdx.x % groups, n_head, n_head_kv, h0, nh);
+    const int kvc = n_head_kv * d, off = (h0 / (n_head / n_head_kv)) * d;
+    const u32 T = CAUSAL ? pos[r] + 1 : cnt[r];
+    const int nc = (int)((T + 255) / 256);
+    if (T > cap || c >= nc) return;
+    if (threadIdx.x < nh) {
+        // attend_split_out's m and z, from the chunks' stats in chunk order.
+        const float* st = stats + ((size_t)r * n_head + h0 + threadIdx.x) * max_chunks * 2;
+        float m = NEG_INF;
+        for (int i = 0; i < nc; ++i) m = fmaxf(m, st[2 * i]);
+        float z = 0.f;
+        for (int i = 0; i < nc; ++i) z += st[2 * i + 1] * expf(st[2 * i] - m);
+        mz[threadIdx.x][0] = m;
+        mz[threadIdx.x][1] = z;
+    }
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    u32 tok = cap;
+    if (t < T) tok = CAUSAL ? t : sel[(size_t)r * stride + t];
+    tk[threadIdx.x] = tok;
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < AG; ++h)
+        if (h < nh) {
+            float wt = 0.f;
+            if (t < T) {
+                const float m = mz[h][0], z = mz[h][1], inv = 1.0f / z;
+                const float p = expf(scores[((size_t)r * n_head + h0 + h) * cap + t] - m);
+                wt = CAUSAL ? r16(p * inv, f16) : r16(p / z, f16);
+            }
+            w[h][threadIdx.x] = wt;
+        }
+    __syncthreads();
+    const int len = (int)min(256u, T - (u32)c * 256);
+    for (int j = threadIdx.x; j < d; j += 256) {
+        float acc[AG];
+#pragma unroll
+        for (int h = 0; h < AG; ++h) acc[h] = 0.f;
+        for (int u0 = 0; u0 < len; u0 += 8) {
+            float vv[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const bool ok = u0 + u < len && tk[u0 + u] < cap;
+                vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
+                if (!CAUSAL) vv[u] = r16(vv[u], f16);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (u0 + u < len && tk[u0 + u] < cap)
+#pragma unroll
+                    for (int h = 0; h < AG; ++h)
+                        if (h < nh) acc[h] += w[h][u0 + u] * vv[u];
+        }
+#pragma unroll
+        for (int h = 0; h < AG; ++h)
+            if (h < nh) part[(((size_t)r * n_head + h0 + h) * max_chunks + c) * d + j] = acc[h];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_group_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
+                    float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
+                    int max_chunks, u32* err) {
+    grid_dep_sync();
+    __shared__ __align__(16) float qs[AG * 256];
+    __shared__ float kt[256][33];
+    __shared__ u32 tk[256];
+    __shared__ float sh[8 * AG];
+    if (causal)
+        attend_group_scores_t<true>(q, kc, sel, cnt, pos, scores, stats, cap, n_head, n_head_kv, d, stride, f16,
+                                    max_chunks, err, qs, kt, tk, sh);
+    else
+        attend_group_scores_t<false>(q, kc, sel, cnt, pos, scores, stats, cap, n_head, n_head_kv, d, stride, f16,
+                                     max_chunks, err, qs, kt, tk, sh);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_group_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
+                 const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
+                 int f16, int max_chunks) {
+    grid_dep_sync();
+    __shared__ float w[AG][256];
+    __shared__ u32 tk[256];
+    __shared__ float mz[AG][2];
+    if (causal)
+        attend_group_out_t<true>(vc, sel, cnt, pos, scores, stats, part, cap, n_head, n_head_kv, d, stride, f16,
+                                 max_chunks, w, tk, mz);
+    else
+        attend_group_out_t<false>(vc, sel, cnt, pos, scores, stats, part, cap, n_head, n_head_kv, d, stride, f16,
+                                  max_chunks, w, tk, mz);
+}

@@ -323,6 +323,151 @@ GDN_SCAN(128)
 GDN_SCAN(64)
 GDN_SCAN(32)
 
+// ---- the scan with its inputs staged (prefill; bitwise gdn_scan_* and gdn_step_*) ---------------
+// gdn_scan_t reads each row's k̂ and q̂ from global memory inside its fully unrolled column loops
+// (256 dependent-address loads a row, and at DK = 128 the state's 128 registers plus those
+// loads spill), and takes the k·S sum of row t + 1 only after the q·S sum of row t. This one
+// keeps the same per-element operations in the same order but (1) stages the rows' k̂, q̂, (β,
+// decay) and each lane's v in a ring of shared memory, 2·RC rows, refilled a chunk of RC rows at
+// a time with cp.async while the previous chunk runs, read back as float4; (2) runs row t's
+// update and q·S sum in one loop with row t + 1's decay and k·S sum: per element
+// s += k_t·δ_t; o_t += q_t·s; s *= decay_{t+1}; kS_{t+1} += k_{t+1}·s — each element sees its
+// operations in the sequential order and each sum runs over i in order from +0, so the two
+// independent chains interleave without changing a bit.
+#define RC 16
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+
+// Rows t0 .. t0 + RC (those below n) into their ring slots t % (2·RC), asynchronously.
+template <int DK>
+__device__ __forceinline__ void gdn_ring_stage(float4 (*kr)[DK / 4], float4 (*qr)[DK / 4], float (*vr)[32],
+                                               float (*br)[2], const float* qn, const float* kn, const float* bd,
+                                               const float* qkv, int t0, int n, int nk, int nv, int dv, int g,
+                                               int h, int j) {
+    constexpr int D4 = DK / 4, RING = 2 * RC;
+    const int lane = threadIdx.x;
+    const int conv_dim = 2 * nk * DK + nv * dv;
+    for (int e = lane; e < RC * D4; e += 32) {
+        const int u = e / D4, c = e % D4, t = t0 + u;
+        if (t < n) {
+            cp_async16(&kr[t % RING][c], kn + ((size_t)t * nk + g) * DK + 4 * c);
+            cp_async16(&qr[t % RING][c], qn + ((size_t)t * nk + g) * DK + 4 * c);
+        }
+    }
+    for (int u = 0; u < RC; ++u) {
+        const int t = t0 + u;
+        if (t < n) cp_async4(&vr[t % RING][lane], qkv + (size_t)t * conv_dim + 2 * nk * DK + h * dv + j);
+    }
+    if (lane < 2 * RC) {
+        const int t = t0 + (lane >> 1);
+        if (t < n) cp_async4(&br[t % RING][lane & 1], bd + ((size_t)t * nv + h) * 2 + (lane & 1));
+    }
+}
+
+// Grid (nv, dv/32), 32 threads, as gdn_scan_t.
+template <int DK>
+__device__ __forceinline__ void gdn_scan_ring_t(const float* qn, const float* kn, const float* bd, const float* qkv,
+                                                float* state, float* oraw, int n, int nk, int nv, int dv) {
+    constexpr int D4 = DK / 4, RING = 2 * RC;
+    __shared__ __align__(16) float4 kr[RING][D4];
+    __shared__ __align__(16) float4 qr[RING][D4];
+    __shared__ float vr[RING][32];
+    __shared__ float br[RING][2];
+    const int lane = threadIdx.x;
+    const int h = blockIdx.x, j = blockIdx.y * 32 + lane, g = h % nk;
+    float* sp = state + (size_t)h * DK * dv + j;
+    float s[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) s[i] = sp[(size_t)i * dv];
+    gdn_ring_stage<DK>(kr, qr, vr, br, qn, kn, bd, qkv, 0, n, nk, nv, dv, g, h, j);
+    gdn_ring_stage<DK>(kr, qr, vr, br, qn, kn, bd, qkv, RC, n, nk, nv, dv, g, h, j);
+    cp_async_wait_all();
+    __syncwarp();
+    // Row 0's decay and k·S.
+    float kS = 0.f;
+    {
+        const float dec = br[0][1];
+#pragma unroll
+        for (int c = 0; c < D4; ++c) {
+            const float4 k4 = kr[0][c];
+            const float kk[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[4 * c + e] *= dec;
+                kS += kk[e] * s[4 * c + e];
+            }
+        }
+    }
+    for (int t = 0; t < n; ++t) {
+        const int sl = t % RING;
+        const float delta = br[sl][0] * (vr[sl][lane] - kS);
+        float o = 0.f;
+        if (t + 1 < n) {
+            const int sn = (t + 1) % RING;
+            const float dec = br[sn][1];
+            float kS1 = 0.f;
+#pragma unroll
+            for (int c = 0; c < D4; ++c) {
+                const float4 k4 = kr[sl][c], q4 = qr[sl][c], n4 = kr[sn][c];
+                const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, qq[4] = {q4.x, q4.y, q4.z, q4.w},
+                            nn[4] = {n4.x, n4.y, n4.z, n4.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[4 * c + e] += kk[e] * delta;
+                    o += qq[e] * s[4 * c + e];
+                    s[4 * c + e] *= dec;
+                    kS1 += nn[e] * s[4 * c + e];
+                }
+            }
+            kS = kS1;
+        } else {
+#pragma unroll
+            for (int c = 0; c < D4; ++c) {
+                const float4 k4 = kr[sl][c], q4 = qr[sl][c];
+                const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, qq[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[4 * c + e] += kk[e] * delta;
+                    o += qq[e] * s[4 * c + e];
+                }
+            }
+        }
+        oraw[(size_t)t * nv * dv + h * dv + j] = o;
+        if ((t + 1) % RC == 0 && t + 1 < n) {
+            // Rows t − RC + 1 ..= t are done (row t + 1's k is in the next chunk): their slots
+            // take the chunk after next. The next chunk's copies were issued a chunk ago.
+            cp_async_wait_all();
+            __syncwarp();
+            gdn_ring_stage<DK>(kr, qr, vr, br, qn, kn, bd, qkv, t + 1 + RC, n, nk, nv, dv, g, h, j);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < DK; ++i) sp[(size_t)i * dv] = s[i];
+}
+
+#define GDN_SCAN_RING(DK)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32)                                                   \
+    gdn_scan_ring_##DK(const float* qn, const float* kn, const float* bd, const float* qkv, float* state, \
+                       float* oraw, int n, int nk, int nv, int dv) {                                   \
+        grid_dep_sync();                                                                               \
+        gdn_scan_ring_t<DK>(qn, kn, bd, qkv, state, oraw, n, nk, nv, dv);                              \
+    }
+GDN_SCAN_RING(128)
+GDN_SCAN_RING(64)
+GDN_SCAN_RING(32)
+
 // Grid (n·nv), dv threads: out = ((o · rms(o)) · w) · σ(z), the sum of squares in order.
 extern "C" __global__ void __launch_bounds__(256)
 gdn_out(const float* oraw, const float* z, const float* norm, float* out, int dv, float eps) {

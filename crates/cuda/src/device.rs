@@ -37,7 +37,7 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 }
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B).
-pub const SWITCHES: [&str; 7] = [
+pub const SWITCHES: [&str; 9] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -45,6 +45,8 @@ pub const SWITCHES: [&str; 7] = [
     "STRATA_CUDA_HC_UP4",
     "STRATA_CUDA_BF16W",
     "STRATA_CUDA_PINNED",
+    "STRATA_CUDA_ATTN_GROUP",
+    "STRATA_CUDA_GDN_RING",
 ];
 
 /// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were

@@ -1328,6 +1328,14 @@ impl GdnScratch {
     }
 }
 
+/// Whether [`gdn_step_scan`] runs gdn.cu `gdn_scan_ring_*` (the rows' inputs staged in shared
+/// memory by cp.async, row t's output sum interleaved with row t + 1's k·S sum: the same bits as
+/// `gdn_scan_*`); `STRATA_CUDA_GDN_RING=0` keeps `gdn_scan_*`, for A/B.
+pub fn gdn_ring_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_GDN_RING"))
+}
+
 /// [`gdn_step`] spread over the state's columns (one warp per 32 columns of a head, no block
 /// syncs in the row loop), for prefill: three launches (prep, scan, output norm), every value
 /// bitwise [`gdn_step`]'s.
@@ -1392,10 +1400,15 @@ pub fn gdn_step_scan(
             &dki, &dvi
         ]
     )?;
+    let scan = if gdn_ring_on() {
+        "gdn_scan_ring"
+    } else {
+        "gdn_scan"
+    };
     launch!(
         gpu,
         "gdn",
-        format!("gdn_scan_{dk}"),
+        format!("{scan}_{dk}"),
         cfg2(nv as u32, (dv / 32) as u32, 32),
         [
             &s.qn,
@@ -1841,6 +1854,22 @@ impl AttnSplitScratch {
     }
 }
 
+/// Heads a block of attn.cu `attend_group_*` takes (`AG`).
+pub const ATTN_GROUP: usize = 12;
+
+/// Whether [`attend_split`] over `rows` query rows runs attn.cu `attend_group_scores` /
+/// `attend_group_out` (one block per row, group of up to [`ATTN_GROUP`] heads of one kv head
+/// and chunk: every key and value row read once for the group; the same bits as
+/// `attend_split_scores` / `attend_split_out`): more rows than a decode window, head dims a
+/// multiple of 32 up to 256; `STRATA_CUDA_ATTN_GROUP=0` keeps the per-head kernels, for A/B.
+pub fn attend_grouped_applies(rows: usize, dims: AttnDims) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    rows > 8
+        && dims.head_dim.is_multiple_of(32)
+        && dims.head_dim <= 256
+        && *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_ATTN_GROUP"))
+}
+
 /// [`attend`] with the tokens split into chunks of 256, one block per (row, head, chunk) (rows
 /// beyond the scratch's run in chunks of its rows): the
 /// same scores and per-token weights, `z` and the output summed over chunks (another order
@@ -1860,6 +1889,32 @@ pub fn attend_split(
     out: &mut CudaSlice<f32>,
     s: &mut AttnSplitScratch,
     err: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let grouped = attend_grouped_applies(n, dims);
+    attend_split_as(
+        gpu, q, k_cache, v_cache, cap, sel, pos, n, dims, f16, out, s, err, grouped,
+    )
+}
+
+/// [`attend_split`] with the kernels chosen by the caller: `grouped` runs `attend_group_*`
+/// (head dims a multiple of 32 up to 256), else the per-head kernels; the same bits either
+/// way (tests/model_ops.rs binds them).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_split_as(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    k_cache: &CudaSlice<f32>,
+    v_cache: &CudaSlice<f32>,
+    cap: usize,
+    sel: Option<&Selection>,
+    pos: &CudaSlice<u32>,
+    n: usize,
+    dims: AttnDims,
+    f16: bool,
+    out: &mut CudaSlice<f32>,
+    s: &mut AttnSplitScratch,
+    err: &mut CudaSlice<u32>,
+    grouped: bool,
 ) -> Result<(), CudaError> {
     let k = "attend_split";
     let AttnDims {
@@ -1904,6 +1959,14 @@ pub fn attend_split(
         }
         None => (s.max_chunks, 0, 1),
     };
+    if grouped && (!head_dim.is_multiple_of(32) || head_dim > 256) {
+        return Err(bad(
+            k,
+            format!("{dims:?}: the grouped kernels take head dims of 32·k ≤ 256"),
+        ));
+    }
+    // The grouped kernels: blocks of up to ATTN_GROUP heads of one kv head.
+    let groups = n_head_kv * (n_head / n_head_kv).div_ceil(ATTN_GROUP);
     // Rows run in chunks of the scratch's rows (each row's result does not depend on it).
     let qc = n_head * head_dim;
     for r0 in (0..n).step_by(s.rows.max(1)) {
@@ -1919,6 +1982,64 @@ pub fn attend_split(
             None => (pos.slice(r0..r0 + m), pos.slice(r0..r0 + m)),
         };
         let c2 = cfg2((m * n_head) as u32, chunks as u32, 256);
+        if grouped {
+            let cg = cfg2((m * groups) as u32, chunks as u32, 256);
+            launch!(
+                gpu,
+                "attn",
+                "attend_group_scores",
+                cg,
+                [
+                    &qv,
+                    k_cache,
+                    &lst,
+                    &cnt,
+                    &pv,
+                    &mut s.scores,
+                    &mut s.stats,
+                    &capu,
+                    &nh,
+                    &nkv,
+                    &hd,
+                    &st,
+                    &causal,
+                    &fi,
+                    &mc,
+                    &mut *err
+                ]
+            )?;
+            launch!(
+                gpu,
+                "attn",
+                "attend_group_out",
+                cg,
+                [
+                    v_cache,
+                    &lst,
+                    &cnt,
+                    &pv,
+                    &s.scores,
+                    &s.stats,
+                    &mut s.part,
+                    &capu,
+                    &nh,
+                    &nkv,
+                    &hd,
+                    &st,
+                    &causal,
+                    &fi,
+                    &mc
+                ]
+            )?;
+            launch!(
+                gpu,
+                "attn",
+                "attend_split_sum",
+                cfg((m * n_head) as u32, 256),
+                [&s.part, &cnt, &pv, &mut ov, &capu, &nh, &hd, &causal, &mc]
+            )?;
+            continue;
+        }
         launch!(
             gpu,
             "attn",
