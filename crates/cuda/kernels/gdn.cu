@@ -39,6 +39,41 @@ conv1d_silu_f32(const float* x, const float* w, float* hist, float* out, int n, 
     }
 }
 
+// conv1d_silu_f32 for a prefill's rows: one thread per (channel, CR consecutive rows) instead of
+// one per channel over every row (10240 channels = 40 blocks, each walking 512 rows), the same
+// sum per output (taps in order from +0, then silu); conv1d_hist_f32 then moves the history as
+// conv1d_silu_f32's tail does (a second launch: the rows read the old history).
+#define CR 8
+extern "C" __global__ void __launch_bounds__(256)
+conv1d_rows_f32(const float* x, const float* w, const float* hist, float* out, int n, int c, int k, int dil) {
+    grid_dep_sync();
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    const int hr = (k - 1) * dil;
+    const int t1 = min(n, (int)(blockIdx.y + 1) * CR);
+    for (int t = blockIdx.y * CR; t < t1; ++t) {
+        float acc = 0.f;
+        for (int tap = 0; tap < k; ++tap) {
+            const int idx = hr + t - (k - 1 - tap) * dil;  // row of [history; x]
+            const float v = idx < hr ? hist[(size_t)idx * c + ch] : x[(size_t)(idx - hr) * c + ch];
+            acc += w[(size_t)ch * k + tap] * v;
+        }
+        out[(size_t)t * c + ch] = g_silu(acc);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+conv1d_hist_f32(const float* x, float* hist, int n, int c, int k, int dil) {
+    grid_dep_sync();
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    const int hr = (k - 1) * dil;
+    for (int i = 0; i < hr; ++i) {
+        const int j = n + i;
+        hist[(size_t)i * c + ch] = j < hr ? hist[(size_t)j * c + ch] : x[(size_t)(j - hr) * c + ch];
+    }
+}
+
 // The recurrent step. Block h = value head (DV threads, one state column each, kept in
 // registers across the rows); key head g = h % nk (GGUF's tiled order). Per row t:
 //   q, k l2-normalised (sum of squares in order, eps 1e-6), q scaled by 1/sqrt(DK);

@@ -73,13 +73,41 @@ __device__ __forceinline__ float mmq_contrib(float4 ws, float2 xs, int ia, int i
     }
 }
 
+// Q2_0 in the transposed element order (mmq_q2t(), session 7's q2_act idea for the MMA): a
+// unit's integer dot is a sum over its 32 (weight, activation) byte pairs, exact in any order,
+// so both sides may list the elements in another order as long as it is the same one. Weight
+// word m (m < 4) takes code m of each of the unit's code bytes 0..3 (element 4k + m in byte k:
+// one shift and mask of the code word instead of spreading each byte), word 4 + m the same of
+// bytes 4..7; the activation words are transposed to match (byte k of word m = element 4k + m,
+// a 4×4 byte transpose). STRATA_CUDA_MMQ_Q2T=0 (the kernels' q2t argument) keeps the byte-wise
+// decoder.
+__device__ __forceinline__ void mmq_transpose4(u32& v0, u32& v1, u32& v2, u32& v3) {
+    const u32 t0 = __byte_perm(v0, v1, 0x5140), t1 = __byte_perm(v0, v1, 0x7362);
+    const u32 t2 = __byte_perm(v2, v3, 0x5140), t3 = __byte_perm(v2, v3, 0x7362);
+    v0 = __byte_perm(t0, t2, 0x5410);
+    v1 = __byte_perm(t0, t2, 0x7632);
+    v2 = __byte_perm(t1, t3, 0x5410);
+    v3 = __byte_perm(t1, t3, 0x7632);
+}
+
 // Weight unit u of row `wr` (nullptr: a row past the matrix, zeros) into the staging layout.
 template <int T>
-__device__ __forceinline__ void mmq_stage_w(const u8* wr, int u, uint2* wq, float4* ws) {
+__device__ __forceinline__ void mmq_stage_w(const u8* wr, int u, uint2* wq, float4* ws, int q2t) {
     if (wr == nullptr) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) wq[k] = make_uint2(0u, 0u);
         *ws = make_float4(0.f, 0.f, 0.f, 0.f);
+        return;
+    }
+    if (T == T_Q2_0 && q2t) {
+        const u8* b = wr + (size_t)(u >> 1) * 18;  // two units a block: f16 scale, 16 code bytes
+        const u8* c = b + 2 + 8 * (u & 1);
+        const u32 c0 = ld32a2(c), c1 = ld32a2(c + 4);
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            wq[m] = make_uint2(__vsub4((c0 >> (2 * m)) & 0x03030303u, 0x01010101u),
+                               __vsub4((c1 >> (2 * m)) & 0x03030303u, 0x01010101u));
+        *ws = make_float4(ldf16(b), 0.f, __int_as_float(0), __int_as_float(0));
         return;
     }
     DecUnit d = decode_for_dot<T>(wr, u, global_tables());
@@ -95,7 +123,7 @@ __device__ __forceinline__ void mmq_stage_w(const u8* wr, int u, uint2* wq, floa
 
 // Activation unit u of row `xr` (nullptr: a token past the tile, zeros) into the staging layout.
 template <int T>
-__device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, float2* xs) {
+__device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, float2* xs, int q2t) {
     if (xr == nullptr) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) xq[k] = make_uint2(0u, 0u);
@@ -110,6 +138,10 @@ __device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, floa
         dx = ldf16(xb);
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] = ld32a2(xb + 2 + 4 * k);
+        if (T == T_Q2_0 && q2t) {
+            mmq_transpose4(v[0], v[1], v[2], v[3]);
+            mmq_transpose4(v[4], v[5], v[6], v[7]);
+        }
     } else {
         const int s = u & 7;
         const u8* xb = xr + 292 * (size_t)(u >> 3);  // Q8_K block (4-byte aligned)
@@ -129,7 +161,7 @@ __device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, floa
 // rows the caller put in xrow / yrow (−1: no token). Stores y[yrow · rows + r].
 template <int T, int BN>
 __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, const u8* x, u64 xrb, float* y,
-                                         int r0, const int* xrow, const int* yrow) {
+                                         int r0, const int* xrow, const int* yrow, int nlive, int q2t) {
     constexpr int NI = BN / 8, MI = MMQ_BM / 16, CPW = 32 / MMQ_NW;
     // Per staged unit: a row's 4 uint2 (or a token's), strides padded to odd counts so the
     // staging stores of 16 consecutive units hit distinct banks.
@@ -182,11 +214,11 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
 #pragma unroll
                 for (int j = 0; j < MMQ_BM / SROWS; ++j) {
                     const int u = cb + su, r = sr + SROWS * j;
-                    mmq_stage_w<T>(u < units ? wrs[j] : nullptr, u, wq + su * SWQ + r * 4, ws + su * SWS + r);
+                    mmq_stage_w<T>(u < units ? wrs[j] : nullptr, u, wq + su * SWQ + r * 4, ws + su * SWS + r, q2t);
                 }
                 if (xjob) {
                     const int u = cb + sxu;
-                    mmq_stage_x<T>(u < units ? xr : nullptr, u, xq + sxu * SXQ + st * 4, xs + sxu * SXS + st);
+                    mmq_stage_x<T>(u < units ? xr : nullptr, u, xq + sxu * SXQ + st * 4, xs + sxu * SXS + st, q2t);
                 }
                 __syncthreads();
 #pragma unroll
@@ -213,6 +245,7 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
                             const float4 whi = ws[ul * SWS + 16 * mi + g + 8];
 #pragma unroll
                             for (int ni = 0; ni < NI; ++ni) {
+                                if (8 * ni >= nlive) continue;  // no token in this 8 (uniform)
                                 int ca[4], cbv[4] = {0, 0, 0, 0};
                                 if constexpr (mmq_split<T>()) {
                                     mma_k16(ca, alo.x, ahi.x, b[ni].x);
@@ -270,7 +303,7 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
 // y[t][r] = W[r]·x_t, grid (ceil(rows / 32), ceil(nt / 16)), 256 threads.
 template <int T>
 __device__ __forceinline__ void mmq_dense(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
-                                          u64 xrb) {
+                                          u64 xrb, int q2t) {
     constexpr int BN = 16;
     __shared__ int xrow[BN], yrow[BN];
     const int t0 = blockIdx.y * BN;
@@ -279,16 +312,18 @@ __device__ __forceinline__ void mmq_dense(const u8* w, const u8* x, float* y, in
         xrow[threadIdx.x] = yrow[threadIdx.x] = t < nt ? t : -1;
     }
     __syncthreads();
-    mmq_tile<T, BN>(w, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow);
+    mmq_tile<T, BN>(w, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, min(BN, nt - t0), q2t);
 }
 
-// The expert-grouped product: tile blockIdx.y = (expert, start, count ≤ 8) of moe_group's
-// expert-sorted pair list; grid (ceil(rows / 32), max_tiles), tiles past *n_tiles exit.
-template <int T>
+// The expert-grouped product: tile blockIdx.y = (expert, start, count ≤ BN) of moe_group's
+// expert-sorted pair list; grid (ceil(rows / 32), max_tiles), tiles past *n_tiles exit. BN = 8
+// (moe_mmq_*) or 16 (moe_mmq16_*, over moe_group's tiles of 16: an expert with 9..16 pairs of
+// the step has its weights decoded once instead of twice; the same bits, each output's sum
+// does not depend on the tile it is in).
+template <int T, int BN>
 __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,
                                         const u32* perm, const u8* x, int x_per_slot, int kslots, float* y, int rows,
-                                        int k, u64 wrb, u64 xrb) {
-    constexpr int BN = 8;
+                                        int k, u64 wrb, u64 xrb, int q2t) {
     __shared__ int xrow[BN], yrow[BN];
     const u32 tile = blockIdx.y;
     if (tile >= *n_tiles) return;  // uniform over the block
@@ -300,7 +335,7 @@ __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* 
         xrow[j] = q < 0 ? -1 : x_per_slot ? q : q / kslots;
     }
     __syncthreads();
-    mmq_tile<T, BN>(w + (size_t)e * slab_bytes, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow);
+    mmq_tile<T, BN>(w + (size_t)e * slab_bytes, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, tn, q2t);
 }
 
 // ---- BF16 beyond the GEMV window -------------------------------------------------------------
@@ -408,14 +443,23 @@ mmt_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
 
 #define MMQ(T, NAME)                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                          \
-    mmq_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) { grid_dep_sync(); \
-        mmq_dense<T>(w, x, y, rows, k, nt, wrb, xrb);                                          \
+    mmq_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb, int q2t) { \
+        grid_dep_sync();                                                                       \
+        mmq_dense<T>(w, x, y, rows, k, nt, wrb, xrb, q2t);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                          \
     moe_mmq_##NAME(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,          \
                    const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,         \
-                   int rows, int k, u64 wrb, u64 xrb) { grid_dep_sync();                                        \
-        mmq_moe<T>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb); \
+                   int rows, int k, u64 wrb, u64 xrb, int q2t) {                               \
+        grid_dep_sync();                                                                       \
+        mmq_moe<T, 8>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb, q2t); \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+    moe_mmq16_##NAME(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,        \
+                     const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,       \
+                     int rows, int k, u64 wrb, u64 xrb, int q2t) {                             \
+        grid_dep_sync();                                                                       \
+        mmq_moe<T, 16>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb, q2t); \
     }
 
 #if defined(GEMV_Q8_0)

@@ -561,6 +561,16 @@ pub fn matmul(
     let (wrb, xrb) = matmul_args(k, w, x, nt, y)?;
     let (ri, ki, ni) = (i32_of(k, w.rows)?, i32_of(k, w.k)?, i32_of(k, nt)?);
     let (wb, xb) = (u64_of(wrb), u64_of(xrb));
+    if has_mmq(w.ty) {
+        let q2t = mmq_q2t_on() as i32;
+        return launch!(
+            gpu,
+            &format!("gemv_{tn}"),
+            kernel,
+            cfg2(gx, gy, 256),
+            [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb, &q2t]
+        );
+    }
     launch!(
         gpu,
         &format!("gemv_{tn}"),
@@ -568,6 +578,15 @@ pub fn matmul(
         cfg2(gx, gy, 256),
         [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb]
     )
+}
+
+/// Whether the tensor-core products stage Q2_0 in the transposed element order (mmq.cu
+/// `mmq_stage_w`: a shift and mask a weight word instead of spreading each code byte, the
+/// activation words transposed to match; the same integer dots, the same bits);
+/// `STRATA_CUDA_MMQ_Q2T=0` keeps the byte-wise decoder, for A/B.
+pub fn mmq_q2t_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMQ_Q2T"))
 }
 
 /// [`matmul`] by the tiled kernel (gemv.cu `matmul_*`: one warp a weight row, 8 activation rows
@@ -1242,6 +1261,23 @@ pub fn conv1d_silu(
         i32_of(kn, k)?,
         i32_of(kn, dil)?,
     );
+    if n > 8 && conv_rows_on() {
+        // A prefill: rows in parallel, then the history (gdn.cu conv1d_rows_f32 / _hist_f32).
+        launch!(
+            gpu,
+            "gdn",
+            "conv1d_rows_f32",
+            cfg2(c.div_ceil(256) as u32, n.div_ceil(8) as u32, 256),
+            [x, w, &*hist, out, &ni, &ci, &ki, &di]
+        )?;
+        return launch!(
+            gpu,
+            "gdn",
+            "conv1d_hist_f32",
+            cfg(c.div_ceil(256) as u32, 256),
+            [x, hist, &ni, &ci, &ki, &di]
+        );
+    }
     launch!(
         gpu,
         "gdn",
@@ -1249,6 +1285,14 @@ pub fn conv1d_silu(
         cfg(c.div_ceil(256) as u32, 256),
         [x, w, hist, out, &ni, &ci, &ki, &di]
     )
+}
+
+/// Whether [`conv1d_silu`] of more than 8 rows runs gdn.cu `conv1d_rows_f32` (a thread per
+/// channel and 8 rows) and `conv1d_hist_f32` instead of a thread per channel over every row:
+/// the same bits; `STRATA_CUDA_CONV_ROWS=0` keeps the one kernel, for A/B.
+pub fn conv_rows_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_CONV_ROWS"))
 }
 
 /// Geometry of a GDN layer (as `strata_engine::backend::GdnDims`).
@@ -2155,7 +2199,20 @@ pub fn moe_gemv(
 /// `n_expert` experts: each expert's last tile may be partial, so at most npairs/8 full tiles
 /// plus one partial tile per expert that has any pair.
 pub fn moe_max_tiles(npairs: usize, n_expert: usize) -> usize {
-    npairs / 8 + n_expert.min(npairs)
+    moe_max_tiles_of(npairs, n_expert, 8)
+}
+
+/// [`moe_max_tiles`] for tiles of up to `tile` pairs.
+pub fn moe_max_tiles_of(npairs: usize, n_expert: usize, tile: usize) -> usize {
+    npairs / tile.max(1) + n_expert.min(npairs)
+}
+
+/// Whether the grouped expert products of formats with a tensor-core kernel take tiles of 16
+/// pairs (mmq.cu `moe_mmq16_*`: each expert's weights decoded once for up to 16 of a step's
+/// pairs instead of 8; the same bits); `STRATA_CUDA_MOE16=0` keeps tiles of 8, for A/B.
+pub fn moe_tile16_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MOE16"))
 }
 
 /// The grouping of a prefill's pairs by expert (device buffers, sized for `npairs` pairs).
@@ -2163,6 +2220,8 @@ pub struct MoeGroups {
     pub npairs: usize,
     pub n_expert: usize,
     pub max_tiles: usize,
+    /// Pairs a tile at most: 8 (every grouped kernel) or 16 (the tensor-core kernels only).
+    pub tile: usize,
     offs: CudaSlice<u32>,
     perm: CudaSlice<u32>,
     tiles: CudaSlice<i32>,
@@ -2171,11 +2230,25 @@ pub struct MoeGroups {
 
 impl MoeGroups {
     pub fn new(gpu: &Gpu, npairs: usize, n_expert: usize) -> Result<MoeGroups, CudaError> {
-        let max_tiles = moe_max_tiles(npairs, n_expert);
+        MoeGroups::with_tile(gpu, npairs, n_expert, 8)
+    }
+
+    /// Groups in tiles of up to `tile` pairs (8 or 16).
+    pub fn with_tile(
+        gpu: &Gpu,
+        npairs: usize,
+        n_expert: usize,
+        tile: usize,
+    ) -> Result<MoeGroups, CudaError> {
+        if !matches!(tile, 8 | 16) {
+            return Err(bad("moe_group", format!("tiles of {tile} pairs (8 or 16)")));
+        }
+        let max_tiles = moe_max_tiles_of(npairs, n_expert, tile);
         Ok(MoeGroups {
             npairs,
             n_expert,
             max_tiles,
+            tile,
             offs: gpu.zeros(n_expert + 1)?,
             perm: gpu.zeros(npairs)?,
             tiles: gpu.zeros(3 * max_tiles)?,
@@ -2191,10 +2264,11 @@ impl MoeGroups {
         err: &mut CudaSlice<u32>,
     ) -> Result<(), CudaError> {
         need("moe_group", "ids", ids.len(), self.npairs)?;
-        let (np, ne, mt) = (
+        let (np, ne, mt, ti) = (
             i32_of("moe_group", self.npairs)?,
             i32_of("moe_group", self.n_expert)?,
             i32_of("moe_group", self.max_tiles)?,
+            i32_of("moe_group", self.tile)?,
         );
         launch!(
             gpu,
@@ -2210,6 +2284,7 @@ impl MoeGroups {
                 &mut self.tiles,
                 &mut self.n_tiles,
                 &mt,
+                &ti,
                 err
             ]
         )
@@ -2230,7 +2305,15 @@ pub fn moe_matmul(
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let (kernel, rows_a_block, threads) = if has_mmq(w.ty) {
-        ("moe_mmq", MMQ_ROWS, 256)
+        (
+            if groups.tile == 16 {
+                "moe_mmq16"
+            } else {
+                "moe_mmq"
+            },
+            MMQ_ROWS,
+            256,
+        )
     } else {
         ("moe_matmul", 4, 128)
     };
@@ -2290,6 +2373,15 @@ fn moe_grouped(
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let k = "moe_matmul";
+    if kernel == "moe_matmul" && groups.tile != 8 {
+        return Err(bad(
+            k,
+            format!(
+                "the tiled kernel takes tiles of 8 pairs, not {}",
+                groups.tile
+            ),
+        ));
+    }
     let tn = product_module(w.ty)?;
     whole_units(k, w)?;
     let (wrb, xrb, slab) = (w.row_bytes()?, w.act_row_bytes()?, w.slab_bytes()?);
@@ -2317,15 +2409,41 @@ fn moe_grouped(
         u64_of(wrb),
         u64_of(xrb),
     );
+    let grid = cfg2(
+        w.rows.div_ceil(rows_a_block) as u32,
+        groups.max_tiles as u32,
+        threads,
+    );
+    if kernel.starts_with("moe_mmq") {
+        let q2t = mmq_q2t_on() as i32;
+        return launch!(
+            gpu,
+            &format!("gemv_{tn}"),
+            format!("{kernel}_{tn}"),
+            grid,
+            [
+                &w.bytes,
+                &sb,
+                &groups.tiles,
+                &groups.n_tiles,
+                &groups.perm,
+                x,
+                &xps,
+                &ks,
+                y,
+                &ri,
+                &ki,
+                &wb,
+                &xb,
+                &q2t
+            ]
+        );
+    }
     launch!(
         gpu,
         &format!("gemv_{tn}"),
         format!("{kernel}_{tn}"),
-        cfg2(
-            w.rows.div_ceil(rows_a_block) as u32,
-            groups.max_tiles as u32,
-            threads
-        ),
+        grid,
         [
             &w.bytes,
             &sb,
@@ -2408,7 +2526,16 @@ impl MoeScratch {
             act: gpu.zeros(np * ff)?,
             aq: gpu.zeros(np * ex.down.act_row_bytes()?)?,
             y: gpu.zeros(np * ex.down.rows)?,
-            groups: MoeGroups::new(gpu, np, ex.gate.n_expert)?,
+            groups: MoeGroups::with_tile(
+                gpu,
+                np,
+                ex.gate.n_expert,
+                if moe_tile16_on() && [ex.gate, ex.up, ex.down].iter().all(|w| has_mmq(w.ty)) {
+                    16
+                } else {
+                    8
+                },
+            )?,
         })
     }
 }

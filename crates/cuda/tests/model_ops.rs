@@ -1117,7 +1117,7 @@ fn conv_and_gdn_match_cpu() {
         let mut hist = buf(hr, c, &vec![0f32; hr * c]);
         let mut dh = g.zeros::<f32>(hr * c).unwrap();
         let dw = up(g, &wv);
-        for n in [1usize, 2, 8, 11] {
+        for n in [1usize, 2, 8, 11, 40] {
             let x = rng.f32_vec_special(n * c, 1.0);
             let want = be
                 .conv1d_silu(&buf(n, c, &x), &w["w"], &mut hist, dil)
