@@ -657,12 +657,27 @@ __device__ __forceinline__ void block_sum256_n(float (&v)[AG], int nh, float* sh
 }
 
 // Grid (rows · groups, chunks), 256 threads; scratch layouts as attend_split_scores'.
+// The keys are staged KD dims at a time into two buffers by cp.async: round c + 1's copies are
+// in flight while round c is summed.
+#define KD 16
+template <bool CAUSAL>
+__device__ __forceinline__ void attend_group_stage(float (*kt)[KD + 1], const float* kc, const u32* tk, int live,
+                                                   u32 cap, int kvc, int off, int c0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int rr = 2 * warp + (lane >> 4); rr < live; rr += 16) {
+        const u32 tt = tk[rr];
+        float* dst = &kt[rr][lane & 15];
+        if (tt < cap) cp_async4(dst, kc + (size_t)tt * kvc + off + c0 + (lane & 15));
+        else *dst = 0.f;
+    }
+}
+
 template <bool CAUSAL>
 __device__ __forceinline__ void attend_group_scores_t(const float* q, const float* kc, const u32* sel, const u32* cnt,
                                                       const u32* pos, float* scores, float* stats, u32 cap,
                                                       int n_head, int n_head_kv, int d, int stride, int f16,
-                                                      int max_chunks, u32* err, float* qs, float (*kt)[33],
-                                                      u32* tk, float* sh) {
+                                                      int max_chunks, u32* err, float* qs,
+                                                      float (*kt)[256][KD + 1], u32* tk, float* sh) {
     const int groups = n_head_kv * ((n_head / n_head_kv + AG - 1) / AG);
     const int r = blockIdx.x / groups, c = blockIdx.y;
     int h0, nh;
@@ -689,20 +704,19 @@ __device__ __forceinline__ void attend_group_scores_t(const float* q, const floa
     for (int h = 0; h < (CAUSAL ? AG : 1); ++h)
 #pragma unroll
         for (int e = 0; e < 8; ++e) a[h][e] = 0.f;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int live = (int)min(256u, T - (u32)c * 256);
-    for (int c0 = 0; c0 < d; c0 += 32) {
-        __syncthreads();
-        for (int rr = warp; rr < live; rr += 8) {
-            const u32 tt = tk[rr];
-            kt[rr][lane] = tt < cap ? kc[(size_t)tt * kvc + off + c0 + lane] : 0.f;
-        }
-        __syncthreads();
-#pragma unroll 2
-        for (int i = 0; i < 32; i += 4) {
+    __syncthreads();  // tk
+    attend_group_stage<CAUSAL>(kt[0], kc, tk, live, cap, kvc, off, 0);
+    for (int c0 = 0, bi = 0; c0 < d; c0 += KD, bi ^= 1) {
+        cp_async_wait_all();
+        __syncthreads();  // round c0 is in kt[bi] for every thread; kt[bi ^ 1] is free
+        if (c0 + KD < d) attend_group_stage<CAUSAL>(kt[bi ^ 1], kc, tk, live, cap, kvc, off, c0 + KD);
+        const float* kr = kt[bi][threadIdx.x];
+#pragma unroll
+        for (int i = 0; i < KD; i += 4) {
             float kv[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) kv[e] = CAUSAL ? kt[threadIdx.x][i + e] : r16(kt[threadIdx.x][i + e], f16);
+            for (int e = 0; e < 4; ++e) kv[e] = CAUSAL ? kr[i + e] : r16(kr[i + e], f16);
 #pragma unroll
             for (int h = 0; h < AG; ++h)
                 if (h < nh) {
@@ -802,16 +816,16 @@ __device__ __forceinline__ void attend_group_out_t(const float* vc, const u32* s
         float acc[AG];
 #pragma unroll
         for (int h = 0; h < AG; ++h) acc[h] = 0.f;
-        for (int u0 = 0; u0 < len; u0 += 8) {
-            float vv[8];
+        for (int u0 = 0; u0 < len; u0 += 16) {
+            float vv[16];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) {
+            for (int u = 0; u < 16; ++u) {
                 const bool ok = u0 + u < len && tk[u0 + u] < cap;
                 vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
                 if (!CAUSAL) vv[u] = r16(vv[u], f16);
             }
 #pragma unroll
-            for (int u = 0; u < 8; ++u)
+            for (int u = 0; u < 16; ++u)
                 if (u0 + u < len && tk[u0 + u] < cap)
 #pragma unroll
                     for (int h = 0; h < AG; ++h)
@@ -829,7 +843,7 @@ attend_group_scores(const float* q, const float* kc, const u32* sel, const u32* 
                     int max_chunks, u32* err) {
     grid_dep_sync();
     __shared__ __align__(16) float qs[AG * 256];
-    __shared__ float kt[256][33];
+    __shared__ float kt[2][256][KD + 1];
     __shared__ u32 tk[256];
     __shared__ float sh[8 * AG];
     if (causal)
