@@ -158,23 +158,26 @@ __device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, floa
 }
 
 // The shared tile: 32 rows from row r0 of slab `w`, BN tokens whose activation rows and output
-// rows the caller put in xrow / yrow (−1: no token). Stores y[yrow · rows + r].
-template <int T, int BN>
+// rows the caller put in xrow / yrow (−1: no token), NW warps (8: each takes the lane classes
+// w, w+8, w+16, w+24; 16, the wide dense tile: w and w+16). Stores y[yrow · rows + r].
+template <int T, int BN, int NW = MMQ_NW>
 __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, const u8* x, u64 xrb, float* y,
                                          int r0, const int* xrow, const int* yrow, int nlive, int q2t) {
-    constexpr int NI = BN / 8, MI = MMQ_BM / 16, CPW = 32 / MMQ_NW;
+    constexpr int NI = BN / 8, MI = MMQ_BM / 16, CPW = 32 / NW;
     // Per staged unit: a row's 4 uint2 (or a token's), strides padded to odd counts so the
     // staging stores of 16 consecutive units hit distinct banks.
     constexpr int SWQ = MMQ_BM * 4 + 1, SWS = MMQ_BM + 1, SXQ = BN * 4 + 1, SXS = BN + 1;
     constexpr int WQ = MMQ_KC * SWQ, XQ = MMQ_KC * SXQ;  // uint2 each
     constexpr int BYTES = 8 * WQ + 16 * MMQ_KC * SWS + 8 * XQ + 8 * MMQ_KC * SXS;
-    static_assert(MMQ_NW * MMQ_BM * BN * 4 <= BYTES, "the class sums fit in the staging space");
+    // The class sums pass through the staging space in NS slices of BW tokens.
+    constexpr int NS = NW * MMQ_BM * BN * 4 <= BYTES ? 1 : NI, BW = BN / NS;
+    static_assert(NW * MMQ_BM * BW * 4 <= BYTES, "a slice of the class sums fits in the staging space");
     __shared__ __align__(16) u8 smem[BYTES];
     uint2* wq = (uint2*)smem;
     float4* ws = (float4*)(smem + 8 * WQ);
     uint2* xq = (uint2*)(smem + 8 * WQ + 16 * MMQ_KC * SWS);
     float2* xs = (float2*)(smem + 8 * WQ + 16 * MMQ_KC * SWS + 8 * XQ);
-    float* part = (float*)smem;  // after the loop: [warp][row][token] level-8 sums
+    float* part = (float*)smem;  // after the loop: [warp][row][token] level-NW sums
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
@@ -184,7 +187,8 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
     // of activation token tid / 16 (threads below BN · 16). A warp reads 16 consecutive units of
     // two rows: a few contiguous lines per load, not one line per lane.
     const int su = tid % MMQ_KC, sr = tid / MMQ_KC;
-    constexpr int SROWS = 256 / MMQ_KC;  // rows a staging pass covers
+    constexpr int SROWS = 32 * NW / MMQ_KC;  // rows a staging pass covers
+    static_assert(MMQ_BM % SROWS == 0, "whole staging passes");
     const u8* wrs[MMQ_BM / SROWS];
 #pragma unroll
     for (int j = 0; j < MMQ_BM / SROWS; ++j) {
@@ -222,10 +226,10 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
                 }
                 __syncthreads();
 #pragma unroll
-                for (int i = 0; i < MMQ_KC / MMQ_NW; ++i) {
-                    // Unit cb + ul has lane class (KC·h + ul) mod 32 = warp + 8·q.
-                    const int ul = warp + MMQ_NW * i, u = cb + ul;
-                    constexpr int QB = (MMQ_KC / MMQ_NW);
+                for (int i = 0; i < MMQ_KC / NW; ++i) {
+                    // Unit cb + ul has lane class (KC·h + ul) mod 32 = warp + NW·q.
+                    const int ul = warp + NW * i, u = cb + ul;
+                    constexpr int QB = (MMQ_KC / NW);
                     const int q = QB * h + i;
                     if (u < units) {
                         uint2 b[NI];
@@ -266,45 +270,51 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
         }
     }
 
-    // The warp's classes folded as the butterfly folds them (stride 16, then 8), then the
-    // block's eight level-8 sums (strides 4, 2, 1).
-    __syncthreads();  // the staging space becomes the class sums
+    // The warp's classes folded as the butterfly folds them (stride 16, then 8 for 8 warps),
+    // then the block's NW level-NW sums (strides NW/2, …, 1): the butterfly's tree.
+    for (int sl = 0; sl < NS; ++sl) {
+        __syncthreads();  // the staging space (or the previous slice) becomes the class sums
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
+            for (int ni = 0; ni < NI; ++ni) {
+                if (NS > 1 && ni != sl) continue;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float v[CPW];
+                for (int e = 0; e < 4; ++e) {
+                    float v[CPW];
 #pragma unroll
-                for (int q = 0; q < CPW; ++q) v[q] = acc[q][mi][ni][e];
+                    for (int q = 0; q < CPW; ++q) v[q] = acc[q][mi][ni][e];
 #pragma unroll
-                for (int hh = CPW / 2; hh >= 1; hh /= 2)
+                    for (int hh = CPW / 2; hh >= 1; hh /= 2)
 #pragma unroll
-                    for (int q = 0; q < hh; ++q) v[q] = v[q] + v[q + hh];
-                const int rr = 16 * mi + g + 8 * (e >> 1), tt = 8 * ni + 2 * tq + (e & 1);
-                part[(warp * MMQ_BM + rr) * BN + tt] = v[0];
+                        for (int q = 0; q < hh; ++q) v[q] = v[q] + v[q + hh];
+                    const int rr = 16 * mi + g + 8 * (e >> 1), tt = 8 * ni + 2 * tq + (e & 1);
+                    part[(warp * MMQ_BM + rr) * BW + tt - sl * BW] = v[0];
+                }
             }
-    __syncthreads();
-    for (int o = tid; o < MMQ_BM * BN; o += 32 * MMQ_NW) {
-        const int rr = o / BN, tt = o % BN;
-        float p[MMQ_NW];
+        __syncthreads();
+        for (int o = tid; o < MMQ_BM * BW; o += 32 * NW) {
+            const int rr = o / BW, tl = o % BW, tt = sl * BW + tl;
+            float p[NW];
 #pragma unroll
-        for (int i = 0; i < MMQ_NW; ++i) p[i] = part[(i * MMQ_BM + rr) * BN + tt];
+            for (int i = 0; i < NW; ++i) p[i] = part[(i * MMQ_BM + rr) * BW + tl];
 #pragma unroll
-        for (int hh = MMQ_NW / 2; hh >= 1; hh /= 2)
+            for (int hh = NW / 2; hh >= 1; hh /= 2)
 #pragma unroll
-            for (int i = 0; i < hh; ++i) p[i] = p[i] + p[i + hh];
-        const int r = r0 + rr;
-        if (r < rows && yrow[tt] >= 0) y[(size_t)yrow[tt] * rows + r] = dot_post<T>(p[0]);
+                for (int i = 0; i < hh; ++i) p[i] = p[i] + p[i + hh];
+            const int r = r0 + rr;
+            if (r < rows && yrow[tt] >= 0) y[(size_t)yrow[tt] * rows + r] = dot_post<T>(p[0]);
+        }
     }
 }
 
-// y[t][r] = W[r]·x_t, grid (ceil(rows / 32), ceil(nt / 16)), 256 threads.
-template <int T>
+// y[t][r] = W[r]·x_t, grid (ceil(rows / 32), ceil(nt / BN)), 32·NW threads: BN = 16 with 8
+// warps (mmq_*), or the wide tile BN = 32 with 16 warps (mmqw_*: each weight unit decoded once
+// for 32 tokens and each activation unit once for 32 rows, twice the reuse of both; the same
+// bits, every output's sum is independent of the tile).
+template <int T, int BN = 16, int NW = MMQ_NW>
 __device__ __forceinline__ void mmq_dense(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
                                           u64 xrb, int q2t) {
-    constexpr int BN = 16;
     __shared__ int xrow[BN], yrow[BN];
     const int t0 = blockIdx.y * BN;
     if (threadIdx.x < BN) {
@@ -312,7 +322,7 @@ __device__ __forceinline__ void mmq_dense(const u8* w, const u8* x, float* y, in
         xrow[threadIdx.x] = yrow[threadIdx.x] = t < nt ? t : -1;
     }
     __syncthreads();
-    mmq_tile<T, BN>(w, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, min(BN, nt - t0), q2t);
+    mmq_tile<T, BN, NW>(w, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, BN, q2t);
 }
 
 // The expert-grouped product: tile blockIdx.y = (expert, start, count ≤ BN) of moe_group's
@@ -453,7 +463,16 @@ mmt_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
                    int rows, int k, u64 wrb, u64 xrb, int q2t) {                               \
         grid_dep_sync();                                                                       \
         mmq_moe<T, 8>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb, q2t); \
-    }                                                                                          \
+    }
+// The wide dense tile (not for Q6_K: its decoder does not fit beside it in 128 registers).
+#define MMQW(T, NAME)                                                                          \
+    extern "C" __global__ void __launch_bounds__(512, 1)                                       \
+    mmqw_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb, int q2t) { \
+        grid_dep_sync();                                                                       \
+        mmq_dense<T, 32, 16>(w, x, y, rows, k, nt, wrb, xrb, q2t);                             \
+    }
+// Expert tiles of 16 pairs (not for Q3_K: it would spill).
+#define MMQ16(T, NAME)                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                          \
     moe_mmq16_##NAME(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,        \
                      const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,       \
@@ -464,37 +483,59 @@ mmt_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
 
 #if defined(GEMV_Q8_0)
 MMQ(T_Q8_0, q8_0)
+MMQW(T_Q8_0, q8_0)
+MMQ16(T_Q8_0, q8_0)
 #endif
 #if defined(GEMV_Q4_0)
 MMQ(T_Q4_0, q4_0)
+MMQW(T_Q4_0, q4_0)
+MMQ16(T_Q4_0, q4_0)
 #endif
 #if defined(GEMV_Q5_0)
 MMQ(T_Q5_0, q5_0)
+MMQW(T_Q5_0, q5_0)
+MMQ16(T_Q5_0, q5_0)
 #endif
 #if defined(GEMV_IQ4_NL)
 MMQ(T_IQ4_NL, iq4_nl)
+MMQW(T_IQ4_NL, iq4_nl)
+MMQ16(T_IQ4_NL, iq4_nl)
 #endif
 #if defined(GEMV_Q2_0)
 MMQ(T_Q2_0, q2_0)
+MMQW(T_Q2_0, q2_0)
+MMQ16(T_Q2_0, q2_0)
 #endif
 #if defined(GEMV_Q3_K)
 MMQ(T_Q3_K, q3_k)
+MMQW(T_Q3_K, q3_k)
 #endif
 #if defined(GEMV_Q4_K)
 MMQ(T_Q4_K, q4_k)
+MMQW(T_Q4_K, q4_k)
+MMQ16(T_Q4_K, q4_k)
 #endif
 #if defined(GEMV_Q5_K)
 MMQ(T_Q5_K, q5_k)
+MMQW(T_Q5_K, q5_k)
+MMQ16(T_Q5_K, q5_k)
 #endif
 #if defined(GEMV_Q6_K)
 MMQ(T_Q6_K, q6_k)
+MMQ16(T_Q6_K, q6_k)
 #endif
 #if defined(GEMV_IQ4_XS)
 MMQ(T_IQ4_XS, iq4_xs)
+MMQW(T_IQ4_XS, iq4_xs)
+MMQ16(T_IQ4_XS, iq4_xs)
 #endif
 #if defined(GEMV_IQ3_S)
 MMQ(T_IQ3_S, iq3_s)
+MMQW(T_IQ3_S, iq3_s)
+MMQ16(T_IQ3_S, iq3_s)
 #endif
 #if defined(GEMV_IQ3_XXS)
 MMQ(T_IQ3_XXS, iq3_xxs)
+MMQW(T_IQ3_XXS, iq3_xxs)
+MMQ16(T_IQ3_XXS, iq3_xxs)
 #endif

@@ -549,6 +549,14 @@ pub fn matmul(
     let tn = product_module(w.ty)?;
     let (kernel, (gx, gy)) = if nt < MMQ_MIN_ROWS {
         return matmul_tiled(gpu, w, x, nt, y);
+    } else if has_mmq(w.ty) && mmq_wide_applies(w.ty, nt) {
+        (
+            format!("mmqw_{tn}"),
+            (
+                w.rows.div_ceil(MMQ_ROWS) as u32,
+                nt.div_ceil(MMQ_WIDE_TOKENS) as u32,
+            ),
+        )
     } else if has_mmq(w.ty) {
         (format!("mmq_{tn}"), mmq_grid(w.rows, nt))
     } else if w.ty == GgmlType::BF16 {
@@ -563,11 +571,16 @@ pub fn matmul(
     let (wb, xb) = (u64_of(wrb), u64_of(xrb));
     if has_mmq(w.ty) {
         let q2t = mmq_q2t_on() as i32;
+        let threads = if kernel.starts_with("mmqw_") {
+            512
+        } else {
+            256
+        };
         return launch!(
             gpu,
             &format!("gemv_{tn}"),
             kernel,
-            cfg2(gx, gy, 256),
+            cfg2(gx, gy, threads),
             [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb, &q2t]
         );
     }
@@ -578,6 +591,21 @@ pub fn matmul(
         cfg2(gx, gy, 256),
         [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb]
     )
+}
+
+/// Activation rows a block of the wide dense tensor-core product (mmq.cu `mmqw_*`).
+pub const MMQ_WIDE_TOKENS: usize = 32;
+
+/// Whether a dense product of `nt` rows runs the wide tensor-core tile (mmq.cu `mmqw_*`: 32
+/// weight rows × 32 activation rows a block of 16 warps, each weight unit decoded once for 32
+/// rows instead of 16 and each activation unit staged once for 32 weight rows; the same bits):
+/// from 64 rows on, every integer format but Q6_K; `STRATA_CUDA_MMQ_WIDE=0` keeps `mmq_*`.
+pub fn mmq_wide_applies(ty: GgmlType, nt: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    nt >= 64
+        && ty != GgmlType::Q6_K
+        && has_mmq(ty)
+        && *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMQ_WIDE"))
 }
 
 /// Whether the tensor-core products stage Q2_0 in the transposed element order (mmq.cu
@@ -2207,9 +2235,10 @@ pub fn moe_max_tiles_of(npairs: usize, n_expert: usize, tile: usize) -> usize {
     npairs / tile.max(1) + n_expert.min(npairs)
 }
 
-/// Whether the grouped expert products of formats with a tensor-core kernel take tiles of 16
-/// pairs (mmq.cu `moe_mmq16_*`: each expert's weights decoded once for up to 16 of a step's
-/// pairs instead of 8; the same bits); `STRATA_CUDA_MOE16=0` keeps tiles of 8, for A/B.
+/// Whether the grouped expert products of formats with a tensor-core kernel (but Q3_K, whose
+/// wide tile would spill) take tiles of 16 pairs (mmq.cu `moe_mmq16_*`: each expert's weights
+/// decoded once for up to 16 of a step's pairs instead of 8; the same bits);
+/// `STRATA_CUDA_MOE16=0` keeps tiles of 8, for A/B.
 pub fn moe_tile16_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MOE16"))
@@ -2305,6 +2334,12 @@ pub fn moe_matmul(
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let (kernel, rows_a_block, threads) = if has_mmq(w.ty) {
+        if groups.tile == 16 && w.ty == GgmlType::Q3_K {
+            return Err(bad(
+                "moe_matmul",
+                "Q3_K experts take tiles of 8 pairs".into(),
+            ));
+        }
         (
             if groups.tile == 16 {
                 "moe_mmq16"
@@ -2530,7 +2565,11 @@ impl MoeScratch {
                 gpu,
                 np,
                 ex.gate.n_expert,
-                if moe_tile16_on() && [ex.gate, ex.up, ex.down].iter().all(|w| has_mmq(w.ty)) {
+                if moe_tile16_on()
+                    && [ex.gate, ex.up, ex.down]
+                        .iter()
+                        .all(|w| has_mmq(w.ty) && w.ty != GgmlType::Q3_K)
+                {
                     16
                 } else {
                     8

