@@ -362,10 +362,9 @@ __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* 
 // 16..31 hold no unit, so the butterfly's first step adds +0 to each of lanes 0..15; the two
 // half-warps then take 8 tokens each, form v + 0 themselves and finish with steps 8, 4, 2, 1
 // inside the half — the same operations on the same values (the block owns 32 × 16).
-template <bool HALVES>
+template <bool HALVES, int TB = 8, int RB = 4>
 __device__ __forceinline__ void mmt_bf16_t(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
                                            u64 xrb) {
-    constexpr int RB = 4, TB = 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int half = HALVES ? lane >> 4 : 0;
     const int r0 = blockIdx.x * (8 * RB) + warp * RB, t0 = blockIdx.y * (HALVES ? 2 * TB : TB) + half * TB;
@@ -439,6 +438,19 @@ __device__ __forceinline__ void mmt_bf16_t(const u8* w, const u8* x, float* y, i
 #if defined(GEMV_BF16)
 // y[t][r] = W[r]·x_t, BF16 weights and activations; grid (ceil(rows / 32), ceil(nt / 8)), 256
 // threads; mmt_bf16_h for rows of at most 16 units, grid (ceil(rows / 32), ceil(nt / 16)).
+// mmt4_bf16 / mmt4_bf16_h: the same with 4 tokens a lane (half the accumulators and activation
+// registers: two blocks an SM instead of one), grids (ceil(rows / 32), ceil(nt / 4)) and, with 2
+// rows a warp, (ceil(rows / 16), ceil(nt / 8)).
+extern "C" __global__ void __launch_bounds__(256, 2)
+mmt4_bf16(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
+    grid_dep_sync();
+    mmt_bf16_t<false, 4>(w, x, y, rows, k, nt, wrb, xrb);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+mmt4_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
+    grid_dep_sync();
+    mmt_bf16_t<true, 4, 2>(w, x, y, rows, k, nt, wrb, xrb);
+}
 extern "C" __global__ void __launch_bounds__(256)
 mmt_bf16(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
     grid_dep_sync();

@@ -509,13 +509,41 @@ pub fn mmq_grid(rows: usize, nt: usize) -> (u32, u32) {
 
 /// The BF16 register-tiled product (kernels/mmq.cu) for rows of `k`: its kernel and grid, one
 /// block per 32 weight rows × 8 activation rows, or × 16 for rows of at most 16 units
-/// (`mmt_bf16_h`: the half-warps take 8 tokens each).
+/// (`mmt_bf16_h`: the half-warps take 8 tokens each); with `STRATA_CUDA_MMT4` on (the default)
+/// the narrow tiles of [`mmt_kernel_as`].
 pub fn mmt_kernel(rows: usize, nt: usize, k: usize) -> (&'static str, (u32, u32)) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let (name, grid, _, _) = mmt_kernel_as(
+        rows,
+        nt,
+        k,
+        *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMT4")),
+    );
+    (name, grid)
+}
+
+/// [`mmt_kernel`] with the tile chosen: `narrow` takes 4 tokens a lane (`mmt4_bf16`: 32 rows ×
+/// 4 tokens a block; `mmt4_bf16_h`: 16 rows × 8 tokens), half the registers of the wide tiles,
+/// so two blocks an SM instead of one; the same bits (each output's chain does not depend on the
+/// tile). Returns (kernel, grid, rows a block, tokens a block).
+pub fn mmt_kernel_as(
+    rows: usize,
+    nt: usize,
+    k: usize,
+    narrow: bool,
+) -> (&'static str, (u32, u32), usize, usize) {
     let halves = k <= 16 * 32;
-    let tokens = if halves { 16 } else { 8 };
+    let (name, rb, tb) = match (halves, narrow) {
+        (true, false) => ("mmt_bf16_h", MMQ_ROWS, 16),
+        (false, false) => ("mmt_bf16", MMQ_ROWS, 8),
+        (true, true) => ("mmt4_bf16_h", 16, 8),
+        (false, true) => ("mmt4_bf16", MMQ_ROWS, 4),
+    };
     (
-        if halves { "mmt_bf16_h" } else { "mmt_bf16" },
-        (rows.div_ceil(MMQ_ROWS) as u32, nt.div_ceil(tokens) as u32),
+        name,
+        (rows.div_ceil(rb) as u32, nt.div_ceil(tb) as u32),
+        rb,
+        tb,
     )
 }
 
@@ -615,6 +643,36 @@ pub fn mmq_wide_applies(ty: GgmlType, nt: usize) -> bool {
 pub fn mmq_q2t_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMQ_Q2T"))
+}
+
+/// The BF16 product of [`matmul`] (beyond the GEMV window) with the tile chosen (`narrow`: see
+/// [`mmt_kernel_as`]), for the tests that bind the tiles to each other.
+pub fn matmul_bf16_as(
+    gpu: &Gpu,
+    w: &DevWeight,
+    x: &CudaSlice<u8>,
+    nt: usize,
+    y: &mut CudaSlice<f32>,
+    narrow: bool,
+) -> Result<(), CudaError> {
+    let k = "matmul";
+    if w.ty != GgmlType::BF16 {
+        return Err(bad(k, format!("{:?} is not BF16", w.ty)));
+    }
+    let (wrb, xrb) = matmul_args(k, w, x, nt, y)?;
+    if nt == 0 {
+        return Ok(());
+    }
+    let (name, (gx, gy), _, _) = mmt_kernel_as(w.rows, nt, w.k, narrow);
+    let (ri, ki, ni) = (i32_of(k, w.rows)?, i32_of(k, w.k)?, i32_of(k, nt)?);
+    let (wb, xb) = (u64_of(wrb), u64_of(xrb));
+    launch!(
+        gpu,
+        "gemv_bf16",
+        name,
+        cfg2(gx, gy, 256),
+        [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb]
+    )
 }
 
 /// [`matmul`] by the tiled kernel (gemv.cu `matmul_*`: one warp a weight row, 8 activation rows
@@ -2955,17 +3013,21 @@ mod tests {
         }
         assert_eq!(mmq_grid(64, 32), (2, 2));
         assert_eq!(mmq_grid(65, 33), (3, 3));
-        for (rows, nt, k, name, tokens) in [
-            (4, 9, 10240, "mmt_bf16", 8),
-            (320, 512, 10240, "mmt_bf16", 8),
-            (10240, 17, 320, "mmt_bf16_h", 16),
-            (33, 9, 512, "mmt_bf16_h", 16),
-            (33, 200, 544, "mmt_bf16", 8),
+        for (rows, nt, k, name, tokens, narrow) in [
+            (4, 9, 10240, "mmt_bf16", 8, false),
+            (320, 512, 10240, "mmt_bf16", 8, false),
+            (10240, 17, 320, "mmt_bf16_h", 16, false),
+            (33, 9, 512, "mmt_bf16_h", 16, false),
+            (33, 200, 544, "mmt_bf16", 8, false),
+            (320, 512, 10240, "mmt4_bf16", 4, true),
+            (10240, 17, 320, "mmt4_bf16_h", 8, true),
+            (33, 9, 512, "mmt4_bf16_h", 8, true),
+            (33, 201, 544, "mmt4_bf16", 4, true),
         ] {
-            let (kn, (gx, gy)) = mmt_kernel(rows, nt, k);
+            let (kn, (gx, gy), rb, tb) = mmt_kernel_as(rows, nt, k, narrow);
             let (gx, gy) = (gx as usize, gy as usize);
-            assert_eq!(kn, name, "k = {k}");
-            assert!(gx * 32 >= rows && (gx - 1) * 32 < rows, "{rows} rows");
+            assert_eq!((kn, tb), (name, tokens), "k = {k}");
+            assert!(gx * rb >= rows && (gx - 1) * rb < rows, "{rows} rows");
             assert!(gy * tokens >= nt && (gy - 1) * tokens < nt, "{nt} tokens");
         }
     }

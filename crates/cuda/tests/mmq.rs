@@ -170,6 +170,16 @@ fn bf16_products_equal_tiled_bitwise() {
                 &down(g, &y),
                 &down(g, &yt),
             );
+            // Both register tiles (4 and 8 tokens a lane), whichever the switch picks.
+            for narrow in [false, true] {
+                let mut yn = g.zeros::<f32>(nt * rows).unwrap();
+                m::matmul_bf16_as(g, &dw, &dx, nt, &mut yn, narrow).unwrap();
+                bitwise(
+                    &format!("bf16 {rows}x{k} nt={nt} narrow={narrow} vs tiled"),
+                    &down(g, &yn),
+                    &down(g, &yt),
+                );
+            }
         }
         eprintln!("bf16 {rows}x{k}: bitwise at nt 9, 17, 64, 200, 512");
     }
