@@ -816,16 +816,16 @@ __device__ __forceinline__ void attend_group_out_t(const float* vc, const u32* s
         float acc[AG];
 #pragma unroll
         for (int h = 0; h < AG; ++h) acc[h] = 0.f;
-        for (int u0 = 0; u0 < len; u0 += 16) {
-            float vv[16];
+        for (int u0 = 0; u0 < len; u0 += 8) {
+            float vv[8];
 #pragma unroll
-            for (int u = 0; u < 16; ++u) {
+            for (int u = 0; u < 8; ++u) {
                 const bool ok = u0 + u < len && tk[u0 + u] < cap;
                 vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
                 if (!CAUSAL) vv[u] = r16(vv[u], f16);
             }
 #pragma unroll
-            for (int u = 0; u < 16; ++u)
+            for (int u = 0; u < 8; ++u)
                 if (u0 + u < len && tk[u0 + u] < cap)
 #pragma unroll
                     for (int h = 0; h < AG; ++h)

@@ -162,7 +162,7 @@ __device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, floa
 // w, w+8, w+16, w+24; 16, the wide dense tile: w and w+16). Stores y[yrow · rows + r].
 template <int T, int BN, int NW = MMQ_NW>
 __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, const u8* x, u64 xrb, float* y,
-                                         int r0, const int* xrow, const int* yrow, int nlive, int q2t) {
+                                         int r0, const int* xrow, const int* yrow, int q2t) {
     constexpr int NI = BN / 8, MI = MMQ_BM / 16, CPW = 32 / NW;
     // Per staged unit: a row's 4 uint2 (or a token's), strides padded to odd counts so the
     // staging stores of 16 consecutive units hit distinct banks.
@@ -249,7 +249,6 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
                             const float4 whi = ws[ul * SWS + 16 * mi + g + 8];
 #pragma unroll
                             for (int ni = 0; ni < NI; ++ni) {
-                                if (8 * ni >= nlive) continue;  // no token in this 8 (uniform)
                                 int ca[4], cbv[4] = {0, 0, 0, 0};
                                 if constexpr (mmq_split<T>()) {
                                     mma_k16(ca, alo.x, ahi.x, b[ni].x);
@@ -322,18 +321,16 @@ __device__ __forceinline__ void mmq_dense(const u8* w, const u8* x, float* y, in
         xrow[threadIdx.x] = yrow[threadIdx.x] = t < nt ? t : -1;
     }
     __syncthreads();
-    mmq_tile<T, BN, NW>(w, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, BN, q2t);
+    mmq_tile<T, BN, NW>(w, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, q2t);
 }
 
-// The expert-grouped product: tile blockIdx.y = (expert, start, count ≤ BN) of moe_group's
-// expert-sorted pair list; grid (ceil(rows / 32), max_tiles), tiles past *n_tiles exit. BN = 8
-// (moe_mmq_*) or 16 (moe_mmq16_*, over moe_group's tiles of 16: an expert with 9..16 pairs of
-// the step has its weights decoded once instead of twice; the same bits, each output's sum
-// does not depend on the tile it is in).
-template <int T, int BN>
+// The expert-grouped product: tile blockIdx.y = (expert, start, count ≤ 8) of moe_group's
+// expert-sorted pair list; grid (ceil(rows / 32), max_tiles), tiles past *n_tiles exit.
+template <int T>
 __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,
                                         const u32* perm, const u8* x, int x_per_slot, int kslots, float* y, int rows,
                                         int k, u64 wrb, u64 xrb, int q2t) {
+    constexpr int BN = 8;
     __shared__ int xrow[BN], yrow[BN];
     const u32 tile = blockIdx.y;
     if (tile >= *n_tiles) return;  // uniform over the block
@@ -345,7 +342,7 @@ __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* 
         xrow[j] = q < 0 ? -1 : x_per_slot ? q : q / kslots;
     }
     __syncthreads();
-    mmq_tile<T, BN>(w + (size_t)e * slab_bytes, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, tn, q2t);
+    mmq_tile<T, BN>(w + (size_t)e * slab_bytes, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, q2t);
 }
 
 // ---- BF16 beyond the GEMV window -------------------------------------------------------------
@@ -362,9 +359,10 @@ __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* 
 // 16..31 hold no unit, so the butterfly's first step adds +0 to each of lanes 0..15; the two
 // half-warps then take 8 tokens each, form v + 0 themselves and finish with steps 8, 4, 2, 1
 // inside the half — the same operations on the same values (the block owns 32 × 16).
-template <bool HALVES, int TB = 8, int RB = 4>
+template <bool HALVES>
 __device__ __forceinline__ void mmt_bf16_t(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
                                            u64 xrb) {
+    constexpr int RB = 4, TB = 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int half = HALVES ? lane >> 4 : 0;
     const int r0 = blockIdx.x * (8 * RB) + warp * RB, t0 = blockIdx.y * (HALVES ? 2 * TB : TB) + half * TB;
@@ -438,19 +436,6 @@ __device__ __forceinline__ void mmt_bf16_t(const u8* w, const u8* x, float* y, i
 #if defined(GEMV_BF16)
 // y[t][r] = W[r]·x_t, BF16 weights and activations; grid (ceil(rows / 32), ceil(nt / 8)), 256
 // threads; mmt_bf16_h for rows of at most 16 units, grid (ceil(rows / 32), ceil(nt / 16)).
-// mmt4_bf16 / mmt4_bf16_h: the same with 4 tokens a lane (half the accumulators and activation
-// registers: two blocks an SM instead of one), grids (ceil(rows / 32), ceil(nt / 4)) and, with 2
-// rows a warp, (ceil(rows / 16), ceil(nt / 8)).
-extern "C" __global__ void __launch_bounds__(256, 2)
-mmt4_bf16(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
-    grid_dep_sync();
-    mmt_bf16_t<false, 4>(w, x, y, rows, k, nt, wrb, xrb);
-}
-extern "C" __global__ void __launch_bounds__(256, 2)
-mmt4_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
-    grid_dep_sync();
-    mmt_bf16_t<true, 4, 2>(w, x, y, rows, k, nt, wrb, xrb);
-}
 extern "C" __global__ void __launch_bounds__(256)
 mmt_bf16(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) {
     grid_dep_sync();
@@ -474,7 +459,7 @@ mmt_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
                    const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,         \
                    int rows, int k, u64 wrb, u64 xrb, int q2t) {                               \
         grid_dep_sync();                                                                       \
-        mmq_moe<T, 8>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb, q2t); \
+        mmq_moe<T>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb, q2t); \
     }
 // The wide dense tile (not for Q6_K: its decoder does not fit beside it in 128 registers).
 #define MMQW(T, NAME)                                                                          \
@@ -483,40 +468,25 @@ mmt_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
         grid_dep_sync();                                                                       \
         mmq_dense<T, 32, 16>(w, x, y, rows, k, nt, wrb, xrb, q2t);                             \
     }
-// Expert tiles of 16 pairs (not for Q3_K: it would spill).
-#define MMQ16(T, NAME)                                                                         \
-    extern "C" __global__ void __launch_bounds__(256)                                          \
-    moe_mmq16_##NAME(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,        \
-                     const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,       \
-                     int rows, int k, u64 wrb, u64 xrb, int q2t) {                             \
-        grid_dep_sync();                                                                       \
-        mmq_moe<T, 16>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb, q2t); \
-    }
-
 #if defined(GEMV_Q8_0)
 MMQ(T_Q8_0, q8_0)
 MMQW(T_Q8_0, q8_0)
-MMQ16(T_Q8_0, q8_0)
 #endif
 #if defined(GEMV_Q4_0)
 MMQ(T_Q4_0, q4_0)
 MMQW(T_Q4_0, q4_0)
-MMQ16(T_Q4_0, q4_0)
 #endif
 #if defined(GEMV_Q5_0)
 MMQ(T_Q5_0, q5_0)
 MMQW(T_Q5_0, q5_0)
-MMQ16(T_Q5_0, q5_0)
 #endif
 #if defined(GEMV_IQ4_NL)
 MMQ(T_IQ4_NL, iq4_nl)
 MMQW(T_IQ4_NL, iq4_nl)
-MMQ16(T_IQ4_NL, iq4_nl)
 #endif
 #if defined(GEMV_Q2_0)
 MMQ(T_Q2_0, q2_0)
 MMQW(T_Q2_0, q2_0)
-MMQ16(T_Q2_0, q2_0)
 #endif
 #if defined(GEMV_Q3_K)
 MMQ(T_Q3_K, q3_k)
@@ -525,29 +495,23 @@ MMQW(T_Q3_K, q3_k)
 #if defined(GEMV_Q4_K)
 MMQ(T_Q4_K, q4_k)
 MMQW(T_Q4_K, q4_k)
-MMQ16(T_Q4_K, q4_k)
 #endif
 #if defined(GEMV_Q5_K)
 MMQ(T_Q5_K, q5_k)
 MMQW(T_Q5_K, q5_k)
-MMQ16(T_Q5_K, q5_k)
 #endif
 #if defined(GEMV_Q6_K)
 MMQ(T_Q6_K, q6_k)
-MMQ16(T_Q6_K, q6_k)
 #endif
 #if defined(GEMV_IQ4_XS)
 MMQ(T_IQ4_XS, iq4_xs)
 MMQW(T_IQ4_XS, iq4_xs)
-MMQ16(T_IQ4_XS, iq4_xs)
 #endif
 #if defined(GEMV_IQ3_S)
 MMQ(T_IQ3_S, iq3_s)
 MMQW(T_IQ3_S, iq3_s)
-MMQ16(T_IQ3_S, iq3_s)
 #endif
 #if defined(GEMV_IQ3_XXS)
 MMQ(T_IQ3_XXS, iq3_xxs)
 MMQW(T_IQ3_XXS, iq3_xxs)
-MMQ16(T_IQ3_XXS, iq3_xxs)
 #endif

@@ -7,7 +7,7 @@
 // shape; the tile count is written to device memory for the product launches to read.
 
 // Counts per expert, the pairs q = row·kslots + slot listed by expert (ascending q within an
-// expert: deterministic), and tiles (expert, start, count ≤ tile) over that list, experts in
+// expert: deterministic), and tiles (expert, start, count ≤ 8) over that list, experts in
 // order. `offs` holds n_expert + 1 values of scratch. An id outside 0..n_expert sets bit 1 of
 // *err and is left out (its outputs stay unwritten; the decode kernels write NaN for it).
 // One block: the counts by atomics (order-free), then one warp for what has an order — the
@@ -15,7 +15,7 @@
 // step with each expert's pairs of a step ranked by lane (__match_any_sync).
 extern "C" __global__ void __launch_bounds__(256)
 moe_group(const int* ids, int n_pairs, int n_expert, u32* offs, u32* perm, int* tiles, u32* n_tiles, int max_tiles,
-          int tile, u32* err) {
+          u32* err) {
     grid_dep_sync();
     const int tid = threadIdx.x, lane = tid & 31;
     for (int e = tid; e <= n_expert; e += blockDim.x) offs[e] = 0;
@@ -34,7 +34,7 @@ moe_group(const int* ids, int n_pairs, int n_expert, u32* offs, u32* perm, int* 
     for (int e = e0; e < e1; ++e) {
         const u32 c = offs[e + 1];
         cnt += c;
-        ntl += (c + tile - 1) / tile;
+        ntl += (c + 7) / 8;
     }
     if (e1 > e0) last = offs[e1];  // read before lane l + 1 overwrites it with its first start
     u32 ci = cnt, ti = ntl;
@@ -52,11 +52,11 @@ moe_group(const int* ids, int n_pairs, int n_expert, u32* offs, u32* perm, int* 
     for (int e = e0; e < e1; ++e) {
         const u32 c = e + 1 == e1 ? last : offs[e + 1];
         offs[e] = at;
-        for (u32 s = at; s < at + c; s += tile) {
+        for (u32 s = at; s < at + c; s += 8) {
             if (tb < (u32)max_tiles) {
                 tiles[3 * tb] = e;
                 tiles[3 * tb + 1] = (int)s;
-                tiles[3 * tb + 2] = (int)min((u32)tile, at + c - s);
+                tiles[3 * tb + 2] = (int)min(8u, at + c - s);
             }
             ++tb;
         }

@@ -37,7 +37,7 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 }
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B).
-pub const SWITCHES: [&str; 14] = [
+pub const SWITCHES: [&str; 12] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -47,11 +47,9 @@ pub const SWITCHES: [&str; 14] = [
     "STRATA_CUDA_PINNED",
     "STRATA_CUDA_ATTN_GROUP",
     "STRATA_CUDA_GDN_RING",
-    "STRATA_CUDA_MOE16",
     "STRATA_CUDA_CONV_ROWS",
     "STRATA_CUDA_MMQ_Q2T",
     "STRATA_CUDA_MMQ_WIDE",
-    "STRATA_CUDA_MMT4",
 ];
 
 /// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were

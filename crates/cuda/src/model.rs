@@ -509,41 +509,13 @@ pub fn mmq_grid(rows: usize, nt: usize) -> (u32, u32) {
 
 /// The BF16 register-tiled product (kernels/mmq.cu) for rows of `k`: its kernel and grid, one
 /// block per 32 weight rows × 8 activation rows, or × 16 for rows of at most 16 units
-/// (`mmt_bf16_h`: the half-warps take 8 tokens each); with `STRATA_CUDA_MMT4` on (the default)
-/// the narrow tiles of [`mmt_kernel_as`].
+/// (`mmt_bf16_h`: the half-warps take 8 tokens each).
 pub fn mmt_kernel(rows: usize, nt: usize, k: usize) -> (&'static str, (u32, u32)) {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let (name, grid, _, _) = mmt_kernel_as(
-        rows,
-        nt,
-        k,
-        *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMT4")),
-    );
-    (name, grid)
-}
-
-/// [`mmt_kernel`] with the tile chosen: `narrow` takes 4 tokens a lane (`mmt4_bf16`: 32 rows ×
-/// 4 tokens a block; `mmt4_bf16_h`: 16 rows × 8 tokens), half the registers of the wide tiles,
-/// so two blocks an SM instead of one; the same bits (each output's chain does not depend on the
-/// tile). Returns (kernel, grid, rows a block, tokens a block).
-pub fn mmt_kernel_as(
-    rows: usize,
-    nt: usize,
-    k: usize,
-    narrow: bool,
-) -> (&'static str, (u32, u32), usize, usize) {
     let halves = k <= 16 * 32;
-    let (name, rb, tb) = match (halves, narrow) {
-        (true, false) => ("mmt_bf16_h", MMQ_ROWS, 16),
-        (false, false) => ("mmt_bf16", MMQ_ROWS, 8),
-        (true, true) => ("mmt4_bf16_h", 16, 8),
-        (false, true) => ("mmt4_bf16", MMQ_ROWS, 4),
-    };
+    let tokens = if halves { 16 } else { 8 };
     (
-        name,
-        (rows.div_ceil(rb) as u32, nt.div_ceil(tb) as u32),
-        rb,
-        tb,
+        if halves { "mmt_bf16_h" } else { "mmt_bf16" },
+        (rows.div_ceil(MMQ_ROWS) as u32, nt.div_ceil(tokens) as u32),
     )
 }
 
@@ -643,36 +615,6 @@ pub fn mmq_wide_applies(ty: GgmlType, nt: usize) -> bool {
 pub fn mmq_q2t_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMQ_Q2T"))
-}
-
-/// The BF16 product of [`matmul`] (beyond the GEMV window) with the tile chosen (`narrow`: see
-/// [`mmt_kernel_as`]), for the tests that bind the tiles to each other.
-pub fn matmul_bf16_as(
-    gpu: &Gpu,
-    w: &DevWeight,
-    x: &CudaSlice<u8>,
-    nt: usize,
-    y: &mut CudaSlice<f32>,
-    narrow: bool,
-) -> Result<(), CudaError> {
-    let k = "matmul";
-    if w.ty != GgmlType::BF16 {
-        return Err(bad(k, format!("{:?} is not BF16", w.ty)));
-    }
-    let (wrb, xrb) = matmul_args(k, w, x, nt, y)?;
-    if nt == 0 {
-        return Ok(());
-    }
-    let (name, (gx, gy), _, _) = mmt_kernel_as(w.rows, nt, w.k, narrow);
-    let (ri, ki, ni) = (i32_of(k, w.rows)?, i32_of(k, w.k)?, i32_of(k, nt)?);
-    let (wb, xb) = (u64_of(wrb), u64_of(xrb));
-    launch!(
-        gpu,
-        "gemv_bf16",
-        name,
-        cfg2(gx, gy, 256),
-        [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb]
-    )
 }
 
 /// [`matmul`] by the tiled kernel (gemv.cu `matmul_*`: one warp a weight row, 8 activation rows
@@ -2285,21 +2227,7 @@ pub fn moe_gemv(
 /// `n_expert` experts: each expert's last tile may be partial, so at most npairs/8 full tiles
 /// plus one partial tile per expert that has any pair.
 pub fn moe_max_tiles(npairs: usize, n_expert: usize) -> usize {
-    moe_max_tiles_of(npairs, n_expert, 8)
-}
-
-/// [`moe_max_tiles`] for tiles of up to `tile` pairs.
-pub fn moe_max_tiles_of(npairs: usize, n_expert: usize, tile: usize) -> usize {
-    npairs / tile.max(1) + n_expert.min(npairs)
-}
-
-/// Whether the grouped expert products of formats with a tensor-core kernel (but Q3_K, whose
-/// wide tile would spill) take tiles of 16 pairs (mmq.cu `moe_mmq16_*`: each expert's weights
-/// decoded once for up to 16 of a step's pairs instead of 8; the same bits);
-/// `STRATA_CUDA_MOE16=0` keeps tiles of 8, for A/B.
-pub fn moe_tile16_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MOE16"))
+    npairs / 8 + n_expert.min(npairs)
 }
 
 /// The grouping of a prefill's pairs by expert (device buffers, sized for `npairs` pairs).
@@ -2307,8 +2235,6 @@ pub struct MoeGroups {
     pub npairs: usize,
     pub n_expert: usize,
     pub max_tiles: usize,
-    /// Pairs a tile at most: 8 (every grouped kernel) or 16 (the tensor-core kernels only).
-    pub tile: usize,
     offs: CudaSlice<u32>,
     perm: CudaSlice<u32>,
     tiles: CudaSlice<i32>,
@@ -2317,25 +2243,11 @@ pub struct MoeGroups {
 
 impl MoeGroups {
     pub fn new(gpu: &Gpu, npairs: usize, n_expert: usize) -> Result<MoeGroups, CudaError> {
-        MoeGroups::with_tile(gpu, npairs, n_expert, 8)
-    }
-
-    /// Groups in tiles of up to `tile` pairs (8 or 16).
-    pub fn with_tile(
-        gpu: &Gpu,
-        npairs: usize,
-        n_expert: usize,
-        tile: usize,
-    ) -> Result<MoeGroups, CudaError> {
-        if !matches!(tile, 8 | 16) {
-            return Err(bad("moe_group", format!("tiles of {tile} pairs (8 or 16)")));
-        }
-        let max_tiles = moe_max_tiles_of(npairs, n_expert, tile);
+        let max_tiles = moe_max_tiles(npairs, n_expert);
         Ok(MoeGroups {
             npairs,
             n_expert,
             max_tiles,
-            tile,
             offs: gpu.zeros(n_expert + 1)?,
             perm: gpu.zeros(npairs)?,
             tiles: gpu.zeros(3 * max_tiles)?,
@@ -2351,11 +2263,10 @@ impl MoeGroups {
         err: &mut CudaSlice<u32>,
     ) -> Result<(), CudaError> {
         need("moe_group", "ids", ids.len(), self.npairs)?;
-        let (np, ne, mt, ti) = (
+        let (np, ne, mt) = (
             i32_of("moe_group", self.npairs)?,
             i32_of("moe_group", self.n_expert)?,
             i32_of("moe_group", self.max_tiles)?,
-            i32_of("moe_group", self.tile)?,
         );
         launch!(
             gpu,
@@ -2371,7 +2282,6 @@ impl MoeGroups {
                 &mut self.tiles,
                 &mut self.n_tiles,
                 &mt,
-                &ti,
                 err
             ]
         )
@@ -2392,21 +2302,7 @@ pub fn moe_matmul(
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let (kernel, rows_a_block, threads) = if has_mmq(w.ty) {
-        if groups.tile == 16 && w.ty == GgmlType::Q3_K {
-            return Err(bad(
-                "moe_matmul",
-                "Q3_K experts take tiles of 8 pairs".into(),
-            ));
-        }
-        (
-            if groups.tile == 16 {
-                "moe_mmq16"
-            } else {
-                "moe_mmq"
-            },
-            MMQ_ROWS,
-            256,
-        )
+        ("moe_mmq", MMQ_ROWS, 256)
     } else {
         ("moe_matmul", 4, 128)
     };
@@ -2466,15 +2362,6 @@ fn moe_grouped(
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let k = "moe_matmul";
-    if kernel == "moe_matmul" && groups.tile != 8 {
-        return Err(bad(
-            k,
-            format!(
-                "the tiled kernel takes tiles of 8 pairs, not {}",
-                groups.tile
-            ),
-        ));
-    }
     let tn = product_module(w.ty)?;
     whole_units(k, w)?;
     let (wrb, xrb, slab) = (w.row_bytes()?, w.act_row_bytes()?, w.slab_bytes()?);
@@ -2619,20 +2506,7 @@ impl MoeScratch {
             act: gpu.zeros(np * ff)?,
             aq: gpu.zeros(np * ex.down.act_row_bytes()?)?,
             y: gpu.zeros(np * ex.down.rows)?,
-            groups: MoeGroups::with_tile(
-                gpu,
-                np,
-                ex.gate.n_expert,
-                if moe_tile16_on()
-                    && [ex.gate, ex.up, ex.down]
-                        .iter()
-                        .all(|w| has_mmq(w.ty) && w.ty != GgmlType::Q3_K)
-                {
-                    16
-                } else {
-                    8
-                },
-            )?,
+            groups: MoeGroups::new(gpu, np, ex.gate.n_expert)?,
         })
     }
 }
@@ -3013,21 +2887,17 @@ mod tests {
         }
         assert_eq!(mmq_grid(64, 32), (2, 2));
         assert_eq!(mmq_grid(65, 33), (3, 3));
-        for (rows, nt, k, name, tokens, narrow) in [
-            (4, 9, 10240, "mmt_bf16", 8, false),
-            (320, 512, 10240, "mmt_bf16", 8, false),
-            (10240, 17, 320, "mmt_bf16_h", 16, false),
-            (33, 9, 512, "mmt_bf16_h", 16, false),
-            (33, 200, 544, "mmt_bf16", 8, false),
-            (320, 512, 10240, "mmt4_bf16", 4, true),
-            (10240, 17, 320, "mmt4_bf16_h", 8, true),
-            (33, 9, 512, "mmt4_bf16_h", 8, true),
-            (33, 201, 544, "mmt4_bf16", 4, true),
+        for (rows, nt, k, name, tokens) in [
+            (4, 9, 10240, "mmt_bf16", 8),
+            (320, 512, 10240, "mmt_bf16", 8),
+            (10240, 17, 320, "mmt_bf16_h", 16),
+            (33, 9, 512, "mmt_bf16_h", 16),
+            (33, 200, 544, "mmt_bf16", 8),
         ] {
-            let (kn, (gx, gy), rb, tb) = mmt_kernel_as(rows, nt, k, narrow);
+            let (kn, (gx, gy)) = mmt_kernel(rows, nt, k);
             let (gx, gy) = (gx as usize, gy as usize);
-            assert_eq!((kn, tb), (name, tokens), "k = {k}");
-            assert!(gx * rb >= rows && (gx - 1) * rb < rows, "{rows} rows");
+            assert_eq!(kn, name, "k = {k}");
+            assert!(gx * 32 >= rows && (gx - 1) * 32 < rows, "{rows} rows");
             assert!(gy * tokens >= nt && (gy - 1) * tokens < nt, "{nt} tokens");
         }
     }

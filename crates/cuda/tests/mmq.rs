@@ -170,16 +170,6 @@ fn bf16_products_equal_tiled_bitwise() {
                 &down(g, &y),
                 &down(g, &yt),
             );
-            // Both register tiles (4 and 8 tokens a lane), whichever the switch picks.
-            for narrow in [false, true] {
-                let mut yn = g.zeros::<f32>(nt * rows).unwrap();
-                m::matmul_bf16_as(g, &dw, &dx, nt, &mut yn, narrow).unwrap();
-                bitwise(
-                    &format!("bf16 {rows}x{k} nt={nt} narrow={narrow} vs tiled"),
-                    &down(g, &yn),
-                    &down(g, &yt),
-                );
-            }
         }
         eprintln!("bf16 {rows}x{k}: bitwise at nt 9, 17, 64, 200, 512");
     }
@@ -212,9 +202,6 @@ fn moe_mmq_equals_per_pair_gemv_bitwise() {
             let mut err = g.zeros::<u32>(1).unwrap();
             let mut groups = m::MoeGroups::new(g, np, ne).unwrap();
             groups.build(g, &di, &mut err).unwrap();
-            // Tiles of 16 pairs (moe_mmq16_*) too.
-            let mut groups16 = m::MoeGroups::with_tile(g, np, ne, 16).unwrap();
-            groups16.build(g, &di, &mut err).unwrap();
             // Gate/up (one activation row a token) and down (one a pair).
             for per_slot in [false, true] {
                 let xrows = if per_slot { np } else { nt };
@@ -223,20 +210,13 @@ fn moe_mmq_equals_per_pair_gemv_bitwise() {
                 let mut y = g.zeros::<f32>(np * rows).unwrap();
                 let mut yt = g.zeros::<f32>(np * rows).unwrap();
                 let mut yp = g.zeros::<f32>(np * rows).unwrap();
-                let mut y16 = g.zeros::<f32>(np * rows).unwrap();
                 m::moe_matmul(g, &dw, &groups, &dx, per_slot, ks, &mut y).unwrap();
-                if ty != GgmlType::Q3_K {
-                    m::moe_matmul(g, &dw, &groups16, &dx, per_slot, ks, &mut y16).unwrap();
-                }
                 m::moe_matmul_tiled(g, &dw, &groups, &dx, per_slot, ks, &mut yt).unwrap();
                 m::moe_gemv(g, &dw, &di, &dx, per_slot, ks, np, &mut yp, &mut err).unwrap();
                 let got = down(g, &y);
                 let what = format!("moe_mmq {ty} k={k} nt={nt} per_slot={per_slot}");
                 bitwise(&format!("{what} vs per-pair gemv"), &got, &down(g, &yp));
                 bitwise(&format!("{what} vs tiled"), &got, &down(g, &yt));
-                if ty != GgmlType::Q3_K {
-                    bitwise(&format!("{what}, tiles of 16"), &down(g, &y16), &got);
-                }
             }
             assert_eq!(g.download(&err).unwrap(), vec![0], "error word");
         }
