@@ -771,11 +771,24 @@ __device__ __forceinline__ void attend_group_scores_t(const float* q, const floa
             }
 }
 
+// Value rows u0 .. u0 + VT of the chunk (those below len with a token in the store) into `vs`.
+#define VT 16
+__device__ __forceinline__ void attend_group_stage_v(float (*vs)[256], const float* vc, const u32* tk, int len,
+                                                     int u0, u32 cap, int kvc, int off, int d) {
+    const int q4 = d / 4;
+    for (int e = threadIdx.x; e < VT * q4; e += 256) {
+        const int u = e / q4, c4 = e % q4;
+        if (u0 + u < len && tk[u0 + u] < cap)
+            cp_async16(&vs[u][4 * c4], vc + (size_t)tk[u0 + u] * kvc + off + 4 * c4);
+    }
+}
+
 template <bool CAUSAL>
 __device__ __forceinline__ void attend_group_out_t(const float* vc, const u32* sel, const u32* cnt, const u32* pos,
                                                    const float* scores, const float* stats, float* part, u32 cap,
                                                    int n_head, int n_head_kv, int d, int stride, int f16,
-                                                   int max_chunks, float (*w)[256], u32* tk, float (*mz)[2]) {
+                                                   int max_chunks, float (*w)[256], u32* tk, float (*mz)[2],
+                                                   float (*vs)[VT][256]) {
     const int groups = n_head_kv * ((n_head / n_head_kv + AG - 1) / AG);
     const int r = blockIdx.x / groups, c = blockIdx.y;
     int h0, nh;
@@ -812,29 +825,44 @@ __device__ __forceinline__ void attend_group_out_t(const float* vc, const u32* s
         }
     __syncthreads();
     const int len = (int)min(256u, T - (u32)c * 256);
-    for (int j = threadIdx.x; j < d; j += 256) {
-        float acc[AG];
+    // The chunk's value rows VT at a time into two buffers by cp.async (the next slab in flight
+    // while this one is summed); thread j owns output dim j (d ≤ 256), the tokens in order.
+    const int j = threadIdx.x;
+    float acc[AG];
 #pragma unroll
-        for (int h = 0; h < AG; ++h) acc[h] = 0.f;
-        for (int u0 = 0; u0 < len; u0 += 8) {
-            float vv[8];
+    for (int h = 0; h < AG; ++h) acc[h] = 0.f;
+    attend_group_stage_v(vs[0], vc, tk, len, 0, cap, kvc, off, d);
+    for (int u0 = 0, bi = 0; u0 < len; u0 += VT, bi ^= 1) {
+        cp_async_wait_all();
+        __syncthreads();  // slab u0 is in vs[bi] for every thread; vs[bi ^ 1] is free
+        if (u0 + VT < len) attend_group_stage_v(vs[bi ^ 1], vc, tk, len, u0 + VT, cap, kvc, off, d);
+        if (j < d) {
 #pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const bool ok = u0 + u < len && tk[u0 + u] < cap;
-                vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
-                if (!CAUSAL) vv[u] = r16(vv[u], f16);
+            for (int u4 = 0; u4 < VT; u4 += 4) {
+                float vv[4];
+                bool ok[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int u = u0 + u4 + e;
+                    ok[e] = u < len && tk[u] < cap;
+                    vv[e] = CAUSAL ? vs[bi][u4 + e][j] : r16(vs[bi][u4 + e][j], f16);
+                }
+#pragma unroll
+                for (int h = 0; h < AG; ++h)
+                    if (h < nh) {
+                        const float4 w4 = *(const float4*)&w[h][u0 + u4];
+                        if (ok[0]) acc[h] += w4.x * vv[0];
+                        if (ok[1]) acc[h] += w4.y * vv[1];
+                        if (ok[2]) acc[h] += w4.z * vv[2];
+                        if (ok[3]) acc[h] += w4.w * vv[3];
+                    }
             }
-#pragma unroll
-            for (int u = 0; u < 8; ++u)
-                if (u0 + u < len && tk[u0 + u] < cap)
-#pragma unroll
-                    for (int h = 0; h < AG; ++h)
-                        if (h < nh) acc[h] += w[h][u0 + u] * vv[u];
         }
+    }
+    if (j < d)
 #pragma unroll
         for (int h = 0; h < AG; ++h)
             if (h < nh) part[(((size_t)r * n_head + h0 + h) * max_chunks + c) * d + j] = acc[h];
-    }
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -859,13 +887,14 @@ attend_group_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
                  const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
                  int f16, int max_chunks) {
     grid_dep_sync();
-    __shared__ float w[AG][256];
+    __shared__ __align__(16) float w[AG][256];
     __shared__ u32 tk[256];
     __shared__ float mz[AG][2];
+    __shared__ __align__(16) float vs[2][VT][256];
     if (causal)
         attend_group_out_t<true>(vc, sel, cnt, pos, scores, stats, part, cap, n_head, n_head_kv, d, stride, f16,
-                                 max_chunks, w, tk, mz);
+                                 max_chunks, w, tk, mz, vs);
     else
         attend_group_out_t<false>(vc, sel, cnt, pos, scores, stats, part, cap, n_head, n_head_kv, d, stride, f16,
-                                  max_chunks, w, tk, mz);
+                                  max_chunks, w, tk, mz, vs);
 }
