@@ -73,7 +73,7 @@ __device__ __forceinline__ float mmq_contrib(float4 ws, float2 xs, int ia, int i
     }
 }
 
-// Q2_0 in the transposed element order (mmq_q2t(), session 7's q2_act idea for the MMA): a
+// Q2_0 in the transposed element order (session 7's q2_act idea, for the MMA staging): a
 // unit's integer dot is a sum over its 32 (weight, activation) byte pairs, exact in any order,
 // so both sides may list the elements in another order as long as it is the same one. Weight
 // word m (m < 4) takes code m of each of the unit's code bytes 0..3 (element 4k + m in byte k:

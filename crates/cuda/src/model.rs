@@ -1926,7 +1926,7 @@ impl AttnSplitScratch {
     }
 }
 
-/// Heads a block of attn.cu `attend_group_*` takes (`AG`).
+/// Heads a block of attn.cu `attend_group_*` takes (`ATTN_AG`).
 pub const ATTN_GROUP: usize = 12;
 
 /// Whether [`attend_split`] over `rows` query rows runs attn.cu `attend_group_scores` /
