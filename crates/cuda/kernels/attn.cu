@@ -611,3 +611,307 @@ attend_split_sum(const float* part, const u32* cnt, const u32* pos, float* out, 
         out[(size_t)rh * d + j] = acc;
     }
 }
+
+// ---- attention for prefill: the heads that share a kv head, together ---------------------------
+// attend_split_scores / attend_split_out for many rows read every key and value row once per
+// (row, head): 24 heads over 2 kv heads read each row 12 times, and at 4096 tokens of context
+// that traffic (≈ 2 × 256 KB a block from L2) is what grows with the prompt. These take one block
+// per (row, group of up to ATTN_AG heads of one kv head, chunk of 256 tokens): each key and value row
+// is read once for the group. Every score, chunk statistic, weight and partial sum is the split
+// kernels' expression in its order (the scores' dims in order, block_max256 / block_sum256's
+// tree, the chunks' stats in chunk order, the values in token order), so the outputs are the
+// same bits; attend_split_sum finishes both. d % 32 == 0, d ≤ 256.
+#define ATTN_AG 12
+
+// The block's heads: kv head j = gi / per, heads h0 .. h0 + nh of group gi % per.
+__device__ __forceinline__ void attn_group(int gi, int n_head, int n_head_kv, int& h0, int& nh) {
+    const int g = n_head / n_head_kv, per = (g + ATTN_AG - 1) / ATTN_AG;
+    const int j = gi / per, s = gi % per;
+    h0 = j * g + s * ATTN_AG;
+    nh = min(ATTN_AG, g - s * ATTN_AG);
+}
+
+// block_max256 and block_sum256 of ATTN_AG values at once (`sh` holds 8·ATTN_AG floats): the same trees.
+__device__ __forceinline__ void block_max256_n(float (&v)[ATTN_AG], int nh, float* sh) {
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+#pragma unroll
+    for (int h = 0; h < ATTN_AG; ++h)
+        if (h < nh) v[h] = warp_max(v[h]);
+    __syncthreads();
+    if (l == 0)
+#pragma unroll
+        for (int h = 0; h < ATTN_AG; ++h)
+            if (h < nh) sh[8 * h + w] = v[h];
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < ATTN_AG; ++h)
+        if (h < nh) {
+            const float* s = sh + 8 * h;
+            // Lane 0 of block_max256: xor 4, then 2, then 1.
+            const float a0 = fmaxf(s[0], s[4]), a1 = fmaxf(s[1], s[5]), a2 = fmaxf(s[2], s[6]),
+                        a3 = fmaxf(s[3], s[7]);
+            v[h] = fmaxf(fmaxf(a0, a2), fmaxf(a1, a3));
+        }
+}
+
+__device__ __forceinline__ void block_sum256_n(float (&v)[ATTN_AG], int nh, float* sh) {
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+#pragma unroll
+    for (int h = 0; h < ATTN_AG; ++h)
+        if (h < nh) v[h] = warp_sum(v[h]);
+    __syncthreads();
+    if (l == 0)
+#pragma unroll
+        for (int h = 0; h < ATTN_AG; ++h)
+            if (h < nh) sh[8 * h + w] = v[h];
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < ATTN_AG; ++h)
+        if (h < nh) {
+            const float* s = sh + 8 * h;
+            v[h] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+        }
+}
+
+// Grid (rows · groups, chunks), 256 threads; scratch layouts as attend_split_scores'.
+// The keys are staged ATTN_KD dims at a time into two buffers by cp.async: round c + 1's copies are
+// in flight while round c is summed.
+#define ATTN_KD 16
+template <bool CAUSAL>
+__device__ __forceinline__ void attend_group_stage(float (*kt)[ATTN_KD + 1], const float* kc, const u32* tk, int live,
+                                                   u32 cap, int kvc, int off, int c0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int rr = 2 * warp + (lane >> 4); rr < live; rr += 16) {
+        const u32 tt = tk[rr];
+        float* dst = &kt[rr][lane & 15];
+        if (tt < cap) cp_async4(dst, kc + (size_t)tt * kvc + off + c0 + (lane & 15));
+        else *dst = 0.f;
+    }
+}
+
+template <bool CAUSAL>
+__device__ __forceinline__ void attend_group_scores_t(const float* q, const float* kc, const u32* sel, const u32* cnt,
+                                                      const u32* pos, float* scores, float* stats, u32 cap,
+                                                      int n_head, int n_head_kv, int d, int stride, int f16,
+                                                      int max_chunks, u32* err, float* qs,
+                                                      float (*kt)[256][ATTN_KD + 1], u32* tk, float* sh) {
+    const int groups = n_head_kv * ((n_head / n_head_kv + ATTN_AG - 1) / ATTN_AG);
+    const int r = blockIdx.x / groups, c = blockIdx.y;
+    int h0, nh;
+    attn_group(blockIdx.x % groups, n_head, n_head_kv, h0, nh);
+    const int kvc = n_head_kv * d, off = (h0 / (n_head / n_head_kv)) * d;
+    const u32 T = CAUSAL ? pos[r] + 1 : cnt[r];
+    if (T > cap || (u32)c * 256 >= T) return;
+    const float* qh = q + ((size_t)r * n_head + h0) * d;  // the group's heads are consecutive
+    for (int i = threadIdx.x; i < nh * d; i += 256) qs[i] = r16(qh[i], f16);
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    u32 tok = cap;
+    if (t < T) {
+        tok = CAUSAL ? t : sel[(size_t)r * stride + t];
+        if (tok >= cap) {
+            atomicOr(err, ERR_CAPACITY);
+            tok = cap;
+        }
+    }
+    tk[threadIdx.x] = tok;
+    float acc[ATTN_AG], a[CAUSAL ? ATTN_AG : 1][8];
+#pragma unroll
+    for (int h = 0; h < ATTN_AG; ++h) acc[h] = -0.0f;
+#pragma unroll
+    for (int h = 0; h < (CAUSAL ? ATTN_AG : 1); ++h)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[h][e] = 0.f;
+    const int live = (int)min(256u, T - (u32)c * 256);
+    __syncthreads();  // tk
+    attend_group_stage<CAUSAL>(kt[0], kc, tk, live, cap, kvc, off, 0);
+    for (int c0 = 0, bi = 0; c0 < d; c0 += ATTN_KD, bi ^= 1) {
+        cp_async_wait_all();
+        __syncthreads();  // round c0 is in kt[bi] for every thread; kt[bi ^ 1] is free
+        if (c0 + ATTN_KD < d) attend_group_stage<CAUSAL>(kt[bi ^ 1], kc, tk, live, cap, kvc, off, c0 + ATTN_KD);
+        const float* kr = kt[bi][threadIdx.x];
+#pragma unroll
+        for (int i = 0; i < ATTN_KD; i += 4) {
+            float kv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) kv[e] = CAUSAL ? kr[i + e] : r16(kr[i + e], f16);
+#pragma unroll
+            for (int h = 0; h < ATTN_AG; ++h)
+                if (h < nh) {
+                    const float4 q4 = *(const float4*)&qs[h * d + c0 + i];
+                    if (CAUSAL) {
+                        // attn_score's eight interleaved partials: dim c0 + i + e goes to (i + e) & 7.
+                        a[CAUSAL ? h : 0][(i + 0) & 7] += q4.x * kv[0];
+                        a[CAUSAL ? h : 0][(i + 1) & 7] += q4.y * kv[1];
+                        a[CAUSAL ? h : 0][(i + 2) & 7] += q4.z * kv[2];
+                        a[CAUSAL ? h : 0][(i + 3) & 7] += q4.w * kv[3];
+                    } else {
+                        acc[h] += q4.x * kv[0];
+                        acc[h] += q4.y * kv[1];
+                        acc[h] += q4.z * kv[2];
+                        acc[h] += q4.w * kv[3];
+                    }
+                }
+        }
+    }
+    float s[ATTN_AG], e[ATTN_AG];
+#pragma unroll
+    for (int h = 0; h < ATTN_AG; ++h) {
+        s[h] = NEG_INF;
+        if (h < nh && t < T && tok < cap) {
+            if (CAUSAL) {
+                const int hc = CAUSAL ? h : 0;
+                const float s0 = a[hc][0] + a[hc][4], s1 = a[hc][1] + a[hc][5], s2 = a[hc][2] + a[hc][6],
+                            s3 = a[hc][3] + a[hc][7];
+                s[h] = ((s0 + s2) + (s1 + s3)) * (1.0f / sqrtf((float)d));
+            } else {
+                s[h] = acc[h] * (1.0f / sqrtf((float)d));
+            }
+        }
+        if (h < nh && t < T) scores[((size_t)r * n_head + h0 + h) * cap + t] = s[h];
+        e[h] = s[h];
+    }
+    block_max256_n(e, nh, sh);  // e = the chunk's max per head
+    float m[ATTN_AG];
+#pragma unroll
+    for (int h = 0; h < ATTN_AG; ++h) {
+        m[h] = e[h];
+        e[h] = t < T ? expf(s[h] - m[h]) : 0.f;
+    }
+    block_sum256_n(e, nh, sh);
+    if (threadIdx.x == 0)
+#pragma unroll
+        for (int h = 0; h < ATTN_AG; ++h)
+            if (h < nh) {
+                const size_t at = (((size_t)r * n_head + h0 + h) * max_chunks + c) * 2;
+                stats[at] = m[h];
+                stats[at + 1] = e[h];
+            }
+}
+
+// Value rows u0 .. u0 + ATTN_VT of the chunk (those below len with a token in the store) into `vs`.
+#define ATTN_VT 16
+__device__ __forceinline__ void attend_group_stage_v(float (*vs)[256], const float* vc, const u32* tk, int len,
+                                                     int u0, u32 cap, int kvc, int off, int d) {
+    const int q4 = d / 4;
+    for (int e = threadIdx.x; e < ATTN_VT * q4; e += 256) {
+        const int u = e / q4, c4 = e % q4;
+        if (u0 + u < len && tk[u0 + u] < cap)
+            cp_async16(&vs[u][4 * c4], vc + (size_t)tk[u0 + u] * kvc + off + 4 * c4);
+    }
+}
+
+template <bool CAUSAL>
+__device__ __forceinline__ void attend_group_out_t(const float* vc, const u32* sel, const u32* cnt, const u32* pos,
+                                                   const float* scores, const float* stats, float* part, u32 cap,
+                                                   int n_head, int n_head_kv, int d, int stride, int f16,
+                                                   int max_chunks, float (*w)[256], u32* tk, float (*mz)[2],
+                                                   float (*vs)[ATTN_VT][256]) {
+    const int groups = n_head_kv * ((n_head / n_head_kv + ATTN_AG - 1) / ATTN_AG);
+    const int r = blockIdx.x / groups, c = blockIdx.y;
+    int h0, nh;
+    attn_group(blockIdx.x % groups, n_head, n_head_kv, h0, nh);
+    const int kvc = n_head_kv * d, off = (h0 / (n_head / n_head_kv)) * d;
+    const u32 T = CAUSAL ? pos[r] + 1 : cnt[r];
+    const int nc = (int)((T + 255) / 256);
+    if (T > cap || c >= nc) return;
+    if (threadIdx.x < nh) {
+        // attend_split_out's m and z, from the chunks' stats in chunk order.
+        const float* st = stats + ((size_t)r * n_head + h0 + threadIdx.x) * max_chunks * 2;
+        float m = NEG_INF;
+        for (int i = 0; i < nc; ++i) m = fmaxf(m, st[2 * i]);
+        float z = 0.f;
+        for (int i = 0; i < nc; ++i) z += st[2 * i + 1] * expf(st[2 * i] - m);
+        mz[threadIdx.x][0] = m;
+        mz[threadIdx.x][1] = z;
+    }
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    u32 tok = cap;
+    if (t < T) tok = CAUSAL ? t : sel[(size_t)r * stride + t];
+    tk[threadIdx.x] = tok;
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < ATTN_AG; ++h)
+        if (h < nh) {
+            float wt = 0.f;
+            if (t < T) {
+                const float m = mz[h][0], z = mz[h][1], inv = 1.0f / z;
+                const float p = expf(scores[((size_t)r * n_head + h0 + h) * cap + t] - m);
+                wt = CAUSAL ? r16(p * inv, f16) : r16(p / z, f16);
+            }
+            w[h][threadIdx.x] = wt;
+        }
+    __syncthreads();
+    const int len = (int)min(256u, T - (u32)c * 256);
+    // The chunk's value rows ATTN_VT at a time into two buffers by cp.async (the next slab in flight
+    // while this one is summed); thread j owns output dim j (d ≤ 256), the tokens in order.
+    const int j = threadIdx.x;
+    float acc[ATTN_AG];
+#pragma unroll
+    for (int h = 0; h < ATTN_AG; ++h) acc[h] = 0.f;
+    attend_group_stage_v(vs[0], vc, tk, len, 0, cap, kvc, off, d);
+    for (int u0 = 0, bi = 0; u0 < len; u0 += ATTN_VT, bi ^= 1) {
+        cp_async_wait_all();
+        __syncthreads();  // slab u0 is in vs[bi] for every thread; vs[bi ^ 1] is free
+        if (u0 + ATTN_VT < len) attend_group_stage_v(vs[bi ^ 1], vc, tk, len, u0 + ATTN_VT, cap, kvc, off, d);
+        if (j < d) {
+#pragma unroll
+            for (int u4 = 0; u4 < ATTN_VT; u4 += 4) {
+                float vv[4];
+                bool ok[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int u = u0 + u4 + e;
+                    ok[e] = u < len && tk[u] < cap;
+                    vv[e] = CAUSAL ? vs[bi][u4 + e][j] : r16(vs[bi][u4 + e][j], f16);
+                }
+#pragma unroll
+                for (int h = 0; h < ATTN_AG; ++h)
+                    if (h < nh) {
+                        const float4 w4 = *(const float4*)&w[h][u0 + u4];
+                        if (ok[0]) acc[h] += w4.x * vv[0];
+                        if (ok[1]) acc[h] += w4.y * vv[1];
+                        if (ok[2]) acc[h] += w4.z * vv[2];
+                        if (ok[3]) acc[h] += w4.w * vv[3];
+                    }
+            }
+        }
+    }
+    if (j < d)
+#pragma unroll
+        for (int h = 0; h < ATTN_AG; ++h)
+            if (h < nh) part[(((size_t)r * n_head + h0 + h) * max_chunks + c) * d + j] = acc[h];
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_group_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
+                    float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
+                    int max_chunks, u32* err) {
+    grid_dep_sync();
+    __shared__ __align__(16) float qs[ATTN_AG * 256];
+    __shared__ float kt[2][256][ATTN_KD + 1];
+    __shared__ u32 tk[256];
+    __shared__ float sh[8 * ATTN_AG];
+    if (causal)
+        attend_group_scores_t<true>(q, kc, sel, cnt, pos, scores, stats, cap, n_head, n_head_kv, d, stride, f16,
+                                    max_chunks, err, qs, kt, tk, sh);
+    else
+        attend_group_scores_t<false>(q, kc, sel, cnt, pos, scores, stats, cap, n_head, n_head_kv, d, stride, f16,
+                                     max_chunks, err, qs, kt, tk, sh);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attend_group_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
+                 const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
+                 int f16, int max_chunks) {
+    grid_dep_sync();
+    __shared__ __align__(16) float w[ATTN_AG][256];
+    __shared__ u32 tk[256];
+    __shared__ float mz[ATTN_AG][2];
+    __shared__ __align__(16) float vs[2][ATTN_VT][256];
+    if (causal)
+        attend_group_out_t<true>(vc, sel, cnt, pos, scores, stats, part, cap, n_head, n_head_kv, d, stride, f16,
+                                 max_chunks, w, tk, mz, vs);
+    else
+        attend_group_out_t<false>(vc, sel, cnt, pos, scores, stats, part, cap, n_head, n_head_kv, d, stride, f16,
+                                  max_chunks, w, tk, mz, vs);
+}

@@ -198,3 +198,22 @@ __device__ __forceinline__ void q8k_warp(const float* v, u8* blk, int lane) {
     if ((lane & 1) == 0) *(i16*)(blk + 260 + lane) = (i16)s;
     if (lane == 0) *(float*)blk = 1.f / iscale;
 }
+
+// Asynchronous global → shared copies (sm_80+: cp.async): the copy is in flight while the
+// thread computes; cp_async_wait_all() waits for this thread's copies (then a barrier makes
+// them visible to the others). For staging a kernel's next inputs behind its current work.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+

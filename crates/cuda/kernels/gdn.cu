@@ -39,6 +39,41 @@ conv1d_silu_f32(const float* x, const float* w, float* hist, float* out, int n, 
     }
 }
 
+// conv1d_silu_f32 for a prefill's rows: one thread per (channel, CONV_RT consecutive rows)
+// instead of one per channel over every row (10240 channels = 40 blocks, each walking 512 rows), the same
+// sum per output (taps in order from +0, then silu); conv1d_hist_f32 then moves the history as
+// conv1d_silu_f32's tail does (a second launch: the rows read the old history).
+#define CONV_RT 8
+extern "C" __global__ void __launch_bounds__(256)
+conv1d_rows_f32(const float* x, const float* w, const float* hist, float* out, int n, int c, int k, int dil) {
+    grid_dep_sync();
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    const int hr = (k - 1) * dil;
+    const int t1 = min(n, (int)(blockIdx.y + 1) * CONV_RT);
+    for (int t = blockIdx.y * CONV_RT; t < t1; ++t) {
+        float acc = 0.f;
+        for (int tap = 0; tap < k; ++tap) {
+            const int idx = hr + t - (k - 1 - tap) * dil;  // row of [history; x]
+            const float v = idx < hr ? hist[(size_t)idx * c + ch] : x[(size_t)(idx - hr) * c + ch];
+            acc += w[(size_t)ch * k + tap] * v;
+        }
+        out[(size_t)t * c + ch] = g_silu(acc);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+conv1d_hist_f32(const float* x, float* hist, int n, int c, int k, int dil) {
+    grid_dep_sync();
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    const int hr = (k - 1) * dil;
+    for (int i = 0; i < hr; ++i) {
+        const int j = n + i;
+        hist[(size_t)i * c + ch] = j < hr ? hist[(size_t)j * c + ch] : x[(size_t)(j - hr) * c + ch];
+    }
+}
+
 // The recurrent step. Block h = value head (DV threads, one state column each, kept in
 // registers across the rows); key head g = h % nk (GGUF's tiled order). Per row t:
 //   q, k l2-normalised (sum of squares in order, eps 1e-6), q scaled by 1/sqrt(DK);
@@ -328,6 +363,137 @@ __device__ __forceinline__ void gdn_scan_t(const float* qn, const float* kn, con
 GDN_SCAN(128)
 GDN_SCAN(64)
 GDN_SCAN(32)
+
+// ---- the scan with its inputs staged (prefill; bitwise gdn_scan_* and gdn_step_*) ---------------
+// gdn_scan_t reads each row's k̂ and q̂ from global memory inside its fully unrolled column loops
+// (256 dependent-address loads a row, and at DK = 128 the state's 128 registers plus those
+// loads spill), and takes the k·S sum of row t + 1 only after the q·S sum of row t. This one
+// keeps the same per-element operations in the same order but (1) stages the rows' k̂, q̂, (β,
+// decay) and each lane's v in a ring of shared memory, 2·GDN_RC rows, refilled GDN_RC rows at a
+// time with cp.async while the previous chunk runs, read back as float4; (2) runs row t's
+// update and q·S sum in one loop with row t + 1's decay and k·S sum: per element
+// s += k_t·δ_t; o_t += q_t·s; s *= decay_{t+1}; kS_{t+1} += k_{t+1}·s — each element sees its
+// operations in the sequential order and each sum runs over i in order from +0, so the two
+// independent chains interleave without changing a bit.
+#define GDN_RC 16
+
+// Rows t0 .. t0 + GDN_RC (those below n) into their ring slots t % (2·GDN_RC), asynchronously.
+template <int DK>
+__device__ __forceinline__ void gdn_ring_stage(float4 (*kr)[DK / 4], float4 (*qr)[DK / 4], float (*vr)[32],
+                                               float (*br)[2], const float* qn, const float* kn, const float* bd,
+                                               const float* qkv, int t0, int n, int nk, int nv, int dv, int g,
+                                               int h, int j) {
+    constexpr int D4 = DK / 4, RING = 2 * GDN_RC;
+    const int lane = threadIdx.x;
+    const int conv_dim = 2 * nk * DK + nv * dv;
+    for (int e = lane; e < GDN_RC * D4; e += 32) {
+        const int u = e / D4, c = e % D4, t = t0 + u;
+        if (t < n) {
+            cp_async16(&kr[t % RING][c], kn + ((size_t)t * nk + g) * DK + 4 * c);
+            cp_async16(&qr[t % RING][c], qn + ((size_t)t * nk + g) * DK + 4 * c);
+        }
+    }
+    for (int u = 0; u < GDN_RC; ++u) {
+        const int t = t0 + u;
+        if (t < n) cp_async4(&vr[t % RING][lane], qkv + (size_t)t * conv_dim + 2 * nk * DK + h * dv + j);
+    }
+    if (lane < 2 * GDN_RC) {
+        const int t = t0 + (lane >> 1);
+        if (t < n) cp_async4(&br[t % RING][lane & 1], bd + ((size_t)t * nv + h) * 2 + (lane & 1));
+    }
+}
+
+// Grid (nv, dv/32), 32 threads, as gdn_scan_t.
+template <int DK>
+__device__ __forceinline__ void gdn_scan_ring_t(const float* qn, const float* kn, const float* bd, const float* qkv,
+                                                float* state, float* oraw, int n, int nk, int nv, int dv) {
+    constexpr int D4 = DK / 4, RING = 2 * GDN_RC;
+    __shared__ __align__(16) float4 kr[RING][D4];
+    __shared__ __align__(16) float4 qr[RING][D4];
+    __shared__ float vr[RING][32];
+    __shared__ float br[RING][2];
+    const int lane = threadIdx.x;
+    const int h = blockIdx.x, j = blockIdx.y * 32 + lane, g = h % nk;
+    float* sp = state + (size_t)h * DK * dv + j;
+    float s[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) s[i] = sp[(size_t)i * dv];
+    gdn_ring_stage<DK>(kr, qr, vr, br, qn, kn, bd, qkv, 0, n, nk, nv, dv, g, h, j);
+    gdn_ring_stage<DK>(kr, qr, vr, br, qn, kn, bd, qkv, GDN_RC, n, nk, nv, dv, g, h, j);
+    cp_async_wait_all();
+    __syncwarp();
+    // Row 0's decay and k·S.
+    float kS = 0.f;
+    {
+        const float dec = br[0][1];
+#pragma unroll
+        for (int c = 0; c < D4; ++c) {
+            const float4 k4 = kr[0][c];
+            const float kk[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[4 * c + e] *= dec;
+                kS += kk[e] * s[4 * c + e];
+            }
+        }
+    }
+    for (int t = 0; t < n; ++t) {
+        const int sl = t % RING;
+        const float delta = br[sl][0] * (vr[sl][lane] - kS);
+        float o = 0.f;
+        if (t + 1 < n) {
+            const int sn = (t + 1) % RING;
+            const float dec = br[sn][1];
+            float kS1 = 0.f;
+#pragma unroll
+            for (int c = 0; c < D4; ++c) {
+                const float4 k4 = kr[sl][c], q4 = qr[sl][c], n4 = kr[sn][c];
+                const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, qq[4] = {q4.x, q4.y, q4.z, q4.w},
+                            nn[4] = {n4.x, n4.y, n4.z, n4.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[4 * c + e] += kk[e] * delta;
+                    o += qq[e] * s[4 * c + e];
+                    s[4 * c + e] *= dec;
+                    kS1 += nn[e] * s[4 * c + e];
+                }
+            }
+            kS = kS1;
+        } else {
+#pragma unroll
+            for (int c = 0; c < D4; ++c) {
+                const float4 k4 = kr[sl][c], q4 = qr[sl][c];
+                const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, qq[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[4 * c + e] += kk[e] * delta;
+                    o += qq[e] * s[4 * c + e];
+                }
+            }
+        }
+        oraw[(size_t)t * nv * dv + h * dv + j] = o;
+        if ((t + 1) % GDN_RC == 0 && t + 1 < n) {
+            // Rows t − GDN_RC + 1 ..= t are done (row t + 1's k is in the next chunk): their slots
+            // take the chunk after next. The next chunk's copies were issued a chunk ago.
+            cp_async_wait_all();
+            __syncwarp();
+            gdn_ring_stage<DK>(kr, qr, vr, br, qn, kn, bd, qkv, t + 1 + GDN_RC, n, nk, nv, dv, g, h, j);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < DK; ++i) sp[(size_t)i * dv] = s[i];
+}
+
+#define GDN_SCAN_RING(DK)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32)                                                   \
+    gdn_scan_ring_##DK(const float* qn, const float* kn, const float* bd, const float* qkv, float* state, \
+                       float* oraw, int n, int nk, int nv, int dv) {                                   \
+        grid_dep_sync();                                                                               \
+        gdn_scan_ring_t<DK>(qn, kn, bd, qkv, state, oraw, n, nk, nv, dv);                              \
+    }
+GDN_SCAN_RING(128)
+GDN_SCAN_RING(64)
+GDN_SCAN_RING(32)
 
 // Grid (n·nv), dv threads: out = ((o · rms(o)) · w) · σ(z), the sum of squares in order.
 extern "C" __global__ void __launch_bounds__(256)

@@ -73,13 +73,41 @@ __device__ __forceinline__ float mmq_contrib(float4 ws, float2 xs, int ia, int i
     }
 }
 
+// Q2_0 in the transposed element order (session 7's q2_act idea, for the MMA staging): a
+// unit's integer dot is a sum over its 32 (weight, activation) byte pairs, exact in any order,
+// so both sides may list the elements in another order as long as it is the same one. Weight
+// word m (m < 4) takes code m of each of the unit's code bytes 0..3 (element 4k + m in byte k:
+// one shift and mask of the code word instead of spreading each byte), word 4 + m the same of
+// bytes 4..7; the activation words are transposed to match (byte k of word m = element 4k + m,
+// a 4×4 byte transpose). STRATA_CUDA_MMQ_Q2T=0 (the kernels' q2t argument) keeps the byte-wise
+// decoder.
+__device__ __forceinline__ void mmq_transpose4(u32& v0, u32& v1, u32& v2, u32& v3) {
+    const u32 t0 = __byte_perm(v0, v1, 0x5140), t1 = __byte_perm(v0, v1, 0x7362);
+    const u32 t2 = __byte_perm(v2, v3, 0x5140), t3 = __byte_perm(v2, v3, 0x7362);
+    v0 = __byte_perm(t0, t2, 0x5410);
+    v1 = __byte_perm(t0, t2, 0x7632);
+    v2 = __byte_perm(t1, t3, 0x5410);
+    v3 = __byte_perm(t1, t3, 0x7632);
+}
+
 // Weight unit u of row `wr` (nullptr: a row past the matrix, zeros) into the staging layout.
 template <int T>
-__device__ __forceinline__ void mmq_stage_w(const u8* wr, int u, uint2* wq, float4* ws) {
+__device__ __forceinline__ void mmq_stage_w(const u8* wr, int u, uint2* wq, float4* ws, int q2t) {
     if (wr == nullptr) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) wq[k] = make_uint2(0u, 0u);
         *ws = make_float4(0.f, 0.f, 0.f, 0.f);
+        return;
+    }
+    if (T == T_Q2_0 && q2t) {
+        const u8* b = wr + (size_t)(u >> 1) * 18;  // two units a block: f16 scale, 16 code bytes
+        const u8* c = b + 2 + 8 * (u & 1);
+        const u32 c0 = ld32a2(c), c1 = ld32a2(c + 4);
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            wq[m] = make_uint2(__vsub4((c0 >> (2 * m)) & 0x03030303u, 0x01010101u),
+                               __vsub4((c1 >> (2 * m)) & 0x03030303u, 0x01010101u));
+        *ws = make_float4(ldf16(b), 0.f, __int_as_float(0), __int_as_float(0));
         return;
     }
     DecUnit d = decode_for_dot<T>(wr, u, global_tables());
@@ -95,7 +123,7 @@ __device__ __forceinline__ void mmq_stage_w(const u8* wr, int u, uint2* wq, floa
 
 // Activation unit u of row `xr` (nullptr: a token past the tile, zeros) into the staging layout.
 template <int T>
-__device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, float2* xs) {
+__device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, float2* xs, int q2t) {
     if (xr == nullptr) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) xq[k] = make_uint2(0u, 0u);
@@ -110,6 +138,10 @@ __device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, floa
         dx = ldf16(xb);
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] = ld32a2(xb + 2 + 4 * k);
+        if (T == T_Q2_0 && q2t) {
+            mmq_transpose4(v[0], v[1], v[2], v[3]);
+            mmq_transpose4(v[4], v[5], v[6], v[7]);
+        }
     } else {
         const int s = u & 7;
         const u8* xb = xr + 292 * (size_t)(u >> 3);  // Q8_K block (4-byte aligned)
@@ -126,23 +158,26 @@ __device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, floa
 }
 
 // The shared tile: 32 rows from row r0 of slab `w`, BN tokens whose activation rows and output
-// rows the caller put in xrow / yrow (−1: no token). Stores y[yrow · rows + r].
-template <int T, int BN>
+// rows the caller put in xrow / yrow (−1: no token), NW warps (8: each takes the lane classes
+// w, w+8, w+16, w+24; 16, the wide dense tile: w and w+16). Stores y[yrow · rows + r].
+template <int T, int BN, int NW = MMQ_NW>
 __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, const u8* x, u64 xrb, float* y,
-                                         int r0, const int* xrow, const int* yrow) {
-    constexpr int NI = BN / 8, MI = MMQ_BM / 16, CPW = 32 / MMQ_NW;
+                                         int r0, const int* xrow, const int* yrow, int q2t) {
+    constexpr int NI = BN / 8, MI = MMQ_BM / 16, CPW = 32 / NW;
     // Per staged unit: a row's 4 uint2 (or a token's), strides padded to odd counts so the
     // staging stores of 16 consecutive units hit distinct banks.
     constexpr int SWQ = MMQ_BM * 4 + 1, SWS = MMQ_BM + 1, SXQ = BN * 4 + 1, SXS = BN + 1;
     constexpr int WQ = MMQ_KC * SWQ, XQ = MMQ_KC * SXQ;  // uint2 each
     constexpr int BYTES = 8 * WQ + 16 * MMQ_KC * SWS + 8 * XQ + 8 * MMQ_KC * SXS;
-    static_assert(MMQ_NW * MMQ_BM * BN * 4 <= BYTES, "the class sums fit in the staging space");
+    // The class sums pass through the staging space in NS slices of BW tokens.
+    constexpr int NS = NW * MMQ_BM * BN * 4 <= BYTES ? 1 : NI, BW = BN / NS;
+    static_assert(NW * MMQ_BM * BW * 4 <= BYTES, "a slice of the class sums fits in the staging space");
     __shared__ __align__(16) u8 smem[BYTES];
     uint2* wq = (uint2*)smem;
     float4* ws = (float4*)(smem + 8 * WQ);
     uint2* xq = (uint2*)(smem + 8 * WQ + 16 * MMQ_KC * SWS);
     float2* xs = (float2*)(smem + 8 * WQ + 16 * MMQ_KC * SWS + 8 * XQ);
-    float* part = (float*)smem;  // after the loop: [warp][row][token] level-8 sums
+    float* part = (float*)smem;  // after the loop: [warp][row][token] level-NW sums
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
@@ -152,7 +187,8 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
     // of activation token tid / 16 (threads below BN · 16). A warp reads 16 consecutive units of
     // two rows: a few contiguous lines per load, not one line per lane.
     const int su = tid % MMQ_KC, sr = tid / MMQ_KC;
-    constexpr int SROWS = 256 / MMQ_KC;  // rows a staging pass covers
+    constexpr int SROWS = 32 * NW / MMQ_KC;  // rows a staging pass covers
+    static_assert(MMQ_BM % SROWS == 0, "whole staging passes");
     const u8* wrs[MMQ_BM / SROWS];
 #pragma unroll
     for (int j = 0; j < MMQ_BM / SROWS; ++j) {
@@ -182,18 +218,18 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
 #pragma unroll
                 for (int j = 0; j < MMQ_BM / SROWS; ++j) {
                     const int u = cb + su, r = sr + SROWS * j;
-                    mmq_stage_w<T>(u < units ? wrs[j] : nullptr, u, wq + su * SWQ + r * 4, ws + su * SWS + r);
+                    mmq_stage_w<T>(u < units ? wrs[j] : nullptr, u, wq + su * SWQ + r * 4, ws + su * SWS + r, q2t);
                 }
                 if (xjob) {
                     const int u = cb + sxu;
-                    mmq_stage_x<T>(u < units ? xr : nullptr, u, xq + sxu * SXQ + st * 4, xs + sxu * SXS + st);
+                    mmq_stage_x<T>(u < units ? xr : nullptr, u, xq + sxu * SXQ + st * 4, xs + sxu * SXS + st, q2t);
                 }
                 __syncthreads();
 #pragma unroll
-                for (int i = 0; i < MMQ_KC / MMQ_NW; ++i) {
-                    // Unit cb + ul has lane class (KC·h + ul) mod 32 = warp + 8·q.
-                    const int ul = warp + MMQ_NW * i, u = cb + ul;
-                    constexpr int QB = (MMQ_KC / MMQ_NW);
+                for (int i = 0; i < MMQ_KC / NW; ++i) {
+                    // Unit cb + ul has lane class (KC·h + ul) mod 32 = warp + NW·q.
+                    const int ul = warp + NW * i, u = cb + ul;
+                    constexpr int QB = (MMQ_KC / NW);
                     const int q = QB * h + i;
                     if (u < units) {
                         uint2 b[NI];
@@ -233,45 +269,51 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
         }
     }
 
-    // The warp's classes folded as the butterfly folds them (stride 16, then 8), then the
-    // block's eight level-8 sums (strides 4, 2, 1).
-    __syncthreads();  // the staging space becomes the class sums
+    // The warp's classes folded as the butterfly folds them (stride 16, then 8 for 8 warps),
+    // then the block's NW level-NW sums (strides NW/2, …, 1): the butterfly's tree.
+    for (int sl = 0; sl < NS; ++sl) {
+        __syncthreads();  // the staging space (or the previous slice) becomes the class sums
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
+            for (int ni = 0; ni < NI; ++ni) {
+                if (NS > 1 && ni != sl) continue;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float v[CPW];
+                for (int e = 0; e < 4; ++e) {
+                    float v[CPW];
 #pragma unroll
-                for (int q = 0; q < CPW; ++q) v[q] = acc[q][mi][ni][e];
+                    for (int q = 0; q < CPW; ++q) v[q] = acc[q][mi][ni][e];
 #pragma unroll
-                for (int hh = CPW / 2; hh >= 1; hh /= 2)
+                    for (int hh = CPW / 2; hh >= 1; hh /= 2)
 #pragma unroll
-                    for (int q = 0; q < hh; ++q) v[q] = v[q] + v[q + hh];
-                const int rr = 16 * mi + g + 8 * (e >> 1), tt = 8 * ni + 2 * tq + (e & 1);
-                part[(warp * MMQ_BM + rr) * BN + tt] = v[0];
+                        for (int q = 0; q < hh; ++q) v[q] = v[q] + v[q + hh];
+                    const int rr = 16 * mi + g + 8 * (e >> 1), tt = 8 * ni + 2 * tq + (e & 1);
+                    part[(warp * MMQ_BM + rr) * BW + tt - sl * BW] = v[0];
+                }
             }
-    __syncthreads();
-    for (int o = tid; o < MMQ_BM * BN; o += 32 * MMQ_NW) {
-        const int rr = o / BN, tt = o % BN;
-        float p[MMQ_NW];
+        __syncthreads();
+        for (int o = tid; o < MMQ_BM * BW; o += 32 * NW) {
+            const int rr = o / BW, tl = o % BW, tt = sl * BW + tl;
+            float p[NW];
 #pragma unroll
-        for (int i = 0; i < MMQ_NW; ++i) p[i] = part[(i * MMQ_BM + rr) * BN + tt];
+            for (int i = 0; i < NW; ++i) p[i] = part[(i * MMQ_BM + rr) * BW + tl];
 #pragma unroll
-        for (int hh = MMQ_NW / 2; hh >= 1; hh /= 2)
+            for (int hh = NW / 2; hh >= 1; hh /= 2)
 #pragma unroll
-            for (int i = 0; i < hh; ++i) p[i] = p[i] + p[i + hh];
-        const int r = r0 + rr;
-        if (r < rows && yrow[tt] >= 0) y[(size_t)yrow[tt] * rows + r] = dot_post<T>(p[0]);
+                for (int i = 0; i < hh; ++i) p[i] = p[i] + p[i + hh];
+            const int r = r0 + rr;
+            if (r < rows && yrow[tt] >= 0) y[(size_t)yrow[tt] * rows + r] = dot_post<T>(p[0]);
+        }
     }
 }
 
-// y[t][r] = W[r]·x_t, grid (ceil(rows / 32), ceil(nt / 16)), 256 threads.
-template <int T>
+// y[t][r] = W[r]·x_t, grid (ceil(rows / 32), ceil(nt / BN)), 32·NW threads: BN = 16 with 8
+// warps (mmq_*), or the wide tile BN = 32 with 16 warps (mmqw_*: each weight unit decoded once
+// for 32 tokens and each activation unit once for 32 rows, twice the reuse of both; the same
+// bits, every output's sum is independent of the tile).
+template <int T, int BN = 16, int NW = MMQ_NW>
 __device__ __forceinline__ void mmq_dense(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
-                                          u64 xrb) {
-    constexpr int BN = 16;
+                                          u64 xrb, int q2t) {
     __shared__ int xrow[BN], yrow[BN];
     const int t0 = blockIdx.y * BN;
     if (threadIdx.x < BN) {
@@ -279,7 +321,7 @@ __device__ __forceinline__ void mmq_dense(const u8* w, const u8* x, float* y, in
         xrow[threadIdx.x] = yrow[threadIdx.x] = t < nt ? t : -1;
     }
     __syncthreads();
-    mmq_tile<T, BN>(w, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow);
+    mmq_tile<T, BN, NW>(w, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, q2t);
 }
 
 // The expert-grouped product: tile blockIdx.y = (expert, start, count ≤ 8) of moe_group's
@@ -287,7 +329,7 @@ __device__ __forceinline__ void mmq_dense(const u8* w, const u8* x, float* y, in
 template <int T>
 __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,
                                         const u32* perm, const u8* x, int x_per_slot, int kslots, float* y, int rows,
-                                        int k, u64 wrb, u64 xrb) {
+                                        int k, u64 wrb, u64 xrb, int q2t) {
     constexpr int BN = 8;
     __shared__ int xrow[BN], yrow[BN];
     const u32 tile = blockIdx.y;
@@ -300,7 +342,7 @@ __device__ __forceinline__ void mmq_moe(const u8* w, u64 slab_bytes, const int* 
         xrow[j] = q < 0 ? -1 : x_per_slot ? q : q / kslots;
     }
     __syncthreads();
-    mmq_tile<T, BN>(w + (size_t)e * slab_bytes, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow);
+    mmq_tile<T, BN>(w + (size_t)e * slab_bytes, rows, k, wrb, x, xrb, y, blockIdx.x * MMQ_BM, xrow, yrow, q2t);
 }
 
 // ---- BF16 beyond the GEMV window -------------------------------------------------------------
@@ -408,49 +450,68 @@ mmt_bf16_h(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb,
 
 #define MMQ(T, NAME)                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                          \
-    mmq_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb) { grid_dep_sync(); \
-        mmq_dense<T>(w, x, y, rows, k, nt, wrb, xrb);                                          \
+    mmq_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb, int q2t) { \
+        grid_dep_sync();                                                                       \
+        mmq_dense<T>(w, x, y, rows, k, nt, wrb, xrb, q2t);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                          \
     moe_mmq_##NAME(const u8* w, u64 slab_bytes, const int* tiles, const u32* n_tiles,          \
                    const u32* perm, const u8* x, int x_per_slot, int kslots, float* y,         \
-                   int rows, int k, u64 wrb, u64 xrb) { grid_dep_sync();                                        \
-        mmq_moe<T>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb); \
+                   int rows, int k, u64 wrb, u64 xrb, int q2t) {                               \
+        grid_dep_sync();                                                                       \
+        mmq_moe<T>(w, slab_bytes, tiles, n_tiles, perm, x, x_per_slot, kslots, y, rows, k, wrb, xrb, q2t); \
     }
-
+// The wide dense tile (not for Q6_K: its decoder does not fit beside it in 128 registers).
+#define MMQW(T, NAME)                                                                          \
+    extern "C" __global__ void __launch_bounds__(512, 1)                                       \
+    mmqw_##NAME(const u8* w, const u8* x, float* y, int rows, int k, int nt, u64 wrb, u64 xrb, int q2t) { \
+        grid_dep_sync();                                                                       \
+        mmq_dense<T, 32, 16>(w, x, y, rows, k, nt, wrb, xrb, q2t);                             \
+    }
 #if defined(GEMV_Q8_0)
 MMQ(T_Q8_0, q8_0)
+MMQW(T_Q8_0, q8_0)
 #endif
 #if defined(GEMV_Q4_0)
 MMQ(T_Q4_0, q4_0)
+MMQW(T_Q4_0, q4_0)
 #endif
 #if defined(GEMV_Q5_0)
 MMQ(T_Q5_0, q5_0)
+MMQW(T_Q5_0, q5_0)
 #endif
 #if defined(GEMV_IQ4_NL)
 MMQ(T_IQ4_NL, iq4_nl)
+MMQW(T_IQ4_NL, iq4_nl)
 #endif
 #if defined(GEMV_Q2_0)
 MMQ(T_Q2_0, q2_0)
+MMQW(T_Q2_0, q2_0)
 #endif
 #if defined(GEMV_Q3_K)
 MMQ(T_Q3_K, q3_k)
+MMQW(T_Q3_K, q3_k)
 #endif
 #if defined(GEMV_Q4_K)
 MMQ(T_Q4_K, q4_k)
+MMQW(T_Q4_K, q4_k)
 #endif
 #if defined(GEMV_Q5_K)
 MMQ(T_Q5_K, q5_k)
+MMQW(T_Q5_K, q5_k)
 #endif
 #if defined(GEMV_Q6_K)
 MMQ(T_Q6_K, q6_k)
 #endif
 #if defined(GEMV_IQ4_XS)
 MMQ(T_IQ4_XS, iq4_xs)
+MMQW(T_IQ4_XS, iq4_xs)
 #endif
 #if defined(GEMV_IQ3_S)
 MMQ(T_IQ3_S, iq3_s)
+MMQW(T_IQ3_S, iq3_s)
 #endif
 #if defined(GEMV_IQ3_XXS)
 MMQ(T_IQ3_XXS, iq3_xxs)
+MMQW(T_IQ3_XXS, iq3_xxs)
 #endif

@@ -38,7 +38,7 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_EARLY_EXPERTS` is the one that is off unless `1`).
-pub const SWITCHES: [&str; 8] = [
+pub const SWITCHES: [&str; 13] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -47,6 +47,11 @@ pub const SWITCHES: [&str; 8] = [
     "STRATA_CUDA_BF16W",
     "STRATA_CUDA_PINNED",
     "STRATA_CUDA_EARLY_EXPERTS",
+    "STRATA_CUDA_ATTN_GROUP",
+    "STRATA_CUDA_GDN_RING",
+    "STRATA_CUDA_CONV_ROWS",
+    "STRATA_CUDA_MMQ_Q2T",
+    "STRATA_CUDA_MMQ_WIDE",
 ];
 
 /// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were

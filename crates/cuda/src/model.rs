@@ -549,6 +549,14 @@ pub fn matmul(
     let tn = product_module(w.ty)?;
     let (kernel, (gx, gy)) = if nt < MMQ_MIN_ROWS {
         return matmul_tiled(gpu, w, x, nt, y);
+    } else if has_mmq(w.ty) && mmq_wide_applies(w.ty, nt) {
+        (
+            format!("mmqw_{tn}"),
+            (
+                w.rows.div_ceil(MMQ_ROWS) as u32,
+                nt.div_ceil(MMQ_WIDE_TOKENS) as u32,
+            ),
+        )
     } else if has_mmq(w.ty) {
         (format!("mmq_{tn}"), mmq_grid(w.rows, nt))
     } else if w.ty == GgmlType::BF16 {
@@ -561,6 +569,21 @@ pub fn matmul(
     let (wrb, xrb) = matmul_args(k, w, x, nt, y)?;
     let (ri, ki, ni) = (i32_of(k, w.rows)?, i32_of(k, w.k)?, i32_of(k, nt)?);
     let (wb, xb) = (u64_of(wrb), u64_of(xrb));
+    if has_mmq(w.ty) {
+        let q2t = mmq_q2t_on() as i32;
+        let threads = if kernel.starts_with("mmqw_") {
+            512
+        } else {
+            256
+        };
+        return launch!(
+            gpu,
+            &format!("gemv_{tn}"),
+            kernel,
+            cfg2(gx, gy, threads),
+            [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb, &q2t]
+        );
+    }
     launch!(
         gpu,
         &format!("gemv_{tn}"),
@@ -568,6 +591,30 @@ pub fn matmul(
         cfg2(gx, gy, 256),
         [&w.bytes, x, y, &ri, &ki, &ni, &wb, &xb]
     )
+}
+
+/// Activation rows a block of the wide dense tensor-core product (mmq.cu `mmqw_*`).
+pub const MMQ_WIDE_TOKENS: usize = 32;
+
+/// Whether a dense product of `nt` rows runs the wide tensor-core tile (mmq.cu `mmqw_*`: 32
+/// weight rows × 32 activation rows a block of 16 warps, each weight unit decoded once for 32
+/// rows instead of 16 and each activation unit staged once for 32 weight rows; the same bits):
+/// from 64 rows on, every integer format but Q6_K; `STRATA_CUDA_MMQ_WIDE=0` keeps `mmq_*`.
+pub fn mmq_wide_applies(ty: GgmlType, nt: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    nt >= 64
+        && ty != GgmlType::Q6_K
+        && has_mmq(ty)
+        && *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMQ_WIDE"))
+}
+
+/// Whether the tensor-core products stage Q2_0 in the transposed element order (mmq.cu
+/// `mmq_stage_w`: a shift and mask a weight word instead of spreading each code byte, the
+/// activation words transposed to match; the same integer dots, the same bits);
+/// `STRATA_CUDA_MMQ_Q2T=0` keeps the byte-wise decoder, for A/B.
+pub fn mmq_q2t_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMQ_Q2T"))
 }
 
 /// [`matmul`] by the tiled kernel (gemv.cu `matmul_*`: one warp a weight row, 8 activation rows
@@ -1242,6 +1289,23 @@ pub fn conv1d_silu(
         i32_of(kn, k)?,
         i32_of(kn, dil)?,
     );
+    if n > 8 && conv_rows_on() {
+        // A prefill: rows in parallel, then the history (gdn.cu conv1d_rows_f32 / _hist_f32).
+        launch!(
+            gpu,
+            "gdn",
+            "conv1d_rows_f32",
+            cfg2(c.div_ceil(256) as u32, n.div_ceil(8) as u32, 256),
+            [x, w, &*hist, out, &ni, &ci, &ki, &di]
+        )?;
+        return launch!(
+            gpu,
+            "gdn",
+            "conv1d_hist_f32",
+            cfg(c.div_ceil(256) as u32, 256),
+            [x, hist, &ni, &ci, &ki, &di]
+        );
+    }
     launch!(
         gpu,
         "gdn",
@@ -1249,6 +1313,14 @@ pub fn conv1d_silu(
         cfg(c.div_ceil(256) as u32, 256),
         [x, w, hist, out, &ni, &ci, &ki, &di]
     )
+}
+
+/// Whether [`conv1d_silu`] of more than 8 rows runs gdn.cu `conv1d_rows_f32` (a thread per
+/// channel and 8 rows) and `conv1d_hist_f32` instead of a thread per channel over every row:
+/// the same bits; `STRATA_CUDA_CONV_ROWS=0` keeps the one kernel, for A/B.
+pub fn conv_rows_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_CONV_ROWS"))
 }
 
 /// Geometry of a GDN layer (as `strata_engine::backend::GdnDims`).
@@ -1328,6 +1400,14 @@ impl GdnScratch {
     }
 }
 
+/// Whether [`gdn_step_scan`] runs gdn.cu `gdn_scan_ring_*` (the rows' inputs staged in shared
+/// memory by cp.async, row t's output sum interleaved with row t + 1's k·S sum: the same bits as
+/// `gdn_scan_*`); `STRATA_CUDA_GDN_RING=0` keeps `gdn_scan_*`, for A/B.
+pub fn gdn_ring_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_GDN_RING"))
+}
+
 /// [`gdn_step`] spread over the state's columns (one warp per 32 columns of a head, no block
 /// syncs in the row loop), for prefill: three launches (prep, scan, output norm), every value
 /// bitwise [`gdn_step`]'s.
@@ -1392,10 +1472,15 @@ pub fn gdn_step_scan(
             &dki, &dvi
         ]
     )?;
+    let scan = if gdn_ring_on() {
+        "gdn_scan_ring"
+    } else {
+        "gdn_scan"
+    };
     launch!(
         gpu,
         "gdn",
-        format!("gdn_scan_{dk}"),
+        format!("{scan}_{dk}"),
         cfg2(nv as u32, (dv / 32) as u32, 32),
         [
             &s.qn,
@@ -1841,6 +1926,22 @@ impl AttnSplitScratch {
     }
 }
 
+/// Heads a block of attn.cu `attend_group_*` takes (`ATTN_AG`).
+pub const ATTN_GROUP: usize = 12;
+
+/// Whether [`attend_split`] over `rows` query rows runs attn.cu `attend_group_scores` /
+/// `attend_group_out` (one block per row, group of up to [`ATTN_GROUP`] heads of one kv head
+/// and chunk: every key and value row read once for the group; the same bits as
+/// `attend_split_scores` / `attend_split_out`): more rows than a decode window, head dims a
+/// multiple of 32 up to 256; `STRATA_CUDA_ATTN_GROUP=0` keeps the per-head kernels, for A/B.
+pub fn attend_grouped_applies(rows: usize, dims: AttnDims) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    rows > 8
+        && dims.head_dim.is_multiple_of(32)
+        && dims.head_dim <= 256
+        && *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_ATTN_GROUP"))
+}
+
 /// [`attend`] with the tokens split into chunks of 256, one block per (row, head, chunk) (rows
 /// beyond the scratch's run in chunks of its rows): the
 /// same scores and per-token weights, `z` and the output summed over chunks (another order
@@ -1860,6 +1961,32 @@ pub fn attend_split(
     out: &mut CudaSlice<f32>,
     s: &mut AttnSplitScratch,
     err: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let grouped = attend_grouped_applies(n, dims);
+    attend_split_as(
+        gpu, q, k_cache, v_cache, cap, sel, pos, n, dims, f16, out, s, err, grouped,
+    )
+}
+
+/// [`attend_split`] with the kernels chosen by the caller: `grouped` runs `attend_group_*`
+/// (head dims a multiple of 32 up to 256), else the per-head kernels; the same bits either
+/// way (tests/model_ops.rs binds them).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_split_as(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    k_cache: &CudaSlice<f32>,
+    v_cache: &CudaSlice<f32>,
+    cap: usize,
+    sel: Option<&Selection>,
+    pos: &CudaSlice<u32>,
+    n: usize,
+    dims: AttnDims,
+    f16: bool,
+    out: &mut CudaSlice<f32>,
+    s: &mut AttnSplitScratch,
+    err: &mut CudaSlice<u32>,
+    grouped: bool,
 ) -> Result<(), CudaError> {
     let k = "attend_split";
     let AttnDims {
@@ -1904,6 +2031,14 @@ pub fn attend_split(
         }
         None => (s.max_chunks, 0, 1),
     };
+    if grouped && (!head_dim.is_multiple_of(32) || head_dim > 256) {
+        return Err(bad(
+            k,
+            format!("{dims:?}: the grouped kernels take head dims of 32·k ≤ 256"),
+        ));
+    }
+    // The grouped kernels: blocks of up to ATTN_GROUP heads of one kv head.
+    let groups = n_head_kv * (n_head / n_head_kv).div_ceil(ATTN_GROUP);
     // Rows run in chunks of the scratch's rows (each row's result does not depend on it).
     let qc = n_head * head_dim;
     for r0 in (0..n).step_by(s.rows.max(1)) {
@@ -1919,6 +2054,64 @@ pub fn attend_split(
             None => (pos.slice(r0..r0 + m), pos.slice(r0..r0 + m)),
         };
         let c2 = cfg2((m * n_head) as u32, chunks as u32, 256);
+        if grouped {
+            let cg = cfg2((m * groups) as u32, chunks as u32, 256);
+            launch!(
+                gpu,
+                "attn",
+                "attend_group_scores",
+                cg,
+                [
+                    &qv,
+                    k_cache,
+                    &lst,
+                    &cnt,
+                    &pv,
+                    &mut s.scores,
+                    &mut s.stats,
+                    &capu,
+                    &nh,
+                    &nkv,
+                    &hd,
+                    &st,
+                    &causal,
+                    &fi,
+                    &mc,
+                    &mut *err
+                ]
+            )?;
+            launch!(
+                gpu,
+                "attn",
+                "attend_group_out",
+                cg,
+                [
+                    v_cache,
+                    &lst,
+                    &cnt,
+                    &pv,
+                    &s.scores,
+                    &s.stats,
+                    &mut s.part,
+                    &capu,
+                    &nh,
+                    &nkv,
+                    &hd,
+                    &st,
+                    &causal,
+                    &fi,
+                    &mc
+                ]
+            )?;
+            launch!(
+                gpu,
+                "attn",
+                "attend_split_sum",
+                cfg((m * n_head) as u32, 256),
+                [&s.part, &cnt, &pv, &mut ov, &capu, &nh, &hd, &causal, &mc]
+            )?;
+            continue;
+        }
         launch!(
             gpu,
             "attn",
@@ -2196,15 +2389,41 @@ fn moe_grouped(
         u64_of(wrb),
         u64_of(xrb),
     );
+    let grid = cfg2(
+        w.rows.div_ceil(rows_a_block) as u32,
+        groups.max_tiles as u32,
+        threads,
+    );
+    if kernel.starts_with("moe_mmq") {
+        let q2t = mmq_q2t_on() as i32;
+        return launch!(
+            gpu,
+            &format!("gemv_{tn}"),
+            format!("{kernel}_{tn}"),
+            grid,
+            [
+                &w.bytes,
+                &sb,
+                &groups.tiles,
+                &groups.n_tiles,
+                &groups.perm,
+                x,
+                &xps,
+                &ks,
+                y,
+                &ri,
+                &ki,
+                &wb,
+                &xb,
+                &q2t
+            ]
+        );
+    }
     launch!(
         gpu,
         &format!("gemv_{tn}"),
         format!("{kernel}_{tn}"),
-        cfg2(
-            w.rows.div_ceil(rows_a_block) as u32,
-            groups.max_tiles as u32,
-            threads
-        ),
+        grid,
         [
             &w.bytes,
             &sb,

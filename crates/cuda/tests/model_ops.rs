@@ -1117,7 +1117,7 @@ fn conv_and_gdn_match_cpu() {
         let mut hist = buf(hr, c, &vec![0f32; hr * c]);
         let mut dh = g.zeros::<f32>(hr * c).unwrap();
         let dw = up(g, &wv);
-        for n in [1usize, 2, 8, 11] {
+        for n in [1usize, 2, 8, 11, 40] {
             let x = rng.f32_vec_special(n * c, 1.0);
             let want = be
                 .conv1d_silu(&buf(n, c, &x), &w["w"], &mut hist, dil)
@@ -1607,6 +1607,137 @@ fn attention_matches_cpu() {
                 &down(g, &out2),
                 want.as_slice(),
                 bound,
+            );
+        }
+    }
+}
+
+/// The grouped prefill attention (attn.cu `attend_group_*`: a block per row, group of up to 12
+/// heads of one kv head and chunk) against the per-head split kernels: bitwise, over selections
+/// and causally, F32 (with specials) and F16 stores, group sizes 2, 7, 12 and 26 (three blocks
+/// of heads for one kv head), rows spanning several chunks of 256 tokens.
+#[test]
+fn grouped_attention_equals_the_per_head_kernels() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(21);
+    let cap = 700usize;
+    for (dims, causal) in [
+        (
+            AttnDims {
+                n_head: 24,
+                n_head_kv: 2,
+                head_dim: 256,
+            },
+            false,
+        ),
+        (
+            AttnDims {
+                n_head: 4,
+                n_head_kv: 2,
+                head_dim: 64,
+            },
+            false,
+        ),
+        (
+            AttnDims {
+                n_head: 26,
+                n_head_kv: 1,
+                head_dim: 32,
+            },
+            false,
+        ),
+        (
+            AttnDims {
+                n_head: 14,
+                n_head_kv: 2,
+                head_dim: 64,
+            },
+            true,
+        ),
+        (
+            AttnDims {
+                n_head: 24,
+                n_head_kv: 2,
+                head_dim: 256,
+            },
+            true,
+        ),
+    ] {
+        let kvc = dims.n_head_kv * dims.head_dim;
+        let qc = dims.n_head * dims.head_dim;
+        for f16 in [false, true] {
+            let mut gen = |n: usize| {
+                if f16 {
+                    rng.f32_vec(n, 1.0)
+                } else {
+                    rng.f32_vec_special(n, 1.0)
+                }
+            };
+            let mut kc = gen(cap * kvc);
+            let mut vc = gen(cap * kvc);
+            let pos: Vec<u32> = vec![0, 3, 37, 150, 255, 256, 299, 511, 512, 600, 690, 699];
+            let n = pos.len();
+            let q = gen(n * qc);
+            if f16 && causal {
+                for v in kc.iter_mut().chain(vc.iter_mut()) {
+                    *v = half::f16::from_f32(*v).to_f32();
+                }
+            }
+            let lists: Vec<Vec<u32>> = pos
+                .iter()
+                .map(|&p| (0..=p).filter(|_| rng.below(3) != 0 || p < 4).collect())
+                .collect();
+            let mut sel = m::Selection::new(
+                g,
+                n,
+                cap,
+                QsaSelect {
+                    ratio: 4,
+                    budget: cap,
+                    rule: QsaRule::Reference,
+                },
+            )
+            .unwrap();
+            let mut flat = vec![0u32; n * sel.stride];
+            let mut cnt = vec![0u32; n];
+            for (r, l) in lists.iter().enumerate() {
+                flat[r * sel.stride..r * sel.stride + l.len()].copy_from_slice(l);
+                cnt[r] = l.len() as u32;
+            }
+            g.write(&mut sel.sel, &flat).unwrap();
+            g.write(&mut sel.cnt, &cnt).unwrap();
+            let (qd, kd, vd, pd) = (up(g, &q), up(g, &kc), up(g, &vc), up(g, &pos));
+            let mut outs = Vec::new();
+            for grouped in [false, true] {
+                // Scratch for fewer rows than the call: the row chunks run too.
+                let mut ss = m::AttnSplitScratch::new(g, 5, dims, cap).unwrap();
+                let mut out = g.zeros::<f32>(n * qc).unwrap();
+                let mut err = g.zeros::<u32>(1).unwrap();
+                m::attend_split_as(
+                    g,
+                    &qd,
+                    &kd,
+                    &vd,
+                    cap,
+                    if causal { None } else { Some(&sel) },
+                    &pd,
+                    n,
+                    dims,
+                    f16,
+                    &mut out,
+                    &mut ss,
+                    &mut err,
+                    grouped,
+                )
+                .unwrap();
+                assert_eq!(g.download(&err).unwrap(), vec![0]);
+                outs.push(down(g, &out));
+            }
+            nontrivial("attend_split", &outs[0]);
+            bitwise(
+                &format!("grouped attention, causal {causal}, f16 {f16}, {dims:?}"),
+                &outs[1],
+                &outs[0],
             );
         }
     }

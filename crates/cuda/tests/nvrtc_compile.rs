@@ -107,6 +107,10 @@ fn live_optimized(func: &str) -> bool {
         || func == "xprep_multi"
         || func == "swiglu_xprep"
         || func.starts_with("mmq_")
-        || func.starts_with("moe_mmq_")
+        || func.starts_with("mmqw_")
+        || func.starts_with("moe_mmq")
         || func.starts_with("mmt_")
+        || func.starts_with("attend_group_")
+        || func.starts_with("gdn_scan_ring_128")
+        || func.starts_with("conv1d_rows")
 }
