@@ -635,6 +635,19 @@ __device__ __forceinline__ void moe_gate_up_q8_t(const u8* wg, const u8* wu, u64
 // output rows, their weighted sum in rank order (moe_combine), and with `shared` the shared
 // expert added as add_sigmoid_gated does: out = Σ_s w_s·y_s (+ σ(gate_t)·shared). Grid (h/rb,
 // nt).
+// Slot threadIdx.x's weight rows r0 .. r0 + nrows pulled into L2 (its expert id read through
+// L2 only: `early`, below). Not inlined: its registers stay out of the caller's.
+__device__ __noinline__ void early_rows_l2(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, int r0,
+                                           int nrows, u64 wrb) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int e = __ldcg(ids + threadIdx.x);
+    if (e < 0 || e >= n_expert) return;
+    const u8* p = wd + (size_t)e * slab_bytes + (size_t)r0 * wrb;
+    const u64 a = ((u64)p + 15) & ~15ull, b = ((u64)p + (u64)nrows * wrb) & ~15ull;
+    if (b > a) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(b - a)));
+#endif
+}
+
 // `early`: `ids` settled as for moe_gate_up_q8_q2t's (the route two or more waiting launches
 // back), so each slot's weight rows are pulled into L2 before the dependency wait.
 template <int T, bool SHARED>
@@ -647,18 +660,7 @@ __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes,
     __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
     const int t = blockIdx.y, r0 = blockIdx.x * rb, U = k / 32;
     const int nrows = min(rb, h - r0);
-    if (early && threadIdx.x < 32) {
-        for (int s = threadIdx.x; s < kslots; s += 32) {
-            const int e = __ldcg(ids + t * kslots + s);
-            if (e >= 0 && e < n_expert) {
-                const u8* p = wd + (size_t)e * slab_bytes + (size_t)r0 * wrb;
-                const u64 a = ((u64)p + 15) & ~15ull, b = ((u64)p + (u64)nrows * wrb) & ~15ull;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                if (b > a) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(b - a)));
-#endif
-            }
-        }
-    }
+    if (early && threadIdx.x < kslots) early_rows_l2(wd, slab_bytes, ids + t * kslots, n_expert, r0, nrows, wrb);
     grid_dep_sync();
     // Block rows are (slot, output row) pairs: row i = slot i / nrows, output r0 + i % nrows.
     auto wrow = [&](int i) -> const u8* {
@@ -1118,6 +1120,188 @@ hc_up_q4_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int 
         float acc = 0.f;
         for (int g = 0; g < streams; ++g) acc += sigmoidf_(gs[t * 64 + g * J + c]) * xr[(size_t)g * h];
         u[(size_t)t * h + j0 + c] = acc * inv_s;
+    }
+}
+
+// ---- the mix in two launches: the norm folded into the down product --------------------------
+// (strata_cuda::model::hc_mix_fused with hc_norm_down_on; opt-in, STRATA_CUDA_HC_ND=1.) The
+// three-launch mix's bits without its norm launch: every block of the down product computes the
+// rows' stream scales itself, in hc_norm_t's order (thread t < 256: elements t, t + 256, … of
+// the stream, from +0; warp_sum; the eight warp sums halved 4, 2, 1 apart), and each of its
+// units' activation BF16((v·s)·w) in registers (v = x, or x + inj·y with the previous block's
+// combine) — the values hc_norm_t writes to xq; block 0 keeps the scales. The up product then
+// recomputes the normed values of its columns from x, the scales and the norm weight (hc_norm_t's
+// xn, the same expression) and, with the combine, writes x + inj·y back to x (its own columns:
+// each element once). So no xn/xq images and one launch fewer a mix.
+
+// Block: rows row0 .. row0 + rb of the stacked [down; inject] (total rank + n_inj) against
+// nt activation rows; a thread per unit contribution (units of 32 of the streams·h row).
+// nt·streams ≤ 64, streams ≤ 8. Outputs as hc_down_bf16; scl[t·streams + g] the scales
+// (block 0).
+extern "C" __global__ void __launch_bounds__(1024)
+hc_nd_bf16(const u8* wd, const u8* wi, const float* x, const float* y, const float* cinj, const float* wn, u16* aq,
+           float* inj, float* scl, int rank, int n_inj, int streams, int h, int nt, int rb, float inv_s, float eps) {
+    __shared__ float part[UNITS_PART];
+    __shared__ float shp[64][8];
+    __shared__ float scales[64];
+    const int total = rank + n_inj, row0 = blockIdx.x * rb;
+    if (row0 >= total) return;
+    const int k = streams * h;
+    const u64 rbytes = 2 * (u64)k;
+    {
+        const int end = min(row0 + rb, total), a = min(row0, rank), b = min(end, rank);
+        if (a < b) prefetch_l2(wd + (size_t)a * rbytes, (u64)(b - a) * rbytes);
+        const int c = max(row0, rank);
+        if (c < end) prefetch_l2(wi + (size_t)(c - rank) * rbytes, (u64)(end - c) * rbytes);
+    }
+    auto wrow = [&](int r) -> const u8* {
+        return r < rank ? wd + (size_t)r * rbytes : wi + (size_t)(r - rank) * rbytes;
+    };
+    const int nrows = min(rb, total - row0), U = k / 32;
+    const FirstUnit<T_BF16> f = first_unit<T_BF16>([&](int lr) { return wrow(row0 + lr); }, nrows * U, U);
+    grid_dep_sync();
+    // The scales of every (row t, stream g): thread tid < 256 sums the squares of elements tid,
+    // tid + 256, … of each stream from +0 (the streams side by side, each its own sum, so
+    // their loads are in flight together), then each sum's warp_sum; the eight warp sums of
+    // pair p = t·streams + g are halved by thread p (hc_norm_t's order throughout).
+    const int tid = threadIdx.x;
+    if (tid < 256) {
+        for (int t = 0; t < nt; ++t) {
+            const float* xr = x + (size_t)t * k;
+            const float* yr = cinj ? y + (size_t)t * h : nullptr;
+            float acc[8], ga[8];
+#pragma unroll
+            for (int g = 0; g < 8; ++g) {
+                acc[g] = 0.f;
+                ga[g] = (cinj && g < streams) ? cinj[(size_t)t * streams + g] : 0.f;
+            }
+            for (int i = tid; i < h; i += 256) {
+                const float yv = cinj ? yr[i] : 0.f;
+#pragma unroll
+                for (int g = 0; g < 8; ++g) {
+                    if (g < streams) {
+                        const float xv = xr[(size_t)g * h + i];
+                        const float v = cinj ? xv + ga[g] * yv : xv;
+                        acc[g] += v * v;
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < 8; ++g) {
+                if (g < streams) {
+                    const float w = warp_sum(acc[g]);
+                    if ((tid & 31) == 0) shp[t * streams + g][tid >> 5] = w;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (tid < nt * streams) {
+        const float* q = shp[tid];
+        const float sum = ((q[0] + q[4]) + (q[2] + q[6])) + ((q[1] + q[5]) + (q[3] + q[7]));
+        const float sc = rms_scale(sum, h, eps);
+        scales[tid] = sc;
+        if (blockIdx.x == 0) scl[tid] = sc;
+    }
+    __syncthreads();
+    // Weight unit w against unit u of activation row t as hc_norm_t's xq would hold it
+    // (BF16((v·s)·w) of its 32 values), in bf16_unit's order: word m of the unit holds values
+    // 2m (low half) and 2m + 1 (high half), each word's low product first.
+    auto dot = [&](const UnitW<T_BF16>& w, int t, int u) -> float {
+        const int e0 = 32 * u, g = e0 / h, i0 = e0 - g * h;
+        const float* xr = x + (size_t)t * k + e0;
+        const float* wr = wn + e0;
+        const float a = cinj ? cinj[(size_t)t * streams + g] : 0.f;
+        const float* yr = cinj ? y + (size_t)t * h + i0 : nullptr;
+        const float sc = scales[t * streams + g];
+        float acc = 0.f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 ws[4] = {w.v[q].x, w.v[q].y, w.v[q].z, w.v[q].w};
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const int e = 2 * (4 * q + m);
+                float v0 = xr[e], v1 = xr[e + 1];
+                if (cinj) {
+                    v0 = v0 + a * yr[e];
+                    v1 = v1 + a * yr[e + 1];
+                }
+                const u32 b0 = f32_to_bf16((v0 * sc) * wr[e]), b1 = f32_to_bf16((v1 * sc) * wr[e + 1]);
+                acc = fmaf(__uint_as_float(ws[m] << 16), __uint_as_float(b0 << 16), acc);
+                acc = fmaf(__uint_as_float(ws[m] & 0xffff0000u), __uint_as_float(b1 << 16), acc);
+            }
+        }
+        return acc;
+    };
+    const int stride = nrows * U;
+    if (f.live)
+        for (int t = 0; t < nt; ++t) part[t * stride + threadIdx.x] = dot(f.w, t, f.u);
+    for (int i = threadIdx.x + blockDim.x; i < stride; i += blockDim.x) {
+        const int lr = i / U, uu = i - lr * U;
+        const UnitW<T_BF16> w = load_unit<T_BF16>(wrow(row0 + lr), uu);
+        for (int t = 0; t < nt; ++t) part[t * stride + i] = dot(w, t, uu);
+    }
+    __syncthreads();
+    auto emit = [&](int t, int r, float v) {
+        if (r < rank) aq[(size_t)t * rank + r] = f32_to_bf16(siluf_(v * inv_s));
+        else inj[(size_t)t * n_inj + (r - rank)] = 2.0f * sigmoidf_(v * inv_s);
+    };
+    block_row_sums<T_BF16>(part, emit, row0, nrows, U, nt);
+}
+
+// hc_up_q4_bf16 with the normed values recomputed from x (and the combine's y and inj), the
+// scales of hc_nd_bf16 and the norm weight, and with the combine x + inj·y written back to x.
+extern "C" __global__ void __launch_bounds__(256)
+hc_upn_q4_bf16(const u8* wu, const u8* aq, float* x, const float* y, const float* cinj, const float* wn,
+               const float* scl, float* u, int h, int streams, int rank, int nt, float inv_s) {
+    __shared__ __align__(16) u8 ash[UNITS_XSTAGE];
+    __shared__ float gs[8 * 64];
+    const int q = threadIdx.x & 3, rr = threadIdx.x >> 2;
+    const int s = rr % streams, jj = rr / streams, J = 64 / streams;
+    const int j0 = blockIdx.x * J, U = rank / 32;
+    const u64 rbytes = 2 * (u64)rank;
+    const bool live = j0 + jj < h;
+    const u8* wr = wu + ((size_t)s * h + (live ? j0 + jj : 0)) * rbytes;
+    UnitW<T_BF16> w[3];
+#pragma unroll
+    for (int m = 0; m < 3; ++m)
+        if (live && q + 4 * m < U) w[m] = load_unit<T_BF16>(wr, q + 4 * m);
+    grid_dep_sync();
+    const u8* a = stage_act(aq, (u64)nt * rbytes, ash);
+    for (int t = 0; t < nt; ++t) {
+        float v[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = 0.f;
+#pragma unroll
+        for (int m = 0; m < 3; ++m)
+            if (live && q + 4 * m < U) v[m] = 0.f + unit_dot_w<T_BF16>(w[m], a + (size_t)t * rbytes, q + 4 * m);
+#pragma unroll
+        for (int d = 4; d >= 1; d >>= 1)
+#pragma unroll
+            for (int m = 0; m < 8; ++m)
+                if ((m & d) == 0 && m + d < 8) v[m] = v[m] + v[m + d];
+        float r = v[0];
+        r += __shfl_xor_sync(FULL_MASK, r, 2);
+        r += __shfl_xor_sync(FULL_MASK, r, 1);
+        if (q == 0) gs[t * 64 + s * J + jj] = r;
+    }
+    __syncthreads();
+    const int jn = min(J, h - j0);
+    const size_t sh = (size_t)streams * h;
+    for (int i = threadIdx.x; i < nt * jn; i += blockDim.x) {
+        const int t = i / jn, c = i - t * jn, j = j0 + c;
+        float acc = 0.f;
+        for (int g = 0; g < streams; ++g) {
+            float* xp = x + (size_t)t * sh + (size_t)g * h + j;
+            float xv = *xp;
+            if (cinj) {
+                xv = xv + cinj[(size_t)t * streams + g] * y[(size_t)t * h + j];
+                *xp = xv;
+            }
+            const float xn = (xv * scl[t * streams + g]) * wn[(size_t)g * h + j];
+            acc += sigmoidf_(gs[t * 64 + g * J + c]) * xn;
+        }
+        u[(size_t)t * h + j] = acc * inv_s;
     }
 }
 #endif

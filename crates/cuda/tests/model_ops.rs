@@ -749,34 +749,40 @@ fn fused_hc_mix_case(g: &Gpu, rng: &mut Rng, s: usize, h: usize, rank: usize) {
                     inject.then_some(&mut i0),
                 )
                 .unwrap();
-                // Fused.
-                let mut xf = up(g, &x);
-                let mut u1 = g.zeros::<f32>(rows * h).unwrap();
-                let mut i1 = g.zeros::<f32>(rows * s).unwrap();
-                let input = if combine {
-                    m::MixInput::Combine {
-                        x: &mut xf,
-                        y: &dy,
-                        inj: &dcw,
+                // Fused: three launches, and two with the norm folded into the down product
+                // (m::hc_norm_down_on; where it applies).
+                for nd in [false, true] {
+                    let what = format!("{what}, norm in the down product {nd}");
+                    m::set_hc_norm_down(Some(nd));
+                    let mut xf = up(g, &x);
+                    let mut u1 = g.zeros::<f32>(rows * h).unwrap();
+                    let mut i1 = g.zeros::<f32>(rows * s).unwrap();
+                    let input = if combine {
+                        m::MixInput::Combine {
+                            x: &mut xf,
+                            y: &dy,
+                            inj: &dcw,
+                        }
+                    } else {
+                        m::MixInput::Plain(&xf)
+                    };
+                    let r = m::hc_mix_fused(
+                        g,
+                        &hc,
+                        input,
+                        rows,
+                        &mut scratch,
+                        &mut u1,
+                        inject.then_some(&mut i1),
+                    );
+                    m::set_hc_norm_down(None);
+                    r.unwrap();
+                    bitwise(&format!("{what}: u"), &down(g, &u1), &down(g, &u0));
+                    if inject {
+                        bitwise(&format!("{what}: inj"), &down(g, &i1), &down(g, &i0));
                     }
-                } else {
-                    m::MixInput::Plain(&xf)
-                };
-                m::hc_mix_fused(
-                    g,
-                    &hc,
-                    input,
-                    rows,
-                    &mut scratch,
-                    &mut u1,
-                    inject.then_some(&mut i1),
-                )
-                .unwrap();
-                bitwise(&format!("{what}: u"), &down(g, &u1), &down(g, &u0));
-                if inject {
-                    bitwise(&format!("{what}: inj"), &down(g, &i1), &down(g, &i0));
+                    bitwise(&format!("{what}: x"), &down(g, &xf), &down(g, &xc));
                 }
-                bitwise(&format!("{what}: x"), &down(g, &xf), &down(g, &xc));
             }
         }
     }
