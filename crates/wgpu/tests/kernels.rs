@@ -11,7 +11,10 @@
 //!   included;
 //! - the products `mm1`, `mm`, `mmr`, `mmb` and `mmt` give the same bits for every format the backend reads,
 //!   dense and gathered rows, item counts that are not a multiple of the rows per workgroup,
-//!   and stay within the stated bound of the f64 dot of the decoded operands.
+//!   and stay within the stated bound of the f64 dot of the decoded operands;
+//! - attention: the serial baseline (`attend`, its token lists split into ranges a dispatch
+//!   within lavapipe's loop limiter) and `attend_wg` give the same bits and the f64 softmax's
+//!   values, at every head dim up to 256 and past the limiter's reach.
 
 use std::sync::Arc;
 
@@ -547,6 +550,20 @@ fn serial_attention_is_right_at_head_dims_64_128_and_256() {
     let compared = attention_cases(&shapes, 0x5eed_a77e_0000_0016, Some(64 << 10));
     if backend().is_some() {
         assert_eq!(compared, 30);
+    }
+}
+
+/// Token lists longer than lavapipe's loop limiter lets either kernel visit in one dispatch
+/// (11,000 tokens at head dim 256: `attend_wg` alone was wrong from 10,750 there, the serial
+/// kernel from 50): within the f64 bound on every adapter. On a CPU adapter the workgroup
+/// kernel's backend hands such lists to the split serial kernel (`attend_wg_tokens`), so the
+/// bitwise comparison there is of two serial runs; on a GPU it is `attend_wg` itself.
+#[test]
+fn attention_over_lists_longer_than_lavapipes_loop_limit_is_right() {
+    let shapes: [AttnShape; 1] = [(2, 1, 256, 11_000, &[10_999, 3, 6_000])];
+    let compared = attention_cases(&shapes, 0x5eed_a77e_0001_0016, None);
+    if backend().is_some() {
+        assert_eq!(compared, 6);
     }
 }
 
