@@ -249,7 +249,13 @@ fn in_part(t: u32) -> bool { return t < pu(7u) && t >= pu(10u) && t - pu(10u) < 
 // part); a split store runs phase 1 (the max), 2 (the sum) and 3 (the weighted values) over
 // each part in row order, carrying (m, z, o[d]) per (row, head) in E (rows of d + 2), with
 // p13 = 1 on the first part and p14 = 1 on the last: the same sequential sums in the same
-// order as phase 0, so the same bits.
+// order as phase 0, so the same bits. p15..p16: the range of the row's token list this
+// dispatch visits (phase 0: 0..NONE, all of it); the phases also run over consecutive ranges
+// of one part (the host's `attention`: a bounded number of loop iterations a dispatch, see
+// there), p13/p14 then marking the first and last (part, range) piece, again the same sums in
+// the same order. A causal count is at most the cache rows p7 (the tokens past them are not
+// in any part), a selection's at most its row's p6 − 1 slots, so the host's bound on the
+// iterations holds whatever the positions and counts read.
 @compute @workgroup_size(64)
 fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
           @builtin(local_invocation_index) l: u32) {
@@ -268,7 +274,13 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
     let first = pu(13u) != 0u;
     let sb = i * (d + 2u);
     var cnt = 0u;
-    if (pu(5u) == 0u) { cnt = I[pu(8u) + row] + 1u; } else { cnt = J[row * pu(6u)]; }
+    if (pu(5u) == 0u) {
+        cnt = min(I[pu(8u) + row] + 1u, pu(7u));
+    } else {
+        cnt = min(J[row * pu(6u)], max(pu(6u), 1u) - 1u);
+    }
+    let xlo = pu(15u);
+    let xhi = min(cnt, pu(16u));
     for (var j = 0u; j < d; j = j + 1u) {
         var x = A[i * d + j];
         if (f16) { x = f16r(x); }
@@ -279,7 +291,7 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
     var m = f_neg_inf();
     if (phase >= 2u || (phase == 1u && !first)) { m = E[sb]; }
     if (phase <= 1u) {
-        for (var x = 0u; x < cnt; x = x + 1u) {
+        for (var x = xlo; x < xhi; x = x + 1u) {
             let t = token(row, x);
             if (!in_part(t)) { continue; }
             m = fmax(m, score(t - row0, kvc, off, d, causal_ar) * scale);
@@ -292,7 +304,7 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
     var z = 0.0;
     if (phase == 3u || (phase == 2u && !first)) { z = E[sb + 1u]; }
     if (phase == 0u || phase == 2u) {
-        for (var x = 0u; x < cnt; x = x + 1u) {
+        for (var x = xlo; x < xhi; x = x + 1u) {
             let t = token(row, x);
             if (!in_part(t)) { continue; }
             z = z + exp(nc(score(t - row0, kvc, off, d, causal_ar) * scale) - m);
@@ -306,7 +318,7 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<
         for (var j = 0u; j < d; j = j + 1u) { ov[j] = E[sb + 2u + j]; }
     }
     let inv = div_rn(1.0, z);
-    for (var x = 0u; x < cnt; x = x + 1u) {
+    for (var x = xlo; x < xhi; x = x + 1u) {
         let t = token(row, x);
         if (!in_part(t)) { continue; }
         let p = exp(nc(score(t - row0, kvc, off, d, causal_ar) * scale) - m);
@@ -377,7 +389,12 @@ fn attend_wg(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: ve
     let off = (h / (nh / pu(2u))) * d;
     let row0 = pu(10u);
     if (l == 0u) {
-        if (pu(5u) == 0u) { acnt = I[pu(8u) + row] + 1u; } else { acnt = J[row * pu(6u)]; }
+        // `attend`'s counts, clamped as there.
+        if (pu(5u) == 0u) {
+            acnt = min(I[pu(8u) + row] + 1u, pu(7u));
+        } else {
+            acnt = min(J[row * pu(6u)], max(pu(6u), 1u) - 1u);
+        }
     }
     if (l < d) {
         var x = A[i * d + l];

@@ -43,6 +43,40 @@ const VALUES_MAX: u64 = 1 << 22;
 /// Largest head (attention, GDN) the kernels' private arrays hold.
 const MAX_HEAD: usize = 256;
 
+/// Loop iterations an attention kernel may run in one dispatch.
+///
+/// Lavapipe (llvmpipe's gallivm, Mesa 22.3.6 here) gives every shader one loop limiter of
+/// `LP_MAX_TGSI_LOOP_ITERATIONS` = 65,535 back edges, shared by all of its loops, nested ones
+/// included, and counted per SIMD vector of invocations (gallivm's
+/// `lp_exec_mask_function_init` and `lp_exec_endloop`): once it is spent, every loop ends
+/// after its current iteration, silently (a probe on lavapipe here: a loop of 66,000
+/// iterations ran 65,535, and a loop of 71 after it ran once). The serial kernel
+/// `model::attend` runs about 5.2·d + 17 iterations a visible token (measured: at head dim 16
+/// the last right count is 674 tokens, at 64 193 tokens, at 256 49), so past that its last
+/// loop, the one storing the head's values, stores only value 0 and leaves the rest 0 (issue
+/// #16, docs/WGPU.md). So the host splits its token lists into ranges of at most
+/// [`attend_tokens`] tokens a dispatch, on every adapter (the same bits: the phases' sums in
+/// the same order; only more dispatches). `model::attend_wg` runs about 3·d + 800 a tile of
+/// 256 tokens (measured: wrong from 10,750 tokens at head dim 256, from 17,089 at 64), so on a
+/// CPU adapter a list longer than [`attend_wg_tokens`] goes to the split serial kernel, which
+/// gives its bits.
+const ATTEND_LOOP_BUDGET: usize = 32_768;
+
+/// Tokens a serial attention dispatch may visit at head dim `d` within
+/// [`ATTEND_LOOP_BUDGET`]: at most 6·d + 64 loop iterations a token (the scores, the weighted
+/// values, the division's steps), 4·d + 64 more for the query, the carried values and the
+/// output.
+fn attend_tokens(d: usize) -> usize {
+    (ATTEND_LOOP_BUDGET.saturating_sub(4 * d + 64) / (6 * d + 64)).max(1)
+}
+
+/// Tokens `model::attend_wg` may visit at head dim `d` on an adapter with a loop limiter:
+/// whole tiles of 256 at 4·d + 1,024 iterations each within [`ATTEND_LOOP_BUDGET`], 1,024
+/// for the rest.
+fn attend_wg_tokens(d: usize) -> usize {
+    256 * (ATTEND_LOOP_BUDGET.saturating_sub(1024) / (4 * d + 1024)).max(1)
+}
+
 pub(crate) fn dev(e: WgpuError) -> EngineError {
     EngineError::Input(format!("wgpu backend: {e}"))
 }
@@ -1921,9 +1955,17 @@ impl WgpuBackend {
             0,
             1,
             1,
+            0,
+            u32::MAX,
         ];
         let n = q.rows * n_head;
-        if kp.len() == 1 && self.attn_wg {
+        // The most tokens a row's list can hold (the kernels clamp their count to this).
+        let listed = match mode {
+            0 => k_cache.rows,
+            _ => stride.saturating_sub(1),
+        };
+        let wg_fits = !self.g.is_cpu() || listed <= attend_wg_tokens(head_dim);
+        if kp.len() == 1 && self.attn_wg && wg_fits {
             let (gx, gy) = item_grid(n);
             self.model(
                 "attend_wg",
@@ -1934,7 +1976,10 @@ impl WgpuBackend {
             )?;
             return Ok(out);
         }
-        if kp.len() == 1 {
+        // The most tokens one dispatch may visit (`ATTEND_LOOP_BUDGET`: lavapipe's loop
+        // limiter).
+        let span = attend_tokens(head_dim);
+        if kp.len() == 1 && listed <= span {
             self.model_n(
                 "attend",
                 &p,
@@ -1944,17 +1989,43 @@ impl WgpuBackend {
             )?;
             return Ok(out);
         }
-        // A split store: the max, the sum and the weighted values each over the parts in
-        // row order, the running (m, z, o) carried in `state`.
+        // A split store, or more tokens than one dispatch may visit: the max, the sum and the
+        // weighted values each over the parts in row order and, within a part, over the token
+        // list in ranges of `span` in list order (a causal list's tokens are its indices, so
+        // a part only needs the ranges that reach its rows), the running (m, z, o) carried in
+        // `state`: the same sums in the same order as one dispatch.
+        let mut pieces: Vec<(usize, usize)> = Vec::new();
+        for (j, (_, row0, rows)) in kp.iter().enumerate() {
+            let (lo, hi) = match mode {
+                0 => (*row0, (row0 + rows).min(listed)),
+                _ => (0, listed),
+            };
+            let mut x = lo;
+            while x < hi {
+                pieces.push((j, x));
+                x += span;
+            }
+        }
+        if pieces.is_empty() {
+            // Nothing to visit: one empty piece still starts and ends the carried state.
+            pieces.push((0, 0));
+        }
         let state = self.alloc("attention state", n * (head_dim + 2))?;
-        let last = kp.len() - 1;
+        let last = pieces.len() - 1;
         for phase in 1..=3u32 {
-            for (j, (kb, row0, rows)) in kp.iter().enumerate() {
-                p[10] = u32_of(op, *row0)?;
-                p[11] = u32_of(op, *rows)?;
+            for (at, &(j, x0)) in pieces.iter().enumerate() {
+                let (kb, row0, rows) = kp[j];
+                let x1 = match mode {
+                    0 => (x0 + span).min(row0 + rows),
+                    _ => x0 + span,
+                };
+                p[10] = u32_of(op, row0)?;
+                p[11] = u32_of(op, rows)?;
                 p[12] = phase;
-                p[13] = (j == 0) as u32;
-                p[14] = (j == last) as u32;
+                p[13] = (at == 0) as u32;
+                p[14] = (at == last) as u32;
+                p[15] = u32_of(op, x0)?;
+                p[16] = u32_of(op, x1)?;
                 self.model_n(
                     "attend",
                     &p,
