@@ -1070,18 +1070,12 @@ hc_up_u_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int s
     }
 }
 
-// hc_up_u_bf16's bits with four threads a weight row (model::hc_up_q4_applies: rank ≤ 384, so
-// at most 12 units, and 1, 2, 4 or 8 streams). A row's units sum as lane_order_sum then
-// warp_sum would (lane l: 0 + c_l, the other lanes +0, then the xor butterfly): thread q takes
-// the virtual lanes q, q + 4, …, q + 28, runs the butterfly's xor-16, -8 and -4 steps on them
-// itself (its units are the lanes below U) and the xor-2 and -1 steps with its three
-// neighbours — so the units of a row load in parallel, three a thread, all before the wait,
-// with no shared contributions. Block: 64 rows = 64/S columns × S streams; grid ceil(h·S/64).
-extern "C" __global__ void __launch_bounds__(256)
-hc_up_q4_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int streams, int rank, int nt,
-              float inv_s) {
-    __shared__ __align__(16) u8 ash[UNITS_XSTAGE];
-    __shared__ float gs[8 * 64];
+// The up product's sums of hc_up_q4_bf16 and hc_upn_q4_bf16 (the scheme is described at
+// hc_up_q4_bf16, below):
+// gs[t·64 + s·J + jj] for the block's J = 64/S columns, after the block's sync. The weights are
+// loaded before the dependency wait, aq staged after it.
+__device__ __forceinline__ void hc_up4_sums(const u8* wu, const u8* aq, int h, int streams, int rank, int nt,
+                                            u8* ash, float* gs) {
     const int q = threadIdx.x & 3, rr = threadIdx.x >> 2;
     const int s = rr % streams, jj = rr / streams, J = 64 / streams;
     const int j0 = blockIdx.x * J, U = rank / 32;
@@ -1112,6 +1106,22 @@ hc_up_q4_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int 
         if (q == 0) gs[t * 64 + s * J + jj] = r;
     }
     __syncthreads();
+}
+
+// hc_up_u_bf16's bits with four threads a weight row (model::hc_up_q4_applies: rank ≤ 384, so
+// at most 12 units, and 1, 2, 4 or 8 streams). A row's units sum as lane_order_sum then
+// warp_sum would (lane l: 0 + c_l, the other lanes +0, then the xor butterfly): thread q takes
+// the virtual lanes q, q + 4, …, q + 28, runs the butterfly's xor-16, -8 and -4 steps on them
+// itself (its units are the lanes below U) and the xor-2 and -1 steps with its three
+// neighbours — so the units of a row load in parallel, three a thread, all before the wait,
+// with no shared contributions. Block: 64 rows = 64/S columns × S streams; grid ceil(h·S/64).
+extern "C" __global__ void __launch_bounds__(256)
+hc_up_q4_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int streams, int rank, int nt,
+              float inv_s) {
+    __shared__ __align__(16) u8 ash[UNITS_XSTAGE];
+    __shared__ float gs[8 * 64];
+    hc_up4_sums(wu, aq, h, streams, rank, nt, ash, gs);
+    const int J = 64 / streams, j0 = blockIdx.x * J;
     const int jn = min(J, h - j0);
     const size_t sh = (size_t)streams * h;
     for (int i = threadIdx.x; i < nt * jn; i += blockDim.x) {
@@ -1256,36 +1266,8 @@ hc_upn_q4_bf16(const u8* wu, const u8* aq, float* x, const float* y, const float
                const float* scl, float* u, int h, int streams, int rank, int nt, float inv_s) {
     __shared__ __align__(16) u8 ash[UNITS_XSTAGE];
     __shared__ float gs[8 * 64];
-    const int q = threadIdx.x & 3, rr = threadIdx.x >> 2;
-    const int s = rr % streams, jj = rr / streams, J = 64 / streams;
-    const int j0 = blockIdx.x * J, U = rank / 32;
-    const u64 rbytes = 2 * (u64)rank;
-    const bool live = j0 + jj < h;
-    const u8* wr = wu + ((size_t)s * h + (live ? j0 + jj : 0)) * rbytes;
-    UnitW<T_BF16> w[3];
-#pragma unroll
-    for (int m = 0; m < 3; ++m)
-        if (live && q + 4 * m < U) w[m] = load_unit<T_BF16>(wr, q + 4 * m);
-    grid_dep_sync();
-    const u8* a = stage_act(aq, (u64)nt * rbytes, ash);
-    for (int t = 0; t < nt; ++t) {
-        float v[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) v[m] = 0.f;
-#pragma unroll
-        for (int m = 0; m < 3; ++m)
-            if (live && q + 4 * m < U) v[m] = 0.f + unit_dot_w<T_BF16>(w[m], a + (size_t)t * rbytes, q + 4 * m);
-#pragma unroll
-        for (int d = 4; d >= 1; d >>= 1)
-#pragma unroll
-            for (int m = 0; m < 8; ++m)
-                if ((m & d) == 0 && m + d < 8) v[m] = v[m] + v[m + d];
-        float r = v[0];
-        r += __shfl_xor_sync(FULL_MASK, r, 2);
-        r += __shfl_xor_sync(FULL_MASK, r, 1);
-        if (q == 0) gs[t * 64 + s * J + jj] = r;
-    }
-    __syncthreads();
+    hc_up4_sums(wu, aq, h, streams, rank, nt, ash, gs);
+    const int J = 64 / streams, j0 = blockIdx.x * J;
     const int jn = min(J, h - j0);
     const size_t sh = (size_t)streams * h;
     for (int i = threadIdx.x; i < nt * jn; i += blockDim.x) {

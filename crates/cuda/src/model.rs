@@ -2211,69 +2211,25 @@ pub fn attend_split_as(
             ),
             None => (pos.slice(r0..r0 + m), pos.slice(r0..r0 + m)),
         };
-        let c2 = cfg2((m * n_head) as u32, chunks as u32, 256);
-        if grouped {
-            let cg = cfg2((m * groups) as u32, chunks as u32, 256);
-            launch!(
-                gpu,
-                "attn",
+        // The grouped kernels take the same arguments as the per-head ones, over blocks of up
+        // to ATTN_GROUP heads of one kv head instead of one head.
+        let (scores_k, out_k, c2) = if grouped {
+            (
                 "attend_group_scores",
-                cg,
-                [
-                    &qv,
-                    k_cache,
-                    &lst,
-                    &cnt,
-                    &pv,
-                    &mut s.scores,
-                    &mut s.stats,
-                    &capu,
-                    &nh,
-                    &nkv,
-                    &hd,
-                    &st,
-                    &causal,
-                    &fi,
-                    &mc,
-                    &mut *err
-                ]
-            )?;
-            launch!(
-                gpu,
-                "attn",
                 "attend_group_out",
-                cg,
-                [
-                    v_cache,
-                    &lst,
-                    &cnt,
-                    &pv,
-                    &s.scores,
-                    &s.stats,
-                    &mut s.part,
-                    &capu,
-                    &nh,
-                    &nkv,
-                    &hd,
-                    &st,
-                    &causal,
-                    &fi,
-                    &mc
-                ]
-            )?;
-            launch!(
-                gpu,
-                "attn",
-                "attend_split_sum",
-                cfg((m * n_head) as u32, 256),
-                [&s.part, &cnt, &pv, &mut ov, &capu, &nh, &hd, &causal, &mc]
-            )?;
-            continue;
-        }
+                cfg2((m * groups) as u32, chunks as u32, 256),
+            )
+        } else {
+            (
+                "attend_split_scores",
+                "attend_split_out",
+                cfg2((m * n_head) as u32, chunks as u32, 256),
+            )
+        };
         launch!(
             gpu,
             "attn",
-            "attend_split_scores",
+            scores_k,
             c2,
             [
                 &qv,
@@ -2297,7 +2253,7 @@ pub fn attend_split_as(
         launch!(
             gpu,
             "attn",
-            "attend_split_out",
+            out_k,
             c2,
             [
                 v_cache,
