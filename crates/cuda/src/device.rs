@@ -37,8 +37,8 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 }
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
-/// `STRATA_CUDA_EARLY_EXPERTS` is the one that is off unless `1`).
-pub const SWITCHES: [&str; 13] = [
+/// `STRATA_CUDA_EARLY_EXPERTS` and `STRATA_CUDA_HC_ND` are off unless `1`).
+pub const SWITCHES: [&str; 14] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -47,6 +47,7 @@ pub const SWITCHES: [&str; 13] = [
     "STRATA_CUDA_BF16W",
     "STRATA_CUDA_PINNED",
     "STRATA_CUDA_EARLY_EXPERTS",
+    "STRATA_CUDA_HC_ND",
     "STRATA_CUDA_ATTN_GROUP",
     "STRATA_CUDA_GDN_RING",
     "STRATA_CUDA_CONV_ROWS",
