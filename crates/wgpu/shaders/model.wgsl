@@ -566,7 +566,9 @@ var<workgroup> gsc: vec2<f32>;
 
 // Gated DeltaNet over the rows in order, one workgroup per value head h (invocation j owns the
 // state's column j): qkv A, z B, gates C, state D (in place), out E, norm weight I (f32 bits).
-// p0 rows, p1 key heads, p2 value heads, p3 head_k (<= 256), p4 head_v (<= 256), p5 eps.
+// Rows p6..p0 of the step (the host splits a long step's rows over dispatches in order, the
+// state carried in D: lavapipe's loop limiter, `gdn_rows`), p1 key heads, p2 value heads,
+// p3 head_k (<= 256), p4 head_v (<= 256), p5 eps.
 fn gdn_head(h: u32, t: u32, nt: u32) {
     let nk = pu(1u);
     let nv = pu(2u);
@@ -576,7 +578,7 @@ fn gdn_head(h: u32, t: u32, nt: u32) {
     let conv = 2u * nk * dk + nv * dv;
     let sb = h * dk * dv;
     let qscale = div_rn(1.0, sqrt_rn(f32(dk)));
-    for (var row = 0u; row < pu(0u); row = row + 1u) {
+    for (var row = pu(6u); row < pu(0u); row = row + 1u) {
         let qb = row * conv + kg * dk;
         let kb = row * conv + nk * dk + kg * dk;
         if (t == 0u) {
@@ -760,9 +762,10 @@ fn qsa_score(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_inde
 
 // QSA selection, one invocation per query row: queries A (p0 rows of p1, heads of p2), pooled
 // blocks B (p7 rows), positions I from p8, block size p3, budget p4, rule p5 (0 reference,
-// 1 llama.cpp). Out J: per row [count, tokens ascending] in rows of p6. B is the store's part
-// holding rows p11..p11 + p12: a split store scores each part's blocks in turn and selects
-// with the last (p13 = 1: select after scoring).
+// 1 llama.cpp). Out J: per row [count, tokens ascending] in rows of p6. This dispatch scores
+// blocks p11..p11 + p12 of B, the store's part whose first block is p14: a split store scores
+// each part's blocks in turn, a long part in ranges a dispatch (lavapipe's loop limiter), and
+// selects with the last (p13 = 1: select after scoring).
 @compute @workgroup_size(64)
 fn qsa_select(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
               @builtin(local_invocation_index) l: u32) {
@@ -777,11 +780,12 @@ fn qsa_select(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: v
     let scale = div_rn(1.0, sqrt_rn(f32(d)));
     let sbase = row * pu(9u);
     let row0 = pu(11u);
+    let part0 = pu(14u);
     for (var b = row0; b < min(nb, row0 + pu(12u)); b = b + 1u) {
         var s = 0.0;
         for (var h = 0u; h < qc / d; h = h + 1u) {
             var dot = 0.0;
-            for (var j = 0u; j < d; j = j + 1u) { dot = dot + nc(A[row * qc + h * d + j] * B[(b - row0) * d + j]); }
+            for (var j = 0u; j < d; j = j + 1u) { dot = dot + nc(A[row * qc + h * d + j] * B[(b - part0) * d + j]); }
             s = s + fmax(dot, 0.0);
         }
         C[sbase + b] = s * scale;

@@ -241,26 +241,45 @@ impl Qwen4expOps for WgpuBackend {
             [None; 3],
             n * nv,
         )?;
-        self.model(
-            if self.seq_wg() { "gdn_wg" } else { "gdn" },
-            &[
-                u32_of(op, n)?,
-                u32_of(op, nk)?,
-                u32_of(op, nv)?,
-                u32_of(op, dk)?,
-                u32_of(op, dv)?,
-                p.eps.to_bits(),
-            ],
-            [
-                Some(&qkv.b),
-                Some(&z.b),
-                Some(&gates.b),
-                Some(&state.b),
-                Some(&out.b),
-            ],
-            [Some(nw), None, None],
-            (u32_of(op, nv)?, 1, 1),
-        )?;
+        let (entry, nt) = if self.seq_wg() {
+            ("gdn_wg", 128)
+        } else {
+            ("gdn", 64)
+        };
+        // The rows in order, a range a dispatch where the adapter is a CPU (lavapipe's loop
+        // limiter, docs/WGPU.md: one invocation runs every row of its dispatch), the state
+        // carried in place between dispatches: the same operations in the same order.
+        let span = if self.g.is_cpu() {
+            crate::backend::gdn_rows(dk, dv, nt)
+        } else {
+            n
+        };
+        let mut r0 = 0;
+        while r0 < n {
+            let r1 = (r0 + span).min(n);
+            self.model(
+                entry,
+                &[
+                    u32_of(op, r1)?,
+                    u32_of(op, nk)?,
+                    u32_of(op, nv)?,
+                    u32_of(op, dk)?,
+                    u32_of(op, dv)?,
+                    p.eps.to_bits(),
+                    u32_of(op, r0)?,
+                ],
+                [
+                    Some(&qkv.b),
+                    Some(&z.b),
+                    Some(&gates.b),
+                    Some(&state.b),
+                    Some(&out.b),
+                ],
+                [Some(nw), None, None],
+                (u32_of(op, nv)?, 1, 1),
+            )?;
+            r0 = r1;
+        }
         Ok(out)
     }
 
@@ -333,7 +352,6 @@ impl Qwen4expOps for WgpuBackend {
         // Each part's blocks scored in turn (one part unless the store is split); the last
         // dispatch selects.
         let parts = blocks.row_parts();
-        let last = parts.len() - 1;
         let mut p = vec![
             u32_of(op, rows)?,
             u32_of(op, qi.cols)?,
@@ -390,26 +408,55 @@ impl Qwen4expOps for WgpuBackend {
                 rows,
             });
         }
-        for (j, (bb, row0, prows)) in parts.into_iter().enumerate() {
+        // Where the adapter is a CPU, at most `qsa_blocks` blocks a dispatch (lavapipe's loop
+        // limiter: one invocation scores every block of its dispatch for its row), the blocks
+        // in order; a split scoring selects in a dispatch of its own (p12 = 0).
+        let span = if self.g.is_cpu() {
+            crate::backend::qsa_blocks(qi.cols / d, d)
+        } else {
+            usize::MAX
+        };
+        let mut ranges = Vec::new();
+        for (bb, row0, prows) in parts {
+            let mut lo = 0;
+            loop {
+                let n = (prows - lo).min(span);
+                ranges.push((bb, row0, row0 + lo, n));
+                lo += n;
+                if lo >= prows {
+                    break;
+                }
+            }
+        }
+        let one = ranges.len() == 1;
+        for (j, &(bb, part0, lo, n)) in ranges.iter().enumerate() {
+            p[11] = u32_of(op, lo)?;
+            p[12] = u32_of(op, n)?;
+            p[13] = (one && j == 0) as u32;
+            p[14] = u32_of(op, part0)?;
             self.model_n(
                 "qsa_select",
-                &[
-                    u32_of(op, rows)?,
-                    u32_of(op, qi.cols)?,
-                    u32_of(op, d)?,
-                    u32_of(op, sel.ratio)?,
-                    u32_of(op, sel.budget)?,
-                    rule,
-                    u32_of(op, stride)?,
-                    u32_of(op, blocks.rows)?,
-                    u32_of(op, positions.off)?,
-                    u32_of(op, nb_cap)?,
-                    u32_of(op, idx)?,
-                    u32_of(op, row0)?,
-                    u32_of(op, prows)?,
-                    (j == last) as u32,
-                ],
+                &p,
                 [Some(&qi.b), Some(bb), Some(&scores), None, None],
+                [Some(&positions.b), Some(&out), Some(&scratch)],
+                rows,
+            )?;
+        }
+        if !one {
+            p[11] = 0;
+            p[12] = 0;
+            p[13] = 1;
+            p[14] = 0;
+            self.model_n(
+                "qsa_select",
+                &p,
+                [
+                    Some(&qi.b),
+                    Some(self.unused_f32()),
+                    Some(&scores),
+                    None,
+                    None,
+                ],
                 [Some(&positions.b), Some(&out), Some(&scratch)],
                 rows,
             )?;
