@@ -344,7 +344,8 @@ impl Qwen4expOps for WgpuBackend {
         };
         let out = self.alloc("qsa selection", rows.max(1) * stride)?;
         let scores = self.alloc("qsa scores", rows.max(1) * nb_cap)?;
-        let scratch = self.alloc("qsa scratch", rows.max(1) * 2 * idx)?;
+        // Heap indices and flags, then the selection's saved state (8 words).
+        let scratch = self.alloc("qsa scratch", rows.max(1) * (2 * idx + 8))?;
         let rule = match sel.rule {
             QsaRule::Reference => 0,
             QsaRule::LlamaCpp => 1,
@@ -385,22 +386,15 @@ impl Qwen4expOps for WgpuBackend {
                     (gx, gy, 1),
                 )?;
             }
-            p[11] = 0;
-            p[12] = 0;
-            p[13] = 1;
-            p.truncate(14);
-            self.model_n(
-                "qsa_select",
-                &p,
-                [
-                    Some(&qi.b),
-                    Some(self.unused_f32()),
-                    Some(&scores),
-                    None,
-                    None,
-                ],
-                [Some(&positions.b), Some(&out), Some(&scratch)],
-                rows,
+            self.qsa_selecting(
+                &mut p,
+                &qi.b,
+                &scores,
+                positions,
+                &out,
+                &scratch,
+                sel,
+                blocks.rows,
             )?;
             return Ok(WSelection::Sparse {
                 b: out,
@@ -428,7 +422,8 @@ impl Qwen4expOps for WgpuBackend {
                 }
             }
         }
-        let one = ranges.len() == 1;
+        // A CPU adapter selects in dispatches of its own (their loop iterations bounded).
+        let one = ranges.len() == 1 && !self.g.is_cpu();
         for (j, &(bb, part0, lo, n)) in ranges.iter().enumerate() {
             p[11] = u32_of(op, lo)?;
             p[12] = u32_of(op, n)?;
@@ -443,22 +438,15 @@ impl Qwen4expOps for WgpuBackend {
             )?;
         }
         if !one {
-            p[11] = 0;
-            p[12] = 0;
-            p[13] = 1;
-            p[14] = 0;
-            self.model_n(
-                "qsa_select",
-                &p,
-                [
-                    Some(&qi.b),
-                    Some(self.unused_f32()),
-                    Some(&scores),
-                    None,
-                    None,
-                ],
-                [Some(&positions.b), Some(&out), Some(&scratch)],
-                rows,
+            self.qsa_selecting(
+                &mut p,
+                &qi.b,
+                &scores,
+                positions,
+                &out,
+                &scratch,
+                sel,
+                blocks.rows,
             )?;
         }
         Ok(WSelection::Sparse {
@@ -519,5 +507,65 @@ impl Qwen4expOps for WgpuBackend {
             k.rows * streams,
         )?;
         Ok(out)
+    }
+}
+
+impl WgpuBackend {
+    /// `qsa_select`'s selection after its scores (p12 = 0: it scores nothing): one dispatch,
+    /// or where the adapter is a CPU as many as the selection's steps need at
+    /// [`crate::backend::ATTEND_LOOP_BUDGET`] iterations a dispatch (lavapipe's loop
+    /// limiter), each resuming the rows' saved state; a row already done returns at once.
+    #[allow(clippy::too_many_arguments)]
+    fn qsa_selecting(
+        &self,
+        p: &mut Vec<u32>,
+        qi: &Buf,
+        scores: &Buf,
+        positions: &WIds,
+        out: &Buf,
+        scratch: &Buf,
+        sel: QsaSelect,
+        nblocks: usize,
+    ) -> Result<()> {
+        let rows = p[0] as usize;
+        p.resize(16, 0);
+        p[11] = 0;
+        p[12] = 0;
+        p[14] = 0;
+        let (dispatches, fuel) = if self.g.is_cpu() {
+            let fuel = crate::backend::ATTEND_LOOP_BUDGET;
+            let (r, nb) = (sel.ratio, nblocks);
+            let keep = (sel.budget / r).min(nb);
+            let total = (nb + 1) * r;
+            let k = total.min(sel.budget + r - 1);
+            let step = 2 * (usize::BITS - k.max(1).leading_zeros()) as usize + 4;
+            // Every step's iterations as the kernel charges them (a bound: the rows' blocks
+            // are at most the store's), and a dispatch's least progress.
+            let (work, least) = match sel.rule {
+                QsaRule::Reference => (
+                    3 * (nb + 1) + keep * (nb + 1) + keep * r + 2 * r + 4,
+                    fuel - 4,
+                ),
+                QsaRule::LlamaCpp => {
+                    let steps = 3 * (total + 1) + (k + 2) + (k / 2 + total + 2);
+                    (5 * steps + (k / 2 + total + 2) * step, fuel - step - 13)
+                }
+            };
+            (work.div_ceil(least) + 1, fuel as u32)
+        } else {
+            (1, 0)
+        };
+        for j in 0..dispatches {
+            p[13] = if j == 0 { 1 } else { 2 };
+            p[15] = fuel;
+            self.model_n(
+                "qsa_select",
+                p,
+                [Some(qi), Some(self.unused_f32()), Some(scores), None, None],
+                [Some(&positions.b), Some(out), Some(scratch)],
+                rows,
+            )?;
+        }
+        Ok(())
     }
 }

@@ -14,7 +14,9 @@
 //!   and stay within the stated bound of the f64 dot of the decoded operands;
 //! - attention: the serial baseline (`attend`, its token lists split into ranges a dispatch
 //!   within lavapipe's loop limiter) and `attend_wg` give the same bits and the f64 softmax's
-//!   values, at every head dim up to 256 and past the limiter's reach.
+//!   values, at every head dim up to 256 and past the limiter's reach;
+//! - GDN and the QSA selection (scores and selecting loops, both rules) past the limiter's
+//!   reach: the serial and workgroup kernels' bits and the CPU's values and selections.
 
 use std::sync::Arc;
 
@@ -766,14 +768,15 @@ fn qsa_selection_over_more_blocks_than_lavapipes_loop_limit_is_right() {
     qsa_long_case(200, 64, 2);
 }
 
-/// The serial QSA selection whose selecting loops themselves pass lavapipe's loop limiter:
-/// 400 blocks under a budget of 2,048 tokens (the reference rule's top-k scan costs
-/// keep·nb = 160K iterations in one invocation). Fails on lavapipe: the selection is not yet
-/// split (docs/WGPU.md, the loop-limit audit).
+/// The QSA selection whose selecting loops themselves pass lavapipe's loop limiter: 400
+/// blocks under a budget of 2,048 tokens (the reference rule's top-k scan costs keep·nb =
+/// 160K iterations in one invocation) and 4,000 under 256 (256K in the scan; the llama.cpp
+/// rule's loops over 16,000 tokens and its heap of 259: about 70K), both score paths, against
+/// the CPU's selection token for token.
 #[test]
-#[ignore = "issue #16: the QSA selection's loops pass lavapipe's loop limiter (docs/WGPU.md)"]
 fn qsa_selection_with_a_budget_past_lavapipes_loop_limit_is_right() {
     qsa_long_case(400, 2048, 2);
+    qsa_long_case(4000, 256, 2);
 }
 
 fn qsa_long_case(nblocks: usize, budget: usize, checks: usize) {
