@@ -566,7 +566,9 @@ var<workgroup> gsc: vec2<f32>;
 
 // Gated DeltaNet over the rows in order, one workgroup per value head h (invocation j owns the
 // state's column j): qkv A, z B, gates C, state D (in place), out E, norm weight I (f32 bits).
-// p0 rows, p1 key heads, p2 value heads, p3 head_k (<= 256), p4 head_v (<= 256), p5 eps.
+// Rows p6..p0 of the step (the host splits a long step's rows over dispatches in order, the
+// state carried in D: lavapipe's loop limiter, `gdn_rows`), p1 key heads, p2 value heads,
+// p3 head_k (<= 256), p4 head_v (<= 256), p5 eps.
 fn gdn_head(h: u32, t: u32, nt: u32) {
     let nk = pu(1u);
     let nv = pu(2u);
@@ -576,7 +578,7 @@ fn gdn_head(h: u32, t: u32, nt: u32) {
     let conv = 2u * nk * dk + nv * dv;
     let sb = h * dk * dv;
     let qscale = div_rn(1.0, sqrt_rn(f32(dk)));
-    for (var row = 0u; row < pu(0u); row = row + 1u) {
+    for (var row = pu(6u); row < pu(0u); row = row + 1u) {
         let qb = row * conv + kg * dk;
         let kb = row * conv + nk * dk + kg * dk;
         if (t == 0u) {
@@ -672,7 +674,8 @@ fn qsa_pool(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec
     if (pu(8u) != 0u) { B[i] = div_rn(acc, f32(ratio)); } else { B[i] = acc; }
 }
 
-// Scratch of qsa_select: block scores C (p9 a row), heap indices and flags K (2·p10 a row).
+// Scratch of qsa_select: block scores C (p9 a row), heap indices and flags K (2·p10 a row,
+// then the selection's saved state: 2·p10 + 8 words a row).
 fn tok_score(row: u32, t: u32, nbr: u32, ratio: u32) -> f32 {
     if (t < nbr) { return C[row * pu(9u) + t / ratio]; }
     return 1e9;
@@ -760,9 +763,10 @@ fn qsa_score(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_inde
 
 // QSA selection, one invocation per query row: queries A (p0 rows of p1, heads of p2), pooled
 // blocks B (p7 rows), positions I from p8, block size p3, budget p4, rule p5 (0 reference,
-// 1 llama.cpp). Out J: per row [count, tokens ascending] in rows of p6. B is the store's part
-// holding rows p11..p11 + p12: a split store scores each part's blocks in turn and selects
-// with the last (p13 = 1: select after scoring).
+// 1 llama.cpp). Out J: per row [count, tokens ascending] in rows of p6. This dispatch scores
+// blocks p11..p11 + p12 of B, the store's part whose first block is p14: a split store scores
+// each part's blocks in turn, a long part in ranges a dispatch (lavapipe's loop limiter), and
+// selects with the last (p13 = 1: select after scoring).
 @compute @workgroup_size(64)
 fn qsa_select(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>,
               @builtin(local_invocation_index) l: u32) {
@@ -777,81 +781,183 @@ fn qsa_select(@builtin(workgroup_id) g: vec3<u32>, @builtin(num_workgroups) n: v
     let scale = div_rn(1.0, sqrt_rn(f32(d)));
     let sbase = row * pu(9u);
     let row0 = pu(11u);
+    let part0 = pu(14u);
     for (var b = row0; b < min(nb, row0 + pu(12u)); b = b + 1u) {
         var s = 0.0;
         for (var h = 0u; h < qc / d; h = h + 1u) {
             var dot = 0.0;
-            for (var j = 0u; j < d; j = j + 1u) { dot = dot + nc(A[row * qc + h * d + j] * B[(b - row0) * d + j]); }
+            for (var j = 0u; j < d; j = j + 1u) { dot = dot + nc(A[row * qc + h * d + j] * B[(b - part0) * d + j]); }
             s = s + fmax(dot, 0.0);
         }
         C[sbase + b] = s * scale;
     }
     if (pu(13u) == 0u) { return; }
-    let kb = row * 2u * pu(10u);
+    // The selection as a resumable loop of small steps: p13 = 1 starts it, 2 resumes it from
+    // the row's saved state (phase, index, pick, best, its key, count: 6 words after the
+    // flags); p15 > 0 bounds the loop iterations this dispatch spends (lavapipe's loop
+    // limiter: the host dispatches until every row is done), 0 runs it to the end. The steps
+    // are the baseline's loops' bodies in their order, so the same selection.
+    let kb = row * (2u * pu(10u) + 8u);
     let fl = kb + pu(10u);
+    let sv = fl + pu(10u);
     let ob = row * pu(6u);
+    var ph = 0u;
+    var i = 0u;
+    var x = 0u;
+    var best = NONE;
+    var bk = 0u;
     var cnt = 0u;
+    if (pu(13u) == 2u) {
+        ph = K[sv];
+        i = K[sv + 1u];
+        x = K[sv + 2u];
+        best = K[sv + 3u];
+        bk = K[sv + 4u];
+        cnt = K[sv + 5u];
+    }
+    if (ph == NONE) { return; }
+    var fuel = pu(15u);
+    if (fuel == 0u) { fuel = 0xffffffffu; }
+    let total = pos + 1u;
+    let nbr = nb * ratio;
+    let k = min(total, budget + ratio - 1u);
+    let keep = min(budget / ratio, nb);
+    // A heap adjustment's most iterations (its descent and its push).
+    let step = 2u * (32u - countLeadingZeros(max(k, 1u))) + 4u;
     if (pu(5u) == 0u) {
-        let keep = min(budget / ratio, nb);
-        for (var b = 0u; b < nb; b = b + 1u) { K[fl + b] = 0u; }
-        for (var x = 0u; x < keep; x = x + 1u) {
-            var best = NONE;
-            var bk = 0u;
-            for (var b = 0u; b < nb; b = b + 1u) {
-                if (K[fl + b] != 0u) { continue; }
-                let kk = tkey(C[sbase + b]);
-                if (best == NONE || kk > bk) {
-                    best = b;
-                    bk = kk;
+        // One loop without inner loops: a step is one iteration of the limiter.
+        loop {
+            if (ph == NONE || fuel < 4u) { break; }
+            fuel = fuel - 1u;
+            if (ph == 0u) {
+                // The flags cleared.
+                if (i < nb) {
+                    K[fl + i] = 0u;
+                    i = i + 1u;
+                } else {
+                    ph = 1u;
+                    i = 0u;
+                    x = 0u;
+                    best = NONE;
+                }
+            } else if (ph == 1u) {
+                // Pick x: the first unflagged block of the largest score.
+                if (x >= keep) {
+                    ph = 2u;
+                    i = 0u;
+                    x = 0u;
+                } else if (i < nb) {
+                    if (K[fl + i] == 0u) {
+                        let kk = tkey(C[sbase + i]);
+                        if (best == NONE || kk > bk) {
+                            best = i;
+                            bk = kk;
+                        }
+                    }
+                    i = i + 1u;
+                } else {
+                    K[fl + best] = 1u;
+                    x = x + 1u;
+                    i = 0u;
+                    best = NONE;
+                }
+            } else if (ph == 2u) {
+                // The picked blocks' tokens, ascending, one a step (x: the token in block i).
+                if (i >= nb) {
+                    ph = 3u;
+                    i = nb * ratio;
+                } else if (K[fl + i] == 0u) {
+                    i = i + 1u;
+                } else {
+                    cnt = cnt + 1u;
+                    J[ob + cnt] = i * ratio + x;
+                    x = x + 1u;
+                    if (x == ratio) {
+                        x = 0u;
+                        i = i + 1u;
+                    }
+                }
+            } else {
+                // The incomplete block's tokens.
+                if (i <= pos) {
+                    cnt = cnt + 1u;
+                    J[ob + cnt] = i;
+                    i = i + 1u;
+                } else {
+                    ph = NONE;
                 }
             }
-            K[fl + best] = 1u;
-        }
-        for (var b = 0u; b < nb; b = b + 1u) {
-            if (K[fl + b] == 0u) { continue; }
-            for (var t = b * ratio; t < (b + 1u) * ratio; t = t + 1u) {
-                cnt = cnt + 1u;
-                J[ob + cnt] = t;
-            }
-        }
-        for (var t = nb * ratio; t <= pos; t = t + 1u) {
-            cnt = cnt + 1u;
-            J[ob + cnt] = t;
         }
     } else {
-        let total = pos + 1u;
-        let nbr = nb * ratio;
-        let k = min(total, budget + ratio - 1u);
-        for (var t = 0u; t < total; t = t + 1u) {
-            K[kb + t] = t;
-            K[fl + t] = 0u;
-        }
-        if (k >= 2u) {
-            var parent = (k - 2u) / 2u;
-            loop {
-                heap_adjust(kb, parent, k, K[kb + parent], row, nbr, ratio);
-                if (parent == 0u) { break; }
-                parent = parent - 1u;
-            }
-        }
-        if (k > 0u) {
-            for (var x = k; x < total; x = x + 1u) {
-                if (tok_score(row, K[kb + x], nbr, ratio) > tok_score(row, K[kb], nbr, ratio)) {
-                    let v = K[kb + x];
-                    K[kb + x] = K[kb];
-                    heap_adjust(kb, 0u, k, v, row, nbr, ratio);
+        // A step costs 5 (this loop and the two adjustments' two loops each, entered even
+        // where no lane adjusts) and an adjustment its own iterations.
+        loop {
+            if (ph == NONE || fuel < step + 8u) { break; }
+            fuel = fuel - 5u;
+            if (ph == 0u) {
+                if (i < total) {
+                    K[kb + i] = i;
+                    K[fl + i] = 0u;
+                    i = i + 1u;
+                } else if (k >= 2u) {
+                    ph = 1u;
+                    i = (k - 2u) / 2u;
+                } else {
+                    ph = 2u;
+                    i = k;
                 }
-            }
-        }
-        for (var x = 0u; x < k; x = x + 1u) { K[fl + K[kb + x]] = 1u; }
-        for (var t = 0u; t < total; t = t + 1u) {
-            if (K[fl + t] != 0u) {
-                cnt = cnt + 1u;
-                J[ob + cnt] = t;
+            } else if (ph == 1u) {
+                // The heap built, parents from the last down.
+                heap_adjust(kb, i, k, K[kb + i], row, nbr, ratio);
+                fuel = fuel - step;
+                if (i == 0u) {
+                    ph = 2u;
+                    i = k;
+                } else {
+                    i = i - 1u;
+                }
+            } else if (ph == 2u) {
+                // The rest of the tokens against the heap's top.
+                if (k == 0u || i >= total) {
+                    ph = 3u;
+                    i = 0u;
+                } else {
+                    if (tok_score(row, K[kb + i], nbr, ratio) > tok_score(row, K[kb], nbr, ratio)) {
+                        let v = K[kb + i];
+                        K[kb + i] = K[kb];
+                        heap_adjust(kb, 0u, k, v, row, nbr, ratio);
+                        fuel = fuel - step;
+                    }
+                    i = i + 1u;
+                }
+            } else if (ph == 3u) {
+                if (i < k) {
+                    K[fl + K[kb + i]] = 1u;
+                    i = i + 1u;
+                } else {
+                    ph = 4u;
+                    i = 0u;
+                }
+            } else {
+                if (i < total) {
+                    if (K[fl + i] != 0u) {
+                        cnt = cnt + 1u;
+                        J[ob + cnt] = i;
+                    }
+                    i = i + 1u;
+                } else {
+                    ph = NONE;
+                }
             }
         }
     }
-    J[ob] = cnt;
+    if (ph == NONE) { J[ob] = cnt; }
+    K[sv] = ph;
+    K[sv + 1u] = i;
+    K[sv + 2u] = x;
+    K[sv + 3u] = best;
+    K[sv + 4u] = bk;
+    K[sv + 5u] = cnt;
 }
 
 // PLE gate per (row, stream): z = <K_s, Q_s>·p3 (A, B: p0 rows of p1 streams × p2), out D =

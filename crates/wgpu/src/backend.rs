@@ -60,7 +60,7 @@ const MAX_HEAD: usize = 256;
 /// 256 tokens (measured: wrong from 10,750 tokens at head dim 256, from 17,089 at 64), so on a
 /// CPU adapter a list longer than [`attend_wg_tokens`] goes to the split serial kernel, which
 /// gives its bits.
-const ATTEND_LOOP_BUDGET: usize = 32_768;
+pub(crate) const ATTEND_LOOP_BUDGET: usize = 32_768;
 
 /// Tokens a serial attention dispatch may visit at head dim `d` within
 /// [`ATTEND_LOOP_BUDGET`]: at most 6·d + 64 loop iterations a token (the scores, the weighted
@@ -68,6 +68,23 @@ const ATTEND_LOOP_BUDGET: usize = 32_768;
 /// output.
 fn attend_tokens(d: usize) -> usize {
     (ATTEND_LOOP_BUDGET.saturating_sub(4 * d + 64) / (6 * d + 64)).max(1)
+}
+
+/// Rows one `model::gdn` / `gdn_wg` dispatch (`nt` invocations a head) may run on an adapter
+/// with a loop limiter, within [`ATTEND_LOOP_BUDGET`]: a row costs an invocation (the vector
+/// holding invocation 0) at most ⌈dv/nt⌉·(2·dk + 3) iterations for its state columns,
+/// dk + dv for the norms' sums, ⌈dk/nt⌉ for the normed q and k, and 512 for the divisions',
+/// roots' and subnormal loops; 512 more once for the query scale.
+pub(crate) fn gdn_rows(dk: usize, dv: usize, nt: usize) -> usize {
+    let per_row = dv.div_ceil(nt) * (2 * dk + 3) + dk + dv + dk.div_ceil(nt) + 512;
+    (ATTEND_LOOP_BUDGET.saturating_sub(512) / per_row).max(1)
+}
+
+/// Blocks one serial `model::qsa_select` dispatch may score on an adapter with a loop limiter
+/// (within [`ATTEND_LOOP_BUDGET`]): a block costs its row's invocation heads·(d + 1) + 1
+/// iterations.
+pub(crate) fn qsa_blocks(heads: usize, d: usize) -> usize {
+    (ATTEND_LOOP_BUDGET.saturating_sub(512) / (heads * (d + 1) + 1)).max(1)
 }
 
 /// Tokens `model::attend_wg` may visit at head dim `d` on an adapter with a loop limiter:

@@ -241,26 +241,45 @@ impl Qwen4expOps for WgpuBackend {
             [None; 3],
             n * nv,
         )?;
-        self.model(
-            if self.seq_wg() { "gdn_wg" } else { "gdn" },
-            &[
-                u32_of(op, n)?,
-                u32_of(op, nk)?,
-                u32_of(op, nv)?,
-                u32_of(op, dk)?,
-                u32_of(op, dv)?,
-                p.eps.to_bits(),
-            ],
-            [
-                Some(&qkv.b),
-                Some(&z.b),
-                Some(&gates.b),
-                Some(&state.b),
-                Some(&out.b),
-            ],
-            [Some(nw), None, None],
-            (u32_of(op, nv)?, 1, 1),
-        )?;
+        let (entry, nt) = if self.seq_wg() {
+            ("gdn_wg", 128)
+        } else {
+            ("gdn", 64)
+        };
+        // The rows in order, a range a dispatch where the adapter is a CPU (lavapipe's loop
+        // limiter, docs/WGPU.md: one invocation runs every row of its dispatch), the state
+        // carried in place between dispatches: the same operations in the same order.
+        let span = if self.g.is_cpu() {
+            crate::backend::gdn_rows(dk, dv, nt)
+        } else {
+            n
+        };
+        let mut r0 = 0;
+        while r0 < n {
+            let r1 = (r0 + span).min(n);
+            self.model(
+                entry,
+                &[
+                    u32_of(op, r1)?,
+                    u32_of(op, nk)?,
+                    u32_of(op, nv)?,
+                    u32_of(op, dk)?,
+                    u32_of(op, dv)?,
+                    p.eps.to_bits(),
+                    u32_of(op, r0)?,
+                ],
+                [
+                    Some(&qkv.b),
+                    Some(&z.b),
+                    Some(&gates.b),
+                    Some(&state.b),
+                    Some(&out.b),
+                ],
+                [Some(nw), None, None],
+                (u32_of(op, nv)?, 1, 1),
+            )?;
+            r0 = r1;
+        }
         Ok(out)
     }
 
@@ -325,7 +344,8 @@ impl Qwen4expOps for WgpuBackend {
         };
         let out = self.alloc("qsa selection", rows.max(1) * stride)?;
         let scores = self.alloc("qsa scores", rows.max(1) * nb_cap)?;
-        let scratch = self.alloc("qsa scratch", rows.max(1) * 2 * idx)?;
+        // Heap indices and flags, then the selection's saved state (8 words).
+        let scratch = self.alloc("qsa scratch", rows.max(1) * (2 * idx + 8))?;
         let rule = match sel.rule {
             QsaRule::Reference => 0,
             QsaRule::LlamaCpp => 1,
@@ -333,7 +353,6 @@ impl Qwen4expOps for WgpuBackend {
         // Each part's blocks scored in turn (one part unless the store is split); the last
         // dispatch selects.
         let parts = blocks.row_parts();
-        let last = parts.len() - 1;
         let mut p = vec![
             u32_of(op, rows)?,
             u32_of(op, qi.cols)?,
@@ -367,22 +386,15 @@ impl Qwen4expOps for WgpuBackend {
                     (gx, gy, 1),
                 )?;
             }
-            p[11] = 0;
-            p[12] = 0;
-            p[13] = 1;
-            p.truncate(14);
-            self.model_n(
-                "qsa_select",
-                &p,
-                [
-                    Some(&qi.b),
-                    Some(self.unused_f32()),
-                    Some(&scores),
-                    None,
-                    None,
-                ],
-                [Some(&positions.b), Some(&out), Some(&scratch)],
-                rows,
+            self.qsa_selecting(
+                &mut p,
+                &qi.b,
+                &scores,
+                positions,
+                &out,
+                &scratch,
+                sel,
+                blocks.rows,
             )?;
             return Ok(WSelection::Sparse {
                 b: out,
@@ -390,28 +402,51 @@ impl Qwen4expOps for WgpuBackend {
                 rows,
             });
         }
-        for (j, (bb, row0, prows)) in parts.into_iter().enumerate() {
+        // Where the adapter is a CPU, at most `qsa_blocks` blocks a dispatch (lavapipe's loop
+        // limiter: one invocation scores every block of its dispatch for its row), the blocks
+        // in order; a split scoring selects in a dispatch of its own (p12 = 0).
+        let span = if self.g.is_cpu() {
+            crate::backend::qsa_blocks(qi.cols / d, d)
+        } else {
+            usize::MAX
+        };
+        let mut ranges = Vec::new();
+        for (bb, row0, prows) in parts {
+            let mut lo = 0;
+            loop {
+                let n = (prows - lo).min(span);
+                ranges.push((bb, row0, row0 + lo, n));
+                lo += n;
+                if lo >= prows {
+                    break;
+                }
+            }
+        }
+        // A CPU adapter selects in dispatches of its own (their loop iterations bounded).
+        let one = ranges.len() == 1 && !self.g.is_cpu();
+        for (j, &(bb, part0, lo, n)) in ranges.iter().enumerate() {
+            p[11] = u32_of(op, lo)?;
+            p[12] = u32_of(op, n)?;
+            p[13] = (one && j == 0) as u32;
+            p[14] = u32_of(op, part0)?;
             self.model_n(
                 "qsa_select",
-                &[
-                    u32_of(op, rows)?,
-                    u32_of(op, qi.cols)?,
-                    u32_of(op, d)?,
-                    u32_of(op, sel.ratio)?,
-                    u32_of(op, sel.budget)?,
-                    rule,
-                    u32_of(op, stride)?,
-                    u32_of(op, blocks.rows)?,
-                    u32_of(op, positions.off)?,
-                    u32_of(op, nb_cap)?,
-                    u32_of(op, idx)?,
-                    u32_of(op, row0)?,
-                    u32_of(op, prows)?,
-                    (j == last) as u32,
-                ],
+                &p,
                 [Some(&qi.b), Some(bb), Some(&scores), None, None],
                 [Some(&positions.b), Some(&out), Some(&scratch)],
                 rows,
+            )?;
+        }
+        if !one {
+            self.qsa_selecting(
+                &mut p,
+                &qi.b,
+                &scores,
+                positions,
+                &out,
+                &scratch,
+                sel,
+                blocks.rows,
             )?;
         }
         Ok(WSelection::Sparse {
@@ -472,5 +507,65 @@ impl Qwen4expOps for WgpuBackend {
             k.rows * streams,
         )?;
         Ok(out)
+    }
+}
+
+impl WgpuBackend {
+    /// `qsa_select`'s selection after its scores (p12 = 0: it scores nothing): one dispatch,
+    /// or where the adapter is a CPU as many as the selection's steps need at
+    /// [`crate::backend::ATTEND_LOOP_BUDGET`] iterations a dispatch (lavapipe's loop
+    /// limiter), each resuming the rows' saved state; a row already done returns at once.
+    #[allow(clippy::too_many_arguments)]
+    fn qsa_selecting(
+        &self,
+        p: &mut Vec<u32>,
+        qi: &Buf,
+        scores: &Buf,
+        positions: &WIds,
+        out: &Buf,
+        scratch: &Buf,
+        sel: QsaSelect,
+        nblocks: usize,
+    ) -> Result<()> {
+        let rows = p[0] as usize;
+        p.resize(16, 0);
+        p[11] = 0;
+        p[12] = 0;
+        p[14] = 0;
+        let (dispatches, fuel) = if self.g.is_cpu() {
+            let fuel = crate::backend::ATTEND_LOOP_BUDGET;
+            let (r, nb) = (sel.ratio, nblocks);
+            let keep = (sel.budget / r).min(nb);
+            let total = (nb + 1) * r;
+            let k = total.min(sel.budget + r - 1);
+            let step = 2 * (usize::BITS - k.max(1).leading_zeros()) as usize + 4;
+            // Every step's iterations as the kernel charges them (a bound: the rows' blocks
+            // are at most the store's), and a dispatch's least progress.
+            let (work, least) = match sel.rule {
+                QsaRule::Reference => (
+                    3 * (nb + 1) + keep * (nb + 1) + keep * r + 2 * r + 4,
+                    fuel - 4,
+                ),
+                QsaRule::LlamaCpp => {
+                    let steps = 3 * (total + 1) + (k + 2) + (k / 2 + total + 2);
+                    (5 * steps + (k / 2 + total + 2) * step, fuel - step - 13)
+                }
+            };
+            (work.div_ceil(least) + 1, fuel as u32)
+        } else {
+            (1, 0)
+        };
+        for j in 0..dispatches {
+            p[13] = if j == 0 { 1 } else { 2 };
+            p[15] = fuel;
+            self.model_n(
+                "qsa_select",
+                p,
+                [Some(qi), Some(self.unused_f32()), Some(scores), None, None],
+                [Some(&positions.b), Some(out), Some(scratch)],
+                rows,
+            )?;
+        }
+        Ok(())
     }
 }

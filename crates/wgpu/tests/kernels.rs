@@ -14,7 +14,9 @@
 //!   and stay within the stated bound of the f64 dot of the decoded operands;
 //! - attention: the serial baseline (`attend`, its token lists split into ranges a dispatch
 //!   within lavapipe's loop limiter) and `attend_wg` give the same bits and the f64 softmax's
-//!   values, at every head dim up to 256 and past the limiter's reach.
+//!   values, at every head dim up to 256 and past the limiter's reach;
+//! - GDN and the QSA selection (scores and selecting loops, both rules) past the limiter's
+//!   reach: the serial and workgroup kernels' bits and the CPU's values and selections.
 
 use std::sync::Arc;
 
@@ -632,4 +634,199 @@ fn qsa_scores_by_workgroups_give_the_serial_selection_and_the_cpus() {
         }
     }
     assert_eq!(checked, 4);
+}
+
+/// GDN at the full-size head geometry (head_k = head_v = 128) over more rows than one
+/// invocation may run under lavapipe's loop limiter (about 770 iterations a row for `gdn`'s
+/// 64 invocations a head, 515 for `gdn_wg`'s 128: 160 rows are 124K and 82K): the serial and
+/// workgroup kernels give the same bits, output and state, and both the CPU's values.
+#[test]
+fn gdn_over_more_rows_than_lavapipes_loop_limit_is_right() {
+    use strata_engine::qwen4exp::ops::{GdnDims, GdnParams, Qwen4expOps};
+    use strata_engine::CpuBackend;
+    if backend().is_none() {
+        return;
+    }
+    let dims = GdnDims {
+        n_k_heads: 2,
+        n_v_heads: 4,
+        head_k: 128,
+        head_v: 128,
+        conv_kernel: 4,
+    };
+    let (n, nv) = (160usize, dims.n_v_heads);
+    let mut rng = Rng(0x5eed_9d70_0000_0016);
+    let qkv: Vec<f32> = (0..n * dims.conv_dim()).map(|_| rng.value()).collect();
+    let z: Vec<f32> = (0..n * dims.value_dim()).map(|_| rng.value()).collect();
+    let a: Vec<f32> = (0..n * nv).map(|_| rng.value()).collect();
+    let bb: Vec<f32> = (0..n * nv).map(|_| rng.value()).collect();
+    let s0: Vec<f32> = (0..nv * 128 * 128).map(|_| rng.value() * 0.1).collect();
+    let ssm_a: Vec<f32> = (0..nv).map(|_| -(0.5 + rng.value().abs())).collect();
+    let dt: Vec<f32> = (0..nv).map(|_| rng.value()).collect();
+    let nw: Vec<f32> = (0..128).map(|_| 1.0 + rng.value()).collect();
+    let f = file(vec![
+        (
+            "ssm_a".into(),
+            vec![nv as u64],
+            GgmlType::F32,
+            f32_bytes(&ssm_a),
+        ),
+        (
+            "ssm_dt.bias".into(),
+            vec![nv as u64],
+            GgmlType::F32,
+            f32_bytes(&dt),
+        ),
+        (
+            "ssm_norm.weight".into(),
+            vec![128],
+            GgmlType::F32,
+            f32_bytes(&nw),
+        ),
+    ]);
+    let t = f.tensors();
+    let eps = 1e-6;
+    let mut got = Vec::new();
+    for wg in [false, true] {
+        let b = backend().unwrap().with_attention_wg(wg);
+        let (wa, wd, wn) = (
+            b.load_weight(&f, &t[0]).unwrap(),
+            b.load_weight(&f, &t[1]).unwrap(),
+            b.load_weight(&f, &t[2]).unwrap(),
+        );
+        let p = GdnParams {
+            a: &wa,
+            dt_bias: &wd,
+            norm: &wn,
+            dims,
+            eps,
+        };
+        let mut st = b.upload(nv, 128 * 128, &s0).unwrap();
+        let o = Qwen4expOps::gdn_step(
+            &b,
+            &p,
+            &b.upload(n, dims.conv_dim(), &qkv).unwrap(),
+            &b.upload(n, dims.value_dim(), &z).unwrap(),
+            &b.upload(n, nv, &a).unwrap(),
+            &b.upload(n, nv, &bb).unwrap(),
+            &mut st,
+        )
+        .unwrap();
+        got.push((b.download(&o).unwrap(), b.download(&st).unwrap()));
+    }
+    assert!(
+        bits(&got[0].0) == bits(&got[1].0) && bits(&got[0].1) == bits(&got[1].1),
+        "gdn and gdn_wg differ"
+    );
+    let cpu = CpuBackend::new(1).unwrap();
+    let (wa, wd, wn) = (
+        cpu.load_weight(&f, &t[0]).unwrap(),
+        cpu.load_weight(&f, &t[1]).unwrap(),
+        cpu.load_weight(&f, &t[2]).unwrap(),
+    );
+    let p = GdnParams {
+        a: &wa,
+        dt_bias: &wd,
+        norm: &wn,
+        dims,
+        eps,
+    };
+    let mut st = cpu.upload(nv, 128 * 128, &s0).unwrap();
+    let o = Qwen4expOps::gdn_step(
+        &cpu,
+        &p,
+        &cpu.upload(n, dims.conv_dim(), &qkv).unwrap(),
+        &cpu.upload(n, dims.value_dim(), &z).unwrap(),
+        &cpu.upload(n, nv, &a).unwrap(),
+        &cpu.upload(n, nv, &bb).unwrap(),
+        &mut st,
+    )
+    .unwrap();
+    let want = (cpu.download(&o).unwrap(), cpu.download(&st).unwrap());
+    for (what, g, w) in [
+        ("output", &got[0].0, &want.0),
+        ("state", &got[0].1, &want.1),
+    ] {
+        let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (i, (x, y)) in g.iter().zip(w.iter()).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-4 * scale,
+                "{what} {i} (row {}): {x} against the CPU's {y}",
+                i / (w.len() / if what == "output" { n } else { nv })
+            );
+        }
+    }
+}
+
+/// The serial QSA selection (`qsa_select` scoring its row's blocks itself: CPU adapters'
+/// default) at the indexer's geometry (4 heads of 128: 517 iterations a block) over 200 pooled
+/// blocks, more than one invocation may score under lavapipe's loop limiter (103K), with a
+/// budget whose selection stays within it; against the workgroup scores' selection and the
+/// CPU's, token for token, both rules.
+#[test]
+fn qsa_selection_over_more_blocks_than_lavapipes_loop_limit_is_right() {
+    qsa_long_case(200, 64, 2);
+}
+
+/// The QSA selection whose selecting loops themselves pass lavapipe's loop limiter: 400
+/// blocks under a budget of 2,048 tokens (the reference rule's top-k scan costs keep·nb =
+/// 160K iterations in one invocation) and 4,000 under 256 (256K in the scan; the llama.cpp
+/// rule's loops over 16,000 tokens and its heap of 259: about 70K), both score paths, against
+/// the CPU's selection token for token.
+#[test]
+fn qsa_selection_with_a_budget_past_lavapipes_loop_limit_is_right() {
+    qsa_long_case(400, 2048, 2);
+    qsa_long_case(4000, 256, 2);
+}
+
+fn qsa_long_case(nblocks: usize, budget: usize, checks: usize) {
+    use strata_engine::qwen4exp::ops::{QsaRule, QsaSelect, Qwen4expOps};
+    use strata_engine::CpuBackend;
+    use strata_wgpu::WSelection;
+    let Some(b) = backend() else { return };
+    let serial = b.with_attention_wg(false);
+    let Some(b) = backend() else { return };
+    let wg = b.with_attention_wg(true);
+    let cpu = CpuBackend::new(1).unwrap();
+    let mut rng = Rng(0x5eed_95a0_0000_0016 ^ nblocks as u64);
+    let (heads, d, ratio) = (4usize, 128usize, 4usize);
+    let last = (nblocks * ratio - 1) as u32;
+    let positions: [u32; 3] = [last, last - 5, 130];
+    let rows = positions.len();
+    let qd: Vec<f32> = (0..rows * heads * d).map(|_| rng.value()).collect();
+    let bd: Vec<f32> = (0..nblocks * d).map(|_| rng.value()).collect();
+    let mut checked = 0;
+    for rule in [QsaRule::Reference, QsaRule::LlamaCpp] {
+        let sel = QsaSelect {
+            ratio,
+            budget,
+            rule,
+        };
+        let q = cpu.upload(rows, heads * d, &qd).unwrap();
+        let blocks = cpu.upload(nblocks, d, &bd).unwrap();
+        let pos = cpu.upload_ids(&positions).unwrap();
+        let want = Qwen4expOps::qsa_select(&cpu, &q, &blocks, &pos, sel).unwrap();
+        for (name, be) in [("serial", &serial), ("workgroup scores", &wg)] {
+            let q = be.upload(rows, heads * d, &qd).unwrap();
+            let blocks = be.upload(nblocks, d, &bd).unwrap();
+            let pos = be.upload_ids(&positions).unwrap();
+            let WSelection::Sparse { b, stride, .. } =
+                Qwen4expOps::qsa_select(be, &q, &blocks, &pos, sel).unwrap()
+            else {
+                panic!("a QSA selection that is not sparse")
+            };
+            be.flush().unwrap();
+            let v: Vec<u32> = be.device().download(&b).unwrap();
+            for (r, toks) in want.0.iter().enumerate() {
+                let n = v[r * stride] as usize;
+                assert_eq!(
+                    &v[r * stride + 1..r * stride + 1 + n],
+                    &toks[..],
+                    "{name}, {rule:?}, row {r}: not the CPU's selection"
+                );
+            }
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, checks);
 }
