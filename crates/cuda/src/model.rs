@@ -1220,25 +1220,7 @@ pub fn hc_mix_fused(
         }
     }
     // The stacked [down; inject] rows (no inject: the final mixer's down alone).
-    let (wi, n_inj, inj_out) = match (hc.inject, inj) {
-        (Some(wi), Some(o)) => {
-            if wi.rows != st || wi.k != sh {
-                return Err(bad(
-                    k,
-                    format!("inject {}×{} for {st} streams", wi.rows, wi.k),
-                ));
-            }
-            need(k, "inj", o.len(), rows * st)?;
-            (wi, st, addr(gpu, o))
-        }
-        (None, None) => (hc.down, 0, addr(gpu, &s.a)),
-        _ => {
-            return Err(bad(
-                k,
-                "inject weights and the inject output go together".into(),
-            ))
-        }
-    };
+    let (wi, n_inj, inj_out) = hc_inject_rows(gpu, hc, inj, rows, &s.a)?;
     let total = rank + n_inj;
     let rb = units_rows_per_block(sh / 32, rows, total)
         .ok_or_else(|| bad(k, format!("rows of {sh}")))?;
@@ -1298,6 +1280,37 @@ pub fn hc_mix_fused(
     )
 }
 
+/// The inject rows stacked under a mix's down rows, their count and the inject output's
+/// address: the module's inject weight and `inj` (checked against `rows`), or, for the final
+/// mixer, none (the down weight and `spare` stand in the unused slots).
+fn hc_inject_rows<'w>(
+    gpu: &Gpu,
+    hc: &HcDev<'w>,
+    inj: Option<&mut CudaSlice<f32>>,
+    rows: usize,
+    spare: &CudaSlice<f32>,
+) -> Result<(&'w DevWeight, usize, u64), CudaError> {
+    let k = "hc_mix_fused";
+    let (st, sh) = (hc.streams, hc.streams * hc.h);
+    match (hc.inject, inj) {
+        (Some(wi), Some(o)) => {
+            if wi.rows != st || wi.k != sh {
+                return Err(bad(
+                    k,
+                    format!("inject {}×{} for {st} streams", wi.rows, wi.k),
+                ));
+            }
+            need(k, "inj", o.len(), rows * st)?;
+            Ok((wi, st, addr(gpu, o)))
+        }
+        (None, None) => Ok((hc.down, 0, addr(gpu, spare))),
+        _ => Err(bad(
+            k,
+            "inject weights and the inject output go together".into(),
+        )),
+    }
+}
+
 /// Weight rows a block of gemv.cu hc_nd_bf16 takes for rows of `units` units against `nt`
 /// activation rows: as many as 1,024 threads hold units of (every block reads the rows it
 /// normalizes, so fewer, larger blocks read them fewer times), within the shared contributions.
@@ -1331,25 +1344,7 @@ fn hc_mix_two(
         i32_of(k, rank)?,
         i32_of(k, rows)?,
     );
-    let (wi, n_inj, inj_out) = match (hc.inject, inj) {
-        (Some(wi), Some(o)) => {
-            if wi.rows != st || wi.k != sh {
-                return Err(bad(
-                    k,
-                    format!("inject {}×{} for {st} streams", wi.rows, wi.k),
-                ));
-            }
-            need(k, "inj", o.len(), rows * st)?;
-            (wi, st, addr(gpu, o))
-        }
-        (None, None) => (hc.down, 0, addr(gpu, &s.a)),
-        _ => {
-            return Err(bad(
-                k,
-                "inject weights and the inject output go together".into(),
-            ))
-        }
-    };
+    let (wi, n_inj, inj_out) = hc_inject_rows(gpu, hc, inj, rows, &s.a)?;
     let total = rank + n_inj;
     let rb = hc_two_rows_per_block(sh / 32, rows)
         .ok_or_else(|| bad(k, format!("{rows} rows of {sh}")))?

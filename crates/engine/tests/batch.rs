@@ -10,9 +10,7 @@
 
 mod common;
 
-use std::path::PathBuf;
-
-use common::{tiny_dir, Golden};
+use common::{default_model, tiny_dir, Golden};
 use strata_engine::decode::{self, DraftEdit, Judged, Lent, Policy, Progress, Stepper, Verified};
 use strata_engine::generate::{GenOptions, Timings};
 use strata_engine::sampler::guard::GuardStop;
@@ -486,33 +484,6 @@ fn eight_sequences_in_a_batch_get_their_solo_bits_qwen4exp_tiny() {
         .map(|i| ids[i * 7..i * 7 + 3 + 2 * i].to_vec())
         .collect();
     batch_equals_solo(&Q4(m), &tok, &prompts);
-}
-
-const DEFAULT_MODEL: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
-
-/// Where `strata fetch` caches the default model, or `STRATA_DEFAULT_MODEL`.
-fn default_model() -> Option<PathBuf> {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    let path = env("STRATA_DEFAULT_MODEL").or_else(|| {
-        env("STRATA_CACHE")
-            .map(|d| d.join("models"))
-            .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("strata/models")))
-            .or_else(|| env("HOME").map(|d| d.join(".cache/strata/models")))
-            .map(|d| d.join(DEFAULT_MODEL))
-    })?;
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIP: {} not found (run `strata fetch` to cache the default model)",
-            path.display()
-        );
-        None
-    }
 }
 
 #[test]

@@ -3,39 +3,16 @@
 //! contracts (prefill = decode, rollback = never having gone on) on the real weights. Skips with
 //! a message when the model is not cached.
 
+mod common;
+
 use std::path::PathBuf;
+
+use common::default_model;
 
 use strata_engine::generate::{self, GenOptions, Qwen2Session, Session, StopReason};
 use strata_engine::qwen2::{LoadOptions, Model};
 use strata_engine::sampler::{Sampler, SamplerConfig};
 use strata_engine::{CpuBackend, EngineError, KvType};
-
-const MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
-
-/// Where `strata fetch` caches the model (same rules as the CLI), or `STRATA_DEFAULT_MODEL`.
-fn default_model() -> Option<PathBuf> {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    let path = env("STRATA_DEFAULT_MODEL").or_else(|| {
-        env("STRATA_CACHE")
-            .map(|d| d.join("models"))
-            .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("strata/models")))
-            .or_else(|| env("HOME").map(|d| d.join(".cache/strata/models")))
-            .map(|d| d.join(MODEL_FILE))
-    })?;
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIP: {} not found (run `strata fetch` to cache the default model)",
-            path.display()
-        );
-        None
-    }
-}
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -685,64 +685,61 @@ fn gdn_over_more_rows_than_lavapipes_loop_limit_is_right() {
         ),
     ]);
     let t = f.tensors();
-    let eps = 1e-6;
-    let mut got = Vec::new();
-    for wg in [false, true] {
-        let b = backend().unwrap().with_attention_wg(wg);
+    // The step's output and final state on backend `b` (the same inputs on every backend).
+    fn run<B: Qwen4expOps>(
+        b: &B,
+        f: &Arc<GgufFile>,
+        t: &[strata_gguf::TensorInfo],
+        dims: GdnDims,
+        ins: [&[f32]; 5],
+        n: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let [s0, qkv, z, a, bb] = ins;
+        let nv = dims.n_v_heads;
         let (wa, wd, wn) = (
-            b.load_weight(&f, &t[0]).unwrap(),
-            b.load_weight(&f, &t[1]).unwrap(),
-            b.load_weight(&f, &t[2]).unwrap(),
+            b.load_weight(f, &t[0]).unwrap(),
+            b.load_weight(f, &t[1]).unwrap(),
+            b.load_weight(f, &t[2]).unwrap(),
         );
         let p = GdnParams {
             a: &wa,
             dt_bias: &wd,
             norm: &wn,
             dims,
-            eps,
+            eps: 1e-6,
         };
-        let mut st = b.upload(nv, 128 * 128, &s0).unwrap();
+        let mut st = b.upload(nv, 128 * 128, s0).unwrap();
         let o = Qwen4expOps::gdn_step(
-            &b,
+            b,
             &p,
-            &b.upload(n, dims.conv_dim(), &qkv).unwrap(),
-            &b.upload(n, dims.value_dim(), &z).unwrap(),
-            &b.upload(n, nv, &a).unwrap(),
-            &b.upload(n, nv, &bb).unwrap(),
+            &b.upload(n, dims.conv_dim(), qkv).unwrap(),
+            &b.upload(n, dims.value_dim(), z).unwrap(),
+            &b.upload(n, nv, a).unwrap(),
+            &b.upload(n, nv, bb).unwrap(),
             &mut st,
         )
         .unwrap();
-        got.push((b.download(&o).unwrap(), b.download(&st).unwrap()));
+        (b.download(&o).unwrap(), b.download(&st).unwrap())
     }
+    let ins = [&s0[..], &qkv, &z, &a, &bb];
+    let got: Vec<_> = [false, true]
+        .into_iter()
+        .map(|wg| {
+            run(
+                &backend().unwrap().with_attention_wg(wg),
+                &f,
+                t,
+                dims,
+                ins,
+                n,
+            )
+        })
+        .collect();
     assert!(
         bits(&got[0].0) == bits(&got[1].0) && bits(&got[0].1) == bits(&got[1].1),
         "gdn and gdn_wg differ"
     );
-    let cpu = CpuBackend::new(1).unwrap();
-    let (wa, wd, wn) = (
-        cpu.load_weight(&f, &t[0]).unwrap(),
-        cpu.load_weight(&f, &t[1]).unwrap(),
-        cpu.load_weight(&f, &t[2]).unwrap(),
-    );
-    let p = GdnParams {
-        a: &wa,
-        dt_bias: &wd,
-        norm: &wn,
-        dims,
-        eps,
-    };
-    let mut st = cpu.upload(nv, 128 * 128, &s0).unwrap();
-    let o = Qwen4expOps::gdn_step(
-        &cpu,
-        &p,
-        &cpu.upload(n, dims.conv_dim(), &qkv).unwrap(),
-        &cpu.upload(n, dims.value_dim(), &z).unwrap(),
-        &cpu.upload(n, nv, &a).unwrap(),
-        &cpu.upload(n, nv, &bb).unwrap(),
-        &mut st,
-    )
-    .unwrap();
-    let want = (cpu.download(&o).unwrap(), cpu.download(&st).unwrap());
+    let want = run(&CpuBackend::new(1).unwrap(), &f, t, dims, ins, n);
     for (what, g, w) in [
         ("output", &got[0].0, &want.0),
         ("state", &got[0].1, &want.1),

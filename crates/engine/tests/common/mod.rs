@@ -129,3 +129,30 @@ pub fn compare(got: &[f32], want: &[f32], cols: usize, gap: f32) -> Diff {
         rows,
     }
 }
+
+/// The default model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M) where `strata fetch` caches it (the
+/// CLI's rules), or `STRATA_DEFAULT_MODEL`; None, with a SKIP message, when it is not there.
+pub fn default_model() -> Option<PathBuf> {
+    const MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let path = env("STRATA_DEFAULT_MODEL").or_else(|| {
+        env("STRATA_CACHE")
+            .map(|d| d.join("models"))
+            .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("strata/models")))
+            .or_else(|| env("HOME").map(|d| d.join(".cache/strata/models")))
+            .map(|d| d.join(MODEL_FILE))
+    })?;
+    if path.exists() {
+        Some(path)
+    } else {
+        eprintln!(
+            "SKIP: {} not found (run `strata fetch` to cache the default model)",
+            path.display()
+        );
+        None
+    }
+}
