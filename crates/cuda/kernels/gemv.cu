@@ -635,32 +635,16 @@ __device__ __forceinline__ void moe_gate_up_q8_t(const u8* wg, const u8* wu, u64
 // output rows, their weighted sum in rank order (moe_combine), and with `shared` the shared
 // expert added as add_sigmoid_gated does: out = Σ_s w_s·y_s (+ σ(gate_t)·shared). Grid (h/rb,
 // nt).
-// Slot threadIdx.x's weight rows r0 .. r0 + nrows pulled into L2 (its expert id read through
-// L2 only: `early`, below). Not inlined: its registers stay out of the caller's.
-__device__ __noinline__ void early_rows_l2(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, int r0,
-                                           int nrows, u64 wrb) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int e = __ldcg(ids + threadIdx.x);
-    if (e < 0 || e >= n_expert) return;
-    const u8* p = wd + (size_t)e * slab_bytes + (size_t)r0 * wrb;
-    const u64 a = ((u64)p + 15) & ~15ull, b = ((u64)p + (u64)nrows * wrb) & ~15ull;
-    if (b > a) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(b - a)));
-#endif
-}
-
-// `early`: `ids` settled as for moe_gate_up_q8_q2t's (the route two or more waiting launches
-// back), so each slot's weight rows are pulled into L2 before the dependency wait.
 template <int T, bool SHARED>
 __device__ __forceinline__ void moe_down_combine_t(const u8* wd, u64 slab_bytes, const int* ids, int n_expert,
                                                    const u8* aq, const float* wts, int kslots, float* out,
                                                    const float* shared, const float* gate, int h, int k, u64 wrb,
-                                                   u64 xrb, int rb, u32* err, int early) {
+                                                   u64 xrb, int rb, u32* err) {
     __shared__ float part[UNITS_PART];
     __shared__ float ys[256];
     __shared__ __align__(16) u8 xsh[UNITS_XSTAGE];
     const int t = blockIdx.y, r0 = blockIdx.x * rb, U = k / 32;
     const int nrows = min(rb, h - r0);
-    if (early && threadIdx.x < kslots) early_rows_l2(wd, slab_bytes, ids + t * kslots, n_expert, r0, nrows, wrb);
     grid_dep_sync();
     // Block rows are (slot, output row) pairs: row i = slot i / nrows, output r0 + i % nrows.
     auto wrow = [&](int i) -> const u8* {
@@ -720,28 +704,15 @@ __device__ __forceinline__ void q2_rows(Row row, const Q2X& a, int u, int g, int
 // moe_gate_up_q8_q2_0's bits with a unit a thread fixed: blockDim.x = G·U threads, thread
 // (g, u) takes unit u of rows g, g + G, … of the block's 64 (32 gate, 32 up).
 //
-// `early` (strata_cuda::model::SharedAdd::settled): the launcher guarantees that `ids` was
-// written two or more launches before this one with only waiting launches between (the MoE
-// block's route, then the shared expert's swiglu and down). A grid starts only once every
-// block of the launch before it has passed its own wait, which returned only when the launch
-// before that had completed: so `ids` is complete when this grid starts, and the block's
-// weight rows are pulled into L2 before the dependency wait (the id read through L2 only).
-// The same arithmetic either way. (Session 8 also ran the whole product before the wait, its
-// activation reads through L2 only: 55 µs a launch against 24, removed.)
+// (Session 8 pulled the block's rows into L2 before the dependency wait where the route was
+// settled, and ran the whole product before it: no gain, and 55 µs a launch against 24;
+// moe_gate_up_q2s below stages its rows in shared memory instead.)
 extern "C" __global__ void __launch_bounds__(1024)
 moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int n_expert, const u8* x, int kslots,
-                   u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err, int early) {
+                   u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err) {
     __shared__ float part[UNITS_PART];
     __shared__ float gu[64];
     const int q = blockIdx.y, r0 = 32 * blockIdx.x, U = k / 32;
-    if (early && threadIdx.x == 0) {
-        // The block's 32 gate and 32 up rows pulled into L2 while the launches before run.
-        const int e = __ldcg(ids + q);
-        if (e >= 0 && e < n_expert) {
-            prefetch_l2(wg + (size_t)e * slab_bytes + (size_t)r0 * wrb, 32 * wrb);
-            prefetch_l2(wu + (size_t)e * slab_bytes + (size_t)r0 * wrb, 32 * wrb);
-        }
-    }
     grid_dep_sync();
     const int e = ids[q];
     const u64 arb = 34 * (u64)(ff / 32);
@@ -762,6 +733,129 @@ moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, i
     block_row_sums<T_Q2_0>(part, [&](int, int r, float v) { gu[r] = v; }, 0, 64, U, 1);
     __syncthreads();
     if (threadIdx.x < 32) q8_0_warp(siluf_(gu[threadIdx.x]) * gu[32 + threadIdx.x], blk, threadIdx.x);
+}
+
+// ---- the routed experts with their weights staged by bulk copies (decode rows) -------------
+// moe_gate_up_q8_q2t's and moe_down_combine_t's bits, with each block's weight rows (and the
+// gate/up's activation row) brought into shared memory by sm_90 bulk copies and every row
+// summed by a warp: lane l adds its units l, l + 32, l + 64 from +0, then warp_sum — the order
+// of lane_order_sum, so each row is the unit-parallel kernels' value bit for bit, with no
+// shared contributions and no row-sum pass. strata_cuda::model::experts_staged says when they
+// apply (the launchers check sizes and 16-byte alignment).
+//
+// `early` (strata_cuda::model::SharedAdd::settled): `ids` and the activation image `x` were
+// written two or more waiting launches before (see moe_gate_up_q8_q2t), so the gate/up copies
+// and computes its block before the dependency wait, then waits, then writes its Q8_0 block;
+// the down copies its weight rows before the wait (its activations are the gate/up's, read
+// after it).
+#define MQS_STAGE 48800  // 64 Q2_0 rows of 2560 (46,080 bytes) + a Q8_0 row of 2560 (2,720)
+
+// Block (blockIdx.x, q): the pair q's 32 gate and 32 up rows of its Q8_0 block blockIdx.x,
+// 512 threads: warp w the rows w, w + 16, w + 32, w + 48 (gate rows below 32, up above).
+extern "C" __global__ void __launch_bounds__(512)
+moe_gate_up_q2s(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int n_expert, const u8* x, int kslots,
+                u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err, int early) {
+    __shared__ __align__(128) u8 st[MQS_STAGE];
+    __shared__ float gu[64];
+    __shared__ __align__(8) u64 bar;
+    const int q = blockIdx.y, r0 = 32 * blockIdx.x, U = k / 32;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 half = 32 * (u32)wrb;
+    const int e = early ? __ldcg(ids + q) : (grid_dep_sync(), ids[q]);
+    const bool ok = e >= 0 && e < n_expert;
+    if (ok && tid == 0) {
+        mbar_arm(&bar, 2 * half + (u32)xrb);
+        bulk_to_smem(st, wg + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &bar);
+        bulk_to_smem(st + half, wu + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &bar);
+        bulk_to_smem(st + 2 * half, x + (size_t)(q / kslots) * xrb, (u32)xrb, &bar);
+    }
+    u8* blk = aq + (size_t)q * (34 * (u64)(ff / 32)) + 34 * (size_t)blockIdx.x;
+    if (!ok) {
+        if (early) grid_dep_sync();
+        if (tid == 0) {
+            atomicOr(err, 2u);
+            *(u16*)blk = 0x7e00;  // NaN scale: every product of this pair is NaN
+        }
+        return;
+    }
+    __syncthreads();
+    mbar_wait(&bar);
+    const u8* xs = st + 2 * half;
+    Q2X a[3];
+#pragma unroll
+    for (int m = 0; m < 3; ++m)
+        if (lane + 32 * m < U) a[m] = q2_act(xs, lane + 32 * m);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = warp + 16 * i;
+        const u8* wr = st + (size_t)r * wrb;
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < 3; ++m)
+            if (lane + 32 * m < U) acc += q2_dot(q2_load(wr, lane + 32 * m), a[m]);
+        acc = warp_sum(acc);
+        if (lane == 0) gu[r] = dot_post<T_Q2_0>(acc);
+    }
+    __syncthreads();
+    if (early) grid_dep_sync();
+    if (warp == 0) q8_0_warp(siluf_(gu[lane]) * gu[32 + lane], blk, lane);
+}
+
+#define MDS_ROWS 16       // output rows a block (a warp each)
+#define MDS_SLOTS 10      // at most this many slots a row
+#define MDS_STAGE 28800   // MDS_SLOTS × MDS_ROWS Q2_0 rows of 640 (180 bytes)
+
+// Block (blockIdx.x, t): output rows r0 .. r0 + 16 of activation row t over its kslots slots,
+// 512 threads: warp w the output row r0 + w. Each slot's 16 weight rows are one bulk copy; the
+// pairs' Q8_0 images (the gate/up's) are transposed once a block into shared memory.
+extern "C" __global__ void __launch_bounds__(512)
+moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u8* aq, const float* wts, int kslots,
+             float* out, const float* shared, const float* gate, int h, int k, u64 wrb, u64 xrb, u32* err,
+             int early) {
+    __shared__ __align__(128) u8 st[MDS_STAGE];
+    __shared__ Q2X xa[MDS_SLOTS * 20];
+    __shared__ __align__(8) u64 bar;
+    const int t = blockIdx.y, r0 = MDS_ROWS * blockIdx.x, U = k / 32;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 sb = MDS_ROWS * (u32)wrb;
+    const int* id = ids + t * kslots;
+    if (!early) grid_dep_sync();
+    if (tid == 0) {
+        u32 bytes = 0;
+        for (int s = 0; s < kslots; ++s) {
+            const int e = __ldcg(id + s);
+            if (e >= 0 && e < n_expert) bytes += sb;
+        }
+        mbar_arm(&bar, bytes);
+        for (int s = 0; s < kslots; ++s) {
+            const int e = __ldcg(id + s);
+            if (e >= 0 && e < n_expert)
+                bulk_to_smem(st + s * sb, wd + (size_t)e * slab_bytes + (size_t)r0 * wrb, sb, &bar);
+        }
+    }
+    if (early) grid_dep_sync();
+    // The pairs' activation units, transposed (thread i: slot i / U, unit i % U).
+    if (tid < kslots * U) xa[tid] = q2_act(aq + (size_t)(t * kslots + tid / U) * xrb, tid % U);
+    __syncthreads();
+    mbar_wait(&bar);
+    const int r = r0 + warp;
+    float comb = 0.f;
+    for (int s = 0; s < kslots; ++s) {
+        const int e = id[s];
+        float acc = 0.f;
+        if (lane < U) acc += q2_dot(q2_load(st + s * sb + (size_t)warp * wrb, lane), xa[s * U + lane]);
+        float v = dot_post<T_Q2_0>(warp_sum(acc));
+        if (e < 0 || e >= n_expert) {
+            if (lane == 0) atomicOr(err, 2u);
+            v = __int_as_float(0x7fc00000);
+        }
+        comb += wts[t * kslots + s] * v;
+    }
+    if (lane == 0 && r < h) {
+        const size_t o = (size_t)t * h + r;
+        if (shared) comb = comb + sigmoidf_(gate[t]) * shared[o];
+        out[o] = comb;
+    }
 }
 
 #endif
@@ -790,15 +884,15 @@ moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, i
                             const float* wts, int kslots, float* out, int h, int k, u64 wrb, u64 xrb, \
                             int rb, u32* err) {                                                \
         moe_down_combine_t<T, false>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, nullptr, \
-                                     nullptr, h, k, wrb, xrb, rb, err, 0);                     \
+                                     nullptr, h, k, wrb, xrb, rb, err);                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(1024)                                          \
     moe_down_combine_shared_##NAME(const u8* wd, u64 slab_bytes, const int* ids, int n_expert,  \
                                    const u8* aq, const float* wts, int kslots, float* out,      \
                                    const float* shared, const float* gate, int h, int k, u64 wrb, \
-                                   u64 xrb, int rb, u32* err, int early) {                      \
+                                   u64 xrb, int rb, u32* err) {                                 \
         moe_down_combine_t<T, true>(wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, shared, \
-                                    gate, h, k, wrb, xrb, rb, err, early);                     \
+                                    gate, h, k, wrb, xrb, rb, err);                            \
     }
 
 #define PRODUCTS(T, NAME)                                                                      \

@@ -1768,6 +1768,7 @@ impl Backend for CudaBackend {
                 &routes.ids,
                 &routes.wts,
                 &mut s,
+                None,
                 &mut out.data,
                 &mut err,
             )

@@ -37,8 +37,8 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 }
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
-/// `STRATA_CUDA_EARLY_EXPERTS` and `STRATA_CUDA_HC_ND` are off unless `1`).
-pub const SWITCHES: [&str; 14] = [
+/// `STRATA_CUDA_HC_ND` is off unless `1`).
+pub const SWITCHES: [&str; 15] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -46,7 +46,8 @@ pub const SWITCHES: [&str; 14] = [
     "STRATA_CUDA_HC_UP4",
     "STRATA_CUDA_BF16W",
     "STRATA_CUDA_PINNED",
-    "STRATA_CUDA_EARLY_EXPERTS",
+    "STRATA_CUDA_MOE_STAGE",
+    "STRATA_CUDA_MOE_EARLY",
     "STRATA_CUDA_HC_ND",
     "STRATA_CUDA_ATTN_GROUP",
     "STRATA_CUDA_GDN_RING",
@@ -371,7 +372,7 @@ impl Gpu {
     /// Whether launches of kernel `name` are ablated ([`ablated_kernels`]).
     pub fn ablated(&self, name: &str) -> bool {
         let set = ablated_kernels();
-        !set.is_empty() && set.iter().any(|s| s == name)
+        !set.is_empty() && set.iter().any(|s| s == name || s == "*")
     }
 
     /// An ablated launch of `name`: norm.cu's `noop` on one warp instead (recorded or issued
@@ -593,7 +594,8 @@ impl Graph {
     }
 }
 
-/// The kernels named in `STRATA_CUDA_ABLATE` (comma-separated kernel names): each launch of
+/// The kernels named in `STRATA_CUDA_ABLATE` (comma-separated kernel names, `*` for every
+/// kernel: the step's launch-and-dependency floor inside the graph): each launch of
 /// one of them becomes an empty one-warp launch (norm.cu `noop`, which only waits for the
 /// kernel before it). A measuring tool only: the model's results are wrong while it is set
 /// (the step runs on stale buffers). `bench model` with it set measures a kernel's marginal

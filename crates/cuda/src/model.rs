@@ -2692,7 +2692,8 @@ pub fn experts_fuse(ex: &ExpertsDev<'_>, kslots: usize) -> bool {
 
 /// The routed experts of a decode step in two launches (gemv.cu moe_gate_up_q8_* and
 /// moe_down_combine_*), with [`moe_experts`]' bits: gate, up, swiglu and the down product's
-/// Q8_0 image per pair, then the down products of a row's pairs and their weighted sum.
+/// Q8_0 image per pair, then the down products of a row's pairs and their weighted sum (with
+/// the shared expert's add when given).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts_fused(
     gpu: &Gpu,
@@ -2701,12 +2702,15 @@ pub fn moe_experts_fused(
     ids: &CudaSlice<i32>,
     wts: &CudaSlice<f32>,
     s: &mut MoeScratch,
+    shared: Option<SharedAdd<'_>>,
     out: &mut CudaSlice<f32>,
     err: &mut CudaSlice<u32>,
 ) -> Result<(), CudaError> {
     prepare(gpu, ex.gate, x, s.nt, &mut s.xg)?;
     let (nt, ks) = (s.nt, s.kslots);
-    moe_experts_fused_on(gpu, ex, &s.xg, ids, wts, nt, ks, &mut s.aq, None, out, err)
+    moe_experts_fused_on(
+        gpu, ex, &s.xg, ids, wts, nt, ks, &mut s.aq, shared, out, err,
+    )
 }
 
 /// The shared expert's output and gate, added in the routed experts' epilogue (the bits of
@@ -2718,19 +2722,118 @@ pub struct SharedAdd<'a> {
     pub gate: &'a CudaSlice<f32>,
     /// The caller's promise that `ids` and the image `xg` were written two or more launches
     /// before the experts' first, with only launches that wait for their predecessor between
-    /// (the MoE block: route, then the shared expert's swiglu and down product). The
-    /// transposed Q2_0 gate/up and the down product then pull their blocks' weight rows into
-    /// L2 before their dependency waits (gemv.cu moe_gate_up_q8_q2t's `early`; the same
-    /// bits), when `STRATA_CUDA_EARLY_EXPERTS=1` (opt-in: not yet run on the GPU).
+    /// (the MoE block: route, then the shared expert's swiglu and down product). A grid starts
+    /// only once every block of the launch before has passed its wait, which returned only
+    /// when the launch before that had completed; so the staged kernels (gemv.cu
+    /// moe_gate_up_q2s, moe_down_q2s) may read them before their own wait: the gate/up copies
+    /// and computes its block there, the down copies its weight rows (the same bits).
     pub settled: bool,
 }
 
-/// Whether the experts pull their weight rows into L2 before their dependency wait
-/// ([`SharedAdd::settled`]): opt-in with `STRATA_CUDA_EARLY_EXPERTS=1` until it has been
-/// measured on the GPU (session 8 compiled it but had no device time left to run it).
+/// Whether the experts start before their dependency wait where the caller says the route is
+/// settled ([`SharedAdd::settled`]): the staged kernels copy (and the gate/up computes) their
+/// blocks before it; the unit-parallel ones pull their rows into L2. `STRATA_CUDA_MOE_EARLY=0`
+/// turns it off, for an A/B (the same bits either way).
 fn early_experts() -> bool {
     static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *W.get_or_init(|| std::env::var("STRATA_CUDA_EARLY_EXPERTS").is_ok_and(|v| v.trim() == "1"))
+    *W.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MOE_EARLY"))
+}
+
+/// Which of the routed experts' two launches run the staged kernels (gemv.cu moe_gate_up_q2s,
+/// moe_down_q2s: each block's weight rows brought into shared memory by bulk copies, a warp a
+/// row; the same bits as the unit-parallel kernels).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Staged {
+    pub gate_up: bool,
+    pub down: bool,
+}
+
+/// gemv.cu's MQS_STAGE, MDS_ROWS, MDS_SLOTS and MDS_STAGE.
+const GATE_UP_STAGE: usize = 48_800;
+const DOWN_STAGED_ROWS: usize = 16;
+const DOWN_STAGED_SLOTS: usize = 10;
+const DOWN_STAGE: usize = 28_800;
+
+/// Whether the staged kernels fit these experts (Q2_0 rows, the gate/up's 64 rows and
+/// activation row within its stage, the down's 16 rows of every slot within its stage, at most
+/// 20 units a down row and 96 a gate/up row, every bulk copy's address and size a multiple of
+/// 16 bytes). `STRATA_CUDA_MOE_STAGE=0` keeps the unit-parallel kernels, for an A/B.
+pub fn experts_staged_for(
+    ex: &ExpertsDev<'_>,
+    kslots: usize,
+    ptrs_aligned: bool,
+) -> Result<Staged, CudaError> {
+    if !experts_stage_on() || !ptrs_aligned {
+        return Ok(Staged {
+            gate_up: false,
+            down: false,
+        });
+    }
+    let (h, ff) = (ex.gate.k, ex.gate.rows);
+    let (gwrb, gxrb, gslab) = (
+        ex.gate.row_bytes()?,
+        ex.gate.act_row_bytes()?,
+        ex.gate.slab_bytes()?,
+    );
+    let gate_up = ex.gate.ty == GgmlType::Q2_0
+        && ex.up.ty == GgmlType::Q2_0
+        && ex.gate.act()? == ActFmt::Q8_0
+        && h.is_multiple_of(32)
+        && h / 32 <= 96
+        && ff.is_multiple_of(32)
+        && 64 * gwrb + gxrb <= GATE_UP_STAGE
+        && gxrb.is_multiple_of(16)
+        && (32 * gwrb).is_multiple_of(16)
+        && gslab.is_multiple_of(16)
+        && ex.up.slab_bytes()? == gslab;
+    let (dwrb, dslab) = (ex.down.row_bytes()?, ex.down.slab_bytes()?);
+    let down = ex.down.ty == GgmlType::Q2_0
+        && ex.down.act()? == ActFmt::Q8_0
+        && ex.down.k == ff
+        && ff / 32 <= 20
+        && (1..=DOWN_STAGED_SLOTS).contains(&kslots)
+        && h.is_multiple_of(DOWN_STAGED_ROWS)
+        && kslots * DOWN_STAGED_ROWS * dwrb <= DOWN_STAGE
+        && (DOWN_STAGED_ROWS * dwrb).is_multiple_of(16)
+        && dslab.is_multiple_of(16);
+    Ok(Staged { gate_up, down })
+}
+
+/// 0: from `STRATA_CUDA_MOE_STAGE`; 1: off; 2: on ([`set_experts_stage`]).
+static MOE_STAGE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+fn experts_stage_on() -> bool {
+    match MOE_STAGE.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => crate::device::switch_on("STRATA_CUDA_MOE_STAGE"),
+    }
+}
+
+/// Overrides `STRATA_CUDA_MOE_STAGE` for this process (None: the environment's choice), for
+/// tests that bind the staged experts to the unit-parallel ones.
+pub fn set_experts_stage(on: Option<bool>) {
+    let v = match on {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
+    MOE_STAGE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn experts_staged(gpu: &Gpu, ex: &ExpertsDev<'_>, xg: &CudaSlice<u8>, kslots: usize) -> Staged {
+    let aligned = [
+        addr(gpu, &ex.gate.bytes),
+        addr(gpu, &ex.up.bytes),
+        addr(gpu, &ex.down.bytes),
+        addr(gpu, xg),
+    ]
+    .iter()
+    .all(|a| a % 16 == 0);
+    experts_staged_for(ex, kslots, aligned).unwrap_or(Staged {
+        gate_up: false,
+        down: false,
+    })
 }
 
 /// [`moe_experts_fused`] from the gate weight's activation image `xg` already prepared, with
@@ -2780,10 +2883,34 @@ pub fn moe_experts_fused_on(
         i32_of(k, h)?,
     );
     let (sb, wb, xb) = (u64_of(gslab), u64_of(gwrb), u64_of(gxrb));
-    let early = i32::from(shared.as_ref().is_some_and(|s| s.settled) && early_experts());
     // Each pair's 32-row blocks of gate and up, and its activation row.
     gpu.note_bytes(np * (2 * ff * gwrb + gxrb));
+    let staged = experts_staged(gpu, ex, xg, ks);
+    let settled = shared.as_ref().is_some_and(|s| s.settled) && early_experts();
+    let early = i32::from(settled);
     match gate_up_q2t_threads(ex.gate.ty, h / 32) {
+        _ if staged.gate_up => launch!(
+            gpu,
+            &format!("gemv_{gn}"),
+            "moe_gate_up_q2s",
+            cfg2((ff / 32) as u32, np as u32, 512),
+            [
+                &ex.gate.bytes,
+                &ex.up.bytes,
+                &sb,
+                ids,
+                &ne,
+                xg,
+                &ksi,
+                &mut *aq,
+                &ffi,
+                &hi,
+                &wb,
+                &xb,
+                &mut *err,
+                &early
+            ]
+        )?,
         Some(threads) => launch!(
             gpu,
             &format!("gemv_{gn}"),
@@ -2802,8 +2929,7 @@ pub fn moe_experts_fused_on(
                 &hi,
                 &wb,
                 &xb,
-                &mut *err,
-                &early
+                &mut *err
             ]
         )?,
         None => launch!(
@@ -2847,6 +2973,40 @@ pub fn moe_experts_fused_on(
         units_threads(ks * rb * ff / 32),
     );
     gpu.note_bytes(np * (h * dwrb + dxrb));
+    if staged.down {
+        let (sy, sg) = match &shared {
+            Some(sh) => {
+                need(k, "shared", sh.y.len(), nt * h)?;
+                need(k, "shared gate", sh.gate.len(), nt)?;
+                (addr(gpu, sh.y), addr(gpu, sh.gate))
+            }
+            None => (0u64, 0u64),
+        };
+        return launch!(
+            gpu,
+            &format!("gemv_{dn}"),
+            "moe_down_q2s",
+            cfg2((h / DOWN_STAGED_ROWS) as u32, nt as u32, 512),
+            [
+                &ex.down.bytes,
+                &dsb,
+                ids,
+                &dne,
+                &*aq,
+                wts,
+                &ksi,
+                out,
+                &sy,
+                &sg,
+                &hi,
+                &ffi,
+                &dwb,
+                &dxb,
+                err,
+                &early
+            ]
+        );
+    }
     match shared {
         None => launch!(
             gpu,
@@ -2894,8 +3054,7 @@ pub fn moe_experts_fused_on(
                     &dwb,
                     &dxb,
                     &rbi,
-                    err,
-                    &early
+                    err
                 ]
             )
         }

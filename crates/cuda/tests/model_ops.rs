@@ -808,67 +808,128 @@ fn fused_experts_equal_the_composed_experts() {
             down: &DevWeight::upload(g, dty, &db, h, ff, ne).unwrap(),
         };
         assert!(m::experts_fuse(&ex, ks));
-        for nt in [1usize, 2, 5, 8] {
-            let x: Vec<f32> = tame(rng.f32_vec_special(nt * h, 1.0))
-                .iter()
-                .map(|v| v * xs)
-                .collect();
-            let mut ids = Vec::new();
-            let mut wts = Vec::new();
-            for _ in 0..nt {
-                ids.extend(rng.distinct(ks, ne));
-                let raw: Vec<f32> = (0..ks).map(|_| 0.1 + rng.unit()).collect();
-                let z: f32 = raw.iter().sum();
-                wts.extend(raw.iter().map(|r| r / z));
+        // The release's Q2_0 experts run the staged kernels (gemv.cu moe_gate_up_q2s,
+        // moe_down_q2s) unless switched off; both forms are bound to the composed experts.
+        let staged = m::experts_staged_for(&ex, ks, true).unwrap();
+        let q2 = gty == GgmlType::Q2_0;
+        assert_eq!(
+            staged,
+            m::Staged {
+                gate_up: q2,
+                down: q2
+            },
+            "{gty}/{dty}"
+        );
+        for stage in [false, true] {
+            m::set_experts_stage(Some(stage));
+            for nt in [1usize, 2, 5, 8] {
+                let x: Vec<f32> = tame(rng.f32_vec_special(nt * h, 1.0))
+                    .iter()
+                    .map(|v| v * xs)
+                    .collect();
+                let mut ids = Vec::new();
+                let mut wts = Vec::new();
+                for _ in 0..nt {
+                    ids.extend(rng.distinct(ks, ne));
+                    let raw: Vec<f32> = (0..ks).map(|_| 0.1 + rng.unit()).collect();
+                    let z: f32 = raw.iter().sum();
+                    wts.extend(raw.iter().map(|r| r / z));
+                }
+                let (dx, di, dwt) = (up(g, &x), up(g, &ids), up(g, &wts));
+                let mut err = g.zeros::<u32>(1).unwrap();
+                let mut scratch = m::MoeScratch::new(g, &ex, nt, ks).unwrap();
+                let mut o0 = g.zeros::<f32>(nt * h).unwrap();
+                let mut o1 = g.zeros::<f32>(nt * h).unwrap();
+                m::moe_experts(
+                    g,
+                    &ex,
+                    &dx,
+                    &di,
+                    &dwt,
+                    &mut scratch,
+                    false,
+                    &mut o0,
+                    &mut err,
+                )
+                .unwrap();
+                m::moe_experts_fused(
+                    g,
+                    &ex,
+                    &dx,
+                    &di,
+                    &dwt,
+                    &mut scratch,
+                    None,
+                    &mut o1,
+                    &mut err,
+                )
+                .unwrap();
+                assert_eq!(g.download(&err).unwrap(), vec![0], "error word");
+                let what = format!("fused experts {gty}/{dty} nt={nt} staged={stage}");
+                bitwise(&what, &down(g, &o1), &down(g, &o0));
+                // With the shared expert's add (its output and gate), before and after the
+                // dependency wait: the composed experts, then add_sigmoid_gated.
+                let sy = up(g, &tame(rng.f32_vec_special(nt * h, 1.0)));
+                let sg = up(g, &tame(rng.f32_vec_special(nt, 1.0)));
+                let mut o2 = up(g, &down(g, &o0));
+                m::add_sigmoid_gated(g, &mut o2, &sy, &sg, nt, h).unwrap();
+                for settled in [false, true] {
+                    let mut o3 = g.zeros::<f32>(nt * h).unwrap();
+                    let add = m::SharedAdd {
+                        y: &sy,
+                        gate: &sg,
+                        settled,
+                    };
+                    m::moe_experts_fused(
+                        g,
+                        &ex,
+                        &dx,
+                        &di,
+                        &dwt,
+                        &mut scratch,
+                        Some(add),
+                        &mut o3,
+                        &mut err,
+                    )
+                    .unwrap();
+                    assert_eq!(g.download(&err).unwrap(), vec![0], "error word");
+                    bitwise(
+                        &format!("{what} with the shared expert, settled={settled}"),
+                        &down(g, &o3),
+                        &down(g, &o2),
+                    );
+                }
             }
-            let (dx, di, dwt) = (up(g, &x), up(g, &ids), up(g, &wts));
+            // An expert id past the stack: the error word says so.
+            let mut bad_ids = vec![0i32; ks];
+            bad_ids[3] = ne as i32;
             let mut err = g.zeros::<u32>(1).unwrap();
-            let mut scratch = m::MoeScratch::new(g, &ex, nt, ks).unwrap();
-            let mut o0 = g.zeros::<f32>(nt * h).unwrap();
-            let mut o1 = g.zeros::<f32>(nt * h).unwrap();
-            m::moe_experts(
+            let mut scratch = m::MoeScratch::new(g, &ex, 1, ks).unwrap();
+            let mut o = g.zeros::<f32>(h).unwrap();
+            let wts = vec![1.0 / ks as f32; ks];
+            m::moe_experts_fused(
                 g,
                 &ex,
-                &dx,
-                &di,
-                &dwt,
+                &up(g, &vec![0.5f32; h]),
+                &up(g, &bad_ids),
+                &up(g, &wts),
                 &mut scratch,
-                false,
-                &mut o0,
+                None,
+                &mut o,
                 &mut err,
             )
             .unwrap();
-            m::moe_experts_fused(g, &ex, &dx, &di, &dwt, &mut scratch, &mut o1, &mut err).unwrap();
-            assert_eq!(g.download(&err).unwrap(), vec![0], "error word");
-            bitwise(
-                &format!("fused experts {gty}/{dty} nt={nt}"),
-                &down(g, &o1),
-                &down(g, &o0),
+            assert_eq!(
+                g.download(&err).unwrap()[0] & 2,
+                2,
+                "a bad expert id sets the error word (staged={stage})"
+            );
+            assert!(
+                down(g, &o).iter().all(|v| v.is_nan()),
+                "a bad expert id makes its row NaN (staged={stage})"
             );
         }
-        // An expert id past the stack: the error word says so.
-        let mut bad_ids = vec![0i32; ks];
-        bad_ids[3] = ne as i32;
-        let mut err = g.zeros::<u32>(1).unwrap();
-        let mut scratch = m::MoeScratch::new(g, &ex, 1, ks).unwrap();
-        let mut o = g.zeros::<f32>(h).unwrap();
-        let wts = vec![1.0 / ks as f32; ks];
-        m::moe_experts_fused(
-            g,
-            &ex,
-            &up(g, &vec![0.5f32; h]),
-            &up(g, &bad_ids),
-            &up(g, &wts),
-            &mut scratch,
-            &mut o,
-            &mut err,
-        )
-        .unwrap();
-        assert_eq!(
-            g.download(&err).unwrap()[0] & 2,
-            2,
-            "a bad expert id sets the error word"
-        );
+        m::set_experts_stage(None);
     }
 }
 

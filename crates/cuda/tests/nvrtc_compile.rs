@@ -104,6 +104,7 @@ fn live_optimized(func: &str) -> bool {
         || func.starts_with("hc_")
         || func.starts_with("moe_gate_up")
         || func.starts_with("moe_down_combine")
+        || func == "moe_down_q2s"
         || func == "xprep_multi"
         || func == "swiglu_xprep"
         || func.starts_with("mmq_")
