@@ -59,11 +59,7 @@ impl Fam for Q4 {
     fn batch(&self, items: Vec<(&mut Self::St, &[u32], bool)>) -> Vec<Vec<f32>> {
         let mut items: Vec<_> = items
             .into_iter()
-            .map(|(state, tokens, last_only)| qwen4exp::BatchItem {
-                state,
-                tokens,
-                last_only,
-            })
+            .map(|(state, tokens, last_only)| qwen4exp::BatchItem::rows(state, tokens, last_only))
             .collect();
         let out = self.0.forward_batch(&mut items).unwrap();
         out.into_iter().map(|o| o.logits).collect()

@@ -496,11 +496,7 @@ fn a_batch_of_sequences_is_one_capturable_step() {
         let mut items: Vec<_> = sts
             .iter_mut()
             .zip(toks)
-            .map(|(state, t)| strata_engine::qwen4exp::BatchItem {
-                state,
-                tokens: t,
-                last_only: t.len() > 1,
-            })
+            .map(|(state, t)| strata_engine::qwen4exp::BatchItem::rows(state, t, t.len() > 1))
             .collect();
         model.forward_batch(&mut items).unwrap()
     };
@@ -541,11 +537,7 @@ fn a_batch_of_sequences_is_one_capturable_step() {
     let mut items: Vec<_> = sts
         .iter_mut()
         .zip(&first)
-        .map(|(state, t)| strata_engine::qwen4exp::BatchItem {
-            state,
-            tokens: t,
-            last_only: t.len() > 1,
-        })
+        .map(|(state, t)| strata_engine::qwen4exp::BatchItem::rows(state, t, t.len() > 1))
         .collect();
     let solo = apart.forward_batch(&mut items).unwrap();
     drop(items);

@@ -510,11 +510,7 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
                     let SeqState::Qwen4exp { st, .. } = &mut seq.state else {
                         bail!("a plain batch needs qwen4exp sequences that are not lent");
                     };
-                    batch.push(qwen4exp::BatchItem {
-                        state: st,
-                        tokens,
-                        last_only: *last_only,
-                    });
+                    batch.push(qwen4exp::BatchItem::rows(st, tokens, *last_only));
                 }
                 m.forward_batch(&mut batch)
                     .map(|o| o.into_iter().map(|o| o.logits).collect())
