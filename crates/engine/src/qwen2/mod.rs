@@ -283,8 +283,10 @@ impl<B: Backend> Model<B> {
             positions.extend(it.state.pos..it.state.pos + it.tokens.len());
             parts.push((it.state.id, it.tokens.len(), it.last_only as u32));
         }
-        let (lens, lasts): (Vec<usize>, Vec<bool>) =
-            items.iter().map(|it| (it.tokens.len(), it.last_only)).unzip();
+        let (lens, lasts): (Vec<usize>, Vec<bool>) = items
+            .iter()
+            .map(|it| (it.tokens.len(), it.last_only))
+            .unzip();
         let key = StepKey {
             kind: StepKind::Forward,
             rows: tokens.len(),

@@ -634,8 +634,7 @@ impl<B: Qwen4expOps> Model<B> {
                 },
                 split: &split,
             };
-            let out =
-                self.layers_and_head(&mut sts, rows, ple_rows.as_ref(), want, &mut logs)?;
+            let out = self.layers_and_head(&mut sts, rows, ple_rows.as_ref(), want, &mut logs)?;
             // Each sequence's rows of the results.
             let logits = b.split_rows(out.logits, &out_lens)?;
             let mut rows_of = match out.hidden {

@@ -33,9 +33,7 @@ mod target;
 use std::time::{Duration, Instant};
 
 use crate::backend::DevicePick;
-use crate::decode::{
-    self, ByPicker, Decoding, DraftEdit, Judged, Pick, Policy, Stepper, Verified,
-};
+use crate::decode::{self, ByPicker, Decoding, DraftEdit, Judged, Pick, Policy, Stepper, Verified};
 use crate::error::{EngineError, Result};
 use crate::generate::{GenOptions, Timings};
 use crate::qwen4exp::mtp::MtpState;

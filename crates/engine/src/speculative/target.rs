@@ -249,7 +249,9 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
         }
         let b = self.model.backend();
         let rows = match pick {
-            Some(p) => Verified::Ids(b.download_ids(&b.pick_rows(&out.logits, p, w.pos0 as u64 + 1)?)?),
+            Some(p) => {
+                Verified::Ids(b.download_ids(&b.pick_rows(&out.logits, p, w.pos0 as u64 + 1)?)?)
+            }
             None => Verified::Logits(b.download(&out.logits)?),
         };
         stats.verify_time += w.started.elapsed();
