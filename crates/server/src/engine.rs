@@ -528,7 +528,9 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
                             last_only,
                         } => {
                             let SeqState::Qwen4exp { st, .. } = &mut seq.state else {
-                                bail!("a plain batch row needs a qwen4exp sequence that is not lent");
+                                bail!(
+                                    "a plain batch row needs a qwen4exp sequence that is not lent"
+                                );
                             };
                             qwen4exp::BatchItem::rows(st, tokens, *last_only)
                         }
@@ -1366,7 +1368,12 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
 
     /// Whether the next window's sequence would end past the caches' capacity after `n` more
     /// tokens (checked before a batch runs, so that one full context fails alone).
-    pub fn check_room(&self, model: &ModelHandle<Q2, Q4>, seq: &Seq<Q2, Q4>, n: usize) -> Result<()> {
+    pub fn check_room(
+        &self,
+        model: &ModelHandle<Q2, Q4>,
+        seq: &Seq<Q2, Q4>,
+        n: usize,
+    ) -> Result<()> {
         let Some(dec) = self.spec.as_deref() else {
             return seq.check_room(model, n);
         };

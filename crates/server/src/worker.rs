@@ -253,9 +253,10 @@ pub fn run<Q2: Backend, Q4: Qwen4expOps>(
         // starts generating there joins the batch at the next step.
         let alone: Vec<usize> = (0..slots.len())
             .filter(|&i| {
-                slots[i].active.as_ref().is_some_and(|a| {
-                    a.job.window > 1 && matches!(a.phase, Phase::Prefill { .. })
-                })
+                slots[i]
+                    .active
+                    .as_ref()
+                    .is_some_and(|a| a.job.window > 1 && matches!(a.phase, Phase::Prefill { .. }))
             })
             .collect();
         // Everything else, speculative verify windows included, in one forward pass.
@@ -425,9 +426,9 @@ struct TurnCtx<'a> {
     shared: &'a Shared,
 }
 
-/// One unit of work for a slot's active job: a prefill chunk, or the prompt's last token with
-/// the first generated one, or one verify window (the worker runs a speculative prompt's
-/// chunks and first token this way; every window goes through the batch).
+/// One unit of a speculative job's prompt, run alone: a prefill chunk (the MTP head follows
+/// the trunk over its rows), or the prompt's last token with the first generated one. Its
+/// verify windows are rows of the batch ([`batch_step`]).
 fn turn<'m, Q2: Backend, Q4: Qwen4expOps>(
     model: &'m ModelHandle<Q2, Q4>,
     slot: &mut Slot<'m, Q2, Q4>,
@@ -502,19 +503,8 @@ fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
                 .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
             out?
         }
-        Phase::Decode(gen) => {
-            let events = &a.job.events;
-            let out = gen.step(model, &mut slot.seq, None, ctx.is_eog, &|| {
-                events.is_closed()
-            })?;
-            m.predicted_us
-                .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-            m.decode_calls.fetch_add(1, Ordering::Relaxed);
-            if let Some(d) = ctx.shared.cfg.test_token_delay {
-                std::thread::sleep(d);
-            }
-            out
-        }
+        // Every window, plain or speculative, is rows of the batch (`batch_step`).
+        Phase::Decode(_) => anyhow::bail!("a decoding sequence steps in the batch"),
     };
     Ok(send_out(&a.job, out, m))
 }
@@ -784,8 +774,7 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
     m.predicted_us.fetch_add(us - prompt_us, Ordering::Relaxed);
     if plan.len() > 1 {
         let windows = plan.iter().filter(|p| matches!(p.1, Row::Window)).count();
-        m.batch_windows
-            .fetch_add(windows as u64, Ordering::Relaxed);
+        m.batch_windows.fetch_add(windows as u64, Ordering::Relaxed);
     }
     let decoding = plan.iter().any(|p| decodes(&p.1));
     for ((i, row, toks), l) in plan.into_iter().zip(fed) {

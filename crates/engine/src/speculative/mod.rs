@@ -24,6 +24,11 @@
 //! up) and the target ([`target`], steps 2 and 4: verify a window, commit what the judge kept).
 //! Step 3 is the loop's judge. Neither side reads the other's state: the target hands the
 //! drafter the committed tokens and its pre-mixer rows, and the drafter hands the loop tokens.
+//!
+//! Step 2 may run as rows of a batched forward pass beside other sequences' rows
+//! (`crate::batch`): [`SpecDecoder::window_item`] gives the window's batch item and
+//! [`SpecDecoder::window_ran`] takes its results back, between the loop's
+//! `Progress::begin_window` and `Progress::end_window`; alone, the window is a batch of one.
 
 pub mod draft_vocab;
 mod drafter;
