@@ -765,14 +765,14 @@ fn plain_solo(m: &Q4, tok: &Tokenizer, plan: &Plan) -> Ended {
 /// A sequence of the mixed batch.
 enum Member<'m> {
     Plain(Seq<'m, Q4>),
-    Spec(Spec<'m>),
+    Spec(Box<Spec<'m>>),
 }
 
 impl<'m> Member<'m> {
     fn stepper(&mut self) -> &mut dyn Stepper {
         match self {
             Member::Plain(s) => s,
-            Member::Spec(s) => s,
+            Member::Spec(s) => &mut **s,
         }
     }
 }
@@ -801,7 +801,7 @@ fn together_spec(m: &Q4, tok: &Tokenizer, plans: &[Plan]) -> (Vec<Ended>, Shared
                 st: m.fresh(),
                 seen: Vec::new(),
             }),
-            _ => Member::Spec(spec_decoder(m, p)),
+            _ => Member::Spec(Box::new(spec_decoder(m, p))),
         })
         .collect();
     let mut progs: Vec<Option<Progress>> = (0..n)
@@ -970,7 +970,7 @@ fn together_spec(m: &Q4, tok: &Tokenizer, plans: &[Plan]) -> (Vec<Ended>, Shared
                 accepted: 0,
             },
             Member::Spec(s) => {
-                let e = spec_ended(m, s, tokens, rewinds);
+                let e = spec_ended(m, *s, tokens, rewinds);
                 // Every verify pass of the decoder was a window of the batch.
                 assert_eq!(e.passes, windows, "verify passes outside the batch");
                 e
