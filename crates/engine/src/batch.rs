@@ -182,9 +182,10 @@ impl<B: Backend> Split<B> {
 }
 
 /// The `seq` of a batched step's key: the batch's composition (each sequence's id, rows and
-/// whether it wants only its last logits), hashed (FNV-1a), so the same composition gives the
-/// same key and different ones differ.
-pub fn batch_key(parts: &[(u64, usize, bool)]) -> u64 {
+/// what it wants back: bit 0 its last logits only, the other bits the model's own — hidden
+/// rows, a replay log), hashed (FNV-1a), so the same composition gives the same key and
+/// different ones differ.
+pub fn batch_key(parts: &[(u64, usize, u32)]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |v: u64| {
         for byte in v.to_le_bytes() {
@@ -192,10 +193,10 @@ pub fn batch_key(parts: &[(u64, usize, bool)]) -> u64 {
             h = h.wrapping_mul(0x0000_0100_0000_01b3);
         }
     };
-    for &(id, rows, last) in parts {
+    for &(id, rows, wants) in parts {
         eat(id);
         eat(rows as u64);
-        eat(last as u64);
+        eat(u64::from(wants));
     }
     h
 }

@@ -582,17 +582,25 @@ impl Progress {
     /// Returns what was judged and, when generation ended, why.
     pub fn window(&mut self, mut lent: Lent<'_>) -> Result<(Judged, Option<GuardStop>)> {
         let window = self.begin_window(lent.reborrow())?.to_vec();
-        // A pick the device can make with no slop state to follow: the window comes back as
-        // one token per row (ids only across the boundary).
-        let device = match (self.t.slop.is_none(), lent.pick.device_pick()) {
-            (true, Some(p)) => lent.stepper.verify_picked(&window, p)?,
-            _ => None,
+        let device = match self.device_pick(&*lent.pick) {
+            Some(p) => lent.stepper.verify_picked(&window, p)?,
+            None => None,
         };
         let rows = match device {
             Some(ids) => Verified::Ids(ids),
             None => Verified::Logits(lent.stepper.verify(&window)?),
         };
         self.end_window(lent, rows)
+    }
+
+    /// How a window's rows come back to [`Progress::end_window`] with `pick`: Some when the
+    /// device can make the pick and there is no slop state to follow (then one token per row,
+    /// ids only across the boundary: [`Verified::Ids`]); None: each row's logits.
+    pub fn device_pick(&self, pick: &dyn Pick) -> Option<DevicePick> {
+        match self.t.slop {
+            None => pick.device_pick(),
+            Some(_) => None,
+        }
     }
 
     /// The first half of [`Progress::window`]: the drafts, and the window `[pending, drafts…]`

@@ -7,15 +7,31 @@
 //! rewind (required). Every logits row each sequence was given is compared bit for bit, and the
 //! tokens. On the tiny qwen4exp fixture (GDN, QSA with its indexer, PLE, MoE) and on the
 //! default qwen2 model when it is cached (else a SKIP message).
+//!
+//! Speculative (MTP) sequences in the batch: with the tiny fixture's real MTP head, three
+//! speculative sequences (windows 4, 3 and 8, one under slop mode 2 with a phrase that makes
+//! it rewind, one with drafts forced along its output so that windows keep several rows) and
+//! three plain ones join at different steps; every speculative verify window
+//! runs as rows of the step's one `forward_batch_dev` beside the plain sequences' decode rows
+//! and prefill chunks (required: windows of several rows shared a step, and a step mixed a
+//! window with a prefill chunk). The oracle is each sequence alone through `decode::run` (the
+//! speculative ones on their own `SpecDecoder`): every verify result (logits bits, or the
+//! device's picks), the tokens, the rewinds and the trunk and MTP states after the run equal
+//! bit for bit; greedy and seeded.
 
 mod common;
 
+use std::sync::Arc;
+
 use common::{default_model, tiny_dir, Golden};
+use strata_convert::{convert_mtp, ConvertOptions, OutType};
+use strata_engine::backend::{Backend, DevicePick};
 use strata_engine::decode::{self, DraftEdit, Judged, Lent, Policy, Progress, Stepper, Verified};
 use strata_engine::generate::{GenOptions, Timings};
 use strata_engine::sampler::guard::GuardStop;
 use strata_engine::sampler::slop::{ListChoice, SlopConfig, SlopEntry};
 use strata_engine::sampler::{Pick, Sampler, SamplerConfig, Stage};
+use strata_engine::speculative::{DraftHook, SpecConfig, SpecDecoder};
 use strata_engine::{qwen2, qwen4exp, CpuBackend};
 use strata_gguf::GgufFile;
 use strata_tokenizer::Tokenizer;
@@ -59,11 +75,7 @@ impl Fam for Q4 {
     fn batch(&self, items: Vec<(&mut Self::St, &[u32], bool)>) -> Vec<Vec<f32>> {
         let mut items: Vec<_> = items
             .into_iter()
-            .map(|(state, tokens, last_only)| qwen4exp::BatchItem {
-                state,
-                tokens,
-                last_only,
-            })
+            .map(|(state, tokens, last_only)| qwen4exp::BatchItem::rows(state, tokens, last_only))
             .collect();
         let out = self.0.forward_batch(&mut items).unwrap();
         out.into_iter().map(|o| o.logits).collect()
@@ -506,4 +518,583 @@ fn eight_sequences_in_a_batch_get_their_solo_bits_qwen2_default() {
         .map(|t| tok.encode(t, false, false).unwrap())
         .collect();
     batch_equals_solo(&Q2(m), &tok, &prompts);
+}
+
+// ---- speculative sequences in the batch
+
+/// The tiny fixture with its real MTP head (converted from the checkpoint beside it).
+fn tiny_with_head() -> (Q4, Tokenizer) {
+    let path = tiny_dir().join("model-f32.gguf");
+    let mut m =
+        qwen4exp::Model::load(&path, CpuBackend::new(2).unwrap(), &Default::default()).unwrap();
+    let (w, _) = convert_mtp(
+        &tiny_dir().join("hf"),
+        &ConvertOptions {
+            out_type: OutType::F32,
+            include_shared: false,
+        },
+    )
+    .unwrap();
+    m.attach_mtp(Arc::new(
+        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
+    ))
+    .unwrap();
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    (Q4(m), tok)
+}
+
+/// What a verify pass (or the prefill) gave the judge: logits bits, or the device's picks.
+#[derive(Debug, PartialEq, Eq)]
+enum Seen {
+    Logits(Vec<u32>),
+    Ids(Vec<u32>),
+}
+
+fn seen_logits(l: &[f32]) -> Seen {
+    Seen::Logits(l.iter().map(|x| x.to_bits()).collect())
+}
+
+fn seen(v: &Verified) -> Seen {
+    match v {
+        Verified::Logits(l) => seen_logits(l),
+        Verified::Ids(ids) => Seen::Ids(ids.clone()),
+    }
+}
+
+/// A speculative decoder as the loop's stepper, recording what each pass gave the judge.
+struct Spec<'m> {
+    dec: SpecDecoder<'m, CpuBackend>,
+    seen: Vec<Seen>,
+}
+
+impl Stepper for Spec<'_> {
+    fn n_ctx(&self) -> usize {
+        Stepper::n_ctx(&self.dec)
+    }
+    fn tokens(&self) -> &[u32] {
+        Stepper::tokens(&self.dec)
+    }
+    fn prefill(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenOptions,
+        t: &mut Timings,
+    ) -> strata_engine::Result<Vec<f32>> {
+        let l = Stepper::prefill(&mut self.dec, prompt, opts, t)?;
+        self.seen.push(seen_logits(&l));
+        Ok(l)
+    }
+    fn propose(
+        &mut self,
+        pending: u32,
+        max: usize,
+        edit: &mut dyn DraftEdit,
+    ) -> strata_engine::Result<Vec<u32>> {
+        Stepper::propose(&mut self.dec, pending, max, edit)
+    }
+    fn verify(&mut self, window: &[u32]) -> strata_engine::Result<Vec<f32>> {
+        let l = Stepper::verify(&mut self.dec, window)?;
+        self.seen.push(seen_logits(&l));
+        Ok(l)
+    }
+    fn verify_picked(
+        &mut self,
+        window: &[u32],
+        pick: DevicePick,
+    ) -> strata_engine::Result<Option<Vec<u32>>> {
+        let ids = Stepper::verify_picked(&mut self.dec, window, pick)?;
+        if let Some(ids) = &ids {
+            self.seen.push(Seen::Ids(ids.clone()));
+        }
+        Ok(ids)
+    }
+    fn settle(&mut self, seq: &[u32], judged: Judged) -> strata_engine::Result<()> {
+        Stepper::settle(&mut self.dec, seq, judged)
+    }
+    fn settle_at_end(&self) -> bool {
+        Stepper::settle_at_end(&self.dec)
+    }
+    fn may_rewind(&mut self, yes: bool) {
+        Stepper::may_rewind(&mut self.dec, yes)
+    }
+}
+
+/// One sequence of the mixed batch: its prompt, sampler chain, verify window (1: plain
+/// decoding) and the step it joins at.
+struct Plan {
+    prompt: Vec<u32>,
+    cfg: SamplerConfig,
+    window: usize,
+    join: usize,
+    /// Drafts forced along this sequence (prompt and output), wrong where `position % 4 == 0`:
+    /// windows then keep prefixes of several rows.
+    forced: Option<Vec<u32>>,
+}
+
+/// Drafts forced to the sequence's own tokens, or wrong, by position (a hook on both the
+/// solo and the batched decoder, so both see the same drafts).
+struct Forced {
+    truth: Vec<u32>,
+    n_vocab: u32,
+}
+
+impl DraftHook for Forced {
+    fn draft(&mut self, position: usize, _proposed: u32) -> Option<u32> {
+        let right = *self.truth.get(position)?;
+        Some(match position % 4 {
+            0 => (right + 1) % self.n_vocab,
+            _ => right,
+        })
+    }
+}
+
+/// A finished sequence of the mixed runs: what it emitted, the rewinds, what each pass gave
+/// the judge, its trunk state's buffers and (speculative) its MTP state's, and the verify
+/// passes its decoder counted.
+struct Ended {
+    tokens: Vec<u32>,
+    rewinds: u32,
+    seen: Vec<Seen>,
+    state: Vec<(String, Vec<f32>)>,
+    mtp: Option<Vec<(String, Vec<f32>)>>,
+    passes: u64,
+    /// Drafts the judge accepted.
+    accepted: u64,
+}
+
+fn spec_decoder<'m>(m: &'m Q4, plan: &Plan) -> Spec<'m> {
+    let cfg = SpecConfig {
+        window: plan.window,
+        ..SpecConfig::default()
+    };
+    let mut dec = SpecDecoder::new(&m.0, cfg).unwrap();
+    if let Some(truth) = &plan.forced {
+        dec = dec.with_draft_hook(Forced {
+            truth: truth.clone(),
+            n_vocab: m.0.config().n_vocab as u32,
+        });
+    }
+    Spec {
+        dec,
+        seen: Vec::new(),
+    }
+}
+
+/// The end of a speculative sequence: its states (the head brought level first).
+fn spec_ended(m: &Q4, mut s: Spec<'_>, tokens: Vec<u32>, rewinds: u32) -> Ended {
+    s.dec.sync_mtp().unwrap();
+    let mtp = s.dec.mtp_state().map(|h| m.0.mtp_state_buffers(h).unwrap());
+    Ended {
+        tokens,
+        rewinds,
+        state: m.0.state_buffers(s.dec.state()).unwrap(),
+        mtp,
+        passes: s.dec.stats().passes,
+        accepted: s.dec.stats().accepted.iter().sum(),
+        seen: s.seen,
+    }
+}
+
+/// A speculative sequence alone: the oracle.
+fn spec_solo(m: &Q4, tok: &Tokenizer, plan: &Plan) -> Ended {
+    let mut s = sampler(tok, &plan.cfg);
+    let slop = s.new_slop_state(plan.prompt.len());
+    let mut spec = spec_decoder(m, plan);
+    let is_eog = |t: u32| tok.is_eog(t);
+    let mut streamed = Vec::new();
+    let d = decode::run(
+        &mut spec,
+        &plan.prompt,
+        Policy {
+            pick: &mut s,
+            slop,
+            is_eog: &is_eog,
+            window: plan.window,
+        },
+        &GenOptions {
+            max_tokens: NEW,
+            prefill_chunk: 4096,
+        },
+        &mut |t| {
+            streamed.push(t);
+            true
+        },
+    )
+    .unwrap();
+    assert_eq!(streamed, d.tokens);
+    spec_ended(m, spec, d.tokens, d.rewinds)
+}
+
+/// A plain sequence alone: the oracle, with its state after the run.
+fn plain_solo(m: &Q4, tok: &Tokenizer, plan: &Plan) -> Ended {
+    let mut s = sampler(tok, &plan.cfg);
+    let slop = s.new_slop_state(plan.prompt.len());
+    let mut seq = Seq {
+        f: m,
+        st: m.fresh(),
+        seen: Vec::new(),
+    };
+    let is_eog = |t: u32| tok.is_eog(t);
+    let d = decode::run(
+        &mut seq,
+        &plan.prompt,
+        Policy {
+            pick: &mut s,
+            slop,
+            is_eog: &is_eog,
+            window: 1,
+        },
+        &GenOptions {
+            max_tokens: NEW,
+            prefill_chunk: 4096,
+        },
+        &mut |_| true,
+    )
+    .unwrap();
+    Ended {
+        tokens: d.tokens,
+        rewinds: d.rewinds,
+        seen: seq.seen.iter().map(|l| seen_logits(l)).collect(),
+        state: m.0.state_buffers(&seq.st).unwrap(),
+        mtp: None,
+        passes: 0,
+        accepted: 0,
+    }
+}
+
+/// A sequence of the mixed batch.
+enum Member<'m> {
+    Plain(Seq<'m, Q4>),
+    Spec(Box<Spec<'m>>),
+}
+
+impl<'m> Member<'m> {
+    fn stepper(&mut self) -> &mut dyn Stepper {
+        match self {
+            Member::Plain(s) => s,
+            Member::Spec(s) => &mut **s,
+        }
+    }
+}
+
+/// What the mixed runs counted: steps whose one forward pass held a speculative window of
+/// several rows beside another sequence's rows, and those that held a window beside a
+/// prefill chunk.
+#[derive(Debug, Default)]
+struct Shared {
+    windows: usize,
+    with_prefill: usize,
+}
+
+/// All sequences together: each joins at its step; a plain one prefills `CHUNK` tokens per
+/// step in the batch, a speculative one its whole prompt alone at its join (the head follows
+/// the trunk's prompt rows); then every decode row and verify window of a step runs in ONE
+/// `forward_batch_dev`.
+fn together_spec(m: &Q4, tok: &Tokenizer, plans: &[Plan]) -> (Vec<Ended>, Shared) {
+    let n = plans.len();
+    let mut samplers: Vec<Sampler> = plans.iter().map(|p| sampler(tok, &p.cfg)).collect();
+    let mut members: Vec<Member<'_>> = plans
+        .iter()
+        .map(|p| match p.window {
+            1 => Member::Plain(Seq {
+                f: m,
+                st: m.fresh(),
+                seen: Vec::new(),
+            }),
+            _ => Member::Spec(Box::new(spec_decoder(m, p))),
+        })
+        .collect();
+    let mut progs: Vec<Option<Progress>> = (0..n)
+        .map(|i| {
+            let slop = samplers[i].new_slop_state(plans[i].prompt.len());
+            let (w, len) = (plans[i].window, plans[i].prompt.len());
+            Some(Progress::new(members[i].stepper(), slop, w, NEW, len))
+        })
+        .collect();
+    let mut rewinds = vec![0u32; n];
+    let mut phase: Vec<Phase> = (0..n).map(|_| Phase::Waiting).collect();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut windows_run = vec![0u64; n];
+    let is_eog = |t: u32| tok.is_eog(t);
+    let mut shared = Shared::default();
+    let b = m.0.backend();
+    for step in 0.. {
+        if phase.iter().all(|p| matches!(p, Phase::Done)) {
+            break;
+        }
+        assert!(step < 10_000, "the batch never finished");
+        // Joins: a speculative prompt runs alone, then the sequence decodes in the batch.
+        for i in 0..n {
+            if !matches!(phase[i], Phase::Waiting) || step < plans[i].join {
+                continue;
+            }
+            let Member::Spec(_) = members[i] else {
+                phase[i] = Phase::Prefill(0);
+                continue;
+            };
+            let mut sink = |t: u32| {
+                out[i].push(t);
+                true
+            };
+            let lent = Lent {
+                stepper: members[i].stepper(),
+                pick: &mut samplers[i],
+                is_eog: &is_eog,
+                on_token: &mut sink,
+            };
+            let p = progs[i].as_mut().unwrap();
+            let end = p
+                .prefill(lent, &plans[i].prompt, &GenOptions::default())
+                .unwrap();
+            phase[i] = Phase::Decode;
+            if let Some(stop) = end {
+                let p = progs[i].take().unwrap();
+                rewinds[i] = p.rewinds();
+                assert_eq!(p.finish(&mut sink, stop).tokens, out[i]);
+                phase[i] = Phase::Done;
+            }
+        }
+        // Each running sequence's rows: (sequence, tokens, last only, a prefill chunk).
+        let mut rows: Vec<(usize, Vec<u32>, bool)> = Vec::new();
+        for i in 0..n {
+            match phase[i] {
+                Phase::Prefill(next) => {
+                    let end = (next + CHUNK).min(plans[i].prompt.len());
+                    rows.push((i, plans[i].prompt[next..end].to_vec(), true));
+                }
+                Phase::Decode => {
+                    let mut sink = |_t: u32| true;
+                    let w = progs[i]
+                        .as_mut()
+                        .unwrap()
+                        .begin_window(Lent {
+                            stepper: members[i].stepper(),
+                            pick: &mut samplers[i],
+                            is_eog: &is_eog,
+                            on_token: &mut sink,
+                        })
+                        .unwrap()
+                        .to_vec();
+                    rows.push((i, w, false));
+                }
+                _ => {}
+            }
+        }
+        if rows.is_empty() {
+            continue;
+        }
+        let is_spec = |i: usize| plans[i].window > 1;
+        if rows.len() > 1 && rows.iter().any(|(i, t, _)| is_spec(*i) && t.len() > 1) {
+            shared.windows += 1;
+            if rows.iter().any(|r| r.2) && rows.iter().any(|(i, _, _)| is_spec(*i)) {
+                shared.with_prefill += 1;
+            }
+        }
+        // One forward pass over every row, the windows with their replay logs.
+        let outs = {
+            let mut who: Vec<Option<&mut Member<'_>>> = members.iter_mut().map(Some).collect();
+            let mut items = Vec::with_capacity(rows.len());
+            for (i, t, last) in &rows {
+                items.push(match who[*i].take().unwrap() {
+                    Member::Plain(s) => qwen4exp::BatchItem::rows(&mut s.st, t, *last),
+                    Member::Spec(s) => s.dec.window_item(t).unwrap(),
+                });
+            }
+            m.0.forward_batch_dev(&mut items).unwrap()
+        };
+        assert_eq!(outs.len(), rows.len());
+        // Hand each sequence its results.
+        for ((i, t, _), o) in rows.iter().zip(outs) {
+            let i = *i;
+            if let Phase::Prefill(next) = phase[i] {
+                let done = next + t.len();
+                if done < plans[i].prompt.len() {
+                    phase[i] = Phase::Prefill(done);
+                    continue;
+                }
+            }
+            let p = progs[i].as_mut().unwrap();
+            let got = match &mut members[i] {
+                Member::Plain(s) => {
+                    let l = b.download(&o.logits).unwrap();
+                    s.seen.push(l.clone());
+                    Verified::Logits(l)
+                }
+                Member::Spec(s) => {
+                    let v = s.dec.window_ran(o, p.device_pick(&samplers[i])).unwrap();
+                    s.seen.push(seen(&v));
+                    windows_run[i] += 1;
+                    v
+                }
+            };
+            let mut sink = |t: u32| {
+                out[i].push(t);
+                true
+            };
+            let lent = Lent {
+                stepper: members[i].stepper(),
+                pick: &mut samplers[i],
+                is_eog: &is_eog,
+                on_token: &mut sink,
+            };
+            let end: Option<GuardStop> = match (&phase[i], got) {
+                (Phase::Prefill(_), Verified::Logits(l)) => {
+                    phase[i] = Phase::Decode;
+                    p.prefilled(lent, &plans[i].prompt, &l, &Timings::default())
+                        .unwrap()
+                }
+                (Phase::Decode, rows) => p.end_window(lent, rows).unwrap().1,
+                _ => unreachable!(),
+            };
+            if let Some(stop) = end {
+                let p = progs[i].take().unwrap();
+                rewinds[i] = p.rewinds();
+                assert_eq!(p.finish(&mut sink, stop).tokens, out[i]);
+                phase[i] = Phase::Done;
+            }
+        }
+    }
+    let ended = members
+        .into_iter()
+        .zip(rewinds)
+        .zip(out)
+        .zip(windows_run)
+        .map(|(((mb, rewinds), tokens), windows)| match mb {
+            Member::Plain(s) => Ended {
+                tokens,
+                rewinds,
+                seen: s.seen.iter().map(|l| seen_logits(l)).collect(),
+                state: m.0.state_buffers(&s.st).unwrap(),
+                mtp: None,
+                passes: 0,
+                accepted: 0,
+            },
+            Member::Spec(s) => {
+                let e = spec_ended(m, *s, tokens, rewinds);
+                // Every verify pass of the decoder was a window of the batch.
+                assert_eq!(e.passes, windows, "verify passes outside the batch");
+                e
+            }
+        })
+        .collect();
+    (ended, shared)
+}
+
+fn assert_buffers_eq(what: &str, a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) {
+    assert_eq!(a.len(), b.len(), "{what}: buffer count");
+    for ((na, va), (nb, vb)) in a.iter().zip(b) {
+        assert_eq!(na, nb, "{what}");
+        assert_eq!(va.len(), vb.len(), "{what}: {na} length");
+        if let Some(i) = va
+            .iter()
+            .zip(vb)
+            .position(|(x, y)| x.to_bits() != y.to_bits())
+        {
+            panic!("{what}: {na}[{i}] differs: {} vs {}", va[i], vb[i]);
+        }
+    }
+}
+
+#[test]
+fn speculative_and_plain_sequences_in_a_batch_get_their_solo_bits_qwen4exp_tiny() {
+    let (m, tok) = tiny_with_head();
+    // The CPU runs a batch as one step: the windows below really share the plain rows' pass.
+    assert!(m.0.backend().batches_sequences());
+    let ids = Golden::open(tiny_dir().join("golden.safetensors")).ids("input_ids");
+    // (start, length, window, join step); sequence 2 (speculative) runs under slop mode 2.
+    let shape = [
+        (0, 11, 4, 0),
+        (7, 5, 1, 0),
+        (12, 13, 3, 2),
+        (3, 17, 1, 3),
+        (21, 6, 8, 5),
+        (10, 9, 1, 8),
+    ];
+    for pick in [Pick::Greedy, Pick::Draw { seed: 77 }] {
+        let picks: Vec<Pick> = (0..shape.len() as u64)
+            .map(|i| match pick {
+                Pick::Draw { seed } => Pick::Draw { seed: seed + i },
+                ref p => p.clone(),
+            })
+            .collect();
+        let prompts: Vec<Vec<u32>> = shape
+            .iter()
+            .map(|&(s, len, _, _)| ids[s..s + len].to_vec())
+            .collect();
+        let phrase = rewinding_phrase(&m, &tok, &picks[2], &prompts[2]);
+        let plans: Vec<Plan> = shape
+            .iter()
+            .zip(prompts)
+            .enumerate()
+            .map(|(i, (&(_, _, window, join), prompt))| {
+                let phrases = if i == 2 {
+                    vec![phrase.clone()]
+                } else {
+                    Vec::new()
+                };
+                Plan {
+                    prompt,
+                    cfg: config(&picks[i], &phrases),
+                    window,
+                    join,
+                    forced: None,
+                }
+            })
+            .collect();
+        // Sequence 4's drafts forced along its plain output: windows keep several rows.
+        let mut plans = plans;
+        let truth = [
+            plans[4].prompt.clone(),
+            plain_solo(&m, &tok, &plans[4]).tokens,
+        ]
+        .concat();
+        plans[4].forced = Some(truth);
+        let alone: Vec<Ended> = plans
+            .iter()
+            .map(|p| match p.window {
+                1 => plain_solo(&m, &tok, p),
+                _ => spec_solo(&m, &tok, p),
+            })
+            .collect();
+        let (both, shared) = together_spec(&m, &tok, &plans);
+        assert!(
+            shared.windows > 0,
+            "{pick:?}: no verify window of several rows shared a forward pass ({shared:?})"
+        );
+        assert!(
+            shared.with_prefill > 0,
+            "{pick:?}: no verify window shared a pass with a prefill chunk ({shared:?})"
+        );
+        assert!(alone[2].rewinds > 0, "{pick:?}: sequence 2 never rewound");
+        assert!(
+            both[4].accepted > both[4].passes,
+            "{pick:?}: sequence 4's windows kept too few drafts ({} in {} passes)",
+            both[4].accepted,
+            both[4].passes
+        );
+        for (i, (a, b)) in alone.iter().zip(&both).enumerate() {
+            let what = format!("{pick:?} sequence {i} (window {})", plans[i].window);
+            assert!(!a.tokens.is_empty(), "{what}: nothing generated");
+            assert_eq!(a.tokens, b.tokens, "{what}: tokens");
+            assert_eq!(a.rewinds, b.rewinds, "{what}: rewinds");
+            assert_eq!(a.passes, b.passes, "{what}: verify passes");
+            assert_eq!(a.accepted, b.accepted, "{what}: accepted drafts");
+            assert!(a.seen == b.seen, "{what}: what the passes gave the judge");
+            assert_buffers_eq(&format!("{what}: trunk state"), &a.state, &b.state);
+            match (&a.mtp, &b.mtp) {
+                (Some(x), Some(y)) => assert_buffers_eq(&format!("{what}: MTP state"), x, y),
+                (None, None) => {}
+                _ => panic!("{what}: an MTP state on one side only"),
+            }
+            if plans[i].window > 1 {
+                // Speculation is exact: the same tokens as plain decoding.
+                assert_eq!(
+                    plain_solo(&m, &tok, &plans[i]).tokens,
+                    a.tokens,
+                    "{what}: speculative and plain decoding differ"
+                );
+                assert!(a.passes > 0, "{what}: no verify pass");
+            }
+        }
+    }
 }

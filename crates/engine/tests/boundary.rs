@@ -496,11 +496,7 @@ fn a_batch_of_sequences_is_one_capturable_step() {
         let mut items: Vec<_> = sts
             .iter_mut()
             .zip(toks)
-            .map(|(state, t)| strata_engine::qwen4exp::BatchItem {
-                state,
-                tokens: t,
-                last_only: t.len() > 1,
-            })
+            .map(|(state, t)| strata_engine::qwen4exp::BatchItem::rows(state, t, t.len() > 1))
             .collect();
         model.forward_batch(&mut items).unwrap()
     };
@@ -541,11 +537,7 @@ fn a_batch_of_sequences_is_one_capturable_step() {
     let mut items: Vec<_> = sts
         .iter_mut()
         .zip(&first)
-        .map(|(state, t)| strata_engine::qwen4exp::BatchItem {
-            state,
-            tokens: t,
-            last_only: t.len() > 1,
-        })
+        .map(|(state, t)| strata_engine::qwen4exp::BatchItem::rows(state, t, t.len() > 1))
         .collect();
     let solo = apart.forward_batch(&mut items).unwrap();
     drop(items);
@@ -558,6 +550,124 @@ fn a_batch_of_sequences_is_one_capturable_step() {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a.logits), bits(&b.logits));
     }
+}
+
+/// A speculative verify window in a batch (docs/BATCHING.md): the window's rows, with its
+/// replay log and hidden rows, run in the same ONE step as another sequence's decode row —
+/// no step of their own, nothing crossing the boundary inside — and every batched step of the
+/// same key runs the same operations. The tokens are the solo decoder's (same window, same
+/// greedy picks).
+#[test]
+fn a_verify_window_in_a_batch_runs_in_its_one_step() {
+    use strata_engine::decode::{ByPicker, Lent, Progress};
+    use strata_engine::qwen4exp::BatchItem;
+    use strata_engine::speculative::Greedy;
+    const NEW: usize = 16;
+    let mut rec = Recording::new();
+    rec.batch = true;
+    let model = with_head(load(rec, &LoadOptions::default()));
+    let prompt: Vec<u32> =
+        common::Golden::open(tiny_dir().join("golden.safetensors")).ids("input_ids")[..12].to_vec();
+    let cfg = || SpecConfig {
+        window: 4,
+        ..SpecConfig::default()
+    };
+    // The oracle: the decoder alone.
+    let mut alone = SpecDecoder::new(&model, cfg()).unwrap();
+    let want = strata_engine::speculative::run(&mut alone, &prompt, NEW, &mut |_| true).unwrap();
+
+    let mut dec = SpecDecoder::new(&model, cfg()).unwrap();
+    let mut plain = model.new_state().unwrap();
+    model.forward(&mut plain, &prompt[..5]).unwrap();
+    let mut greedy = Greedy;
+    let mut pick = ByPicker(&mut greedy);
+    let mut got = Vec::new();
+    let mut p = Progress::new(&mut dec, None, 4, NEW, prompt.len());
+    let mut sink = |t: u32| {
+        got.push(t);
+        true
+    };
+    let no_eog = |_: u32| false;
+    let first = p.prefill(
+        Lent {
+            stepper: &mut dec,
+            pick: &mut pick,
+            is_eog: &no_eog,
+            on_token: &mut sink,
+        },
+        &prompt,
+        &GenOptions::default(),
+    );
+    assert!(first.unwrap().is_none());
+    let mut by_key: HashMap<StepKey, Trace> = HashMap::new();
+    let (mut windows, mut replays) = (0, 0);
+    for i in 0.. {
+        let window = p
+            .begin_window(Lent {
+                stepper: &mut dec,
+                pick: &mut pick,
+                is_eog: &no_eog,
+                on_token: &mut |_| true,
+            })
+            .unwrap()
+            .to_vec();
+        let device = p.device_pick(&pick);
+        model.backend().take();
+        let token = [30 + i as u32];
+        let mut outs = {
+            let mut items = vec![
+                BatchItem::rows(&mut plain, &token, false),
+                dec.window_item(&window).unwrap(),
+            ];
+            model.forward_batch_dev(&mut items).unwrap()
+        };
+        let log = model.backend().take();
+        assert!(
+            log.violations.is_empty(),
+            "host transfers inside a batched step: {:?}",
+            log.violations
+        );
+        assert_eq!(log.steps.len(), 1, "the window ran in a step of its own");
+        let (key, trace) = &log.steps[0];
+        assert_eq!(
+            (key.kind, key.rows),
+            (StepKind::Forward, 1 + window.len()),
+            "the batch's step holds the decode row and the window"
+        );
+        match by_key.get(key) {
+            Some(t) => {
+                assert_eq!(t, trace, "two batched steps with key {key:?} differ");
+                replays += 1;
+            }
+            None => {
+                by_key.insert(*key, trace.clone());
+            }
+        }
+        windows += usize::from(window.len() > 1);
+        let out = outs.pop().unwrap();
+        assert_eq!(out.hidden.as_ref().map(|h| h.rows()), Some(window.len()));
+        let rows = dec.window_ran(out, device).unwrap();
+        let (_, end) = p
+            .end_window(
+                Lent {
+                    stepper: &mut dec,
+                    pick: &mut pick,
+                    is_eog: &no_eog,
+                    on_token: &mut sink,
+                },
+                rows,
+            )
+            .unwrap();
+        if end.is_some() {
+            break;
+        }
+    }
+    assert_eq!(
+        got, want,
+        "the batched decoder's tokens differ from the solo decoder's"
+    );
+    assert!(windows > 0, "no window of several rows ran in the batch");
+    assert!(replays > 0, "no two batched steps shared a key");
 }
 
 /// The caches are fixed-capacity stores: a step that would run past `--ctx` is refused before

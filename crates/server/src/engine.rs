@@ -479,19 +479,31 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
         Ok(())
     }
 
-    /// Several sequences' tokens in one forward pass (`strata_engine::batch`): each item's
-    /// tokens continue its sequence, and its logits (of the last token, or of each with
-    /// `last_only` false) are the bits [`Seq::feed`] gives it alone. The MTP head is not run
-    /// (it falls behind; speculative requests are stepped alone). On an error every sequence
-    /// of the batch is rolled back (qwen2) or emptied (qwen4exp).
-    pub fn feed_batch(
+    /// Several sequences' rows in one forward pass (`strata_engine::batch`): each plain
+    /// item's tokens continue its sequence, and its logits (of the last token, or of each with
+    /// `last_only` false) are the bits [`Seq::feed`] gives it alone; a speculative generation's
+    /// verify window runs as rows of the same pass, with what its decoder needs to judge and
+    /// roll it back ([`Fed::Window`], for [`Gen::end`]). A plain item does not run the MTP
+    /// head (it falls behind); a window's head is its decoder's, which follows in
+    /// [`Gen::end`]. On an error in the pass every plain sequence of the batch is rolled back
+    /// (qwen2) or emptied (qwen4exp); a window's generation fails with it (its states are
+    /// part-way).
+    pub fn feed_batch<'m>(
         model: &ModelHandle<Q2, Q4>,
-        items: &mut [(&mut Seq<Q2, Q4>, &[u32], bool)],
-    ) -> Result<Vec<Vec<f32>>> {
+        items: &mut [Feed<'_, 'm, Q2, Q4>],
+    ) -> Result<Vec<Fed<Q4>>> {
         let res = match model {
             ModelHandle::Qwen2(m) => {
                 let mut batch = Vec::with_capacity(items.len());
-                for (seq, tokens, last_only) in items.iter_mut() {
+                for it in items.iter_mut() {
+                    let Feed::Seq {
+                        seq,
+                        tokens,
+                        last_only,
+                    } = it
+                    else {
+                        bail!("speculative decoding needs a qwen4exp model");
+                    };
                     let SeqState::Qwen2(state) = &mut seq.state else {
                         bail!("a sequence of one model was used with another");
                     };
@@ -502,22 +514,39 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
                     });
                 }
                 m.forward_batch(&mut batch)
-                    .map(|o| o.into_iter().map(|o| o.logits).collect())
+                    .map(|o| o.into_iter().map(|o| Fed::Logits(o.logits)).collect())
             }
             ModelHandle::Qwen4exp(m) => {
                 let mut batch = Vec::with_capacity(items.len());
-                for (seq, tokens, last_only) in items.iter_mut() {
-                    let SeqState::Qwen4exp { st, .. } = &mut seq.state else {
-                        bail!("a plain batch needs qwen4exp sequences that are not lent");
-                    };
-                    batch.push(qwen4exp::BatchItem {
-                        state: st,
-                        tokens,
-                        last_only: *last_only,
+                let mut windows = Vec::with_capacity(items.len());
+                for it in items.iter_mut() {
+                    windows.push(matches!(it, Feed::Window { .. }));
+                    batch.push(match it {
+                        Feed::Seq {
+                            seq,
+                            tokens,
+                            last_only,
+                        } => {
+                            let SeqState::Qwen4exp { st, .. } = &mut seq.state else {
+                                bail!(
+                                    "a plain batch row needs a qwen4exp sequence that is not lent"
+                                );
+                            };
+                            qwen4exp::BatchItem::rows(st, tokens, *last_only)
+                        }
+                        Feed::Window { gen, tokens } => gen.window_item(tokens)?,
                     });
                 }
-                m.forward_batch(&mut batch)
-                    .map(|o| o.into_iter().map(|o| o.logits).collect())
+                let b = m.backend();
+                m.forward_batch_dev(&mut batch).and_then(|outs| {
+                    outs.into_iter()
+                        .zip(windows)
+                        .map(|(o, window)| match window {
+                            true => Ok(Fed::Window(o)),
+                            false => Ok(Fed::Logits(b.download(&o.logits)?)),
+                        })
+                        .collect()
+                })
             }
         };
         match res {
@@ -526,8 +555,10 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
                 // A failed step advanced no position: qwen2's caches are whole below it;
                 // qwen4exp's recurrent states may be part-way, so those sequences start over.
                 if let ModelHandle::Qwen4exp(_) = model {
-                    for (seq, _, _) in items.iter_mut() {
-                        seq.reset(model)?;
+                    for it in items.iter_mut() {
+                        if let Feed::Seq { seq, .. } = it {
+                            seq.reset(model)?;
+                        }
                     }
                 }
                 Err(e.into())
@@ -545,6 +576,30 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
             }
         }
     }
+}
+
+/// One sequence's rows in a batched step ([`Seq::feed_batch`]).
+pub enum Feed<'a, 'm, Q2: Backend, Q4: Qwen4expOps> {
+    /// Tokens continuing a slot's sequence: the logits of the last only, or of each.
+    Seq {
+        seq: &'a mut Seq<Q2, Q4>,
+        tokens: &'a [u32],
+        last_only: bool,
+    },
+    /// A speculative generation's verify window ([`Gen::begin`]; its decoder holds the
+    /// slot's sequence meanwhile).
+    Window {
+        gen: &'a mut Gen<'m, Q2, Q4>,
+        tokens: &'a [u32],
+    },
+}
+
+/// What a batched step gave one of its sequences, for [`Gen::end`]: a plain row's logits
+/// (downloaded), or a verify window's results still on the device (its decoder picks there
+/// when it can, and keeps the hidden rows for its head).
+pub enum Fed<Q4: Qwen4expOps> {
+    Logits(Vec<f32>),
+    Window(qwen4exp::BatchOut<Q4>),
 }
 
 /// The sampling knobs a request may set (OpenAI's and llama.cpp's names), with llama.cpp's
@@ -1311,29 +1366,60 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
         Ok(self.out(end, buf, closed))
     }
 
-    /// Whether this generation can run its windows as rows of a batch (plain decoding; a
-    /// speculative one steps alone).
-    pub fn batchable(&self) -> bool {
-        self.spec.is_none()
+    /// Whether the next window's sequence would end past the caches' capacity after `n` more
+    /// tokens (checked before a batch runs, so that one full context fails alone).
+    pub fn check_room(
+        &self,
+        model: &ModelHandle<Q2, Q4>,
+        seq: &Seq<Q2, Q4>,
+        n: usize,
+    ) -> Result<()> {
+        let Some(dec) = self.spec.as_deref() else {
+            return seq.check_room(model, n);
+        };
+        let end = dec.state().position() + n;
+        if end > model.capacity() {
+            return Err(EngineError::ContextFull {
+                what: "the sequence",
+                needed: end,
+                capacity: model.capacity(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Whether this generation is speculative: its windows run through [`Feed::Window`].
+    pub fn speculative(&self) -> bool {
+        self.spec.is_some()
     }
 
     /// The first half of a batched step ([`Progress::begin_window`]): the tokens this
-    /// generation's next window runs (plain decoding: the pending token).
+    /// generation's next window runs (plain decoding: the pending token; speculative: the
+    /// pending token and the head's drafts, which the drafter proposes here).
     pub fn begin(
         &mut self,
         model: &ModelHandle<Q2, Q4>,
         seq: &mut Seq<Q2, Q4>,
     ) -> Result<Vec<u32>> {
-        let (Some(p), None) = (self.p.as_mut(), self.spec.as_ref()) else {
-            bail!("the generation is over or speculative");
+        let Some(p) = self.p.as_mut() else {
+            bail!("the generation is over");
         };
-        let mut stepper = SeqStepper {
-            seq,
-            model,
-            n_ctx: self.n_ctx,
+        let n_ctx = self.n_ctx;
+        let mut plain;
+        let mut sp;
+        let stepper: &mut dyn Stepper = match self.spec.as_deref_mut() {
+            Some(dec) => {
+                sp = SpecStepper { dec, n_ctx };
+                &mut sp
+            }
+            None => {
+                plain = SeqStepper { seq, model, n_ctx };
+                &mut plain
+            }
         };
         let lent = Lent {
-            stepper: &mut stepper,
+            stepper,
             pick: &mut self.pick,
             is_eog: &|_| false,
             on_token: &mut |_| true,
@@ -1341,40 +1427,67 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
         Ok(p.begin_window(lent)?.to_vec())
     }
 
-    /// The second half of a batched step: `logits` (one row per token of the window, which
-    /// the batch ran through `seq`) judged, then the settle; or, with `first`, the logits
-    /// after the prompt (the batch ran its last token) and the first generated token.
+    /// The batch item of a speculative generation's begun window (`tokens`, from
+    /// [`Gen::begin`]).
+    fn window_item<'a>(&'a mut self, tokens: &'a [u32]) -> Result<qwen4exp::BatchItem<'a, Q4>> {
+        let Some(dec) = self.spec.as_deref_mut() else {
+            bail!("a verify window for a generation that is not speculative");
+        };
+        Ok(dec.window_item(tokens)?)
+    }
+
+    /// The second half of a batched step: `fed` (the rows of the window, which the batch ran
+    /// through `seq` or the decoder's state) judged, then the settle; or, with `first`, the
+    /// logits after the prompt (the batch ran its last token) and the first generated token.
     pub fn end(
         &mut self,
         model: &ModelHandle<Q2, Q4>,
         seq: &mut Seq<Q2, Q4>,
-        logits: Vec<f32>,
+        fed: Fed<Q4>,
         first: Option<&[u32]>,
         is_eog: &dyn Fn(u32) -> bool,
         closed: &dyn Fn() -> bool,
     ) -> Result<StepOut> {
-        let (Some(p), None) = (self.p.as_mut(), self.spec.as_ref()) else {
-            bail!("the generation is over or speculative");
+        let Some(p) = self.p.as_mut() else {
+            bail!("the generation is over");
+        };
+        let rows = match (fed, self.spec.as_deref_mut(), first) {
+            (Fed::Logits(l), None, _) => Verified::Logits(l),
+            (Fed::Window(out), Some(dec), None) => {
+                dec.window_ran(out, p.device_pick(&self.pick))?
+            }
+            _ => bail!("a batch's rows do not match the generation they were run for"),
         };
         let mut buf = Vec::new();
         let mut sink = |t: u32| {
             buf.push(t);
             !closed()
         };
-        let mut stepper = SeqStepper {
-            seq,
-            model,
-            n_ctx: self.n_ctx,
+        let n_ctx = self.n_ctx;
+        let mut plain;
+        let mut sp;
+        let stepper: &mut dyn Stepper = match self.spec.as_deref_mut() {
+            Some(dec) => {
+                sp = SpecStepper { dec, n_ctx };
+                &mut sp
+            }
+            None => {
+                plain = SeqStepper { seq, model, n_ctx };
+                &mut plain
+            }
         };
         let lent = Lent {
-            stepper: &mut stepper,
+            stepper,
             pick: &mut self.pick,
             is_eog,
             on_token: &mut sink,
         };
-        let end = match first {
-            Some(prompt) => p.prefilled(lent, prompt, &logits, &Timings::default())?,
-            None => p.end_window(lent, Verified::Logits(logits))?.1,
+        let end = match (first, rows) {
+            (Some(prompt), Verified::Logits(l)) => {
+                p.prefilled(lent, prompt, &l, &Timings::default())?
+            }
+            (Some(_), Verified::Ids(_)) => bail!("the first token needs the prompt's logits"),
+            (None, rows) => p.end_window(lent, rows)?.1,
         };
         Ok(self.out(end, buf, closed))
     }

@@ -39,6 +39,9 @@ pub struct Metrics {
     pub batch_steps: AtomicU64,
     pub batch_sequences: AtomicU64,
     pub batch_sequences_max: AtomicU64,
+    /// Speculative verify windows run as rows of a batched forward pass beside other
+    /// sequences' rows.
+    pub batch_windows: AtomicU64,
 }
 
 /// Draft positions a window can hold (`speculative::MAX_WINDOW` − 1).
@@ -127,6 +130,12 @@ impl Metrics {
             "gauge",
             "Most sequences one batched forward pass ran.",
             g(&self.batch_sequences_max) as f64,
+        );
+        put(
+            "batch_windows_total",
+            "counter",
+            "Speculative verify windows run as rows of a batched forward pass beside other sequences' rows.",
+            g(&self.batch_windows) as f64,
         );
         put(
             "requests_processing",

@@ -6,8 +6,10 @@
 //! [`WorkerConfig::batch_tokens`]), and runs them as ONE forward pass
 //! ([`Seq::feed_batch`]); each sequence gets exactly the bits it would alone. Sequences join and
 //! leave between steps, so a long prompt never holds the running streams up by more than one
-//! chunk, and a prefill always advances (no starvation). Speculative (MTP) sequences step alone
-//! beside the batch, one window per step. HTTP handlers see the worker only through a [`Job`]'s
+//! chunk, and a prefill always advances (no starvation). A speculative (MTP) sequence's verify
+//! window (the pending token and its drafts) is rows of the same pass, one window per step; its
+//! prompt runs alone beside the batch (the MTP head follows the trunk over the prompt's rows).
+//! HTTP handlers see the worker only through a [`Job`]'s
 //! event channel: the tokens, as they become final, and how the generation ended. A handler that
 //! goes away (client disconnect, a stop string matched) closes its channel, and the worker frees
 //! the job's slot at the start of the next step.
@@ -32,8 +34,8 @@ use strata_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::engine::{
-    Constraint, Finish, Gen, GenRules, ModelHandle, Seq, SpecCounts, StepOut, ThinkBudget,
-    TokenLogprob,
+    Constraint, Fed, Feed, Finish, Gen, GenRules, ModelHandle, Seq, SpecCounts, StepOut,
+    ThinkBudget, TokenLogprob,
 };
 use crate::Shared;
 
@@ -246,19 +248,28 @@ pub fn run<Q2: Backend, Q4: Qwen4expOps>(
                 finish_turn(model, slot, Turn::Cancelled, clock, &shared);
             }
         }
-        // Speculative sequences step alone, one unit of work each.
-        for slot in slots.iter_mut() {
-            if slot.active.as_ref().is_some_and(|a| a.job.window > 1) {
-                slot.last_used = clock;
-                let t = turn(model, slot, &ctx);
-                finish_turn(model, slot, t, clock, &shared);
-            }
-        }
-        // Everything else in one forward pass.
+        // A speculative sequence's prompt runs alone, one unit of work per step (the head
+        // follows the trunk over its rows): taken now, run after the batch, so that one which
+        // starts generating there joins the batch at the next step.
+        let alone: Vec<usize> = (0..slots.len())
+            .filter(|&i| {
+                slots[i]
+                    .active
+                    .as_ref()
+                    .is_some_and(|a| a.job.window > 1 && matches!(a.phase, Phase::Prefill { .. }))
+            })
+            .collect();
+        // Everything else, speculative verify windows included, in one forward pass.
         let turns = batch_step(model, &mut slots, &ctx, cfg.batch_tokens);
         for (i, t) in turns {
             slots[i].last_used = clock;
             finish_turn(model, &mut slots[i], t, clock, &shared);
+        }
+        for i in alone {
+            let slot = &mut slots[i];
+            slot.last_used = clock;
+            let t = turn(model, slot, &ctx);
+            finish_turn(model, slot, t, clock, &shared);
         }
         enforce_budget(model, &mut slots, cfg.cache_ram, &shared);
     }
@@ -415,8 +426,9 @@ struct TurnCtx<'a> {
     shared: &'a Shared,
 }
 
-/// One unit of work for a slot's active job: a prefill chunk, or the prompt's last token with
-/// the first generated one, or one verify window.
+/// One unit of a speculative job's prompt, run alone: a prefill chunk (the MTP head follows
+/// the trunk over its rows), or the prompt's last token with the first generated one. Its
+/// verify windows are rows of the batch ([`batch_step`]).
 fn turn<'m, Q2: Backend, Q4: Qwen4expOps>(
     model: &'m ModelHandle<Q2, Q4>,
     slot: &mut Slot<'m, Q2, Q4>,
@@ -491,19 +503,8 @@ fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
                 .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
             out?
         }
-        Phase::Decode(gen) => {
-            let events = &a.job.events;
-            let out = gen.step(model, &mut slot.seq, None, ctx.is_eog, &|| {
-                events.is_closed()
-            })?;
-            m.predicted_us
-                .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-            m.decode_calls.fetch_add(1, Ordering::Relaxed);
-            if let Some(d) = ctx.shared.cfg.test_token_delay {
-                std::thread::sleep(d);
-            }
-            out
-        }
+        // Every window, plain or speculative, is rows of the batch (`batch_step`).
+        Phase::Decode(_) => anyhow::bail!("a decoding sequence steps in the batch"),
     };
     Ok(send_out(&a.job, out, m))
 }
@@ -597,18 +598,21 @@ fn finish_turn<'m, Q2: Backend, Q4: Qwen4expOps>(
 
 /// What a slot's rows are in a step's batch.
 enum Row {
-    /// Its generation's next window.
+    /// Its plain generation's next window (one token).
     Decode,
+    /// Its speculative generation's next verify window: the pending token and the drafts.
+    Window,
     /// The prompt's last token, whose logits give the first generated token.
     First,
     /// Prompt tokens up to `end` (no logits read).
     Chunk { end: usize },
 }
 
-/// One step of continuous batching over the plain sequences: every running one's decode row,
-/// the last prompt token of those about to generate, and one chunk's worth of prompt tokens of
-/// the joining ones (oldest first; the budget's rest, at least [`MIN_CHUNK`] and at most
-/// [`PREFILL_CHUNK`] tokens in all) in one forward pass. Returns each slot's turn.
+/// One step of continuous batching: every running sequence's decode row or verify window
+/// (speculative: the pending token and its drafts), the last prompt token of the plain ones
+/// about to generate, and one chunk's worth of prompt tokens of the joining plain ones (oldest
+/// first; the budget's rest, at least [`MIN_CHUNK`] and at most [`PREFILL_CHUNK`] tokens in
+/// all) in one forward pass. Returns each slot's turn.
 fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
     model: &'m ModelHandle<Q2, Q4>,
     slots: &mut [Slot<'m, Q2, Q4>],
@@ -622,17 +626,20 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
         let Some(a) = slot.active.as_mut() else {
             continue;
         };
-        if a.job.window > 1 {
-            continue;
-        }
         match &mut a.phase {
             Phase::Decode(gen) => match gen.begin(model, &mut slot.seq) {
                 Ok(w) => {
                     used += w.len();
-                    plan.push((i, Row::Decode, w));
+                    let row = match gen.speculative() {
+                        true => Row::Window,
+                        false => Row::Decode,
+                    };
+                    plan.push((i, row, w));
                 }
                 Err(e) => turns.push((i, Turn::Failed(e))),
             },
+            // A speculative prompt runs alone.
+            Phase::Prefill { .. } if a.job.window > 1 => {}
             Phase::Prefill { next } if *next + 1 >= a.job.prompt.len() => {
                 if a.job.max_tokens == 0 {
                     turns.push((i, Turn::Done(Finish::MaxTokens)));
@@ -685,15 +692,20 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
         plan.push((i, Row::Chunk { end }, a.job.prompt[next..end].to_vec()));
     }
     // A sequence whose context is full fails alone, before the batch runs.
-    plan.retain(
-        |(i, _, toks)| match slots[*i].seq.check_room(model, toks.len()) {
+    plan.retain(|(i, _, toks)| {
+        let slot = &slots[*i];
+        let room = match slot.active.as_ref().map(|a| &a.phase) {
+            Some(Phase::Decode(gen)) => gen.check_room(model, &slot.seq, toks.len()),
+            _ => slot.seq.check_room(model, toks.len()),
+        };
+        match room {
             Ok(()) => true,
             Err(e) => {
                 turns.push((*i, Turn::Failed(e)));
                 false
             }
-        },
-    );
+        }
+    });
     if plan.is_empty() {
         return turns;
     }
@@ -703,18 +715,31 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
     });
     let t0 = Instant::now();
     let res = {
-        let mut seqs: Vec<Option<&mut Seq<Q2, Q4>>> =
-            slots.iter_mut().map(|s| Some(&mut s.seq)).collect();
-        let mut items: Vec<(&mut Seq<Q2, Q4>, &[u32], bool)> = Vec::with_capacity(plan.len());
+        let mut parts: Vec<Option<&mut Slot<'m, Q2, Q4>>> = slots.iter_mut().map(Some).collect();
+        let mut items: Vec<Feed<'_, 'm, Q2, Q4>> = Vec::with_capacity(plan.len());
         for (i, row, toks) in &plan {
-            if let Some(seq) = seqs[*i].take() {
-                items.push((seq, &toks[..], matches!(row, Row::Chunk { .. })));
-            }
+            let Some(slot) = parts[*i].take() else {
+                continue;
+            };
+            items.push(match (row, slot.active.as_mut().map(|a| &mut a.phase)) {
+                (Row::Window, Some(Phase::Decode(gen))) => Feed::Window {
+                    gen: &mut **gen,
+                    tokens: toks,
+                },
+                // Cannot be (the plan was made from the phase); the count check below fails
+                // the batch.
+                (Row::Window, _) => continue,
+                _ => Feed::Seq {
+                    seq: &mut slot.seq,
+                    tokens: toks,
+                    last_only: matches!(row, Row::Chunk { .. }),
+                },
+            });
         }
         Seq::feed_batch(model, &mut items)
     };
     let us = t0.elapsed().as_micros() as u64;
-    let logits = match res {
+    let fed = match res {
         Ok(l) if l.len() == plan.len() => l,
         Ok(_) => {
             for (i, _, _) in plan {
@@ -738,16 +763,21 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
     m.batch_sequences_max
         .fetch_max(plan.len() as u64, Ordering::Relaxed);
     let rows: usize = plan.iter().map(|p| p.2.len()).sum();
+    let decodes = |r: &Row| matches!(r, Row::Decode | Row::Window);
     let prompt_rows: usize = plan
         .iter()
-        .filter(|p| !matches!(p.1, Row::Decode))
+        .filter(|p| !decodes(&p.1))
         .map(|p| p.2.len())
         .sum();
     let prompt_us = us * prompt_rows as u64 / rows.max(1) as u64;
     m.prompt_us.fetch_add(prompt_us, Ordering::Relaxed);
     m.predicted_us.fetch_add(us - prompt_us, Ordering::Relaxed);
-    let decoding = plan.iter().any(|p| matches!(p.1, Row::Decode));
-    for ((i, row, toks), l) in plan.into_iter().zip(logits) {
+    if plan.len() > 1 {
+        let windows = plan.iter().filter(|p| matches!(p.1, Row::Window)).count();
+        m.batch_windows.fetch_add(windows as u64, Ordering::Relaxed);
+    }
+    let decoding = plan.iter().any(|p| decodes(&p.1));
+    for ((i, row, toks), l) in plan.into_iter().zip(fed) {
         let t = deliver(model, &mut slots[i], row, toks.len(), l, ctx).unwrap_or_else(Turn::Failed);
         turns.push((i, t));
     }
@@ -766,7 +796,7 @@ fn deliver<'m, Q2: Backend, Q4: Qwen4expOps>(
     slot: &mut Slot<'m, Q2, Q4>,
     row: Row,
     n: usize,
-    logits: Vec<f32>,
+    fed: Fed<Q4>,
     ctx: &TurnCtx<'_>,
 ) -> anyhow::Result<Turn> {
     let Some(a) = slot.active.as_mut() else {
@@ -789,7 +819,7 @@ fn deliver<'m, Q2: Backend, Q4: Qwen4expOps>(
             let out = gen.end(
                 model,
                 &mut slot.seq,
-                logits,
+                fed,
                 Some(&a.job.prompt),
                 ctx.is_eog,
                 &|| events.is_closed(),
@@ -797,12 +827,12 @@ fn deliver<'m, Q2: Backend, Q4: Qwen4expOps>(
             a.phase = Phase::Decode(gen);
             out?
         }
-        Row::Decode => {
+        Row::Decode | Row::Window => {
             let Phase::Decode(gen) = &mut a.phase else {
                 anyhow::bail!("a decode row for a sequence that is not decoding");
             };
             let events = &a.job.events;
-            gen.end(model, &mut slot.seq, logits, None, ctx.is_eog, &|| {
+            gen.end(model, &mut slot.seq, fed, None, ctx.is_eog, &|| {
                 events.is_closed()
             })?
         }

@@ -5,8 +5,8 @@
 //! (`batch_sequences_max`). Memory: with a state budget for one sequence a second request waits
 //! (never two at once) and still gets its solo answer, and a request that could never fit gets
 //! 429 naming what it needs. A cancelled stream frees its slot at the next step while the
-//! batch goes on. With the MTP head, speculative streams (stepped alone) and batched plain ones
-//! at once equal their solo runs. On the tiny qwen4exp fixture, and on the default qwen2 model
+//! batch goes on. With the MTP head, speculative streams (their verify windows rows of the
+//! batch) and plain ones at once equal their solo runs, greedy and seeded. On the tiny qwen4exp fixture, and on the default qwen2 model
 //! when it is cached (else a SKIP message).
 
 mod common;
@@ -219,46 +219,62 @@ fn a_cancelled_stream_frees_its_slot_while_the_batch_goes_on() {
     s.shutdown().unwrap();
 }
 
-/// With an MTP head: speculative requests (window 4, stepped alone beside the batch) and plain
-/// ones (window 1, in the batch) at once each get the stream they get alone.
+/// With an MTP head: speculative requests (window 4, their verify windows rows of the batch)
+/// and plain ones (window 1) at once each get the stream they get alone, greedy and seeded;
+/// windows really ran in batched passes beside other sequences' rows (`batch_windows_total`).
 #[test]
 fn speculative_and_batched_streams_together_equal_their_solo_runs() {
     let head = LoadSpec {
         mtp: Some(common::mtp_head()),
         ..spec()
     };
-    let bodies: Vec<Value> = bodies(false)
-        .into_iter()
-        .enumerate()
-        .map(|(i, mut b)| {
-            b["spec"] = json!(if i % 2 == 0 { 4 } else { 1 });
-            b
-        })
-        .collect();
-    let solo = start_with(tiny_model(), head.clone(), cfg(1));
-    let want: Vec<String> = bodies
-        .iter()
-        .map(|b| text_of(&post(solo.addr(), "/v1/completions", b)))
-        .collect();
-    drop(solo);
-    let s = start_with(tiny_model(), head, cfg(8));
-    let addr = s.addr();
-    let got: Vec<String> = std::thread::scope(|sc| {
-        let hs: Vec<_> = bodies
-            .iter()
-            .map(|b| sc.spawn(move || text_of(&post(addr, "/v1/completions", b))))
+    for seeded in [false, true] {
+        let bodies: Vec<Value> = bodies(seeded)
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut b)| {
+                b["spec"] = json!(if i % 2 == 0 { 4 } else { 1 });
+                b
+            })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-        assert_eq!(w, g, "stream {i} (spec {}) differs", bodies[i]["spec"]);
+        let solo = start_with(tiny_model(), head.clone(), cfg(1));
+        let want: Vec<String> = bodies
+            .iter()
+            .map(|b| text_of(&post(solo.addr(), "/v1/completions", b)))
+            .collect();
+        assert_eq!(
+            metric(solo.addr(), "batch_windows_total"),
+            0.0,
+            "a lone sequence shared a pass"
+        );
+        drop(solo);
+        let s = start_with(tiny_model(), head.clone(), cfg(8));
+        let addr = s.addr();
+        let got: Vec<String> = std::thread::scope(|sc| {
+            let hs: Vec<_> = bodies
+                .iter()
+                .map(|b| sc.spawn(move || text_of(&post(addr, "/v1/completions", b))))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(
+                w, g,
+                "seeded {seeded}: stream {i} (spec {}) differs",
+                bodies[i]["spec"]
+            );
+        }
+        assert!(
+            metric(addr, "spec_passes_total") > 0.0,
+            "no speculative pass ran"
+        );
+        assert!(
+            metric(addr, "batch_windows_total") > 0.0,
+            "seeded {seeded}: no verify window ran in a batch beside other sequences"
+        );
+        assert!(
+            metric(addr, "batch_sequences_max") > 1.0,
+            "the streams never shared a step"
+        );
     }
-    assert!(
-        metric(addr, "spec_passes_total") > 0.0,
-        "no speculative pass ran"
-    );
-    assert!(
-        metric(addr, "batch_sequences_max") > 1.0,
-        "the plain streams never shared a step"
-    );
 }

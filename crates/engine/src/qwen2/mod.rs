@@ -281,9 +281,12 @@ impl<B: Backend> Model<B> {
             self.check(it.state, it.tokens)?;
             tokens.extend_from_slice(it.tokens);
             positions.extend(it.state.pos..it.state.pos + it.tokens.len());
-            parts.push((it.state.id, it.tokens.len(), it.last_only));
+            parts.push((it.state.id, it.tokens.len(), it.last_only as u32));
         }
-        let (lens, lasts): (Vec<usize>, Vec<bool>) = parts.iter().map(|p| (p.1, p.2)).unzip();
+        let (lens, lasts): (Vec<usize>, Vec<bool>) = items
+            .iter()
+            .map(|it| (it.tokens.len(), it.last_only))
+            .unzip();
         let key = StepKey {
             kind: StepKind::Forward,
             rows: tokens.len(),

@@ -135,6 +135,33 @@ pub struct BatchItem<'a, B: Backend> {
     pub tokens: &'a [u32],
     /// Logits of the last token only (a prefill chunk); else of every token.
     pub last_only: bool,
+    /// A speculative verify window's replay log: the inputs of every recurrent update of these
+    /// rows are kept in it, so that the window can later keep only a prefix of them
+    /// ([`Model::rollback_window`], `crate::speculative`).
+    pub log: Option<&'a mut ReplayLog<B>>,
+    /// Return the rows' pre-mixer residual too (the MTP head's input).
+    pub hidden: bool,
+}
+
+impl<'a, B: Backend> BatchItem<'a, B> {
+    /// A sequence's plain rows (a decode token, a prefill chunk): no replay log, no hidden rows.
+    pub fn rows(state: &'a mut State<B>, tokens: &'a [u32], last_only: bool) -> Self {
+        BatchItem {
+            state,
+            tokens,
+            last_only,
+            log: None,
+            hidden: false,
+        }
+    }
+}
+
+/// One item's results of [`Model::forward_batch_dev`], still on the device.
+pub struct BatchOut<B: Backend> {
+    /// `[rows, n_vocab]`: every row's logits, or the last row's with `last_only`.
+    pub logits: B::Buf,
+    /// `[tokens, S·H]`, the pre-mixer residual (with [`BatchItem::hidden`]).
+    pub hidden: Option<B::Buf>,
 }
 
 /// Bits of [`StepKey::outputs`] for the trunk's forward.
@@ -507,26 +534,50 @@ impl<B: Qwen4expOps> Model<B> {
     }
 
     /// Several sequences' rows in one forward pass (`crate::batch`): each item's tokens
-    /// continue its state, and its logits (of every row, or of the last with `last_only`) are
-    /// the bits of [`Model::forward_with`] on that sequence alone. Every item is checked before
-    /// the step runs; on an error inside the step the states are left part-way.
+    /// continue its state, and its logits (of every row, or of the last with `last_only`) and
+    /// hidden rows (when asked) are the bits of [`Model::forward_with`] on that sequence alone.
+    /// Every item is checked before the step runs; on an error inside the step the states are
+    /// left part-way.
     pub fn forward_batch(&self, items: &mut [BatchItem<'_, B>]) -> Result<Vec<Outputs>> {
         let b = &self.backend;
+        self.forward_batch_dev(items)?
+            .into_iter()
+            .map(|o| {
+                Ok(Outputs {
+                    logits: b.download(&o.logits)?,
+                    n_vocab: self.config.n_vocab,
+                    layer_out: Vec::new(),
+                    hidden: o.hidden.as_ref().map(|h| b.download(h)).transpose()?,
+                })
+            })
+            .collect()
+    }
+
+    /// [`Model::forward_batch`] with the results left on the device, one [`BatchOut`] per item;
+    /// an item with a replay log (a speculative verify window) has it filled as
+    /// [`Model::forward_dev`] fills it for the sequence alone.
+    pub fn forward_batch_dev(&self, items: &mut [BatchItem<'_, B>]) -> Result<Vec<BatchOut<B>>> {
+        let b = &self.backend;
         let c = &self.config;
+        for it in items.iter() {
+            self.check_tokens(it.tokens)?;
+            self.check_room(it.state, it.state.pos + it.tokens.len())?;
+        }
         if items.len() == 1 || !b.batches_sequences() {
             // One sequence, or a backend that steps sequences apart: each its own step.
-            for it in items.iter() {
-                self.check_tokens(it.tokens)?;
-                self.check_room(it.state, it.state.pos + it.tokens.len())?;
-            }
             return items
                 .iter_mut()
                 .map(|it| {
                     let want = Want {
                         last_only: it.last_only,
+                        hidden: it.hidden,
                         ..Want::default()
                     };
-                    self.forward_with(it.state, it.tokens, want)
+                    let out = self.forward_dev(it.state, it.tokens, want, it.log.as_deref_mut())?;
+                    Ok(BatchOut {
+                        logits: out.logits,
+                        hidden: out.hidden,
+                    })
                 })
                 .collect();
         }
@@ -534,30 +585,48 @@ impl<B: Qwen4expOps> Model<B> {
         let mut positions = Vec::new();
         let mut ple_ids = c.ple.as_ref().map(|_| Vec::new());
         let mut parts = Vec::with_capacity(items.len());
-        for it in items.iter() {
-            self.check_tokens(it.tokens)?;
-            self.check_room(it.state, it.state.pos + it.tokens.len())?;
+        for it in items.iter_mut() {
             tokens.extend_from_slice(it.tokens);
             positions.extend(it.state.pos..it.state.pos + it.tokens.len());
             if let (Some(p), Some(ids)) = (&c.ple, ple_ids.as_mut()) {
                 ids.extend(ngram::row_ids(p, &it.state.tokens, it.tokens)?);
             }
-            parts.push((it.state.id, it.tokens.len(), it.last_only));
+            if let Some(log) = it.log.as_deref_mut() {
+                log.reset(c.n_layer);
+            }
+            let wants = (it.last_only as u32)
+                | ((it.hidden as u32) * OUT_HIDDEN)
+                | ((it.log.is_some() as u32) * OUT_LOGGED);
+            parts.push((it.state.id, it.tokens.len(), wants));
         }
-        let (lens, lasts): (Vec<usize>, Vec<bool>) = parts.iter().map(|p| (p.1, p.2)).unzip();
+        let lens: Vec<usize> = items.iter().map(|it| it.tokens.len()).collect();
+        let lasts: Vec<bool> = items.iter().map(|it| it.last_only).collect();
+        let out_lens: Vec<usize> = items
+            .iter()
+            .map(|it| if it.last_only { 1 } else { it.tokens.len() })
+            .collect();
+        let hidden: Vec<bool> = items.iter().map(|it| it.hidden).collect();
+        let want = Want {
+            hidden: hidden.contains(&true),
+            ..Want::default()
+        };
         let ratios = self.qsa_ratios();
         let key = StepKey {
             kind: StepKind::Forward,
             rows: tokens.len(),
-            outputs: OUT_BATCH,
+            outputs: OUT_BATCH
+                | ((want.hidden as u32) * OUT_HIDDEN)
+                | ((items.iter().any(|it| it.log.is_some()) as u32) * OUT_LOGGED),
             seq: batch::batch_key(&parts),
         };
-        let out = b.step(key, || {
+        let outs = b.step(key, || {
             let inputs = StepInputs::at_positions(b, &tokens, &positions, &ratios)?;
             let split = Split::new(b, &inputs, &lens, &lasts)?;
             let ple_rows = ple_ids.as_ref().map(|r| b.upload_ids(r)).transpose()?;
-            let mut sts: Vec<&mut State<B>> = items.iter_mut().map(|it| &mut *it.state).collect();
-            let mut logs: Vec<Option<&mut ReplayLog<B>>> = sts.iter().map(|_| None).collect();
+            let (mut sts, mut logs): (Vec<&mut State<B>>, Vec<Option<&mut ReplayLog<B>>>) = items
+                .iter_mut()
+                .map(|it| (&mut *it.state, it.log.as_deref_mut()))
+                .unzip();
             let rows = Rows {
                 at: At {
                     inputs: &inputs,
@@ -565,31 +634,31 @@ impl<B: Qwen4expOps> Model<B> {
                 },
                 split: &split,
             };
-            let out = self.layers_and_head(
-                &mut sts,
-                rows,
-                ple_rows.as_ref(),
-                Want::default(),
-                &mut logs,
-            )?;
-            let ranges: Vec<(usize, usize)> = (0..sts.len())
-                .map(|i| split.output_range(i, out.logits.rows()))
-                .collect();
-            Ok((out, ranges))
+            let out = self.layers_and_head(&mut sts, rows, ple_rows.as_ref(), want, &mut logs)?;
+            // Each sequence's rows of the results.
+            let logits = b.split_rows(out.logits, &out_lens)?;
+            let mut rows_of = match out.hidden {
+                Some(h) => {
+                    let h = b.reshape(h, tokens.len(), c.residual_dim())?;
+                    b.split_rows(h, &lens)?.into_iter().map(Some).collect()
+                }
+                None => Vec::new(),
+            };
+            rows_of.resize_with(lens.len(), || None);
+            Ok(logits
+                .into_iter()
+                .zip(rows_of)
+                .zip(&hidden)
+                .map(|((logits, h), &want)| BatchOut {
+                    logits,
+                    hidden: h.filter(|_| want),
+                })
+                .collect::<Vec<_>>())
         })?;
-        let (out, ranges) = out;
-        let logits = b.download(&out.logits)?;
-        let v = c.n_vocab;
-        let mut res = Vec::with_capacity(items.len());
-        for (it, (start, len)) in items.iter_mut().zip(ranges) {
+        for it in items.iter_mut() {
             self.advance(it.state, it.tokens)?;
-            res.push(Outputs {
-                logits: logits[start * v..(start + len) * v].to_vec(),
-                n_vocab: v,
-                ..Outputs::default()
-            });
         }
-        Ok(res)
+        Ok(outs)
     }
 
     /// Refuses an empty call or a token outside the vocabulary.

@@ -24,6 +24,11 @@
 //! up) and the target ([`target`], steps 2 and 4: verify a window, commit what the judge kept).
 //! Step 3 is the loop's judge. Neither side reads the other's state: the target hands the
 //! drafter the committed tokens and its pre-mixer rows, and the drafter hands the loop tokens.
+//!
+//! Step 2 may run as rows of a batched forward pass beside other sequences' rows
+//! (`crate::batch`): [`SpecDecoder::window_item`] gives the window's batch item and
+//! [`SpecDecoder::window_ran`] takes its results back, between the loop's
+//! `Progress::begin_window` and `Progress::end_window`; alone, the window is a batch of one.
 
 pub mod draft_vocab;
 mod drafter;
@@ -33,12 +38,12 @@ mod target;
 use std::time::{Duration, Instant};
 
 use crate::backend::DevicePick;
-use crate::decode::{self, ByPicker, Decoding, DraftEdit, Judged, Pick, Policy, Stepper};
+use crate::decode::{self, ByPicker, Decoding, DraftEdit, Judged, Pick, Policy, Stepper, Verified};
 use crate::error::{EngineError, Result};
 use crate::generate::{GenOptions, Timings};
 use crate::qwen4exp::mtp::MtpState;
 use crate::qwen4exp::ops::Qwen4expOps;
-use crate::qwen4exp::{Model, State};
+use crate::qwen4exp::{BatchItem, BatchOut, Model, State};
 use crate::sampler::{DraftEdits, SampleContext, Sampler};
 
 /// The draft chain's pick (ties to the lower index, NaN never chosen): the catalogue's
@@ -571,6 +576,30 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
                 stopped: judged.stopped,
             })
         })
+    }
+
+    /// The first half of a verify pass run as rows of a batch (`crate::batch`): the batch
+    /// item of `window`, the window [`Progress::begin_window`](crate::decode::Progress) gave
+    /// for this decoder (the pending token, then the drafts), with the trunk's state, the
+    /// replay log that rolls the window back and the hidden rows the head needs. Run it in
+    /// [`Model::forward_batch_dev`] beside other sequences' rows, then hand its results to
+    /// [`SpecDecoder::window_ran`].
+    pub fn window_item<'a>(&'a mut self, window: &'a [u32]) -> Result<BatchItem<'a, B>> {
+        if self.pending.is_none() || window.first() != self.pending.as_ref() {
+            return Err(EngineError::Input(
+                "speculative step: the window does not start with the pending token".to_string(),
+            ));
+        }
+        self.target.window_item(window, self.may_rewind)
+    }
+
+    /// The second half of a batched verify pass: `out`, the results of the item
+    /// [`SpecDecoder::window_item`] gave, as [`Progress::end_window`](crate::decode::Progress)
+    /// takes them: each row's logits, or with `pick` (the loop's
+    /// [`Progress::device_pick`](crate::decode::Progress::device_pick)) the device's pick
+    /// after each row.
+    pub fn window_ran(&mut self, out: BatchOut<B>, pick: Option<DevicePick>) -> Result<Verified> {
+        self.target.window_ran(out, pick, &mut self.stats)
     }
 
     /// Runs `f` with the decoder and its picker apart (the loop borrows both).

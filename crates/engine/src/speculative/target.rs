@@ -5,24 +5,37 @@
 //! (attention caches truncated, recurrent states restored and advanced over the kept rows),
 //! the window's start (the checkpoint), or a rebuild of the whole sequence.
 //!
+//! A window's pass comes in two halves, so that it can run as rows of a batched forward beside
+//! other sequences' rows (`crate::batch`): [`Target::window_item`] checkpoints the start and
+//! hands out the window's batch item (the state, the replay log, the hidden rows wanted), and
+//! [`Target::window_ran`] takes that item's results back. A window run alone is a batch of one.
+//!
 //! It knows nothing of drafts: the drafter ([`super::drafter`]) takes the pre-mixer rows the
 //! target keeps for it (`hidden`) and catches up on the committed tokens.
 
 use std::time::Instant;
 
-use crate::backend::DevicePick;
-use crate::error::Result;
+use crate::backend::{DeviceBuf, DevicePick};
+use crate::decode::Verified;
+use crate::error::{EngineError, Result};
 use crate::qwen4exp::ops::Qwen4expOps;
-use crate::qwen4exp::{Checkpoint, Model, ReplayLog, State, Want};
+use crate::qwen4exp::{BatchItem, BatchOut, Checkpoint, Model, ReplayLog, State, Want};
 
 use super::SpecStats;
 
-/// A verify pass waiting for the judge's ruling.
-struct Verified<B: Qwen4expOps> {
+/// A verify window's roll-back material: where it starts, its rows, the start's checkpoint and
+/// the recurrences' replay log (filled by the window's forward pass).
+struct Window<B: Qwen4expOps> {
     pos0: usize,
     rows: usize,
     checkpoint: Option<Checkpoint<B>>,
     log: ReplayLog<B>,
+    started: Instant,
+}
+
+/// A verify pass waiting for the judge's ruling: its window and the rows' pre-mixer states.
+struct Ran<B: Qwen4expOps> {
+    window: Window<B>,
     hidden: Option<B::Buf>,
 }
 
@@ -47,8 +60,10 @@ pub(crate) struct Target<'m, B: Qwen4expOps> {
     /// The checkpoint of the last verify window, kept to be filled again (a window allocates
     /// no state copies: [`Model::checkpoint_into`]).
     spare_checkpoint: Option<Checkpoint<B>>,
+    /// The window handed out as a batch item and not yet run ([`Target::window_item`]).
+    begun: Option<Window<B>>,
     /// What the last verify pass left to commit.
-    verified: Option<Verified<B>>,
+    verified: Option<Ran<B>>,
 }
 
 impl<'m, B: Qwen4expOps> Target<'m, B> {
@@ -69,6 +84,7 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
             state,
             hidden,
             spare_checkpoint,
+            begun: None,
             verified: None,
         })
     }
@@ -115,12 +131,10 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
         keep_start: bool,
         stats: &mut SpecStats,
     ) -> Result<Vec<f32>> {
-        let t0 = Instant::now();
-        let logits = self.run_window(window, keep_start)?;
-        let logits = self.model.backend().download(&logits)?;
-        stats.verify_time += t0.elapsed();
-        stats.passes += 1;
-        Ok(logits)
+        match self.run_window(window, keep_start, None, stats)? {
+            Verified::Logits(l) => Ok(l),
+            Verified::Ids(_) => Err(EngineError::shape("verify", "picks instead of logits")),
+        }
     }
 
     /// [`Target::verify`] with the picks made where the logits are: one token per row (row
@@ -132,41 +146,121 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
         keep_start: bool,
         stats: &mut SpecStats,
     ) -> Result<Vec<u32>> {
-        let t0 = Instant::now();
-        let first = self.state.position() as u64 + 1;
-        let logits = self.run_window(window, keep_start)?;
-        let b = self.model.backend();
-        let ids = b.download_ids(&b.pick_rows(&logits, pick, first)?)?;
-        stats.verify_time += t0.elapsed();
-        stats.passes += 1;
-        Ok(ids)
+        match self.run_window(window, keep_start, Some(pick), stats)? {
+            Verified::Ids(ids) => Ok(ids),
+            Verified::Logits(_) => Err(EngineError::shape("verify", "logits instead of picks")),
+        }
     }
 
-    /// The window's forward pass, with what commits it kept (the logits stay on the device).
-    fn run_window(&mut self, window: &[u32], keep_start: bool) -> Result<B::Buf> {
+    /// The window's forward pass alone: a batch of one.
+    fn run_window(
+        &mut self,
+        window: &[u32],
+        keep_start: bool,
+        pick: Option<DevicePick>,
+        stats: &mut SpecStats,
+    ) -> Result<Verified> {
+        let model = self.model;
+        let item = self.window_item(window, keep_start)?;
+        let out = model
+            .forward_batch_dev(&mut [item])?
+            .pop()
+            .ok_or_else(|| EngineError::shape("verify", "no result for the window"))?;
+        self.window_ran(out, pick, stats)
+    }
+
+    /// The first half of a verify pass: checkpoints the start (for a window of more than one
+    /// row, or with `keep_start`: the judge may rewind to it) and returns the batch item that
+    /// runs `window` with the replay log and the hidden rows a commit needs. Its forward pass
+    /// may run alone or beside other sequences' rows; hand its results to
+    /// [`Target::window_ran`].
+    pub(crate) fn window_item<'a>(
+        &'a mut self,
+        window: &'a [u32],
+        keep_start: bool,
+    ) -> Result<BatchItem<'a, B>> {
         let n = window.len();
-        let pos0 = self.state.position();
+        if n == 0 {
+            return Err(EngineError::Input("verify: an empty window".to_string()));
+        }
+        // A window begun and never run (its batch failed) gives its checkpoint back.
+        if let Some(cp) = self.begun.take().and_then(|w| w.checkpoint) {
+            self.spare_checkpoint.get_or_insert(cp);
+        }
+        self.verified = None;
         let checkpoint = if n > 1 || keep_start {
             Some(self.take_checkpoint()?)
         } else {
             None
         };
-        let mut log = ReplayLog::new();
-        let want = Want {
-            hidden: self.hidden,
-            ..Want::default()
-        };
-        let out =
-            self.model
-                .forward_dev(&mut self.state, window, want, (n > 1).then_some(&mut log))?;
-        self.verified = Some(Verified {
-            pos0,
+        let Target {
+            state,
+            hidden,
+            begun,
+            ..
+        } = self;
+        let w = begun.insert(Window {
+            pos0: state.position(),
             rows: n,
             checkpoint,
-            log,
+            log: ReplayLog::new(),
+            started: Instant::now(),
+        });
+        Ok(BatchItem {
+            state,
+            tokens: window,
+            last_only: false,
+            // One row is kept whole or not at all: nothing to replay.
+            log: (n > 1).then_some(&mut w.log),
+            hidden: *hidden,
+        })
+    }
+
+    /// The second half of a verify pass: `out` is the results of the item
+    /// [`Target::window_item`] gave out. Keeps what a commit needs and returns each row's
+    /// logits (downloaded), or with `pick` the token picked after each row on the device (row
+    /// `i`'s at position `start + 1 + i`), so only ids cross the boundary.
+    pub(crate) fn window_ran(
+        &mut self,
+        out: BatchOut<B>,
+        pick: Option<DevicePick>,
+        stats: &mut SpecStats,
+    ) -> Result<Verified> {
+        let w = self
+            .begun
+            .take()
+            .ok_or_else(|| EngineError::Input("verify: no window was begun".to_string()))?;
+        let hidden_rows = out.hidden.as_ref().map(|h| h.rows());
+        if self.state.position() != w.pos0 + w.rows
+            || out.logits.rows() != w.rows
+            || hidden_rows != self.hidden.then_some(w.rows)
+        {
+            return Err(EngineError::shape(
+                "verify",
+                format!(
+                    "a window of {} rows from position {}: the trunk is at {}, {} logits rows \
+                     and {hidden_rows:?} hidden rows came back",
+                    w.rows,
+                    w.pos0,
+                    self.state.position(),
+                    out.logits.rows()
+                ),
+            ));
+        }
+        let b = self.model.backend();
+        let rows = match pick {
+            Some(p) => {
+                Verified::Ids(b.download_ids(&b.pick_rows(&out.logits, p, w.pos0 as u64 + 1)?)?)
+            }
+            None => Verified::Logits(b.download(&out.logits)?),
+        };
+        stats.verify_time += w.started.elapsed();
+        stats.passes += 1;
+        self.verified = Some(Ran {
+            window: w,
             hidden: out.hidden,
         });
-        Ok(out.logits)
+        Ok(rows)
     }
 
     /// Whether a verify pass waits for its commit.
@@ -186,7 +280,7 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
         can_restart: bool,
         stats: &mut SpecStats,
     ) -> Result<Committed<B>> {
-        let Some(v) = self.verified.take() else {
+        let Some(Ran { window: v, hidden }) = self.verified.take() else {
             return self.rebuild(seq);
         };
         let model = self.model;
@@ -207,7 +301,7 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
                     }
                     self.spare_checkpoint = Some(cp);
                 }
-                let hidden = match v.hidden {
+                let hidden = match hidden {
                     Some(mut h) => {
                         model.backend().truncate_rows(&mut h, keep)?;
                         Some(h)
