@@ -20,10 +20,20 @@ typedef unsigned long long u64;
 // Nothing may read another kernel's output, or write memory another kernel reads, before it.
 // The recorded steps launch with programmatic stream serialization (record.rs); the order of
 // every kernel's arithmetic is unchanged, so the results are the same bits.
+//
+// STRATA_TRIGGER_FIRST (the opt-in measuring switch STRATA_CUDA_TRIGGER_FIRST=1,
+// strata_cuda::sources): the next kernel is let launch before the wait, so kernels chain ahead
+// as far as the SMs hold their waiting blocks. Only reads of weights are then safe before a
+// wait (the experts' settled route is not: the launcher turns that off).
 __device__ __forceinline__ void grid_dep_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(STRATA_TRIGGER_FIRST)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#else
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #endif
 }
 

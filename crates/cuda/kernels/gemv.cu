@@ -804,21 +804,52 @@ moe_gate_up_q2s(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int 
 #define MDS_ROWS 16       // output rows a block (a warp each)
 #define MDS_SLOTS 10      // at most this many slots a row
 #define MDS_STAGE 28800   // MDS_SLOTS × MDS_ROWS Q2_0 rows of 640 (180 bytes)
+#define MDS_SH_UNITS 20   // the shared expert's Q8_0 rows: at most 20 units (640)
+
+// A transposed activation unit as kept in shared memory (Q2X without its 16-byte alignment).
+struct Q2Xs {
+    int a[4], b[4];
+    float dx;
+    int sx;
+};
 
 // Block (blockIdx.x, t): output rows r0 .. r0 + 16 of activation row t over its kslots slots,
 // 512 threads: warp w the output row r0 + w. Each slot's 16 weight rows are one bulk copy; the
 // pairs' Q8_0 images (the gate/up's) are transposed once a block into shared memory.
+//
+// The shared expert, one of two ways: `shared` (its output, nt × h) added as
+// add_sigmoid_gated does; or, with `sw` (its Q8_0 down weight, rows of sff ≤ 640), computed
+// here from its gate and up products `sg`, `su` (nt × sff): swiglu_xprep's Q8_0 image of
+// silu(g)·u (norm.cu, the same expression), then the block's 16 down rows as the unit-parallel
+// product sums them (a warp a row, lane_order_sum's order) — so the bits of swiglu_prepare, the
+// product and the add. Its weight rows are copied before the dependency wait always (weights),
+// its image computed before it where `early` says sg and su are settled.
 extern "C" __global__ void __launch_bounds__(512)
 moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u8* aq, const float* wts, int kslots,
              float* out, const float* shared, const float* gate, int h, int k, u64 wrb, u64 xrb, u32* err,
-             int early) {
+             int early, const float* sg, const float* su, const u8* sw, int sff, u64 swrb) {
     __shared__ __align__(128) u8 st[MDS_STAGE];
-    __shared__ Q2X xa[MDS_SLOTS * 20];
-    __shared__ __align__(8) u64 bar;
+    __shared__ __align__(128) u8 sst[MDS_ROWS * 34 * MDS_SH_UNITS];
+    __shared__ __align__(16) u8 sact[34 * MDS_SH_UNITS];
+    __shared__ Q2Xs xa[MDS_SLOTS * 20];
+    __shared__ __align__(8) u64 bar, bars;
     const int t = blockIdx.y, r0 = MDS_ROWS * blockIdx.x, U = k / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 sb = MDS_ROWS * (u32)wrb;
     const int* id = ids + t * kslots;
+    const int SU = sff / 32;
+    if (sw && tid == 0) {
+        mbar_arm(&bars, MDS_ROWS * (u32)swrb);
+        bulk_to_smem(sst, sw + (size_t)r0 * swrb, MDS_ROWS * (u32)swrb, &bars);
+    }
+    // The shared expert's activation image (swiglu_xprep's warp a 32-element block).
+    auto shared_image = [&]() {
+        for (int b = warp; b < SU; b += 16) {
+            const size_t e = (size_t)t * sff + 32 * b + lane;
+            q8_0_warp(siluf_(sg[e]) * su[e], sact + 34 * b, lane);
+        }
+    };
+    if (sw && early) shared_image();
     if (!early) grid_dep_sync();
     if (tid == 0) {
         u32 bytes = 0;
@@ -834,26 +865,60 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
         }
     }
     if (early) grid_dep_sync();
+    if (sw && !early) shared_image();
     // The pairs' activation units, transposed (thread i: slot i / U, unit i % U).
-    if (tid < kslots * U) xa[tid] = q2_act(aq + (size_t)(t * kslots + tid / U) * xrb, tid % U);
+    if (tid < kslots * U) {
+        const Q2X x = q2_act(aq + (size_t)(t * kslots + tid / U) * xrb, tid % U);
+        Q2Xs& d = xa[tid];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d.a[i] = x.a[i], d.b[i] = x.b[i];
+        d.dx = x.dx;
+        d.sx = x.sx;
+    }
     __syncthreads();
     mbar_wait(&bar);
     const int r = r0 + warp;
-    float comb = 0.f;
-    for (int s = 0; s < kslots; ++s) {
-        const int e = id[s];
-        float acc = 0.f;
-        if (lane < U) acc += q2_dot(q2_load(st + s * sb + (size_t)warp * wrb, lane), xa[s * U + lane]);
-        float v = dot_post<T_Q2_0>(warp_sum(acc));
-        if (e < 0 || e >= n_expert) {
-            if (lane == 0) atomicOr(err, 2u);
-            v = __int_as_float(0x7fc00000);
+    // Every slot's row first (independent), then their butterflies side by side.
+    float acc[MDS_SLOTS];
+#pragma unroll
+    for (int s = 0; s < MDS_SLOTS; ++s) {
+        acc[s] = 0.f;
+        if (s < kslots && lane < U) {
+            const Q2Xs& d = xa[s * U + lane];
+            Q2X x;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) x.a[i] = d.a[i], x.b[i] = d.b[i];
+            x.dx = d.dx;
+            x.sx = d.sx;
+            acc[s] += q2_dot(q2_load(st + s * sb + (size_t)warp * wrb, lane), x);
         }
-        comb += wts[t * kslots + s] * v;
+    }
+#pragma unroll
+    for (int s = 0; s < MDS_SLOTS; ++s) acc[s] = warp_sum(acc[s]);
+    float comb = 0.f;
+#pragma unroll
+    for (int s = 0; s < MDS_SLOTS; ++s) {
+        if (s < kslots) {
+            const int e = id[s];
+            float v = dot_post<T_Q2_0>(acc[s]);
+            if (e < 0 || e >= n_expert) {
+                if (lane == 0) atomicOr(err, 2u);
+                v = __int_as_float(0x7fc00000);
+            }
+            comb += wts[t * kslots + s] * v;
+        }
+    }
+    float sv = 0.f;
+    if (sw) {
+        mbar_wait(&bars);
+        float a = 0.f;
+        if (lane < SU) a += unit_dot_w<T_Q8_0>(load_unit<T_Q8_0>(sst + (size_t)warp * swrb, lane), sact, lane);
+        sv = dot_post<T_Q8_0>(warp_sum(a));
     }
     if (lane == 0 && r < h) {
         const size_t o = (size_t)t * h + r;
-        if (shared) comb = comb + sigmoidf_(gate[t]) * shared[o];
+        if (sw) comb = comb + sigmoidf_(gate[t]) * sv;
+        else if (shared) comb = comb + sigmoidf_(gate[t]) * shared[o];
         out[o] = comb;
     }
 }
@@ -1164,8 +1229,7 @@ hc_up_u_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int s
     }
 }
 
-// The up product's sums of hc_up_q4_bf16 and hc_upn_q4_bf16 (the scheme is described at
-// hc_up_q4_bf16, below):
+// The up product's sums of hc_up_q4_bf16 (the scheme is described at hc_up_q4_bf16, below):
 // gs[t·64 + s·J + jj] for the block's J = 64/S columns, after the block's sync. The weights are
 // loaded before the dependency wait, aq staged after it.
 __device__ __forceinline__ void hc_up4_sums(const u8* wu, const u8* aq, int h, int streams, int rank, int nt,
@@ -1227,157 +1291,4 @@ hc_up_q4_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int 
     }
 }
 
-// ---- the mix in two launches: the norm folded into the down product --------------------------
-// (strata_cuda::model::hc_mix_fused with hc_norm_down_on; opt-in, STRATA_CUDA_HC_ND=1.) The
-// three-launch mix's bits without its norm launch: every block of the down product computes the
-// rows' stream scales itself, in hc_norm_t's order (thread t < 256: elements t, t + 256, … of
-// the stream, from +0; warp_sum; the eight warp sums halved 4, 2, 1 apart), and each of its
-// units' activation BF16((v·s)·w) in registers (v = x, or x + inj·y with the previous block's
-// combine) — the values hc_norm_t writes to xq; block 0 keeps the scales. The up product then
-// recomputes the normed values of its columns from x, the scales and the norm weight (hc_norm_t's
-// xn, the same expression) and, with the combine, writes x + inj·y back to x (its own columns:
-// each element once). So no xn/xq images and one launch fewer a mix.
-
-// Block: rows row0 .. row0 + rb of the stacked [down; inject] (total rank + n_inj) against
-// nt activation rows; a thread per unit contribution (units of 32 of the streams·h row).
-// nt·streams ≤ 64, streams ≤ 8. Outputs as hc_down_bf16; scl[t·streams + g] the scales
-// (block 0).
-extern "C" __global__ void __launch_bounds__(1024)
-hc_nd_bf16(const u8* wd, const u8* wi, const float* x, const float* y, const float* cinj, const float* wn, u16* aq,
-           float* inj, float* scl, int rank, int n_inj, int streams, int h, int nt, int rb, float inv_s, float eps) {
-    __shared__ float part[UNITS_PART];
-    __shared__ float shp[64][8];
-    __shared__ float scales[64];
-    const int total = rank + n_inj, row0 = blockIdx.x * rb;
-    if (row0 >= total) return;
-    const int k = streams * h;
-    const u64 rbytes = 2 * (u64)k;
-    {
-        const int end = min(row0 + rb, total), a = min(row0, rank), b = min(end, rank);
-        if (a < b) prefetch_l2(wd + (size_t)a * rbytes, (u64)(b - a) * rbytes);
-        const int c = max(row0, rank);
-        if (c < end) prefetch_l2(wi + (size_t)(c - rank) * rbytes, (u64)(end - c) * rbytes);
-    }
-    auto wrow = [&](int r) -> const u8* {
-        return r < rank ? wd + (size_t)r * rbytes : wi + (size_t)(r - rank) * rbytes;
-    };
-    const int nrows = min(rb, total - row0), U = k / 32;
-    const FirstUnit<T_BF16> f = first_unit<T_BF16>([&](int lr) { return wrow(row0 + lr); }, nrows * U, U);
-    grid_dep_sync();
-    // The scales of every (row t, stream g): thread tid < 256 sums the squares of elements tid,
-    // tid + 256, … of each stream from +0 (the streams side by side, each its own sum, so
-    // their loads are in flight together), then each sum's warp_sum; the eight warp sums of
-    // pair p = t·streams + g are halved by thread p (hc_norm_t's order throughout).
-    const int tid = threadIdx.x;
-    if (tid < 256) {
-        for (int t = 0; t < nt; ++t) {
-            const float* xr = x + (size_t)t * k;
-            const float* yr = cinj ? y + (size_t)t * h : nullptr;
-            float acc[8], ga[8];
-#pragma unroll
-            for (int g = 0; g < 8; ++g) {
-                acc[g] = 0.f;
-                ga[g] = (cinj && g < streams) ? cinj[(size_t)t * streams + g] : 0.f;
-            }
-            for (int i = tid; i < h; i += 256) {
-                const float yv = cinj ? yr[i] : 0.f;
-#pragma unroll
-                for (int g = 0; g < 8; ++g) {
-                    if (g < streams) {
-                        const float xv = xr[(size_t)g * h + i];
-                        const float v = cinj ? xv + ga[g] * yv : xv;
-                        acc[g] += v * v;
-                    }
-                }
-            }
-#pragma unroll
-            for (int g = 0; g < 8; ++g) {
-                if (g < streams) {
-                    const float w = warp_sum(acc[g]);
-                    if ((tid & 31) == 0) shp[t * streams + g][tid >> 5] = w;
-                }
-            }
-        }
-    }
-    __syncthreads();
-    if (tid < nt * streams) {
-        const float* q = shp[tid];
-        const float sum = ((q[0] + q[4]) + (q[2] + q[6])) + ((q[1] + q[5]) + (q[3] + q[7]));
-        const float sc = rms_scale(sum, h, eps);
-        scales[tid] = sc;
-        if (blockIdx.x == 0) scl[tid] = sc;
-    }
-    __syncthreads();
-    // Weight unit w against unit u of activation row t as hc_norm_t's xq would hold it
-    // (BF16((v·s)·w) of its 32 values), in bf16_unit's order: word m of the unit holds values
-    // 2m (low half) and 2m + 1 (high half), each word's low product first.
-    auto dot = [&](const UnitW<T_BF16>& w, int t, int u) -> float {
-        const int e0 = 32 * u, g = e0 / h, i0 = e0 - g * h;
-        const float* xr = x + (size_t)t * k + e0;
-        const float* wr = wn + e0;
-        const float a = cinj ? cinj[(size_t)t * streams + g] : 0.f;
-        const float* yr = cinj ? y + (size_t)t * h + i0 : nullptr;
-        const float sc = scales[t * streams + g];
-        float acc = 0.f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const u32 ws[4] = {w.v[q].x, w.v[q].y, w.v[q].z, w.v[q].w};
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int e = 2 * (4 * q + m);
-                float v0 = xr[e], v1 = xr[e + 1];
-                if (cinj) {
-                    v0 = v0 + a * yr[e];
-                    v1 = v1 + a * yr[e + 1];
-                }
-                const u32 b0 = f32_to_bf16((v0 * sc) * wr[e]), b1 = f32_to_bf16((v1 * sc) * wr[e + 1]);
-                acc = fmaf(__uint_as_float(ws[m] << 16), __uint_as_float(b0 << 16), acc);
-                acc = fmaf(__uint_as_float(ws[m] & 0xffff0000u), __uint_as_float(b1 << 16), acc);
-            }
-        }
-        return acc;
-    };
-    const int stride = nrows * U;
-    if (f.live)
-        for (int t = 0; t < nt; ++t) part[t * stride + threadIdx.x] = dot(f.w, t, f.u);
-    for (int i = threadIdx.x + blockDim.x; i < stride; i += blockDim.x) {
-        const int lr = i / U, uu = i - lr * U;
-        const UnitW<T_BF16> w = load_unit<T_BF16>(wrow(row0 + lr), uu);
-        for (int t = 0; t < nt; ++t) part[t * stride + i] = dot(w, t, uu);
-    }
-    __syncthreads();
-    auto emit = [&](int t, int r, float v) {
-        if (r < rank) aq[(size_t)t * rank + r] = f32_to_bf16(siluf_(v * inv_s));
-        else inj[(size_t)t * n_inj + (r - rank)] = 2.0f * sigmoidf_(v * inv_s);
-    };
-    block_row_sums<T_BF16>(part, emit, row0, nrows, U, nt);
-}
-
-// hc_up_q4_bf16 with the normed values recomputed from x (and the combine's y and inj), the
-// scales of hc_nd_bf16 and the norm weight, and with the combine x + inj·y written back to x.
-extern "C" __global__ void __launch_bounds__(256)
-hc_upn_q4_bf16(const u8* wu, const u8* aq, float* x, const float* y, const float* cinj, const float* wn,
-               const float* scl, float* u, int h, int streams, int rank, int nt, float inv_s) {
-    __shared__ __align__(16) u8 ash[UNITS_XSTAGE];
-    __shared__ float gs[8 * 64];
-    hc_up4_sums(wu, aq, h, streams, rank, nt, ash, gs);
-    const int J = 64 / streams, j0 = blockIdx.x * J;
-    const int jn = min(J, h - j0);
-    const size_t sh = (size_t)streams * h;
-    for (int i = threadIdx.x; i < nt * jn; i += blockDim.x) {
-        const int t = i / jn, c = i - t * jn, j = j0 + c;
-        float acc = 0.f;
-        for (int g = 0; g < streams; ++g) {
-            float* xp = x + (size_t)t * sh + (size_t)g * h + j;
-            float xv = *xp;
-            if (cinj) {
-                xv = xv + cinj[(size_t)t * streams + g] * y[(size_t)t * h + j];
-                *xp = xv;
-            }
-            const float xn = (xv * scl[t * streams + g]) * wn[(size_t)g * h + j];
-            acc += sigmoidf_(gs[t * 64 + g * J + c]) * xn;
-        }
-        u[(size_t)t * h + j] = acc * inv_s;
-    }
-}
 #endif

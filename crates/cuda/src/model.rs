@@ -966,8 +966,6 @@ pub struct HcDev<'a> {
 /// Scratch of [`hc_mix`] for up to `rows` rows (allocated once; addresses stay fixed).
 pub struct HcScratch {
     pub rows: usize,
-    /// The norm's scales of each (row, stream) (the two-launch mix, [`hc_norm_down_on`]).
-    scl: CudaSlice<f32>,
     xn: CudaSlice<f32>,
     xq: CudaSlice<u8>,
     a: CudaSlice<f32>,
@@ -981,7 +979,6 @@ impl HcScratch {
         let rank = hc.down.rows;
         Ok(HcScratch {
             rows,
-            scl: gpu.zeros(rows * hc.streams)?,
             xn: gpu.zeros(rows * sh)?,
             xq: gpu.zeros(rows * hc.down.act_row_bytes()?)?,
             a: gpu.zeros(rows * rank)?,
@@ -1116,33 +1113,6 @@ pub fn hc_up_q4_applies(streams: usize, rank: usize, rows: usize) -> bool {
         && (1..=8).contains(&rows)
 }
 
-/// 0: from `STRATA_CUDA_HC_ND` (off unless `1`); 1: off; 2: on ([`set_hc_norm_down`]).
-static HC_ND: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Whether [`hc_mix_fused`] folds the mix's norm into its down product (two launches a mix:
-/// gemv.cu hc_nd_bf16 and hc_upn_q4_bf16, the three-launch mix's bits): opt-in with
-/// `STRATA_CUDA_HC_ND=1` until it has been measured on the GPU (session 8 wrote it with no
-/// device time left); the tests turn it on with [`set_hc_norm_down`].
-pub fn hc_norm_down_on() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    match HC_ND.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => *ENV.get_or_init(|| std::env::var("STRATA_CUDA_HC_ND").is_ok_and(|v| v.trim() == "1")),
-    }
-}
-
-/// Overrides [`hc_norm_down_on`] for this process (None: the environment's choice), for tests
-/// that bind both forms of the mix to the composed one.
-pub fn set_hc_norm_down(on: Option<bool>) {
-    let v = match on {
-        None => 0,
-        Some(false) => 1,
-        Some(true) => 2,
-    };
-    HC_ND.store(v, std::sync::atomic::Ordering::Relaxed);
-}
-
 /// [`hc_mix`] in three launches (gemv.cu hc_norm_bf16 or hc_combine_norm_bf16, hc_down_bf16,
 /// hc_up_u_bf16) with its bits; with `combine`, the previous block's [`hc_combine`] first
 /// (`x` updated in place, the same bits as the separate launch).
@@ -1181,15 +1151,6 @@ pub fn hc_mix_fused(
         i32_of(k, rows)?,
     );
     let eps = hc.eps;
-    if hc_norm_down_on()
-        && hc_up_q4_applies(st, rank, rows)
-        && st <= 8
-        && rows * st <= 64
-        && h.is_multiple_of(32)
-        && hc_two_rows_per_block(sh / 32, rows).is_some()
-    {
-        return hc_mix_two(gpu, hc, x, rows, s, u, inj);
-    }
     let blocks = (rows * st) as u32;
     // The rows, the norm's weight (and the combine's y and inj).
     gpu.note_bytes(
@@ -1309,107 +1270,6 @@ fn hc_inject_rows<'w>(
             "inject weights and the inject output go together".into(),
         )),
     }
-}
-
-/// Weight rows a block of gemv.cu hc_nd_bf16 takes for rows of `units` units against `nt`
-/// activation rows: as many as 1,024 threads hold units of (every block reads the rows it
-/// normalizes, so fewer, larger blocks read them fewer times), within the shared contributions.
-fn hc_two_rows_per_block(units: usize, nt: usize) -> Option<usize> {
-    let rb = (1024 / units.max(1)).min(UNITS_PART / (nt * units).max(1));
-    (rb >= 1).then_some(rb)
-}
-
-/// [`hc_mix_fused`] in two launches (gemv.cu hc_nd_bf16: the norm's scales and images computed
-/// by every block of the down product; hc_upn_q4_bf16: the up product recomputing its columns'
-/// normed values and writing the combine back to `x`): the same bits (see
-/// [`hc_norm_down_on`]). The caller checked the shapes (a unit of 32 inside one stream: h a
-/// multiple of 32).
-fn hc_mix_two(
-    gpu: &Gpu,
-    hc: &HcDev<'_>,
-    x: MixInput<'_>,
-    rows: usize,
-    s: &mut HcScratch,
-    u: &mut CudaSlice<f32>,
-    inj: Option<&mut CudaSlice<f32>>,
-) -> Result<(), CudaError> {
-    let k = "hc_mix_fused";
-    let (st, h) = (hc.streams, hc.h);
-    let (sh, rank) = (st * h, hc.down.rows);
-    let inv_s = 1.0 / st as f32;
-    let eps = hc.eps;
-    let (hi, si, ri, ni) = (
-        i32_of(k, h)?,
-        i32_of(k, st)?,
-        i32_of(k, rank)?,
-        i32_of(k, rows)?,
-    );
-    let (wi, n_inj, inj_out) = hc_inject_rows(gpu, hc, inj, rows, &s.a)?;
-    let total = rank + n_inj;
-    let rb = hc_two_rows_per_block(sh / 32, rows)
-        .ok_or_else(|| bad(k, format!("{rows} rows of {sh}")))?
-        .min(total);
-    let (nii, rbi) = (i32_of(k, n_inj)?, i32_of(k, rb)?);
-    let (xa, ya, ca) = match &x {
-        MixInput::Combine { x, y, inj } => {
-            need(k, "x", x.len(), rows * sh)?;
-            need(k, "y", y.len(), rows * h)?;
-            need(k, "inj", inj.len(), rows * st)?;
-            (addr(gpu, &**x), addr(gpu, *y), addr(gpu, *inj))
-        }
-        MixInput::Plain(x) => {
-            need(k, "x", x.len(), rows * sh)?;
-            (addr(gpu, *x), 0u64, 0u64)
-        }
-    };
-    gpu.note_bytes(2 * total * sh + 4 * rows * sh + 4 * sh);
-    launch!(
-        gpu,
-        "gemv_bf16",
-        "hc_nd_bf16",
-        cfg(total.div_ceil(rb) as u32, units_threads(rb * sh / 32)),
-        [
-            &hc.down.bytes,
-            &wi.bytes,
-            &xa,
-            &ya,
-            &ca,
-            hc.norm,
-            &mut s.aq,
-            &inj_out,
-            &mut s.scl,
-            &ri,
-            &nii,
-            &si,
-            &hi,
-            &ni,
-            &rbi,
-            &inv_s,
-            &eps
-        ]
-    )?;
-    gpu.note_bytes(2 * sh * rank + 2 * rows * rank + 4 * rows * sh + 4 * sh);
-    launch!(
-        gpu,
-        "gemv_bf16",
-        "hc_upn_q4_bf16",
-        cfg(h.div_ceil(64 / st) as u32, 256),
-        [
-            &hc.up.bytes,
-            &s.aq,
-            &xa,
-            &ya,
-            &ca,
-            hc.norm,
-            &s.scl,
-            u,
-            &hi,
-            &si,
-            &ri,
-            &ni,
-            &inv_s
-        ]
-    )
 }
 
 // ---- Gated DeltaNet -------------------------------------------------------------------------
@@ -2716,18 +2576,56 @@ pub fn moe_experts_fused(
 /// The shared expert's output and gate, added in the routed experts' epilogue (the bits of
 /// add_sigmoid_gated after the experts).
 pub struct SharedAdd<'a> {
-    /// `nt × h`.
-    pub y: &'a CudaSlice<f32>,
+    /// The shared expert's output, or what the staged down computes it from.
+    pub y: SharedY<'a>,
     /// `nt`, before the sigmoid.
     pub gate: &'a CudaSlice<f32>,
-    /// The caller's promise that `ids` and the image `xg` were written two or more launches
-    /// before the experts' first, with only launches that wait for their predecessor between
-    /// (the MoE block: route, then the shared expert's swiglu and down product). A grid starts
-    /// only once every block of the launch before has passed its wait, which returned only
-    /// when the launch before that had completed; so the staged kernels (gemv.cu
-    /// moe_gate_up_q2s, moe_down_q2s) may read them before their own wait: the gate/up copies
-    /// and computes its block there, the down copies its weight rows (the same bits).
+    /// The caller's promise that `ids`, the image `xg` (and the shared expert's `g` and `u`)
+    /// were written two or more launches before the experts' first, with only launches that
+    /// wait for their predecessor between (the MoE block: route, then the shared expert's
+    /// gate/up products). A grid starts only once every block of the launch before has passed
+    /// its wait, which returned only when the launch before that had completed; so the staged
+    /// kernels (gemv.cu moe_gate_up_q2s, moe_down_q2s) may read them before their own wait:
+    /// the gate/up copies and computes its block there, the down copies its weight rows and
+    /// makes the shared expert's image (the same bits).
     pub settled: bool,
+}
+
+/// The shared expert of [`SharedAdd`].
+pub enum SharedY<'a> {
+    /// Its output, `nt × h`.
+    Out(&'a CudaSlice<f32>),
+    /// Its gate and up products (`nt × ff` each) and its Q8_0 down weight (`h` rows of `ff`):
+    /// the staged down computes swiglu_prepare's image and the down product itself (only
+    /// where [`shared_in_down`] says so).
+    Parts {
+        g: &'a CudaSlice<f32>,
+        u: &'a CudaSlice<f32>,
+        down: &'a DevWeight,
+    },
+}
+
+/// Whether the staged down (gemv.cu moe_down_q2s) computes the shared expert of these experts
+/// itself ([`SharedY::Parts`]): the staged down applies, and the shared down weight is Q8_0,
+/// `h` rows of at most 640 in whole 32-element units, 16-byte aligned rows of 16.
+pub fn shared_in_down(
+    gpu: &Gpu,
+    ex: &ExpertsDev<'_>,
+    xg: &CudaSlice<u8>,
+    kslots: usize,
+    down: &DevWeight,
+) -> bool {
+    let Ok(rb) = down.row_bytes() else {
+        return false;
+    };
+    experts_staged(gpu, ex, xg, kslots).down
+        && down.ty == GgmlType::Q8_0
+        && down.n_expert == 1
+        && down.rows == ex.gate.k
+        && down.k.is_multiple_of(32)
+        && (1..=SHARED_STAGED_UNITS).contains(&(down.k / 32))
+        && (DOWN_STAGED_ROWS * rb).is_multiple_of(16)
+        && addr(gpu, &down.bytes).is_multiple_of(16)
 }
 
 /// Whether the experts start before their dependency wait where the caller says the route is
@@ -2736,7 +2634,9 @@ pub struct SharedAdd<'a> {
 /// turns it off, for an A/B (the same bits either way).
 fn early_experts() -> bool {
     static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *W.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MOE_EARLY"))
+    *W.get_or_init(|| {
+        crate::device::switch_on("STRATA_CUDA_MOE_EARLY") && !crate::sources::trigger_first()
+    })
 }
 
 /// Which of the routed experts' two launches run the staged kernels (gemv.cu moe_gate_up_q2s,
@@ -2748,11 +2648,12 @@ pub struct Staged {
     pub down: bool,
 }
 
-/// gemv.cu's MQS_STAGE, MDS_ROWS, MDS_SLOTS and MDS_STAGE.
+/// gemv.cu's MQS_STAGE, MDS_ROWS, MDS_SLOTS, MDS_STAGE and MDS_SH_UNITS.
 const GATE_UP_STAGE: usize = 48_800;
 const DOWN_STAGED_ROWS: usize = 16;
 const DOWN_STAGED_SLOTS: usize = 10;
 const DOWN_STAGE: usize = 28_800;
+const SHARED_STAGED_UNITS: usize = 20;
 
 /// Whether the staged kernels fit these experts (Q2_0 rows, the gate/up's 64 rows and
 /// activation row within its stage, the down's 16 rows of every slot within its stage, at most
@@ -2829,7 +2730,7 @@ fn experts_staged(gpu: &Gpu, ex: &ExpertsDev<'_>, xg: &CudaSlice<u8>, kslots: us
         addr(gpu, xg),
     ]
     .iter()
-    .all(|a| a % 16 == 0);
+    .all(|a| a.is_multiple_of(16));
     experts_staged_for(ex, kslots, aligned).unwrap_or(Staged {
         gate_up: false,
         down: false,
@@ -2886,6 +2787,15 @@ pub fn moe_experts_fused_on(
     // Each pair's 32-row blocks of gate and up, and its activation row.
     gpu.note_bytes(np * (2 * ff * gwrb + gxrb));
     let staged = experts_staged(gpu, ex, xg, ks);
+    if let Some(SharedAdd {
+        y: SharedY::Parts { down, .. },
+        ..
+    }) = &shared
+    {
+        if !shared_in_down(gpu, ex, xg, ks, down) {
+            return Err(bad(k, "a shared expert the staged down cannot take".into()));
+        }
+    }
     let settled = shared.as_ref().is_some_and(|s| s.settled) && early_experts();
     let early = i32::from(settled);
     match gate_up_q2t_threads(ex.gate.ty, h / 32) {
@@ -2974,14 +2884,27 @@ pub fn moe_experts_fused_on(
     );
     gpu.note_bytes(np * (h * dwrb + dxrb));
     if staged.down {
-        let (sy, sg) = match &shared {
-            Some(sh) => {
-                need(k, "shared", sh.y.len(), nt * h)?;
-                need(k, "shared gate", sh.gate.len(), nt)?;
-                (addr(gpu, sh.y), addr(gpu, sh.gate))
+        // (out, gate, sg, su, sw, sff, swrb): the shared expert's output, or its parts.
+        let (mut sy, mut sgate, mut sg, mut su, mut sw, mut sff, mut swrb) =
+            (0u64, 0u64, 0, 0, 0, 0i32, 0u64);
+        if let Some(sh) = &shared {
+            need(k, "shared gate", sh.gate.len(), nt)?;
+            sgate = addr(gpu, sh.gate);
+            match &sh.y {
+                SharedY::Out(y) => {
+                    need(k, "shared", y.len(), nt * h)?;
+                    sy = addr(gpu, *y);
+                }
+                SharedY::Parts { g, u, down } => {
+                    need(k, "shared g", g.len(), nt * down.k)?;
+                    need(k, "shared u", u.len(), nt * down.k)?;
+                    need(k, "shared down", down.bytes.len(), h * down.row_bytes()?)?;
+                    (sg, su, sw) = (addr(gpu, *g), addr(gpu, *u), addr(gpu, &down.bytes));
+                    (sff, swrb) = (i32_of(k, down.k)?, u64_of(down.row_bytes()?));
+                    gpu.note_bytes(h * down.row_bytes()? + 8 * nt * down.k);
+                }
             }
-            None => (0u64, 0u64),
-        };
+        }
         return launch!(
             gpu,
             &format!("gemv_{dn}"),
@@ -2997,13 +2920,18 @@ pub fn moe_experts_fused_on(
                 &ksi,
                 out,
                 &sy,
-                &sg,
+                &sgate,
                 &hi,
                 &ffi,
                 &dwb,
                 &dxb,
                 err,
-                &early
+                &early,
+                &sg,
+                &su,
+                &sw,
+                &sff,
+                &swrb
             ]
         );
     }
@@ -3031,7 +2959,13 @@ pub fn moe_experts_fused_on(
             ]
         ),
         Some(sh) => {
-            need(k, "shared", sh.y.len(), nt * h)?;
+            let SharedY::Out(sy) = sh.y else {
+                return Err(bad(
+                    k,
+                    "the shared expert's parts need the staged down".into(),
+                ));
+            };
+            need(k, "shared", sy.len(), nt * h)?;
             need(k, "shared gate", sh.gate.len(), nt)?;
             launch!(
                 gpu,
@@ -3047,7 +2981,7 @@ pub fn moe_experts_fused_on(
                     wts,
                     &ksi,
                     out,
-                    sh.y,
+                    sy,
                     sh.gate,
                     &hi,
                     &ffi,

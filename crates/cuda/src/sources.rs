@@ -191,6 +191,9 @@ impl Module {
         if let Some(d) = self.define {
             s.push_str(&format!("#define {d} 1\n"));
         }
+        if trigger_first() {
+            s.push_str("#define STRATA_TRIGGER_FIRST 1\n");
+        }
         s.push_str(COMMON);
         if self.quants {
             s.push_str(&tables_cuh());
@@ -199,6 +202,15 @@ impl Module {
         s.push_str(self.text);
         s
     }
+}
+
+/// `STRATA_CUDA_TRIGGER_FIRST=1` (an opt-in measurement, off by default): every kernel lets
+/// the next one launch before its own dependency wait (kernels/common.cuh grid_dep_sync), so
+/// launches chain ahead of the running kernel. Only weight reads stay safe before a wait, so
+/// the experts' early start is off with it ([`crate::model`]'s `early_experts`).
+pub fn trigger_first() -> bool {
+    static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *W.get_or_init(|| std::env::var("STRATA_CUDA_TRIGGER_FIRST").is_ok_and(|v| v.trim() == "1"))
 }
 
 pub fn module(name: &str) -> Option<&'static Module> {

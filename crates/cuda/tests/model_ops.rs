@@ -749,11 +749,8 @@ fn fused_hc_mix_case(g: &Gpu, rng: &mut Rng, s: usize, h: usize, rank: usize) {
                     inject.then_some(&mut i0),
                 )
                 .unwrap();
-                // Fused: three launches, and two with the norm folded into the down product
-                // (m::hc_norm_down_on; where it applies).
-                for nd in [false, true] {
-                    let what = format!("{what}, norm in the down product {nd}");
-                    m::set_hc_norm_down(Some(nd));
+                // Fused: three launches.
+                {
                     let mut xf = up(g, &x);
                     let mut u1 = g.zeros::<f32>(rows * h).unwrap();
                     let mut i1 = g.zeros::<f32>(rows * s).unwrap();
@@ -766,7 +763,7 @@ fn fused_hc_mix_case(g: &Gpu, rng: &mut Rng, s: usize, h: usize, rank: usize) {
                     } else {
                         m::MixInput::Plain(&xf)
                     };
-                    let r = m::hc_mix_fused(
+                    m::hc_mix_fused(
                         g,
                         &hc,
                         input,
@@ -774,9 +771,8 @@ fn fused_hc_mix_case(g: &Gpu, rng: &mut Rng, s: usize, h: usize, rank: usize) {
                         &mut scratch,
                         &mut u1,
                         inject.then_some(&mut i1),
-                    );
-                    m::set_hc_norm_down(None);
-                    r.unwrap();
+                    )
+                    .unwrap();
                     bitwise(&format!("{what}: u"), &down(g, &u1), &down(g, &u0));
                     if inject {
                         bitwise(&format!("{what}: inj"), &down(g, &i1), &down(g, &i0));
@@ -810,6 +806,11 @@ fn fused_experts_equal_the_composed_experts() {
         assert!(m::experts_fuse(&ex, ks));
         // The release's Q2_0 experts run the staged kernels (gemv.cu moe_gate_up_q2s,
         // moe_down_q2s) unless switched off; both forms are bound to the composed experts.
+        // The shared expert (Q8_0 down of 640, as the release's): gate and up products in,
+        // swiglu_prepare's image and the product out, as the MoE block composes them.
+        let ffs = 640usize;
+        let sdb = weight_blocks(GgmlType::Q8_0, h * ffs / 32, rng.u64());
+        let sdown = DevWeight::upload(g, GgmlType::Q8_0, &sdb, h, ffs, 1).unwrap();
         let staged = m::experts_staged_for(&ex, ks, true).unwrap();
         let q2 = gty == GgmlType::Q2_0;
         assert_eq!(
@@ -876,7 +877,7 @@ fn fused_experts_equal_the_composed_experts() {
                 for settled in [false, true] {
                     let mut o3 = g.zeros::<f32>(nt * h).unwrap();
                     let add = m::SharedAdd {
-                        y: &sy,
+                        y: m::SharedY::Out(&sy),
                         gate: &sg,
                         settled,
                     };
@@ -897,6 +898,49 @@ fn fused_experts_equal_the_composed_experts() {
                         &format!("{what} with the shared expert, settled={settled}"),
                         &down(g, &o3),
                         &down(g, &o2),
+                    );
+                }
+                // The shared expert from its parts inside the staged down.
+                let sgv = up(g, &tame(rng.f32_vec_special(nt * ffs, 1.0)));
+                let suv = up(g, &tame(rng.f32_vec_special(nt * ffs, 1.0)));
+                let mut hq = g.zeros::<u8>(nt * 34 * ffs / 32).unwrap();
+                m::swiglu_prepare(g, &sgv, &suv, nt, ffs, ActFmt::Q8_0, &mut hq).unwrap();
+                let mut ysh = g.zeros::<f32>(nt * h).unwrap();
+                m::product(g, &sdown, &hq, nt, &mut ysh).unwrap();
+                let mut o4 = up(g, &down(g, &o0));
+                m::add_sigmoid_gated(g, &mut o4, &ysh, &sg, nt, h).unwrap();
+                for settled in [false, true] {
+                    let mut o5 = g.zeros::<f32>(nt * h).unwrap();
+                    let add = m::SharedAdd {
+                        y: m::SharedY::Parts {
+                            g: &sgv,
+                            u: &suv,
+                            down: &sdown,
+                        },
+                        gate: &sg,
+                        settled,
+                    };
+                    let r = m::moe_experts_fused(
+                        g,
+                        &ex,
+                        &dx,
+                        &di,
+                        &dwt,
+                        &mut scratch,
+                        Some(add),
+                        &mut o5,
+                        &mut err,
+                    );
+                    if !(stage && staged.down) {
+                        assert!(r.is_err(), "{what}: the parts need the staged down");
+                        continue;
+                    }
+                    r.unwrap();
+                    assert_eq!(g.download(&err).unwrap(), vec![0], "error word");
+                    bitwise(
+                        &format!("{what} with the shared expert's parts, settled={settled}"),
+                        &down(g, &o5),
+                        &down(g, &o4),
                     );
                 }
             }
