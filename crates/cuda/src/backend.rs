@@ -1139,7 +1139,7 @@ impl CudaBackend {
                         }
                         imgs = Some(v);
                     }
-                    let r = match imgs.as_deref_mut() {
+                    let r = match imgs.as_mut().map(|v| v.as_mut_slice()) {
                         Some([(_, b), (_, q), (_, k)]) => model::hc_mix_fused(
                             &self.gpu,
                             &devs,
