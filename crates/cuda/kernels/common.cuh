@@ -209,27 +209,6 @@ __device__ __forceinline__ void q8k_warp(const float* v, u8* blk, int lane) {
     if (lane == 0) *(float*)blk = 1.f / iscale;
 }
 
-// The 32-element block b of row t (rows of n) of xprep's images, by one warp (lane = element;
-// val(e) the value of element e): BF16 and Q8_0, and Q8_K block b / 8 where b % 8 == 0 (its
-// eight values a lane read again through val). norm.cu xprep_multi / swiglu_xprep and the mix's
-// up product's images (gemv.cu hc_up_q4_bf16) write every image through it, so they agree bit
-// for bit.
-template <typename F>
-__device__ __forceinline__ void prep_warp(int t, int b, int n, u8* obf, u8* oq8, u8* oq8k, u8* of32, F val) {
-    const int lane = threadIdx.x & 31, per = n / 32;
-    const size_t e = (size_t)t * n + 32 * b + lane;
-    const float v = val(e);
-    if (of32) ((float*)of32)[e] = v;
-    if (obf) ((u16*)obf)[e] = f32_to_bf16(v);
-    if (oq8) q8_0_warp(v, oq8 + (size_t)t * 34 * per + 34 * (size_t)b, lane);
-    if (oq8k && (b & 7) == 0) {
-        float w[8];
-        const size_t e8 = (size_t)t * n + 32 * b + 8 * lane;
-        for (int j = 0; j < 8; ++j) w[j] = val(e8 + j);
-        q8k_warp(w, oq8k + (size_t)t * 292 * (n / 256) + 292 * (size_t)(b / 8), lane);
-    }
-}
-
 // Asynchronous global → shared copies (sm_80+: cp.async): the copy is in flight while the
 // thread computes; cp_async_wait_all() waits for this thread's copies (then a barrier makes
 // them visible to the others). For staging a kernel's next inputs behind its current work.

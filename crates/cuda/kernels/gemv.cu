@@ -1273,18 +1273,11 @@ __device__ __forceinline__ void hc_up4_sums(const u8* wu, const u8* aq, int h, i
 // itself (its units are the lanes below U) and the xor-2 and -1 steps with its three
 // neighbours — so the units of a row load in parallel, three a thread, all before the wait,
 // with no shared contributions. Block: 64 rows = 64/S columns × S streams; grid ceil(h·S/64).
-//
-// With `cnt` (strata_cuda::model::HcImages: h a multiple of 256, J dividing 256), the mix's
-// output also gets xprep_multi's three images: the blocks of each 256-column group count
-// themselves in cnt[group] after their columns are written (__threadfence first), and the last
-// of them makes the group's images from u (read through L2) with prep_warp, warp w the
-// 32-element block 8·group + w of every row, and sets the count back to 0 for the next launch.
 extern "C" __global__ void __launch_bounds__(256)
 hc_up_q4_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int streams, int rank, int nt,
-              float inv_s, u8* obf, u8* oq8, u8* oq8k, u32* cnt) {
+              float inv_s) {
     __shared__ __align__(16) u8 ash[UNITS_XSTAGE];
     __shared__ float gs[8 * 64];
-    __shared__ int last;
     hc_up4_sums(wu, aq, h, streams, rank, nt, ash, gs);
     const int J = 64 / streams, j0 = blockIdx.x * J;
     const int jn = min(J, h - j0);
@@ -1296,18 +1289,6 @@ hc_up_q4_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int 
         for (int g = 0; g < streams; ++g) acc += sigmoidf_(gs[t * 64 + g * J + c]) * xr[(size_t)g * h];
         u[(size_t)t * h + j0 + c] = acc * inv_s;
     }
-    if (!cnt) return;
-    const int grp = j0 / 256;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(cnt + grp, 1u) == (u32)(256 / J - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int w = threadIdx.x >> 5;
-    for (int t = 0; t < nt; ++t)
-        prep_warp(t, 8 * grp + w, h, obf, oq8, oq8k, nullptr, [&](size_t e) { return __ldcg(u + e); });
-    if (threadIdx.x == 0) cnt[grp] = 0;
 }
 
 #endif

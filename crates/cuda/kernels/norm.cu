@@ -264,11 +264,22 @@ XPREP_OPT(2560, FMT_Q8K, q8_k)
 
 template <typename F>
 __device__ __forceinline__ void prep_blocks(int rows, int n, u8* obf, u8* oq8, u8* oq8k, u8* of32, F val) {
+    const int lane = threadIdx.x & 31;
     const int g = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int per = n / 32;
     if (g >= rows * per) return;
     const int t = g / per, b = g - t * per;
-    prep_warp(t, b, n, obf, oq8, oq8k, of32, val);
+    const size_t e = (size_t)t * n + 32 * b + lane;
+    const float v = val(e);
+    if (of32) ((float*)of32)[e] = v;
+    if (obf) ((u16*)obf)[e] = f32_to_bf16(v);
+    if (oq8) q8_0_warp(v, oq8 + (size_t)t * 34 * per + 34 * (size_t)b, lane);
+    if (oq8k && (b & 7) == 0) {
+        float w[8];
+        const size_t e8 = (size_t)t * n + 32 * b + 8 * lane;
+        for (int j = 0; j < 8; ++j) w[j] = val(e8 + j);
+        q8k_warp(w, oq8k + (size_t)t * 292 * (n / 256) + 292 * (size_t)(b / 8), lane);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256)

@@ -291,36 +291,15 @@ const GRAPHS_PER_KEY: usize = 4;
 
 /// A row-major f32 buffer on the device; `data` may hold more than `rows · cols` values (a
 /// truncated temporary keeps its allocation).
-///
-/// `img`: the rows' activation images already made by the op that wrote them (the mix's up
-/// product: `model::HcImages`), which [`CudaBackend::images`] hands out instead of making them
-/// again; every op that changes a buffer in place or reshapes it drops them.
 pub struct CudaBuf {
     rows: usize,
     cols: usize,
     data: Mem<f32>,
-    img: Option<Images>,
-}
-
-/// A buffer's activation images, one per format.
-type Images = Arc<Vec<(ActFmt, Mem<u8>)>>;
-
-/// Whether the mix's up product writes its output's images (`STRATA_CUDA_HC_IMAGES`, on; `0`
-/// makes them with their own launch, for an A/B: the same bits).
-fn images_switch() -> bool {
-    static W: OnceLock<bool> = OnceLock::new();
-    *W.get_or_init(|| crate::device::switch_on("STRATA_CUDA_HC_IMAGES"))
 }
 
 impl CudaBuf {
     fn len(&self) -> usize {
         self.rows * self.cols
-    }
-
-    /// Forgets the images of the old values (before an in-place change).
-    fn changed(&mut self) -> &mut Self {
-        self.img = None;
-        self
     }
 }
 
@@ -684,7 +663,6 @@ impl CudaBackend {
             rows,
             cols,
             data: self.mem_zeroed::<f32>(rows * cols)?,
-            img: None,
         })
     }
 
@@ -731,7 +709,6 @@ impl CudaBackend {
             rows,
             cols,
             data: self.alloc(rows * cols)?,
-            img: None,
         })
     }
 
@@ -938,16 +915,7 @@ impl CudaBackend {
 
     /// The activation images of `x` in `fmts`: BF16, Q8_0 and Q8_K together in one launch
     /// (each image xprep's bits), F32 (and a lone format) by xprep.
-    fn images(&self, x: &CudaBuf, fmts: &[ActFmt]) -> Result<Images> {
-        if let Some(ready) = &x.img {
-            if fmts.iter().all(|f| ready.iter().any(|(g, _)| g == f)) {
-                return Ok(Arc::clone(ready));
-            }
-        }
-        self.make_images(x, fmts).map(Arc::new)
-    }
-
-    fn make_images(&self, x: &CudaBuf, fmts: &[ActFmt]) -> Result<Vec<(ActFmt, Mem<u8>)>> {
+    fn images(&self, x: &CudaBuf, fmts: &[ActFmt]) -> Result<Vec<(ActFmt, Mem<u8>)>> {
         let n = x.cols;
         let mut out = Vec::with_capacity(fmts.len());
         for &f in fmts {
@@ -1122,51 +1090,20 @@ impl CudaBackend {
                     let input = match x {
                         Resid::Plain(x) => model::MixInput::Plain(&x.data),
                         Resid::Combine { x, y, inj } => model::MixInput::Combine {
-                            x: &mut x.changed().data,
+                            x: &mut x.data,
                             y: &y.data,
                             inj: &inj.data,
                         },
                     };
-                    // The output's three images, made by the up product itself where it can.
-                    let mut imgs = None;
-                    if model::hc_images_apply(&devs, rows) && images_switch() {
-                        let mut v = Vec::with_capacity(3);
-                        for f in [ActFmt::Bf16, ActFmt::Q8_0, ActFmt::Q8K] {
-                            let rb = f.row_bytes(h).ok_or_else(|| {
-                                shape("hc_mix", format!("rows of {h} in {}", f.name()))
-                            })?;
-                            v.push((f, self.alloc_u8(rows * rb)?));
-                        }
-                        imgs = Some(v);
-                    }
-                    let r = match imgs.as_mut().map(|v| v.as_mut_slice()) {
-                        Some([(_, b), (_, q), (_, k)]) => model::hc_mix_fused(
-                            &self.gpu,
-                            &devs,
-                            input,
-                            rows,
-                            &mut scratch,
-                            &mut u.data,
-                            inj_out,
-                            Some(model::HcImages {
-                                bf16: b,
-                                q8_0: q,
-                                q8k: k,
-                            }),
-                        ),
-                        _ => model::hc_mix_fused(
-                            &self.gpu,
-                            &devs,
-                            input,
-                            rows,
-                            &mut scratch,
-                            &mut u.data,
-                            inj_out,
-                            None,
-                        ),
-                    };
-                    u.img = imgs.map(Arc::new);
-                    r
+                    model::hc_mix_fused(
+                        &self.gpu,
+                        &devs,
+                        input,
+                        rows,
+                        &mut scratch,
+                        &mut u.data,
+                        inj_out,
+                    )
                 }
                 (false, Resid::Plain(x)) => model::hc_mix(
                     &self.gpu,
@@ -1417,12 +1354,7 @@ impl Backend for CudaBackend {
             ));
         }
         let data = self.upload_mem(data)?;
-        Ok(CudaBuf {
-            rows,
-            cols,
-            data,
-            img: None,
-        })
+        Ok(CudaBuf { rows, cols, data })
     }
 
     fn upload_ids(&self, ids: &[u32]) -> Result<CudaIds> {
@@ -1478,7 +1410,6 @@ impl Backend for CudaBackend {
     }
 
     fn copy_into(&self, dst: &mut CudaBuf, src: &CudaBuf) -> Result<()> {
-        dst.changed();
         Self::same_shape("copy_into", dst, src)?;
         let st = self.gpu.stream();
         let (d, s) = (
@@ -1498,12 +1429,10 @@ impl Backend for CudaBackend {
         let mut x = x;
         x.rows = rows;
         x.cols = cols;
-        x.img = None;
         Ok(x)
     }
 
     fn truncate_rows(&self, dst: &mut CudaBuf, rows: usize) -> Result<()> {
-        dst.changed();
         if rows > dst.rows {
             return Err(shape(
                 "truncate_rows",
@@ -1567,12 +1496,10 @@ impl Backend for CudaBackend {
     }
 
     fn write_rows(&self, store: &mut CudaBuf, x: &CudaBuf, at: &CudaIds) -> Result<()> {
-        store.changed();
         self.write_kv(store, x, at, KvType::F32)
     }
 
     fn write_kv(&self, cache: &mut CudaBuf, x: &CudaBuf, at: &CudaIds, kv: KvType) -> Result<()> {
-        cache.changed();
         if cache.cols != x.cols || at.len != x.rows {
             return Err(shape(
                 "write_rows",
@@ -1606,7 +1533,6 @@ impl Backend for CudaBackend {
     }
 
     fn add_assign(&self, x: &mut CudaBuf, y: &CudaBuf) -> Result<()> {
-        x.changed();
         Self::same_shape("add_assign", x, y)?;
         let n = x.len();
         if n > 0 {
@@ -1738,7 +1664,6 @@ impl Backend for CudaBackend {
         theta: f32,
         positions: &CudaIds,
     ) -> Result<()> {
-        x.changed();
         if positions.len != x.rows {
             return Err(shape(
                 "rope_neox",
@@ -1871,7 +1796,6 @@ impl Backend for CudaBackend {
     }
 
     fn add_sigmoid_gated(&self, y: &mut CudaBuf, x: &CudaBuf, gate: &CudaBuf) -> Result<()> {
-        y.changed();
         Self::same_shape("add_sigmoid_gated", y, x)?;
         if gate.rows != y.rows || gate.cols != 1 {
             return Err(shape(
@@ -1980,7 +1904,6 @@ impl Backend for CudaBackend {
         prev: Option<&CudaIds>,
         state: &CudaIds,
     ) -> Result<CudaIds> {
-        logits.changed();
         let k = "slop_pen_draft";
         if logits.rows != 1 || logits.cols != slop.n_draft {
             return Err(shape(
@@ -2072,7 +1995,6 @@ impl Backend for CudaBackend {
     }
 
     fn add_bias(&self, x: &mut CudaBuf, b: &CudaWeight) -> Result<()> {
-        x.changed();
         let bv = self.values(b)?;
         let (rows, cols) = (x.rows, x.cols);
         if rows == 0 {
@@ -2418,7 +2340,6 @@ impl Qwen4expOps for CudaBackend {
     }
 
     fn hc_combine(&self, x: &mut CudaBuf, y: &CudaBuf, inj: Option<&CudaBuf>) -> Result<()> {
-        x.changed();
         let h = y.cols;
         if h == 0 || !x.cols.is_multiple_of(h) || x.rows != y.rows {
             return Err(shape(

@@ -38,7 +38,7 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_TRIGGER_FIRST` is off unless `1`).
-pub const SWITCHES: [&str; 16] = [
+pub const SWITCHES: [&str; 15] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -48,7 +48,6 @@ pub const SWITCHES: [&str; 16] = [
     "STRATA_CUDA_PINNED",
     "STRATA_CUDA_MOE_STAGE",
     "STRATA_CUDA_MOE_EARLY",
-    "STRATA_CUDA_HC_IMAGES",
     "STRATA_CUDA_TRIGGER_FIRST",
     "STRATA_CUDA_ATTN_GROUP",
     "STRATA_CUDA_GDN_RING",

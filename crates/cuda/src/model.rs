@@ -971,8 +971,6 @@ pub struct HcScratch {
     a: CudaSlice<f32>,
     aq: CudaSlice<u8>,
     g: CudaSlice<f32>,
-    /// The up product's count of finished blocks per 256-column group ([`HcImages`]).
-    cnt: CudaSlice<u32>,
 }
 
 impl HcScratch {
@@ -986,29 +984,8 @@ impl HcScratch {
             a: gpu.zeros(rows * rank)?,
             aq: gpu.zeros(rows * hc.up.act_row_bytes()?)?,
             g: gpu.zeros(rows * sh)?,
-            cnt: gpu.zeros(hc.h.div_ceil(256).max(1))?,
         })
     }
-}
-
-/// The mix's output images (xprep_multi's BF16, Q8_0 and Q8_K of `u`), written by the mix's
-/// up product itself (gemv.cu hc_up_q4_bf16 with its group counts) where [`hc_images_apply`].
-pub struct HcImages<'a> {
-    pub bf16: &'a mut CudaSlice<u8>,
-    pub q8_0: &'a mut CudaSlice<u8>,
-    pub q8k: &'a mut CudaSlice<u8>,
-}
-
-/// Whether [`hc_mix_fused`] can write the output's images ([`HcImages`]): the four-thread up
-/// product, rows of whole 256-element groups that its blocks of 64/S columns tile.
-pub fn hc_images_apply(hc: &HcDev<'_>, rows: usize) -> bool {
-    let st = hc.streams;
-    hc_fused_applies(hc, rows)
-        && hc_up_q4_applies(st, hc.down.rows, rows)
-        && st > 0
-        && 64 % st == 0
-        && 256 % (64 / st) == 0
-        && hc.h.is_multiple_of(256)
 }
 
 /// GatedResidual mix (cpu::hc_mix): `xn = RMS_h(x)·norm`, `a = silu(down·xn / S)`,
@@ -1148,7 +1125,6 @@ pub fn hc_mix_fused(
     s: &mut HcScratch,
     u: &mut CudaSlice<f32>,
     inj: Option<&mut CudaSlice<f32>>,
-    imgs: Option<HcImages<'_>>,
 ) -> Result<(), CudaError> {
     let k = "hc_mix_fused";
     let (st, h) = (hc.streams, hc.h);
@@ -1233,47 +1209,13 @@ pub fn hc_mix_fused(
     // The up rows, the activation image and the normed rows.
     gpu.note_bytes(2 * sh * rank + 2 * rows * rank + 4 * rows * sh);
     if hc_up_q4_applies(st, rank, rows) {
-        let (mut ob, mut oq, mut ok, mut oc) = (0u64, 0u64, 0u64, 0u64);
-        if let Some(im) = imgs {
-            if !hc_images_apply(hc, rows) {
-                return Err(bad(k, "images of this mix's output".into()));
-            }
-            need(k, "BF16 image", im.bf16.len(), rows * 2 * h)?;
-            need(k, "Q8_0 image", im.q8_0.len(), rows * 34 * (h / 32))?;
-            need(k, "Q8_K image", im.q8k.len(), rows * 292 * (h / 256))?;
-            need(k, "counts", s.cnt.len(), h / 256)?;
-            gpu.note_bytes(rows * (2 * h + 34 * (h / 32) + 292 * (h / 256)));
-            (ob, oq, ok, oc) = (
-                addr(gpu, im.bf16),
-                addr(gpu, im.q8_0),
-                addr(gpu, im.q8k),
-                addr(gpu, &s.cnt),
-            );
-        }
         return launch!(
             gpu,
             "gemv_bf16",
             "hc_up_q4_bf16",
             cfg(h.div_ceil(64 / st) as u32, 256),
-            [
-                &hc.up.bytes,
-                &s.aq,
-                &s.xn,
-                u,
-                &hi,
-                &si,
-                &ri,
-                &ni,
-                &inv_s,
-                &ob,
-                &oq,
-                &ok,
-                &oc
-            ]
+            [&hc.up.bytes, &s.aq, &s.xn, u, &hi, &si, &ri, &ni, &inv_s]
         );
-    }
-    if imgs.is_some() {
-        return Err(bad(k, "images of this mix's output".into()));
     }
     let rb = units_rows_per_block(rank / 32, rows, sh)
         .ok_or_else(|| bad(k, format!("rows of {rank}")))?;
