@@ -484,12 +484,23 @@ fn vram_note(model: &Bound, before: Option<(usize, usize)>) -> String {
             format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
         }
     };
-    let (weights, after) = match model {
-        Bound::Qwen2Cuda(m) => (m.backend().weight_bytes(), m.backend().mem_info().ok()),
-        Bound::Qwen4expCuda(m) => (m.backend().weight_bytes(), m.backend().mem_info().ok()),
+    let (weights, host, after) = match model {
+        Bound::Qwen2Cuda(m) => {
+            let b = m.backend();
+            (b.weight_bytes(), b.host_weight_bytes(), b.mem_info().ok())
+        }
+        Bound::Qwen4expCuda(m) => {
+            let b = m.backend();
+            (b.weight_bytes(), b.host_weight_bytes(), b.mem_info().ok())
+        }
         _ => return String::new(),
     };
-    match (before, after) {
+    let host = if host > 0 {
+        format!("; the PLE table ({}) in mapped host memory", size(host))
+    } else {
+        String::new()
+    };
+    let note = match (before, after) {
         (Some((f0, total)), Some((f1, _))) => format!(
             "weights {} on the device (the load took {}; {:.1} of {:.1} GiB free)",
             size(weights),
@@ -498,7 +509,8 @@ fn vram_note(model: &Bound, before: Option<(usize, usize)>) -> String {
             gib(total)
         ),
         _ => format!("weights {} on the device", size(weights)),
-    }
+    };
+    format!("{note}{host}")
 }
 
 /// Binds `o` on backend `b` as its architecture says (`q2`/`q4` wrap the model).

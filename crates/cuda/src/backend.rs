@@ -329,9 +329,54 @@ pub struct CudaWeight {
     info: TensorInfo,
     ty: GgmlType,
     file: Arc<GgufFile>,
-    dev: DevWeight,
+    dev: ManuallyDrop<DevWeight>,
     values: OnceLock<CudaSlice<f32>>,
+    /// Host memory the weight's bytes live in when they are not on the device (the PLE table
+    /// with `STRATA_CUDA_PLE_HOST=1`): `dev.bytes` is then a view of it, never freed as device
+    /// memory.
+    host: Option<cudarc::driver::PinnedHostSlice<u8>>,
 }
+
+impl Drop for CudaWeight {
+    fn drop(&mut self) {
+        // SAFETY: `dev` is taken once, here.
+        let dev = unsafe { ManuallyDrop::take(&mut self.dev) };
+        if self.host.is_some() {
+            // A view of host memory: not device memory to free (the host slice frees it).
+            std::mem::forget(dev.bytes);
+        }
+    }
+}
+
+/// Whether the PLE n-gram table stays in host memory, read by the gather over the bus
+/// (`STRATA_CUDA_PLE_HOST=1`), instead of going to the device with the other weights.
+fn ple_host() -> bool {
+    static W: OnceLock<bool> = OnceLock::new();
+    match PLE_HOST.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            *W.get_or_init(|| std::env::var("STRATA_CUDA_PLE_HOST").is_ok_and(|v| v.trim() == "1"))
+        }
+    }
+}
+
+/// 0: from `STRATA_CUDA_PLE_HOST`; 1: on the device; 2: in host memory ([`set_ple_host`]).
+static PLE_HOST: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Overrides `STRATA_CUDA_PLE_HOST` for the models loaded after it in this process (None: the
+/// environment's choice), for tests that bind the two placements.
+pub fn set_ple_host(on: Option<bool>) {
+    let v = match on {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
+    PLE_HOST.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The PLE n-gram table's tensor (`qwen4exp::weights`).
+const PLE_TABLE: &str = "per_layer_token_embd.weight";
 
 impl CudaWeight {
     fn row_len(&self) -> usize {
@@ -410,6 +455,8 @@ pub struct CudaBackend {
     freqs: Mutex<Vec<(FreqKey, Arc<CudaSlice<f64>>)>>,
     /// Bytes of weights uploaded.
     weight_bytes: Mutex<usize>,
+    /// Weight bytes kept in mapped host memory instead (the PLE table with `ple_host`).
+    host_bytes: Mutex<usize>,
     /// Told the bytes of each weight as it is uploaded (a load's progress bar).
     on_upload: Mutex<Option<UploadHook>>,
     /// Scratch kept between steps for the decode and verify shapes (one stream runs the
@@ -464,6 +511,7 @@ impl CudaBackend {
             err: Mutex::new(err),
             freqs: Mutex::new(Vec::new()),
             weight_bytes: Mutex::new(0),
+            host_bytes: Mutex::new(0),
             on_upload: Mutex::new(None),
             hc_scratch: Mutex::new(Vec::new()),
             moe_scratch: Mutex::new(Vec::new()),
@@ -491,6 +539,11 @@ impl CudaBackend {
     }
 
     /// Bytes of weights uploaded so far (file formats plus f32 images).
+    /// Weight bytes kept in mapped host memory (`STRATA_CUDA_PLE_HOST=1`: the PLE table).
+    pub fn host_weight_bytes(&self) -> usize {
+        *self.host_bytes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub fn weight_bytes(&self) -> usize {
         *self.weight_bytes.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -1006,7 +1059,7 @@ impl CudaBackend {
                 .map(|&m| self.buf(x.rows, ws[m].n_rows2()))
                 .collect::<Result<Vec<_>>>()?;
             {
-                let gw: Vec<&model::DevWeight> = group.iter().map(|&m| &ws[m].dev).collect();
+                let gw: Vec<&model::DevWeight> = group.iter().map(|&m| &*ws[m].dev).collect();
                 let mut gy: Vec<&mut CudaSlice<f32>> =
                     outs.iter_mut().map(|o| &mut *o.data).collect();
                 model::product_units(&self.gpu, &gw, &mut gy, &imgs[i].1, x.rows).map_err(dev)?;
@@ -1048,7 +1101,7 @@ impl CudaBackend {
             norm,
             down: &hc.down.dev,
             up: &hc.up.dev,
-            inject: hc.inject.map(|w| &w.dev),
+            inject: hc.inject.map(|w| &*w.dev),
             streams: s,
             h,
             eps: hc.eps,
@@ -1230,10 +1283,31 @@ impl Backend for CudaBackend {
         } else {
             1
         };
+        let named = |e: CudaError| EngineError::Input(format!("CUDA: weight '{}': {e}", info.name));
+        if info.name == PLE_TABLE && ple_host() {
+            let (host, view) = self.gpu.map_host(bytes).map_err(named)?;
+            let dw = DevWeight::over(ty, view, bytes.len(), rows, k, n_expert);
+            let w = CudaWeight {
+                info: info.clone(),
+                ty,
+                file: Arc::clone(file),
+                dev: ManuallyDrop::new(match dw {
+                    Ok(d) => d,
+                    Err(e) => {
+                        // Forget nothing half-made: the view goes with the host memory.
+                        return Err(named(e));
+                    }
+                }),
+                values: OnceLock::new(),
+                host: Some(host),
+            };
+            *self.host_bytes.lock().unwrap_or_else(|p| p.into_inner()) += bytes.len();
+            return Ok(w);
+        }
         let dw =
             DevWeight::upload(&self.gpu, ty, bytes, rows, k, n_expert).map_err(|e| match e {
                 CudaError::Driver { .. } => self.oom(bytes.len(), e),
-                e => EngineError::Input(format!("CUDA: weight '{}': {e}", info.name)),
+                e => named(e),
             })?;
         *self.weight_bytes.lock().unwrap_or_else(|p| p.into_inner()) += bytes.len();
         if let Some(f) = self
@@ -1248,8 +1322,9 @@ impl Backend for CudaBackend {
             info: info.clone(),
             ty,
             file: Arc::clone(file),
-            dev: dw,
+            dev: ManuallyDrop::new(dw),
             values: OnceLock::new(),
+            host: None,
         })
     }
 

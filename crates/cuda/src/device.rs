@@ -37,8 +37,8 @@ pub fn ensure_driver() -> Result<(), CudaError> {
 }
 
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
-/// `STRATA_CUDA_TRIGGER_FIRST` is off unless `1`).
-pub const SWITCHES: [&str; 15] = [
+/// `STRATA_CUDA_TRIGGER_FIRST` and `STRATA_CUDA_PLE_HOST` are off unless `1`).
+pub const SWITCHES: [&str; 16] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -48,6 +48,7 @@ pub const SWITCHES: [&str; 15] = [
     "STRATA_CUDA_PINNED",
     "STRATA_CUDA_MOE_STAGE",
     "STRATA_CUDA_MOE_EARLY",
+    "STRATA_CUDA_PLE_HOST",
     "STRATA_CUDA_TRIGGER_FIRST",
     "STRATA_CUDA_ATTN_GROUP",
     "STRATA_CUDA_GDN_RING",
@@ -485,6 +486,42 @@ impl Gpu {
     pub fn alloc_pinned(&self, n: usize) -> Result<cudarc::driver::PinnedHostSlice<u8>, CudaError> {
         // SAFETY: the bytes are written before any copy reads them (the staging's contract).
         unsafe { self.ctx.alloc_pinned::<u8>(n.max(1)) }.map_err(drv("cuMemHostAlloc"))
+    }
+
+    /// `bytes` in page-locked host memory mapped into the device's address space, and a
+    /// device view of it: kernels read it over the bus, no copy on the device. The view must
+    /// never be freed as device memory (the caller forgets it, then drops the host memory).
+    pub fn map_host(
+        &self,
+        bytes: &[u8],
+    ) -> Result<(cudarc::driver::PinnedHostSlice<u8>, CudaSlice<u8>), CudaError> {
+        use cudarc::driver::sys;
+        use rayon::prelude::*;
+        // SAFETY: every byte is written below before any kernel reads it.
+        let mut host = unsafe {
+            self.ctx.alloc_pinned_with_flags::<u8>(
+                bytes.len().max(1),
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_WRITECOMBINED,
+            )
+        }
+        .map_err(drv("cuMemHostAlloc"))?;
+        let dst = host.as_mut_slice().map_err(drv("cuEventSynchronize"))?;
+        dst[..bytes.len()]
+            .par_chunks_mut(2 << 20)
+            .zip(bytes.par_chunks(2 << 20))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        let hp = host.as_mut_ptr().map_err(drv("cuEventSynchronize"))?;
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: hp is the start of a live DEVICEMAP allocation; dptr is a valid out-pointer.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, hp as *mut std::ffi::c_void, 0) }
+            .result()
+            .map_err(drv("cuMemHostGetDevicePointer"))?;
+        // SAFETY: dptr addresses `host`'s bytes, which outlive the view (the caller's contract).
+        let view = unsafe {
+            self.stream
+                .upgrade_device_ptr::<u8>(dptr, bytes.len().max(1))
+        };
+        Ok((host, view))
     }
 
     /// An event recorded on the stream now (to wait for the work issued so far).

@@ -408,6 +408,27 @@ impl DevWeight {
         Ok(w)
     }
 
+    /// A weight over bytes already on (or mapped into) the device, checked as
+    /// [`DevWeight::upload`] checks.
+    pub fn over(
+        ty: GgmlType,
+        bytes: CudaSlice<u8>,
+        len: usize,
+        rows: usize,
+        k: usize,
+        n_expert: usize,
+    ) -> Result<DevWeight, CudaError> {
+        let w = DevWeight {
+            ty,
+            bytes,
+            rows,
+            k,
+            n_expert,
+        };
+        need("weight", "bytes", len, w.slab_bytes()? * n_expert.max(1))?;
+        Ok(w)
+    }
+
     /// The paired activation format.
     pub fn act(&self) -> Result<ActFmt, CudaError> {
         ActFmt::for_weight(self.ty)

@@ -805,3 +805,33 @@ fn slop_mode_1_speculative_equals_plain_on_cuda() {
         );
     }
 }
+
+/// The PLE n-gram table in mapped host memory (`STRATA_CUDA_PLE_HOST=1`: the gather reads it
+/// over the bus) gives the logits of the table on the device bit for bit, prefill and steps.
+#[test]
+fn the_ple_table_in_host_memory_gives_the_same_bits() {
+    let Some(gpu0) = gpu() else { return };
+    let tokens: Vec<u32> = (0..12u32).map(|i| (i * 37 + 5) % 200).collect();
+    let run = |host: bool, b: CudaBackend| {
+        strata_cuda::backend::set_ple_host(Some(host));
+        let m = load(&tiny("model-f32.gguf"), b, &LoadOptions::default());
+        strata_cuda::backend::set_ple_host(None);
+        let placed = m.backend().host_weight_bytes();
+        assert_eq!(placed > 0, host, "PLE table in host memory: {placed} bytes");
+        let mut st = m.new_state().unwrap();
+        let mut out = logits(&m, &tokens[..8]);
+        m.forward(&mut st, &tokens[..8]).unwrap();
+        for &t in &tokens[8..] {
+            out.extend(m.forward(&mut st, &[t]).unwrap().logits);
+        }
+        out
+    };
+    let on_device = run(false, gpu0);
+    let Some(gpu1) = gpu() else { return };
+    let in_host = run(true, gpu1);
+    assert!(!on_device.is_empty());
+    assert!(
+        bits_eq(&in_host, &on_device),
+        "the host-memory table changed the logits"
+    );
+}
