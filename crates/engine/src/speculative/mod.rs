@@ -210,6 +210,9 @@ pub struct SpecStats {
     pub window: usize,
     /// Verify passes of the trunk (not counting the prefill).
     pub passes: u64,
+    /// Passes of the trunk over the prompt: its chunks ([`SpecDecoder::prompt_item`]; one when
+    /// the prompt runs whole).
+    pub prompt_passes: u64,
     /// Tokens emitted, including the prefill's.
     pub emitted: u64,
     /// Per draft step `j` (index 0 = first draft): drafts offered, reached (every earlier
@@ -691,6 +694,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
             ));
         }
         self.stats.prefill_time += c.started.elapsed();
+        self.stats.prompt_passes += 1;
         match c.next {
             Some(next) => {
                 if let (Some(hidden), Some(d)) = (out.hidden, self.drafter.as_mut()) {
