@@ -626,7 +626,11 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
     /// [`SpecDecoder::prompt_ran`]; a prompt runs in any chunks this way, the last ending at
     /// `prompt.len()`, and then the loop judges the first token
     /// ([`Progress::prefilled`](crate::decode::Progress::prefilled)) from its logits.
-    pub fn prompt_item<'a>(&'a mut self, prompt: &'a [u32], end: usize) -> Result<BatchItem<'a, B>> {
+    pub fn prompt_item<'a>(
+        &'a mut self,
+        prompt: &'a [u32],
+        end: usize,
+    ) -> Result<BatchItem<'a, B>> {
         let from = self.target.position();
         // A resumed sequence continues with the prompt's rest; it must be a prefix of it.
         if self.pending.is_some()
