@@ -261,11 +261,18 @@ fn speculative_and_batched_streams_together_equal_their_solo_runs() {
             .map(|b| text_of(&post(solo.addr(), "/v1/completions", b)))
             .collect();
         let want_late = text_of(&post(solo.addr(), "/v1/completions", &late));
-        let n_late = post(solo.addr(), "/tokenize", &json!({"content": late["prompt"]})).json()
-            ["tokens"]
+        let n_late = post(
+            solo.addr(),
+            "/tokenize",
+            &json!({"content": late["prompt"]}),
+        )
+        .json()["tokens"]
             .as_array()
             .map_or(0, Vec::len);
-        assert!(n_late > 512, "the late prompt has {n_late} tokens: fewer than two chunks");
+        assert!(
+            n_late > 512,
+            "the late prompt has {n_late} tokens: fewer than two chunks"
+        );
         for name in ["batch_windows_total", "batch_spec_prompts_total"] {
             assert_eq!(
                 metric(solo.addr(), name),
