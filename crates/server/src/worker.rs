@@ -7,8 +7,9 @@
 //! ([`Seq::feed_batch`]); each sequence gets exactly the bits it would alone. Sequences join and
 //! leave between steps, so a long prompt never holds the running streams up by more than one
 //! chunk, and a prefill always advances (no starvation). A speculative (MTP) sequence's verify
-//! window (the pending token and its drafts) is rows of the same pass, one window per step; its
-//! prompt runs alone beside the batch (the MTP head follows the trunk over the prompt's rows).
+//! window (the pending token and its drafts) is rows of the same pass, one window per step, and
+//! so are its prompt's chunks (in the same budget and order as the plain ones), the MTP head
+//! following each chunk's rows after the pass.
 //! HTTP handlers see the worker only through a [`Job`]'s
 //! event channel: the tokens, as they become final, and how the generation ended. A handler that
 //! goes away (client disconnect, a stop string matched) closes its channel, and the worker frees

@@ -29,6 +29,10 @@
 //! (`crate::batch`): [`SpecDecoder::window_item`] gives the window's batch item and
 //! [`SpecDecoder::window_ran`] takes its results back, between the loop's
 //! `Progress::begin_window` and `Progress::end_window`; alone, the window is a batch of one.
+//! So may the prompt, in chunks: [`SpecDecoder::prompt_item`] gives a chunk's batch item (its
+//! rows' pre-mixer states wanted) and [`SpecDecoder::prompt_ran`] has the head follow them
+//! after the pass (the last chunk's rows wait for the first token); the solo prefill is the
+//! whole prompt as one such chunk.
 
 pub mod draft_vocab;
 mod drafter;
