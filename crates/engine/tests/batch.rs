@@ -11,10 +11,13 @@
 //! Speculative (MTP) sequences in the batch: with the tiny fixture's real MTP head, three
 //! speculative sequences (windows 4, 3 and 8, one under slop mode 2 with a phrase that makes
 //! it rewind, one with drafts forced along its output so that windows keep several rows) and
-//! three plain ones join at different steps; every speculative verify window
-//! runs as rows of the step's one `forward_batch_dev` beside the plain sequences' decode rows
-//! and prefill chunks (required: windows of several rows shared a step, and a step mixed a
-//! window with a prefill chunk). The oracle is each sequence alone through `decode::run` (the
+//! three plain ones join at different steps; every speculative prompt chunk (the decoder's
+//! `prompt_item`, the MTP head following its rows after the pass) and verify window runs as
+//! rows of the step's one `forward_batch_dev` beside the other sequences' decode rows, windows
+//! and prefill chunks (required: windows of several rows shared a step, a step mixed a window
+//! with a prefill chunk, every speculative prompt ran in its chunks in the batch — the
+//! decoder's own count of prompt passes agrees — and one prompt's chunks shared at least three
+//! passes with other sequences' decode rows). The oracle is each sequence alone through `decode::run` (the
 //! speculative ones on their own `SpecDecoder`): every verify result (logits bits, or the
 //! device's picks), the tokens, the rewinds and the trunk and MTP states after the run equal
 //! bit for bit; greedy and seeded.
@@ -211,6 +214,7 @@ fn solo<F: Fam>(f: &F, tok: &Tokenizer, cfg: &SamplerConfig, prompt: &[u32]) -> 
     }
 }
 
+#[derive(Clone, Copy)]
 enum Phase {
     Waiting,
     Prefill(usize),
@@ -660,6 +664,8 @@ struct Ended {
     passes: u64,
     /// Drafts the judge accepted.
     accepted: u64,
+    /// Trunk passes over the prompt (speculative; its chunks).
+    prompt_passes: u64,
 }
 
 fn spec_decoder<'m>(m: &'m Q4, plan: &Plan) -> Spec<'m> {
@@ -691,6 +697,7 @@ fn spec_ended(m: &Q4, mut s: Spec<'_>, tokens: Vec<u32>, rewinds: u32) -> Ended 
         mtp,
         passes: s.dec.stats().passes,
         accepted: s.dec.stats().accepted.iter().sum(),
+        prompt_passes: s.dec.stats().prompt_passes,
         seen: s.seen,
     }
 }
@@ -759,6 +766,7 @@ fn plain_solo(m: &Q4, tok: &Tokenizer, plan: &Plan) -> Ended {
         mtp: None,
         passes: 0,
         accepted: 0,
+        prompt_passes: 0,
     }
 }
 
@@ -779,17 +787,20 @@ impl<'m> Member<'m> {
 
 /// What the mixed runs counted: steps whose one forward pass held a speculative window of
 /// several rows beside another sequence's rows, and those that held a window beside a
-/// prefill chunk.
+/// prefill chunk; per sequence, its speculative prompt chunks run in the batch, and those
+/// whose pass held another sequence's decode row or verify window.
 #[derive(Debug, Default)]
 struct Shared {
     windows: usize,
     with_prefill: usize,
+    prompt_chunks: Vec<u64>,
+    prompt_beside_decode: Vec<u64>,
 }
 
-/// All sequences together: each joins at its step; a plain one prefills `CHUNK` tokens per
-/// step in the batch, a speculative one its whole prompt alone at its join (the head follows
-/// the trunk's prompt rows); then every decode row and verify window of a step runs in ONE
-/// `forward_batch_dev`.
+/// All sequences together: each joins at its step and prefills `CHUNK` tokens per step in
+/// the batch (a speculative one through its decoder's `prompt_item`, the head following each
+/// chunk's rows after the pass); then every decode row and verify window of a step runs in
+/// ONE `forward_batch_dev` too.
 fn together_spec(m: &Q4, tok: &Tokenizer, plans: &[Plan]) -> (Vec<Ended>, Shared) {
     let n = plans.len();
     let mut samplers: Vec<Sampler> = plans.iter().map(|p| sampler(tok, &p.cfg)).collect();
@@ -816,45 +827,23 @@ fn together_spec(m: &Q4, tok: &Tokenizer, plans: &[Plan]) -> (Vec<Ended>, Shared
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut windows_run = vec![0u64; n];
     let is_eog = |t: u32| tok.is_eog(t);
-    let mut shared = Shared::default();
+    let mut shared = Shared {
+        prompt_chunks: vec![0; n],
+        prompt_beside_decode: vec![0; n],
+        ..Shared::default()
+    };
     let b = m.0.backend();
     for step in 0.. {
         if phase.iter().all(|p| matches!(p, Phase::Done)) {
             break;
         }
         assert!(step < 10_000, "the batch never finished");
-        // Joins: a speculative prompt runs alone, then the sequence decodes in the batch.
         for i in 0..n {
-            if !matches!(phase[i], Phase::Waiting) || step < plans[i].join {
-                continue;
-            }
-            let Member::Spec(_) = members[i] else {
+            if matches!(phase[i], Phase::Waiting) && step >= plans[i].join {
                 phase[i] = Phase::Prefill(0);
-                continue;
-            };
-            let mut sink = |t: u32| {
-                out[i].push(t);
-                true
-            };
-            let lent = Lent {
-                stepper: members[i].stepper(),
-                pick: &mut samplers[i],
-                is_eog: &is_eog,
-                on_token: &mut sink,
-            };
-            let p = progs[i].as_mut().unwrap();
-            let end = p
-                .prefill(lent, &plans[i].prompt, &GenOptions::default())
-                .unwrap();
-            phase[i] = Phase::Decode;
-            if let Some(stop) = end {
-                let p = progs[i].take().unwrap();
-                rewinds[i] = p.rewinds();
-                assert_eq!(p.finish(&mut sink, stop).tokens, out[i]);
-                phase[i] = Phase::Done;
             }
         }
-        // Each running sequence's rows: (sequence, tokens, last only, a prefill chunk).
+        // Each running sequence's rows: (sequence, tokens, a prefill chunk).
         let mut rows: Vec<(usize, Vec<u32>, bool)> = Vec::new();
         for i in 0..n {
             match phase[i] {
@@ -884,20 +873,33 @@ fn together_spec(m: &Q4, tok: &Tokenizer, plans: &[Plan]) -> (Vec<Ended>, Shared
             continue;
         }
         let is_spec = |i: usize| plans[i].window > 1;
-        if rows.len() > 1 && rows.iter().any(|(i, t, _)| is_spec(*i) && t.len() > 1) {
+        let window = |r: &(usize, Vec<u32>, bool)| is_spec(r.0) && !r.2 && r.1.len() > 1;
+        if rows.len() > 1 && rows.iter().any(window) {
             shared.windows += 1;
-            if rows.iter().any(|r| r.2) && rows.iter().any(|(i, _, _)| is_spec(*i)) {
+            if rows.iter().any(|r| r.2) {
                 shared.with_prefill += 1;
+            }
+        }
+        for (i, _, prefill) in &rows {
+            if *prefill && is_spec(*i) {
+                shared.prompt_chunks[*i] += 1;
+                if rows.iter().any(|(j, _, p)| j != i && !p) {
+                    shared.prompt_beside_decode[*i] += 1;
+                }
             }
         }
         // One forward pass over every row, the windows with their replay logs.
         let outs = {
             let mut who: Vec<Option<&mut Member<'_>>> = members.iter_mut().map(Some).collect();
             let mut items = Vec::with_capacity(rows.len());
-            for (i, t, last) in &rows {
-                items.push(match who[*i].take().unwrap() {
-                    Member::Plain(s) => qwen4exp::BatchItem::rows(&mut s.st, t, *last),
-                    Member::Spec(s) => s.dec.window_item(t).unwrap(),
+            for (i, t, prefill) in &rows {
+                items.push(match (who[*i].take().unwrap(), phase[*i]) {
+                    (Member::Plain(s), _) => qwen4exp::BatchItem::rows(&mut s.st, t, *prefill),
+                    (Member::Spec(s), Phase::Prefill(next)) => {
+                        let prompt = &plans[*i].prompt;
+                        s.dec.prompt_item(prompt, next + t.len()).unwrap()
+                    }
+                    (Member::Spec(s), _) => s.dec.window_item(t).unwrap(),
                 });
             }
             m.0.forward_batch_dev(&mut items).unwrap()
@@ -906,21 +908,32 @@ fn together_spec(m: &Q4, tok: &Tokenizer, plans: &[Plan]) -> (Vec<Ended>, Shared
         // Hand each sequence its results.
         for ((i, t, _), o) in rows.iter().zip(outs) {
             let i = *i;
-            if let Phase::Prefill(next) = phase[i] {
-                let done = next + t.len();
-                if done < plans[i].prompt.len() {
-                    phase[i] = Phase::Prefill(done);
+            let p = progs[i].as_mut().unwrap();
+            let got = match (&mut members[i], phase[i]) {
+                // A chunk before the prompt's end: no logits read; a speculative sequence's
+                // head follows the chunk's rows.
+                (Member::Plain(_), Phase::Prefill(next))
+                    if next + t.len() < plans[i].prompt.len() =>
+                {
+                    phase[i] = Phase::Prefill(next + t.len());
                     continue;
                 }
-            }
-            let p = progs[i].as_mut().unwrap();
-            let got = match &mut members[i] {
-                Member::Plain(s) => {
+                (Member::Plain(s), _) => {
                     let l = b.download(&o.logits).unwrap();
                     s.seen.push(l.clone());
                     Verified::Logits(l)
                 }
-                Member::Spec(s) => {
+                (Member::Spec(s), Phase::Prefill(next)) => match s.dec.prompt_ran(o).unwrap() {
+                    None => {
+                        phase[i] = Phase::Prefill(next + t.len());
+                        continue;
+                    }
+                    Some(l) => {
+                        s.seen.push(seen_logits(&l));
+                        Verified::Logits(l)
+                    }
+                },
+                (Member::Spec(s), _) => {
                     let v = s.dec.window_ran(o, p.device_pick(&samplers[i])).unwrap();
                     s.seen.push(seen(&v));
                     windows_run[i] += 1;
@@ -959,7 +972,8 @@ fn together_spec(m: &Q4, tok: &Tokenizer, plans: &[Plan]) -> (Vec<Ended>, Shared
         .zip(rewinds)
         .zip(out)
         .zip(windows_run)
-        .map(|(((mb, rewinds), tokens), windows)| match mb {
+        .zip(shared.prompt_chunks.clone())
+        .map(|((((mb, rewinds), tokens), windows), chunks)| match mb {
             Member::Plain(s) => Ended {
                 tokens,
                 rewinds,
@@ -968,11 +982,14 @@ fn together_spec(m: &Q4, tok: &Tokenizer, plans: &[Plan]) -> (Vec<Ended>, Shared
                 mtp: None,
                 passes: 0,
                 accepted: 0,
+                prompt_passes: 0,
             },
             Member::Spec(s) => {
                 let e = spec_ended(m, *s, tokens, rewinds);
-                // Every verify pass of the decoder was a window of the batch.
+                // Every verify pass of the decoder was a window of the batch, and every pass
+                // over its prompt a chunk of the batch.
                 assert_eq!(e.passes, windows, "verify passes outside the batch");
+                assert_eq!(e.prompt_passes, chunks, "prompt passes outside the batch");
                 e
             }
         })
@@ -1064,6 +1081,21 @@ fn speculative_and_plain_sequences_in_a_batch_get_their_solo_bits_qwen4exp_tiny(
         assert!(
             shared.with_prefill > 0,
             "{pick:?}: no verify window shared a pass with a prefill chunk ({shared:?})"
+        );
+        // Every speculative prompt ran in chunks of the batch, and one in several chunks
+        // each beside other sequences' decode rows (alone it is one pass).
+        for (i, p) in plans.iter().enumerate().filter(|(_, p)| p.window > 1) {
+            let chunks = p.prompt.len().div_ceil(CHUNK) as u64;
+            assert_eq!(alone[i].prompt_passes, 1, "{pick:?}: sequence {i} alone");
+            assert_eq!(
+                shared.prompt_chunks[i], chunks,
+                "{pick:?}: sequence {i}'s prompt chunks in the batch ({shared:?})"
+            );
+        }
+        assert!(
+            shared.prompt_beside_decode[2] >= 3,
+            "{pick:?}: sequence 2's prompt chunks did not share passes with decode rows \
+             ({shared:?})"
         );
         assert!(alone[2].rewinds > 0, "{pick:?}: sequence 2 never rewound");
         assert!(

@@ -313,17 +313,11 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
         }
     }
 
-    /// Consumes `tokens` (at least one); returns the logits after the last. With `next` (the
-    /// token after them) and an MTP head level with the trunk, the head runs over the same
-    /// rows so it stays level; otherwise it falls behind. On an error the sequence is rolled
-    /// back to where it was (qwen2) or emptied (qwen4exp, whose recurrent states are then
-    /// part-way).
-    pub fn feed(
-        &mut self,
-        model: &ModelHandle<Q2, Q4>,
-        tokens: &[u32],
-        next: Option<u32>,
-    ) -> Result<Vec<f32>> {
+    /// Consumes `tokens` (at least one); returns the logits after the last. The MTP head does
+    /// not follow (it falls behind; a speculative prompt's chunks run through
+    /// [`Seq::feed_batch`] with `follow`). On an error the sequence is rolled back to where it
+    /// was (qwen2) or emptied (qwen4exp, whose recurrent states are then part-way).
+    pub fn feed(&mut self, model: &ModelHandle<Q2, Q4>, tokens: &[u32]) -> Result<Vec<f32>> {
         match (model, &mut self.state) {
             (ModelHandle::Qwen2(m), SeqState::Qwen2(st)) => {
                 let pos = st.position();
@@ -335,22 +329,13 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
                     }
                 }
             }
-            (ModelHandle::Qwen4exp(m), SeqState::Qwen4exp { st, mtp }) => {
-                let res = match (mtp.as_mut(), next) {
-                    (Some(h), Some(next)) if h.position() == st.position() => {
-                        self.head_next = Some(next);
-                        m.forward_with_head(st, h, tokens, next)
-                    }
-                    _ => {
-                        let want = qwen4exp::Want {
-                            last_only: true,
-                            ..Default::default()
-                        };
-                        m.forward_with(st, tokens, want).map(|o| o.logits)
-                    }
+            (ModelHandle::Qwen4exp(m), SeqState::Qwen4exp { st, .. }) => {
+                let want = qwen4exp::Want {
+                    last_only: true,
+                    ..Default::default()
                 };
-                match res {
-                    Ok(l) => Ok(l),
+                match m.forward_with(st, tokens, want) {
+                    Ok(o) => Ok(o.logits),
                     Err(e) => {
                         self.reset(model)?;
                         Err(e.into())
@@ -417,7 +402,7 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
         let keep: Vec<u32> = self.tokens()[..pos.min(self.len())].to_vec();
         let reached = self.rollback(model, pos, false)?;
         if reached < keep.len() {
-            self.feed(model, &keep[reached..], None)?;
+            self.feed(model, &keep[reached..])?;
         }
         Ok(keep.len() - reached)
     }
@@ -481,13 +466,15 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
 
     /// Several sequences' rows in one forward pass (`strata_engine::batch`): each plain
     /// item's tokens continue its sequence, and its logits (of the last token, or of each with
-    /// `last_only` false) are the bits [`Seq::feed`] gives it alone; a speculative generation's
-    /// verify window runs as rows of the same pass, with what its decoder needs to judge and
-    /// roll it back ([`Fed::Window`], for [`Gen::end`]). A plain item does not run the MTP
-    /// head (it falls behind); a window's head is its decoder's, which follows in
-    /// [`Gen::end`]. On an error in the pass every plain sequence of the batch is rolled back
-    /// (qwen2) or emptied (qwen4exp); a window's generation fails with it (its states are
-    /// part-way).
+    /// `last_only` false) are the bits [`Seq::feed`] gives it alone; a speculative prompt's
+    /// chunk (`follow`: the prompt's token after it) with the head level with the trunk gives
+    /// its rows' pre-mixer states instead ([`Fed::Hidden`], for [`Seq::follow_head`] after the
+    /// pass); a speculative generation's prompt end and verify windows run as rows of the same
+    /// pass, with what its decoder needs ([`Fed::Prompt`], [`Fed::Window`], for [`Gen::end`]).
+    /// A plain item does not run the MTP head (it falls behind); a generation's head is its
+    /// decoder's, which follows in [`Gen::end`]. On an error in the pass every plain sequence
+    /// of the batch is rolled back (qwen2) or emptied (qwen4exp); a generation fails with it
+    /// (its states are part-way).
     pub fn feed_batch<'m>(
         model: &ModelHandle<Q2, Q4>,
         items: &mut [Feed<'_, 'm, Q2, Q4>],
@@ -500,6 +487,7 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
                         seq,
                         tokens,
                         last_only,
+                        ..
                     } = it
                     else {
                         bail!("speculative decoding needs a qwen4exp model");
@@ -517,33 +505,57 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
                     .map(|o| o.into_iter().map(|o| Fed::Logits(o.logits)).collect())
             }
             ModelHandle::Qwen4exp(m) => {
+                /// What an item's results go back as.
+                enum Back {
+                    Logits,
+                    Hidden,
+                    Window,
+                    Prompt,
+                }
                 let mut batch = Vec::with_capacity(items.len());
-                let mut windows = Vec::with_capacity(items.len());
+                let mut back = Vec::with_capacity(items.len());
                 for it in items.iter_mut() {
-                    windows.push(matches!(it, Feed::Window { .. }));
-                    batch.push(match it {
+                    let (item, b) = match it {
                         Feed::Seq {
                             seq,
                             tokens,
                             last_only,
+                            follow,
                         } => {
-                            let SeqState::Qwen4exp { st, .. } = &mut seq.state else {
+                            let SeqState::Qwen4exp { st, mtp } = &mut seq.state else {
                                 bail!(
                                     "a plain batch row needs a qwen4exp sequence that is not lent"
                                 );
                             };
-                            qwen4exp::BatchItem::rows(st, tokens, *last_only)
+                            // The head follows a chunk only from level with the trunk.
+                            let hidden = follow.is_some()
+                                && mtp.as_ref().is_some_and(|h| h.position() == st.position());
+                            let item = qwen4exp::BatchItem {
+                                hidden,
+                                ..qwen4exp::BatchItem::rows(st, tokens, *last_only)
+                            };
+                            (item, if hidden { Back::Hidden } else { Back::Logits })
                         }
-                        Feed::Window { gen, tokens } => gen.window_item(tokens)?,
-                    });
+                        Feed::Window { gen, tokens } => (gen.window_item(tokens)?, Back::Window),
+                        Feed::Prompt { gen, prompt } => (gen.prompt_item(prompt)?, Back::Prompt),
+                    };
+                    batch.push(item);
+                    back.push(b);
                 }
                 let b = m.backend();
                 m.forward_batch_dev(&mut batch).and_then(|outs| {
                     outs.into_iter()
-                        .zip(windows)
-                        .map(|(o, window)| match window {
-                            true => Ok(Fed::Window(o)),
-                            false => Ok(Fed::Logits(b.download(&o.logits)?)),
+                        .zip(back)
+                        .map(|(o, back)| match back {
+                            Back::Logits => Ok(Fed::Logits(b.download(&o.logits)?)),
+                            Back::Hidden => {
+                                o.hidden.map(Fed::Hidden).ok_or_else(|| EngineError::Shape {
+                                    op: "batch",
+                                    what: "no pre-mixer rows for the MTP head".to_string(),
+                                })
+                            }
+                            Back::Window => Ok(Fed::Window(o)),
+                            Back::Prompt => Ok(Fed::Prompt(o)),
                         })
                         .collect()
                 })
@@ -566,6 +578,33 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
         }
     }
 
+    /// After a speculative prompt's chunk ran in a batch ([`Fed::Hidden`]): the MTP head
+    /// follows the trunk over the chunk's rows, `hidden` their pre-mixer states and `next` the
+    /// prompt's token after the chunk, so the head stays level with the trunk. On an error the
+    /// sequence starts afresh (its head would be part-way).
+    pub fn follow_head(
+        &mut self,
+        model: &ModelHandle<Q2, Q4>,
+        hidden: &Q4::Buf,
+        next: u32,
+    ) -> Result<()> {
+        let (ModelHandle::Qwen4exp(m), SeqState::Qwen4exp { st, mtp: Some(h) }) =
+            (model, &mut self.state)
+        else {
+            bail!("the MTP head follows a qwen4exp sequence that has one");
+        };
+        match m.mtp_follow(st, h, hidden, next) {
+            Ok(()) => {
+                self.head_next = Some(next);
+                Ok(())
+            }
+            Err(e) => {
+                self.reset(model)?;
+                Err(e.into())
+            }
+        }
+    }
+
     /// Takes the trunk's and the head's states out for a speculative decoder.
     fn lend(&mut self) -> Result<(qwen4exp::State<Q4>, Option<MtpState<Q4>>)> {
         match std::mem::replace(&mut self.state, SeqState::Lent) {
@@ -580,11 +619,20 @@ impl<Q2: Backend, Q4: Qwen4expOps> Seq<Q2, Q4> {
 
 /// One sequence's rows in a batched step ([`Seq::feed_batch`]).
 pub enum Feed<'a, 'm, Q2: Backend, Q4: Qwen4expOps> {
-    /// Tokens continuing a slot's sequence: the logits of the last only, or of each.
+    /// Tokens continuing a slot's sequence: the logits of the last only, or of each; with
+    /// `follow` (a speculative prompt's chunk: the prompt's token after it), the rows'
+    /// pre-mixer states for the MTP head to follow instead.
     Seq {
         seq: &'a mut Seq<Q2, Q4>,
         tokens: &'a [u32],
         last_only: bool,
+        follow: Option<u32>,
+    },
+    /// A speculative generation's prompt end: the part of `prompt` its decoder does not hold
+    /// yet (the last token; the decoder holds the slot's sequence meanwhile).
+    Prompt {
+        gen: &'a mut Gen<'m, Q2, Q4>,
+        prompt: &'a [u32],
     },
     /// A speculative generation's verify window ([`Gen::begin`]; its decoder holds the
     /// slot's sequence meanwhile).
@@ -594,12 +642,19 @@ pub enum Feed<'a, 'm, Q2: Backend, Q4: Qwen4expOps> {
     },
 }
 
-/// What a batched step gave one of its sequences, for [`Gen::end`]: a plain row's logits
-/// (downloaded), or a verify window's results still on the device (its decoder picks there
-/// when it can, and keeps the hidden rows for its head).
+/// What a batched step gave one of its sequences, for [`Gen::end`] (or, a prompt chunk's
+/// pre-mixer rows, [`Seq::follow_head`]): a plain row's logits (downloaded), or a speculative
+/// generation's results still on the device (its decoder picks there when it can, and keeps
+/// the hidden rows for its head).
 pub enum Fed<Q4: Qwen4expOps> {
     Logits(Vec<f32>),
+    /// A speculative prompt chunk's pre-mixer rows, still on the device, for
+    /// [`Seq::follow_head`].
+    Hidden(Q4::Buf),
     Window(qwen4exp::BatchOut<Q4>),
+    /// A speculative prompt end's results: the logits after the prompt and its rows'
+    /// pre-mixer states, for its decoder.
+    Prompt(qwen4exp::BatchOut<Q4>),
 }
 
 /// The sampling knobs a request may set (OpenAI's and llama.cpp's names), with llama.cpp's
@@ -1087,7 +1142,7 @@ impl<Q2: Backend, Q4: Qwen4expOps> Stepper for SeqStepper<'_, Q2, Q4> {
         let t0 = std::time::Instant::now();
         let logits = self
             .seq
-            .feed(self.model, &prompt[have..], None)
+            .feed(self.model, &prompt[have..])
             .map_err(engine_err)?;
         t.prompt = t0.elapsed();
         t.prompt_tokens = prompt.len() - have;
@@ -1108,7 +1163,7 @@ impl<Q2: Backend, Q4: Qwen4expOps> Stepper for SeqStepper<'_, Q2, Q4> {
                 "verify: a plain sequence verifies one token at a time".to_string(),
             ));
         }
-        self.seq.feed(self.model, window, None).map_err(engine_err)
+        self.seq.feed(self.model, window).map_err(engine_err)
     }
     fn settle(&mut self, seq: &[u32], judged: Judged) -> strata_engine::Result<()> {
         let want = &seq[..seq.len().saturating_sub(1)];
@@ -1121,7 +1176,7 @@ impl<Q2: Backend, Q4: Qwen4expOps> Stepper for SeqStepper<'_, Q2, Q4> {
         self.seq.rewind(self.model, common).map_err(engine_err)?;
         if common < want.len() {
             self.seq
-                .feed(self.model, &want[common..], None)
+                .feed(self.model, &want[common..])
                 .map_err(engine_err)?;
         }
         Ok(())
@@ -1322,50 +1377,6 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
             .map(|d| SpecCounts::from_stats(d.stats()))
     }
 
-    /// Runs the prompt's last token and judges the first generated one (`first`), or one
-    /// verify window; `closed` says whether the token channel has closed.
-    pub fn step(
-        &mut self,
-        model: &ModelHandle<Q2, Q4>,
-        seq: &mut Seq<Q2, Q4>,
-        first: Option<&[u32]>,
-        is_eog: &dyn Fn(u32) -> bool,
-        closed: &dyn Fn() -> bool,
-    ) -> Result<StepOut> {
-        let Some(p) = self.p.as_mut() else {
-            bail!("the generation is over");
-        };
-        let mut buf = Vec::new();
-        let mut sink = |t: u32| {
-            buf.push(t);
-            !closed()
-        };
-        let n_ctx = self.n_ctx;
-        let mut plain;
-        let mut sp;
-        let stepper: &mut dyn Stepper = match self.spec.as_deref_mut() {
-            Some(dec) => {
-                sp = SpecStepper { dec, n_ctx };
-                &mut sp
-            }
-            None => {
-                plain = SeqStepper { seq, model, n_ctx };
-                &mut plain
-            }
-        };
-        let lent = Lent {
-            stepper,
-            pick: &mut self.pick,
-            is_eog,
-            on_token: &mut sink,
-        };
-        let end = match first {
-            Some(prompt) => p.prefill(lent, prompt, &GenOptions::default())?,
-            None => p.window(lent)?.1,
-        };
-        Ok(self.out(end, buf, closed))
-    }
-
     /// Whether the next window's sequence would end past the caches' capacity after `n` more
     /// tokens (checked before a batch runs, so that one full context fails alone).
     pub fn check_room(
@@ -1436,6 +1447,15 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
         Ok(dec.window_item(tokens)?)
     }
 
+    /// The batch item of a speculative generation's prompt end: the rest of `prompt` (its
+    /// last token) continuing the decoder's trunk, the head's rows with it.
+    fn prompt_item<'a>(&'a mut self, prompt: &'a [u32]) -> Result<qwen4exp::BatchItem<'a, Q4>> {
+        let Some(dec) = self.spec.as_deref_mut() else {
+            bail!("a speculative prompt for a generation that is not speculative");
+        };
+        Ok(dec.prompt_item(prompt, prompt.len())?)
+    }
+
     /// The second half of a batched step: `fed` (the rows of the window, which the batch ran
     /// through `seq` or the decoder's state) judged, then the settle; or, with `first`, the
     /// logits after the prompt (the batch ran its last token) and the first generated token.
@@ -1456,6 +1476,10 @@ impl<'m, Q2: Backend, Q4: Qwen4expOps> Gen<'m, Q2, Q4> {
             (Fed::Window(out), Some(dec), None) => {
                 dec.window_ran(out, p.device_pick(&self.pick))?
             }
+            (Fed::Prompt(out), Some(dec), Some(_)) => match dec.prompt_ran(out)? {
+                Some(l) => Verified::Logits(l),
+                None => bail!("the prompt's end gave no logits"),
+            },
             _ => bail!("a batch's rows do not match the generation they were run for"),
         };
         let mut buf = Vec::new();

@@ -42,6 +42,9 @@ pub struct Metrics {
     /// Speculative verify windows run as rows of a batched forward pass beside other
     /// sequences' rows.
     pub batch_windows: AtomicU64,
+    /// Speculative prompt chunks and prompt ends run as rows of a batched forward pass beside
+    /// other sequences' decode rows or verify windows.
+    pub batch_spec_prompts: AtomicU64,
 }
 
 /// Draft positions a window can hold (`speculative::MAX_WINDOW` − 1).
@@ -136,6 +139,12 @@ impl Metrics {
             "counter",
             "Speculative verify windows run as rows of a batched forward pass beside other sequences' rows.",
             g(&self.batch_windows) as f64,
+        );
+        put(
+            "batch_spec_prompts_total",
+            "counter",
+            "Speculative prompt chunks (and prompt ends) run as rows of a batched forward pass beside other sequences' decode rows.",
+            g(&self.batch_spec_prompts) as f64,
         );
         put(
             "requests_processing",

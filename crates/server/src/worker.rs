@@ -7,8 +7,9 @@
 //! ([`Seq::feed_batch`]); each sequence gets exactly the bits it would alone. Sequences join and
 //! leave between steps, so a long prompt never holds the running streams up by more than one
 //! chunk, and a prefill always advances (no starvation). A speculative (MTP) sequence's verify
-//! window (the pending token and its drafts) is rows of the same pass, one window per step; its
-//! prompt runs alone beside the batch (the MTP head follows the trunk over the prompt's rows).
+//! window (the pending token and its drafts) is rows of the same pass, one window per step, and
+//! so are its prompt's chunks (in the same budget and order as the plain ones), the MTP head
+//! following each chunk's rows after the pass.
 //! HTTP handlers see the worker only through a [`Job`]'s
 //! event channel: the tokens, as they become final, and how the generation ended. A handler that
 //! goes away (client disconnect, a stop string matched) closes its channel, and the worker frees
@@ -248,28 +249,12 @@ pub fn run<Q2: Backend, Q4: Qwen4expOps>(
                 finish_turn(model, slot, Turn::Cancelled, clock, &shared);
             }
         }
-        // A speculative sequence's prompt runs alone, one unit of work per step (the head
-        // follows the trunk over its rows): taken now, run after the batch, so that one which
-        // starts generating there joins the batch at the next step.
-        let alone: Vec<usize> = (0..slots.len())
-            .filter(|&i| {
-                slots[i]
-                    .active
-                    .as_ref()
-                    .is_some_and(|a| a.job.window > 1 && matches!(a.phase, Phase::Prefill { .. }))
-            })
-            .collect();
-        // Everything else, speculative verify windows included, in one forward pass.
+        // Every sequence's rows, speculative prompts and verify windows included, in one
+        // forward pass.
         let turns = batch_step(model, &mut slots, &ctx, cfg.batch_tokens);
         for (i, t) in turns {
             slots[i].last_used = clock;
             finish_turn(model, &mut slots[i], t, clock, &shared);
-        }
-        for i in alone {
-            let slot = &mut slots[i];
-            slot.last_used = clock;
-            let t = turn(model, slot, &ctx);
-            finish_turn(model, slot, t, clock, &shared);
         }
         enforce_budget(model, &mut slots, cfg.cache_ram, &shared);
     }
@@ -426,89 +411,6 @@ struct TurnCtx<'a> {
     shared: &'a Shared,
 }
 
-/// One unit of a speculative job's prompt, run alone: a prefill chunk (the MTP head follows
-/// the trunk over its rows), or the prompt's last token with the first generated one. Its
-/// verify windows are rows of the batch ([`batch_step`]).
-fn turn<'m, Q2: Backend, Q4: Qwen4expOps>(
-    model: &'m ModelHandle<Q2, Q4>,
-    slot: &mut Slot<'m, Q2, Q4>,
-    ctx: &TurnCtx<'_>,
-) -> Turn {
-    match turn_inner(model, slot, ctx) {
-        Ok(t) => t,
-        Err(e) => Turn::Failed(e),
-    }
-}
-
-fn turn_inner<'m, Q2: Backend, Q4: Qwen4expOps>(
-    model: &'m ModelHandle<Q2, Q4>,
-    slot: &mut Slot<'m, Q2, Q4>,
-    ctx: &TurnCtx<'_>,
-) -> anyhow::Result<Turn> {
-    let Some(a) = slot.active.as_mut() else {
-        return Ok(Turn::Running);
-    };
-    if a.job.events.is_closed() {
-        // The client went away: stop computing tokens nobody reads.
-        return Ok(Turn::Cancelled);
-    }
-    ctx.shared.web.set_vram(match model {
-        ModelHandle::Qwen2(m) => m.backend().device_memory_used(),
-        ModelHandle::Qwen4exp(m) => m.backend().device_memory_used(),
-    });
-    let m = &ctx.shared.metrics;
-    let t0 = Instant::now();
-    let prompt = &a.job.prompt;
-    let out = match &mut a.phase {
-        Phase::Prefill { next } => {
-            // Stop each chunk at the next checkpoint position, so the state there is saved;
-            // the prompt's last token is the decoding loop's.
-            let end_prefill = prompt.len() - 1;
-            if *next < end_prefill {
-                let mut end = (*next + PREFILL_CHUNK).min(end_prefill);
-                for &p in &a.job.checkpoint_at {
-                    if p > *next && p < end {
-                        end = p;
-                    }
-                }
-                // A speculative job keeps the head level with the trunk: it runs over the
-                // chunk's rows with the tokens after them.
-                let next_tok = (a.job.window > 1).then(|| prompt[end]);
-                slot.seq.feed(model, &prompt[*next..end], next_tok)?;
-                m.prompt_tokens
-                    .fetch_add((end - *next) as u64, Ordering::Relaxed);
-                m.prompt_us
-                    .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-                *next = end;
-                if end == end_prefill || a.job.checkpoint_at.contains(&end) {
-                    slot.seq.checkpoint(model, ctx.clock)?;
-                }
-                return Ok(Turn::Running);
-            }
-            if a.job.max_tokens == 0 {
-                return Ok(Turn::Done(Finish::MaxTokens));
-            }
-            let mut gen = start_gen(model, &mut slot.seq, &mut a.job, ctx)?;
-            let events = &a.job.events;
-            let out = gen.step(
-                model,
-                &mut slot.seq,
-                Some(&a.job.prompt),
-                ctx.is_eog,
-                &|| events.is_closed(),
-            );
-            a.phase = Phase::Decode(gen);
-            m.prompt_tokens.fetch_add(1, Ordering::Relaxed);
-            m.prompt_us
-                .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-            out?
-        }
-        // Every window, plain or speculative, is rows of the batch (`batch_step`).
-        Phase::Decode(_) => anyhow::bail!("a decoding sequence steps in the batch"),
-    };
-    Ok(send_out(&a.job, out, m))
-}
-
 /// The generation of a job whose prompt the sequence now holds but its last token.
 fn start_gen<'m, Q2: Backend, Q4: Qwen4expOps>(
     model: &'m ModelHandle<Q2, Q4>,
@@ -602,17 +504,20 @@ enum Row {
     Decode,
     /// Its speculative generation's next verify window: the pending token and the drafts.
     Window,
-    /// The prompt's last token, whose logits give the first generated token.
+    /// The prompt's last token, whose logits give the first generated token (speculative:
+    /// run by its generation's decoder, which holds the sequence from this step on).
     First,
-    /// Prompt tokens up to `end` (no logits read).
-    Chunk { end: usize },
+    /// Prompt tokens up to `end` (no logits read); `follow`: a speculative prompt's token
+    /// after them, for the MTP head to follow the chunk's rows after the pass.
+    Chunk { end: usize, follow: Option<u32> },
 }
 
 /// One step of continuous batching: every running sequence's decode row or verify window
-/// (speculative: the pending token and its drafts), the last prompt token of the plain ones
-/// about to generate, and one chunk's worth of prompt tokens of the joining plain ones (oldest
-/// first; the budget's rest, at least [`MIN_CHUNK`] and at most [`PREFILL_CHUNK`] tokens in
-/// all) in one forward pass. Returns each slot's turn.
+/// (speculative: the pending token and its drafts), the last prompt token of those about to
+/// generate, and one chunk's worth of prompt tokens of the joining ones (oldest first; the
+/// budget's rest, at least [`MIN_CHUNK`] and at most [`PREFILL_CHUNK`] tokens in all) in one
+/// forward pass; after it, the MTP head of each speculative prompt's chunk follows the chunk's
+/// rows. Returns each slot's turn.
 fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
     model: &'m ModelHandle<Q2, Q4>,
     slots: &mut [Slot<'m, Q2, Q4>],
@@ -638,15 +543,25 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
                 }
                 Err(e) => turns.push((i, Turn::Failed(e))),
             },
-            // A speculative prompt runs alone.
-            Phase::Prefill { .. } if a.job.window > 1 => {}
             Phase::Prefill { next } if *next + 1 >= a.job.prompt.len() => {
                 if a.job.max_tokens == 0 {
                     turns.push((i, Turn::Done(Finish::MaxTokens)));
                     continue;
                 }
+                let last = a.job.prompt[*next];
+                // A speculative generation's decoder takes the sequence now: the prompt's last
+                // token is its item in the batch.
+                if a.job.window > 1 {
+                    match start_gen(model, &mut slot.seq, &mut a.job, ctx) {
+                        Ok(gen) => a.phase = Phase::Decode(gen),
+                        Err(e) => {
+                            turns.push((i, Turn::Failed(e)));
+                            continue;
+                        }
+                    }
+                }
                 used += 1;
-                plan.push((i, Row::First, vec![a.job.prompt[*next]]));
+                plan.push((i, Row::First, vec![last]));
             }
             Phase::Prefill { .. } => {}
         }
@@ -660,9 +575,7 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
         .filter_map(|(i, s)| {
             let a = s.active.as_ref()?;
             match a.phase {
-                Phase::Prefill { next } if a.job.window == 1 && next + 1 < a.job.prompt.len() => {
-                    Some((a.admitted, i))
-                }
+                Phase::Prefill { next } if next + 1 < a.job.prompt.len() => Some((a.admitted, i)),
                 _ => None,
             }
         })
@@ -689,7 +602,14 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
             }
         }
         room -= end - next;
-        plan.push((i, Row::Chunk { end }, a.job.prompt[next..end].to_vec()));
+        // A speculative prompt keeps the head level with the trunk: it follows the chunk's
+        // rows with the tokens after them.
+        let follow = (a.job.window > 1).then(|| a.job.prompt[end]);
+        plan.push((
+            i,
+            Row::Chunk { end, follow },
+            a.job.prompt[next..end].to_vec(),
+        ));
     }
     // A sequence whose context is full fails alone, before the batch runs.
     plan.retain(|(i, _, toks)| {
@@ -721,18 +641,40 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
             let Some(slot) = parts[*i].take() else {
                 continue;
             };
-            items.push(match (row, slot.active.as_mut().map(|a| &mut a.phase)) {
-                (Row::Window, Some(Phase::Decode(gen))) => Feed::Window {
+            let Slot { seq, active, .. } = slot;
+            items.push(match (row, active.as_mut()) {
+                (
+                    Row::Window,
+                    Some(Active {
+                        phase: Phase::Decode(gen),
+                        ..
+                    }),
+                ) => Feed::Window {
                     gen: &mut **gen,
                     tokens: toks,
+                },
+                (
+                    Row::First,
+                    Some(Active {
+                        phase: Phase::Decode(gen),
+                        job,
+                        ..
+                    }),
+                ) => Feed::Prompt {
+                    gen: &mut **gen,
+                    prompt: &job.prompt,
                 },
                 // Cannot be (the plan was made from the phase); the count check below fails
                 // the batch.
                 (Row::Window, _) => continue,
-                _ => Feed::Seq {
-                    seq: &mut slot.seq,
+                (row, _) => Feed::Seq {
+                    seq,
                     tokens: toks,
                     last_only: matches!(row, Row::Chunk { .. }),
+                    follow: match row {
+                        Row::Chunk { follow, .. } => *follow,
+                        _ => None,
+                    },
                 },
             });
         }
@@ -776,6 +718,18 @@ fn batch_step<'m, Q2: Backend, Q4: Qwen4expOps>(
         let windows = plan.iter().filter(|p| matches!(p.1, Row::Window)).count();
         m.batch_windows.fetch_add(windows as u64, Ordering::Relaxed);
     }
+    // Speculative prompt chunks and prompt ends beside other sequences' decode rows.
+    let spec = |i: usize| slots[i].active.as_ref().is_some_and(|a| a.job.window > 1);
+    let beside = plan
+        .iter()
+        .filter(|(i, r, _)| {
+            matches!(r, Row::Chunk { .. } | Row::First)
+                && spec(*i)
+                && plan.iter().any(|(j, r, _)| j != i && decodes(r))
+        })
+        .count();
+    m.batch_spec_prompts
+        .fetch_add(beside as u64, Ordering::Relaxed);
     let decoding = plan.iter().any(|p| decodes(&p.1));
     for ((i, row, toks), l) in plan.into_iter().zip(fed) {
         let t = deliver(model, &mut slots[i], row, toks.len(), l, ctx).unwrap_or_else(Turn::Failed);
@@ -804,8 +758,11 @@ fn deliver<'m, Q2: Backend, Q4: Qwen4expOps>(
     };
     let m = &ctx.shared.metrics;
     let out = match row {
-        Row::Chunk { end } => {
+        Row::Chunk { end, follow } => {
             m.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
+            if let (Some(next), Fed::Hidden(hidden)) = (follow, fed) {
+                slot.seq.follow_head(model, &hidden, next)?;
+            }
             a.phase = Phase::Prefill { next: end };
             if end + 1 == a.job.prompt.len() || a.job.checkpoint_at.contains(&end) {
                 slot.seq.checkpoint(model, ctx.clock)?;
@@ -814,18 +771,21 @@ fn deliver<'m, Q2: Backend, Q4: Qwen4expOps>(
         }
         Row::First => {
             m.prompt_tokens.fetch_add(1, Ordering::Relaxed);
-            let mut gen = start_gen(model, &mut slot.seq, &mut a.job, ctx)?;
+            if let Phase::Prefill { .. } = a.phase {
+                a.phase = Phase::Decode(start_gen(model, &mut slot.seq, &mut a.job, ctx)?);
+            }
+            let Phase::Decode(gen) = &mut a.phase else {
+                anyhow::bail!("the prompt's end for a sequence without its generation");
+            };
             let events = &a.job.events;
-            let out = gen.end(
+            gen.end(
                 model,
                 &mut slot.seq,
                 fed,
                 Some(&a.job.prompt),
                 ctx.is_eog,
                 &|| events.is_closed(),
-            );
-            a.phase = Phase::Decode(gen);
-            out?
+            )?
         }
         Row::Decode | Row::Window => {
             let Phase::Decode(gen) = &mut a.phase else {

@@ -6,8 +6,10 @@
 //! (never two at once) and still gets its solo answer, and a request that could never fit gets
 //! 429 naming what it needs. A cancelled stream frees its slot at the next step while the
 //! batch goes on. With the MTP head, speculative streams (their verify windows rows of the
-//! batch) and plain ones at once equal their solo runs, greedy and seeded. On the tiny qwen4exp fixture, and on the default qwen2 model
-//! when it is cached (else a SKIP message).
+//! batch) and plain ones at once equal their solo runs, greedy and seeded, and a speculative
+//! request whose long prompt arrives while they decode is prefilled in several chunks of the
+//! batched steps beside their decode rows (counted) and equals its solo run. On the tiny
+//! qwen4exp fixture, and on the default qwen2 model when it is cached (else a SKIP message).
 
 mod common;
 
@@ -222,8 +224,13 @@ fn a_cancelled_stream_frees_its_slot_while_the_batch_goes_on() {
 /// With an MTP head: speculative requests (window 4, their verify windows rows of the batch)
 /// and plain ones (window 1) at once each get the stream they get alone, greedy and seeded;
 /// windows really ran in batched passes beside other sequences' rows (`batch_windows_total`).
+/// Then, while those stream (decode steps slowed so they last), a speculative request with a
+/// long prompt arrives: its prompt runs in several chunks of the batched step beside their
+/// decode rows (`batch_spec_prompts_total` grows by at least three while it runs; it never
+/// does on the lone server) and its stream too equals its solo run.
 #[test]
 fn speculative_and_batched_streams_together_equal_their_solo_runs() {
+    use common::Open;
     let head = LoadSpec {
         mtp: Some(common::mtp_head()),
         ..spec()
@@ -237,26 +244,74 @@ fn speculative_and_batched_streams_together_equal_their_solo_runs() {
                 b
             })
             .collect();
+        let mut late = json!({
+            "prompt": "A speculative stream reads its long prompt in chunks beside the others. "
+                .repeat(40),
+            "max_tokens": 20, "stream": true, "spec": 4,
+        });
+        if seeded {
+            late["temperature"] = json!(0.9);
+            late["seed"] = json!(300);
+        } else {
+            late["temperature"] = json!(0);
+        }
         let solo = start_with(tiny_model(), head.clone(), cfg(1));
         let want: Vec<String> = bodies
             .iter()
             .map(|b| text_of(&post(solo.addr(), "/v1/completions", b)))
             .collect();
-        assert_eq!(
-            metric(solo.addr(), "batch_windows_total"),
-            0.0,
-            "a lone sequence shared a pass"
+        let want_late = text_of(&post(solo.addr(), "/v1/completions", &late));
+        let n_late = post(
+            solo.addr(),
+            "/tokenize",
+            &json!({"content": late["prompt"]}),
+        )
+        .json()["tokens"]
+            .as_array()
+            .map_or(0, Vec::len);
+        assert!(
+            n_late > 512,
+            "the late prompt has {n_late} tokens: fewer than two chunks"
         );
+        for name in ["batch_windows_total", "batch_spec_prompts_total"] {
+            assert_eq!(
+                metric(solo.addr(), name),
+                0.0,
+                "{name}: a lone sequence shared a pass"
+            );
+        }
         drop(solo);
-        let s = start_with(tiny_model(), head.clone(), cfg(8));
+        let s = start_with(
+            tiny_model(),
+            head.clone(),
+            ServerConfig {
+                test_token_delay: Some(std::time::Duration::from_millis(25)),
+                ..cfg(9)
+            },
+        );
         let addr = s.addr();
-        let got: Vec<String> = std::thread::scope(|sc| {
-            let hs: Vec<_> = bodies
-                .iter()
-                .map(|b| sc.spawn(move || text_of(&post(addr, "/v1/completions", b))))
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let mut open: Vec<Open> = bodies
+            .iter()
+            .map(|b| Open::new(addr, "/v1/completions", b))
+            .collect();
+        // Every stream has its first token: all of them are decoding now.
+        let heads: Vec<String> = open.iter_mut().map(|o| o.until("data:")).collect();
+        let before = metric(addr, "batch_spec_prompts_total");
+        let got_late = text_of(&post(addr, "/v1/completions", &late));
+        let beside = metric(addr, "batch_spec_prompts_total") - before;
+        let got: Vec<String> = open
+            .iter_mut()
+            .zip(heads)
+            .map(|(o, h)| {
+                assert!(h.starts_with("HTTP/1.1 200"), "{h}");
+                let body = h + &o.rest();
+                text_of(&Reply {
+                    status: 200,
+                    headers: String::new(),
+                    body,
+                })
+            })
+            .collect();
         for (i, (w, g)) in want.iter().zip(&got).enumerate() {
             assert_eq!(
                 w, g,
@@ -264,6 +319,15 @@ fn speculative_and_batched_streams_together_equal_their_solo_runs() {
                 bodies[i]["spec"]
             );
         }
+        assert_eq!(
+            want_late, got_late,
+            "seeded {seeded}: the late speculative stream differs from its solo run"
+        );
+        assert!(
+            beside >= 3.0,
+            "seeded {seeded}: the late speculative prompt ({n_late} tokens) shared {beside} \
+             passes with decode rows; several chunks expected"
+        );
         assert!(
             metric(addr, "spec_passes_total") > 0.0,
             "no speculative pass ran"

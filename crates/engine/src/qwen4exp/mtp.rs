@@ -315,9 +315,11 @@ impl<B: Qwen4expOps> Model<B> {
     }
 
     /// Runs `tokens` through the trunk and the head together, for a caller that keeps both
-    /// states at one position (a server's prefill chunks, when the token after the chunk is
-    /// known): the head takes the trunk's rows with the tokens after them (`tokens[1..]` and
-    /// `next`), only filling its caches. Returns the trunk's logits after the last token.
+    /// states at one position (a prompt's chunk, when the token after it is known): the trunk
+    /// alone, then the head follows it over the rows ([`Model::mtp_follow`]: the tokens after
+    /// them are `tokens[1..]` and `next`). Returns the trunk's logits after the last token. A
+    /// batch runs the same two halves: the trunk's rows as a batch item with `hidden`, then
+    /// `mtp_follow` per sequence.
     pub fn forward_with_head(
         &self,
         st: &mut State<B>,
@@ -341,10 +343,35 @@ impl<B: Qwen4expOps> Model<B> {
         let hidden = out
             .hidden
             .ok_or_else(|| EngineError::shape("forward", "no pre-mixer rows for the MTP head"))?;
-        let mut next_tokens = tokens[1..].to_vec();
-        next_tokens.push(next);
-        self.mtp_forward_dev(mtp, &hidden, &next_tokens, true, None)?;
+        self.mtp_follow(st, mtp, &hidden, next)?;
         self.backend.download(&out.logits)
+    }
+
+    /// The head follows the trunk over the rows the trunk ran since the head's position: row
+    /// `p` takes the trunk's pre-mixer residual `h_p` (`hidden`, `[rows, S·H]`, from a pass
+    /// with `Want::hidden` or a batch item's `hidden`) and the token after it, `x_{p+1}` (the
+    /// trunk's own tokens, and `next` after its last), only filling the head's caches. A
+    /// prompt's rows run this way chunk by chunk, in the trunk's pass alone or in a batch.
+    pub fn mtp_follow(
+        &self,
+        st: &State<B>,
+        mtp: &mut MtpState<B>,
+        hidden: &B::Buf,
+        next: u32,
+    ) -> Result<()> {
+        let from = mtp.position();
+        if from >= st.position() || hidden.rows() != st.position() - from {
+            return Err(EngineError::Input(format!(
+                "the MTP head follows the trunk: it holds {from} positions, the trunk {}, and \
+                 {} pre-mixer rows came for the rows between",
+                st.position(),
+                hidden.rows()
+            )));
+        }
+        let mut next_tokens = st.tokens()[from + 1..].to_vec();
+        next_tokens.push(next);
+        self.mtp_forward_dev(mtp, hidden, &next_tokens, true, None)?;
+        Ok(())
     }
 
     /// [`Model::mtp_forward`] on device buffers: returns the logits and the pre-mixer output.

@@ -29,6 +29,10 @@
 //! (`crate::batch`): [`SpecDecoder::window_item`] gives the window's batch item and
 //! [`SpecDecoder::window_ran`] takes its results back, between the loop's
 //! `Progress::begin_window` and `Progress::end_window`; alone, the window is a batch of one.
+//! So may the prompt, in chunks: [`SpecDecoder::prompt_item`] gives a chunk's batch item (its
+//! rows' pre-mixer states wanted) and [`SpecDecoder::prompt_ran`] has the head follow them
+//! after the pass (the last chunk's rows wait for the first token); the solo prefill is the
+//! whole prompt as one such chunk.
 
 pub mod draft_vocab;
 mod drafter;
@@ -37,7 +41,7 @@ mod target;
 
 use std::time::{Duration, Instant};
 
-use crate::backend::DevicePick;
+use crate::backend::{DeviceBuf, DevicePick};
 use crate::decode::{self, ByPicker, Decoding, DraftEdit, Judged, Pick, Policy, Stepper, Verified};
 use crate::error::{EngineError, Result};
 use crate::generate::{GenOptions, Timings};
@@ -210,6 +214,9 @@ pub struct SpecStats {
     pub window: usize,
     /// Verify passes of the trunk (not counting the prefill).
     pub passes: u64,
+    /// Passes of the trunk over the prompt: its chunks ([`SpecDecoder::prompt_item`]; one when
+    /// the prompt runs whole).
+    pub prompt_passes: u64,
     /// Tokens emitted, including the prefill's.
     pub emitted: u64,
     /// Per draft step `j` (index 0 = first draft): drafts offered, reached (every earlier
@@ -336,6 +343,14 @@ pub struct StepOutcome {
     pub stopped: bool,
 }
 
+/// A prompt chunk between [`SpecDecoder::prompt_item`] and [`SpecDecoder::prompt_ran`]: where
+/// it ends, the prompt's token after it (None: it ends the prompt) and when it began.
+struct PromptChunk {
+    end: usize,
+    next: Option<u32>,
+    started: Instant,
+}
+
 /// Speculative decoding of one sequence: a [`Target`] (the trunk: verify a window, commit what
 /// the judge kept) and, with the MTP head, an [`MtpDrafter`] (propose drafts, catch up on the
 /// committed rows), driven by the decoding loop of [`crate::decode`] through [`Stepper`].
@@ -351,8 +366,12 @@ pub struct SpecDecoder<'m, B: Qwen4expOps> {
     /// The trunk's pre-mixer rows of the prefill, until the first token is known (the head's
     /// catch-up pairs them with the tokens after them).
     prefill_hidden: Option<B::Buf>,
-    /// Where the last prefill started (a resumed sequence's prefix was consumed before).
+    /// Where the last prefill started (a resumed sequence's prefix was consumed before; with a
+    /// prompt in chunks, the last chunk's start).
     prefill_from: usize,
+    /// The prompt chunk handed out as a batch item and not yet run
+    /// ([`SpecDecoder::prompt_item`]).
+    prompt_chunk: Option<PromptChunk>,
     /// The judge may rewind (slop mode 2): the target checkpoints even one-row windows.
     may_rewind: bool,
     /// The last emitted token, which the trunk has not consumed yet.
@@ -434,6 +453,7 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
             drafter,
             prefill_hidden: None,
             prefill_from: 0,
+            prompt_chunk: None,
             may_rewind: false,
             pending: None,
             picker: Box::new(Greedy),
@@ -602,6 +622,104 @@ impl<'m, B: Qwen4expOps> SpecDecoder<'m, B> {
         self.target.window_ran(out, pick, &mut self.stats)
     }
 
+    /// The first half of a prompt chunk run as rows of a batch (`crate::batch`): the batch
+    /// item of `prompt[from..end]`, `from` being the tokens the trunk holds (a prefix of
+    /// `prompt`: earlier chunks, or a resumed sequence's prefix), with the last row's logits
+    /// and the rows' pre-mixer states for the head. Run it in [`Model::forward_batch_dev`]
+    /// (alone, or beside other sequences' rows), then hand its results to
+    /// [`SpecDecoder::prompt_ran`]; a prompt runs in any chunks this way, the last ending at
+    /// `prompt.len()`, and then the loop judges the first token
+    /// ([`Progress::prefilled`](crate::decode::Progress::prefilled)) from its logits.
+    pub fn prompt_item<'a>(
+        &'a mut self,
+        prompt: &'a [u32],
+        end: usize,
+    ) -> Result<BatchItem<'a, B>> {
+        let from = self.target.position();
+        // A resumed sequence continues with the prompt's rest; it must be a prefix of it.
+        if self.pending.is_some()
+            || prompt.len() <= from
+            || prompt.get(..from) != Some(self.target.tokens())
+        {
+            return Err(EngineError::Input(
+                "speculative generation: the sequence already holds tokens that are not a prefix \
+                 of the prompt"
+                    .to_string(),
+            ));
+        }
+        if end <= from || end > prompt.len() {
+            return Err(EngineError::Input(format!(
+                "speculative prompt: a chunk ending at {end}, the sequence holding {from} of the \
+                 prompt's {} tokens",
+                prompt.len()
+            )));
+        }
+        if self.target.has_verified() {
+            return Err(EngineError::Input(
+                "speculative prompt: a verify pass waits for its commit".to_string(),
+            ));
+        }
+        // The head holds every consumed token (each earlier chunk's rows were followed).
+        if let Some(d) = self.drafter.as_mut() {
+            d.forget_first();
+        }
+        self.prefill_from = from;
+        self.prefill_hidden = None;
+        self.prompt_chunk = Some(PromptChunk {
+            end,
+            next: prompt.get(end).copied(),
+            started: Instant::now(),
+        });
+        Ok(self.target.rows_item(&prompt[from..end]))
+    }
+
+    /// The second half of a prompt chunk: `out`, the results of the item
+    /// [`SpecDecoder::prompt_item`] gave. A chunk before the prompt's end has the head follow
+    /// the trunk over its rows now (the tokens after them are the prompt's) and returns None;
+    /// the prompt's last chunk returns the logits after the prompt, and its rows wait for the
+    /// first generated token, which pairs with the last of them (the head follows when the
+    /// loop settles the first token).
+    pub fn prompt_ran(&mut self, out: BatchOut<B>) -> Result<Option<Vec<f32>>> {
+        let c = self
+            .prompt_chunk
+            .take()
+            .ok_or_else(|| EngineError::Input("prefill: no prompt chunk was begun".to_string()))?;
+        let rows = c.end - self.prefill_from;
+        let hidden_rows = out.hidden.as_ref().map(|h| h.rows());
+        if self.target.position() != c.end
+            || out.logits.rows() != 1
+            || hidden_rows != self.drafter.is_some().then_some(rows)
+        {
+            return Err(EngineError::shape(
+                "prefill",
+                format!(
+                    "a prompt chunk of {rows} rows ending at {}: the trunk is at {}, {} logits \
+                     rows and {hidden_rows:?} pre-mixer rows came back",
+                    c.end,
+                    self.target.position(),
+                    out.logits.rows()
+                ),
+            ));
+        }
+        self.stats.prefill_time += c.started.elapsed();
+        self.stats.prompt_passes += 1;
+        match c.next {
+            Some(next) => {
+                if let (Some(hidden), Some(d)) = (out.hidden, self.drafter.as_mut()) {
+                    let t0 = Instant::now();
+                    self.model
+                        .mtp_follow(&self.target.state, &mut d.mtp, &hidden, next)?;
+                    self.stats.catchup_time += t0.elapsed();
+                }
+                Ok(None)
+            }
+            None => {
+                self.prefill_hidden = out.hidden;
+                Ok(Some(self.model.backend().download(&out.logits)?))
+            }
+        }
+    }
+
     /// Runs `f` with the decoder and its picker apart (the loop borrows both).
     pub(crate) fn with_picker_taken<R>(
         &mut self,
@@ -661,23 +779,18 @@ impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
     }
 
     fn prefill(&mut self, prompt: &[u32], _opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>> {
-        // A resumed sequence continues with the prompt's rest; it must be a prefix of it.
         let from = self.target.position();
-        if self.pending.is_some()
-            || prompt.len() <= from
-            || prompt.get(..from) != Some(self.target.tokens())
-        {
-            return Err(EngineError::Input(
-                "speculative generation: the sequence already holds tokens that are not a prefix \
-                 of the prompt"
-                    .to_string(),
-            ));
-        }
-        self.prefill_from = from;
+        // The whole rest of the prompt as one chunk, a batch of one.
         let t0 = Instant::now();
-        let (logits, hidden) = self.target.run_rows(&prompt[from..])?;
-        self.prefill_hidden = hidden;
-        self.stats.prefill_time += t0.elapsed();
+        let model = self.model;
+        let item = self.prompt_item(prompt, prompt.len())?;
+        let out = model
+            .forward_batch_dev(&mut [item])?
+            .pop()
+            .ok_or_else(|| EngineError::shape("prefill", "no result for the prompt"))?;
+        let logits = self
+            .prompt_ran(out)?
+            .ok_or_else(|| EngineError::shape("prefill", "no logits after the prompt"))?;
         t.prompt = t0.elapsed();
         t.prompt_tokens = prompt.len() - from;
         t.reused_tokens = from;

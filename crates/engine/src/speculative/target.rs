@@ -98,18 +98,28 @@ impl<'m, B: Qwen4expOps> Target<'m, B> {
         self.state.tokens()
     }
 
-    /// Runs `tokens` (a prompt): the logits after the last of them, and (with a drafter)
-    /// every row's pre-mixer state for its catch-up.
+    /// Runs `tokens` (a prompt, or a chat's next turn) alone: the logits after the last of
+    /// them, and (with a drafter) every row's pre-mixer state for its catch-up.
     pub(crate) fn run_rows(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, Option<B::Buf>)> {
-        let want = Want {
-            hidden: self.hidden,
+        let model = self.model;
+        let out = model
+            .forward_batch_dev(&mut [self.rows_item(tokens)])?
+            .pop()
+            .ok_or_else(|| EngineError::shape("prefill", "no result for the rows"))?;
+        Ok((model.backend().download(&out.logits)?, out.hidden))
+    }
+
+    /// The batch item of `tokens` continuing the trunk (prompt rows): the last row's logits
+    /// and, with a drafter, every row's pre-mixer state for the head to follow. It may run
+    /// alone (a batch of one: the solo pass) or beside other sequences' rows.
+    pub(crate) fn rows_item<'a>(&'a mut self, tokens: &'a [u32]) -> BatchItem<'a, B> {
+        BatchItem {
+            state: &mut self.state,
+            tokens,
             last_only: true,
-            ..Want::default()
-        };
-        let out = self
-            .model
-            .forward_dev(&mut self.state, tokens, want, None)?;
-        Ok((self.model.backend().download(&out.logits)?, out.hidden))
+            log: None,
+            hidden: self.hidden,
+        }
     }
 
     /// A checkpoint of the trunk state now, in the buffers of the last one when there is one.
