@@ -2335,80 +2335,77 @@ impl Qwen4expOps for CudaBackend {
         let (key, mut s) = self.expert_scratch(&devs, rows, n_used)?;
         let mut out = self.buf(rows, h)?;
         let mut err = self.err_word();
-        if model::shared_in_down(&self.gpu, &devs, xg, n_used, &mw.down_shexp.dev) {
-            // The router and the shared gate, the route, then the shared expert's gate and up
-            // products (so the route is settled two waiting launches before the experts); the
-            // staged down makes the shared expert's image and down rows itself.
-            let mut ys = self
-                .products_on(&[&mw.router, &mw.shexp_gate], u, &imgs)?
-                .into_iter();
-            let (Some(logits), Some(gate)) = (ys.next(), ys.next()) else {
-                return Err(shape("moe_block", "product count".into()));
-            };
-            let routes = self.route(&logits, n_used)?;
-            let mut ys = self
-                .products_on(&[&mw.gate_shexp, &mw.up_shexp], u, &imgs)?
-                .into_iter();
-            let (Some(g), Some(up)) = (ys.next(), ys.next()) else {
-                return Err(shape("moe_block", "product count".into()));
-            };
-            model::moe_experts_fused_on(
-                &self.gpu,
-                &devs,
-                xg,
-                &routes.ids,
-                &routes.wts,
-                rows,
-                n_used,
-                &mut s.aq,
-                Some(model::SharedAdd {
-                    y: model::SharedY::Parts {
-                        g: &g.data,
-                        u: &up.data,
-                        down: &mw.down_shexp.dev,
-                    },
-                    gate: &gate.data,
-                    settled: true,
-                }),
-                &mut out.data,
-                &mut err,
-            )
-            .map_err(dev)?;
-        } else {
-            let mut ys = self.products_on(&front, u, &imgs)?.into_iter();
-            let (Some(logits), Some(g), Some(up), Some(gate)) =
-                (ys.next(), ys.next(), ys.next(), ys.next())
-            else {
-                return Err(shape("moe_block", "product count".into()));
-            };
-            let routes = self.route(&logits, n_used)?;
-            // The shared expert: swiglu straight into its down product's image.
-            let fd = mw.down_shexp.dev.act().map_err(dev)?;
-            let mut hq = self.alloc_u8(rows * mw.down_shexp.dev.act_row_bytes().map_err(dev)?)?;
-            model::swiglu_prepare(&self.gpu, &g.data, &up.data, rows, ffs, fd, &mut hq)
-                .map_err(dev)?;
-            let shared = self.product(&mw.down_shexp, &hq, rows)?;
-            model::moe_experts_fused_on(
-                &self.gpu,
-                &devs,
-                xg,
-                &routes.ids,
-                &routes.wts,
-                rows,
-                n_used,
-                &mut s.aq,
-                Some(model::SharedAdd {
-                    y: model::SharedY::Out(&shared.data),
-                    gate: &gate.data,
-                    // route, then swiglu_prepare and the shared down product (one waiting
-                    // launch each) before the experts.
-                    settled: true,
-                }),
-                &mut out.data,
-                &mut err,
-            )
-            .map_err(dev)?;
+        // The shared expert: its gate and up products for the staged down to finish, or its
+        // output (swiglu straight into its down product's image).
+        enum Shared {
+            Parts(CudaBuf, CudaBuf),
+            Out(CudaBuf),
         }
+        let (routes, gate, shared) =
+            if model::shared_in_down(&self.gpu, &devs, xg, n_used, &mw.down_shexp.dev) {
+                // The router and the shared gate, the route, then the shared expert's gate and
+                // up products (so the route is settled two waiting launches before the experts).
+                let mut ys = self
+                    .products_on(&[&mw.router, &mw.shexp_gate], u, &imgs)?
+                    .into_iter();
+                let (Some(logits), Some(gate)) = (ys.next(), ys.next()) else {
+                    return Err(shape("moe_block", "product count".into()));
+                };
+                let routes = self.route(&logits, n_used)?;
+                let mut ys = self
+                    .products_on(&[&mw.gate_shexp, &mw.up_shexp], u, &imgs)?
+                    .into_iter();
+                let (Some(g), Some(up)) = (ys.next(), ys.next()) else {
+                    return Err(shape("moe_block", "product count".into()));
+                };
+                (routes, gate, Shared::Parts(g, up))
+            } else {
+                let mut ys = self.products_on(&front, u, &imgs)?.into_iter();
+                let (Some(logits), Some(g), Some(up), Some(gate)) =
+                    (ys.next(), ys.next(), ys.next(), ys.next())
+                else {
+                    return Err(shape("moe_block", "product count".into()));
+                };
+                // Route, then swiglu_prepare and the shared down product (one waiting launch
+                // each) before the experts.
+                let routes = self.route(&logits, n_used)?;
+                let fd = mw.down_shexp.dev.act().map_err(dev)?;
+                let mut hq =
+                    self.alloc_u8(rows * mw.down_shexp.dev.act_row_bytes().map_err(dev)?)?;
+                model::swiglu_prepare(&self.gpu, &g.data, &up.data, rows, ffs, fd, &mut hq)
+                    .map_err(dev)?;
+                (
+                    routes,
+                    gate,
+                    Shared::Out(self.product(&mw.down_shexp, &hq, rows)?),
+                )
+            };
+        let y = match &shared {
+            Shared::Parts(g, up) => model::SharedY::Parts {
+                g: &g.data,
+                u: &up.data,
+                down: &mw.down_shexp.dev,
+            },
+            Shared::Out(y) => model::SharedY::Out(&y.data),
+        };
+        model::moe_experts_fused_on(
+            &self.gpu,
+            &devs,
+            xg,
+            &routes.ids,
+            &routes.wts,
+            rows,
+            n_used,
+            &mut s.aq,
+            Some(model::SharedAdd {
+                y,
+                gate: &gate.data,
+                settled: true,
+            }),
+            &mut out.data,
+            &mut err,
+        )
+        .map_err(dev)?;
         drop(err);
         Self::put_scratch(&self.moe_scratch, key, rows, s);
         Ok(out)
