@@ -15,7 +15,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{metric, post, start_with, tiny_model, Reply};
+use common::{metric, post, start_with, tiny_model, wait_for_metric, Reply};
 use serde_json::{json, Value};
 use strata_server::memory::StateSize;
 use strata_server::{LoadSpec, ModelHandle, ServerConfig};
@@ -192,6 +192,8 @@ fn a_cancelled_stream_frees_its_slot_while_the_batch_goes_on() {
         ServerConfig {
             n_ctx: Some(1 << 17),
             queue: 4,
+            // A stated budget: admission must not depend on the memory free at start.
+            state_memory: Some(16 << 30),
             ..cfg(2)
         },
     );
@@ -204,9 +206,7 @@ fn a_cancelled_stream_frees_its_slot_while_the_batch_goes_on() {
     let mut second = Open::new(a, "/v1/completions", &long("c d"));
     second.until("data:");
     let mut third = Open::new(a, "/v1/completions", &long("e f"));
-    while metric(a, "requests_deferred") < 1.0 {
-        std::thread::yield_now();
-    }
+    wait_for_metric(a, "requests_deferred", 1.0);
     // A leaves: its slot goes to C, and B keeps streaming beside it.
     drop(first);
     third.until("data:");

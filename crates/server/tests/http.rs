@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{metric, post, request, start, start_with, tiny_model, Open};
+use common::{metric, post, request, start, start_with, tiny_model, wait_for_metric, Open};
 use serde_json::{json, Value};
 use strata_server::LoadSpec;
 use strata_server::ServerConfig;
@@ -26,6 +26,10 @@ fn long_caches() -> LoadSpec {
         ..Default::default()
     }
 }
+
+/// The state budget of the servers with [`long_caches`]: enough for a million positions of the
+/// tiny model however much memory the machine has free (the CPU commits rows as written).
+const LONG_STATE_MEMORY: u64 = 64 << 30;
 
 fn chat_body(content: &str, n: usize) -> Value {
     json!({"messages": [{"role": "user", "content": content}], "max_tokens": n, "temperature": 0})
@@ -524,6 +528,9 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_cancels() {
             parallel: 1,
             queue: 1,
             n_ctx: Some(1 << 20),
+            // A stated budget: the default (the memory available at start) would make the
+            // million-token request's admission depend on how loaded the machine is.
+            state_memory: Some(LONG_STATE_MEMORY),
             ..cfg()
         },
     );
@@ -534,9 +541,7 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_cancels() {
     first.until("data:");
     let mut second = Open::new(a, "/v1/completions", &long);
     // B is queued once the gauge says so.
-    while metric(a, "requests_deferred") < 1.0 {
-        std::thread::yield_now();
-    }
+    wait_for_metric(a, "requests_deferred", 1.0);
     let third = post(
         a,
         "/v1/completions",
@@ -566,6 +571,7 @@ fn shutdown_ends_an_open_stream_with_an_error_event() {
         long_caches(),
         ServerConfig {
             n_ctx: Some(1 << 20),
+            state_memory: Some(LONG_STATE_MEMORY),
             ..cfg()
         },
     );

@@ -209,6 +209,23 @@ impl Open {
     }
 }
 
+/// Waits until metric `name` reaches `at_least`, for at most two minutes; then fails naming
+/// the metric and its value (a test that waits for a state must not hang when it never comes).
+pub fn wait_for_metric(addr: SocketAddr, name: &str, at_least: f64) {
+    let end = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let v = metric(addr, name);
+        if v >= at_least {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "{name} stayed at {v} (waited for {at_least}) for two minutes"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 pub fn metric(addr: SocketAddr, name: &str) -> f64 {
     let r = request(addr, "GET", "/metrics", &[], "");
     assert_eq!(r.status, 200, "{}", r.body);
