@@ -404,9 +404,21 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let mut rng = SplitMix64(a.seed);
     if !a.no_warmup {
-        // Pages the weights in and warms the allocator; not timed.
+        // Pages the weights in and warms the allocator; not timed. With a prompt test, one
+        // whole prefill chunk (a GPU's large-batch kernels and libraries are set up by it).
         let mut s = loaded.session(loaded.n_ctx_model())?;
-        feed(s.as_mut(), &mut rng, 16, a.ubatch)?;
+        let longest = tests
+            .iter()
+            .filter(|t| t.kind == Kind::Prompt)
+            .map(|t| t.n)
+            .max()
+            .unwrap_or(0);
+        feed(
+            s.as_mut(),
+            &mut rng,
+            longest.min(a.ubatch).max(16),
+            a.ubatch,
+        )?;
         feed(s.as_mut(), &mut rng, 2, 1)?;
     }
     let mut results = Vec::new();

@@ -12,7 +12,7 @@ use strata_engine::generate::{Qwen2Session, Qwen4expSession, Session};
 use strata_engine::{qwen2, qwen4exp, CpuBackend, KvType, Qwen4expOps};
 use strata_wgpu::WgpuBackend;
 
-use crate::args::backend::{BackendChoice, BackendKind};
+use crate::args::backend::{BackendChoice, BackendKind, PrefillMode};
 use strata_gguf::GgufFile;
 use strata_tokenizer::Tokenizer;
 
@@ -71,6 +71,7 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
         BackendKind::Cpu => cpu(String::new()),
         BackendKind::Cuda => match CudaBackend::new(b.device) {
             Ok(c) => {
+                set_prefill(&c, b)?;
                 let note = cuda_note(&c);
                 Ok((Chosen::Cuda(Box::new(c)), note))
             }
@@ -95,12 +96,23 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
         }
         BackendKind::Auto => match CudaBackend::new(b.device) {
             Ok(c) => {
+                set_prefill(&c, b)?;
                 let note = format!("{} (auto)", cuda_note(&c));
                 Ok((Chosen::Cuda(Box::new(c)), note))
             }
             Err(e) => cpu(format!(" (auto: no usable GPU: {e})")),
         },
     }
+}
+
+/// `--prefill` on an opened CUDA backend (unset: the backend's default, from
+/// `STRATA_CUDA_FAST_PREFILL`); fast without cuBLAS is an error naming it.
+fn set_prefill(c: &CudaBackend, b: &BackendChoice) -> Result<()> {
+    if let Some(mode) = b.prefill {
+        c.set_fast_prefill(mode == PrefillMode::Fast)
+            .map_err(|e| anyhow::anyhow!("--prefill fast: {e}"))?;
+    }
+    Ok(())
 }
 
 fn cpu_note(c: &CpuBackend) -> String {
@@ -116,12 +128,17 @@ fn cpu_note(c: &CpuBackend) -> String {
 fn cuda_note(c: &CudaBackend) -> String {
     let g = c.gpu();
     format!(
-        "cuda:{} ({}, sm_{}{}, {} SMs)",
+        "cuda:{} ({}, sm_{}{}, {} SMs{})",
         c.ordinal(),
         g.name,
         g.arch.0,
         g.arch.1,
-        g.sms
+        g.sms,
+        if c.fast_prefill() {
+            ", fast prefill (cuBLAS)"
+        } else {
+            ""
+        }
     )
 }
 

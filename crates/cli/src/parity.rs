@@ -139,6 +139,7 @@ fn run_model(a: Args) -> anyhow::Result<ExitCode> {
     let choice = BackendChoice {
         kind,
         device: a.device,
+        prefill: None,
     };
     let opened = crate::load::open(&path)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -91,3 +91,46 @@ EMBED_OPT(T_Q4_K, q4_k)
 EMBED_OPT(T_Q5_K, q5_k)
 EMBED_OPT(T_Q6_K, q6_k)
 EMBED_OPT(T_IQ3_XXS, iq3_xxs)
+
+// dequant_bf16_*: a whole weight matrix dequantized to BF16 (round to nearest even) for the
+// fast prefill's tensor-core products (cuBLAS, docs/CUDA.md "Fast prefill"): one thread per
+// 32-value unit, `units` a row, rows `row_bytes` apart; the values are decode_unit's, so each
+// element is the CPU's dequantized value rounded once to BF16.
+template <int T>
+__device__ __forceinline__ void dequant_bf16(const u8* w, u16* out, u32 rows, u32 units, u64 row_bytes) {
+    constexpr int QK = Fmt<T>::QK, TS = Fmt<T>::TS, UPB = QK / 32;
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)rows * units) return;
+    const u64 r = i / units;
+    const u32 u = (u32)(i - r * units);
+    float v[32];
+    decode_unit<T>(w + r * row_bytes + (u64)(u / UPB) * TS, u % UPB, v);
+    uint4* o = (uint4*)(out + i * 32);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u32 p[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            p[j] = (u32)f32_to_bf16(v[8 * k + 2 * j]) | ((u32)f32_to_bf16(v[8 * k + 2 * j + 1]) << 16);
+        o[k] = make_uint4(p[0], p[1], p[2], p[3]);
+    }
+}
+
+#define DEQUANT_BF16(T, NAME)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+    dequant_bf16_##NAME(const u8* w, u16* out, u32 rows, u32 units, u64 row_bytes) {           \
+        grid_dep_sync();                                                                       \
+        dequant_bf16<T>(w, out, rows, units, row_bytes);                                       \
+    }
+DEQUANT_BF16(T_Q8_0, q8_0)
+DEQUANT_BF16(T_Q4_0, q4_0)
+DEQUANT_BF16(T_Q5_0, q5_0)
+DEQUANT_BF16(T_IQ4_NL, iq4_nl)
+DEQUANT_BF16(T_IQ4_XS, iq4_xs)
+DEQUANT_BF16(T_Q2_0, q2_0)
+DEQUANT_BF16(T_IQ3_S, iq3_s)
+DEQUANT_BF16(T_Q3_K, q3_k)
+DEQUANT_BF16(T_Q4_K, q4_k)
+DEQUANT_BF16(T_Q5_K, q5_k)
+DEQUANT_BF16(T_Q6_K, q6_k)
+DEQUANT_BF16(T_IQ3_XXS, iq3_xxs)

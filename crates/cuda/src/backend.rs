@@ -474,6 +474,10 @@ pub struct CudaBackend {
     /// Whether small steps are recorded and replayed as graphs (`STRATA_CUDA_GRAPHS=0`: no),
     /// read once at start.
     graphs: bool,
+    /// The fast prefill (`--prefill fast`, `STRATA_CUDA_FAST_PREFILL=1`): dense products of
+    /// many rows by cuBLAS on BF16 images ([`model::blas_applies`]), within a stated tolerance
+    /// of the exact kernels instead of their bits. Off: every product is the GEMV's bits.
+    fast_prefill: std::sync::atomic::AtomicBool,
 }
 
 /// A callback told the bytes of each weight the backend uploads.
@@ -522,7 +526,43 @@ impl CudaBackend {
             tick: std::sync::atomic::AtomicU64::new(0),
             step_lock: Mutex::new(()),
             graphs: crate::device::switch_on("STRATA_CUDA_GRAPHS"),
+            fast_prefill: std::sync::atomic::AtomicBool::new(
+                std::env::var("STRATA_CUDA_FAST_PREFILL").is_ok_and(|v| v.trim() == "1"),
+            ),
         })
+    }
+
+    /// Turns the fast prefill on or off (see `fast_prefill`); on needs cuBLAS, and says so
+    /// by name when it cannot be loaded.
+    pub fn set_fast_prefill(&self, on: bool) -> std::result::Result<(), CudaError> {
+        if on {
+            // cuBLAS is loaded and its handle made now, not inside the first prompt.
+            self.gpu.with_blas(|_| Ok(()))?;
+        }
+        self.fast_prefill
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether the fast prefill is on.
+    pub fn fast_prefill(&self) -> bool {
+        self.fast_prefill.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether `w`'s product of `rows` rows goes to cuBLAS (the fast prefill on, the shape one
+    /// it takes, not inside a recorded step).
+    fn blas_for(&self, w: &CudaWeight, rows: usize) -> bool {
+        self.fast_prefill() && !self.gpu.recording() && model::blas_applies(&w.dev, rows)
+    }
+
+    /// The activation format `w`'s product of `rows` rows reads: BF16 for a cuBLAS product,
+    /// else the weight's paired format.
+    fn act_for(&self, w: &CudaWeight, rows: usize) -> Result<ActFmt> {
+        if self.blas_for(w, rows) {
+            Ok(ActFmt::Bf16)
+        } else {
+            w.dev.act().map_err(dev)
+        }
     }
 
     /// Sets (or clears) the callback told the bytes of each weight as it is uploaded.
@@ -820,13 +860,24 @@ impl CudaBackend {
     }
 
     /// `x`'s rows in `w`'s paired activation format.
-    fn prepare(&self, w: &CudaWeight, x: &CudaBuf) -> Result<Mem<u8>> {
-        let rb = w.dev.act_row_bytes().map_err(dev)?;
+    fn prepare(&self, w: &CudaWeight, x: &CudaBuf) -> Result<(ActFmt, Mem<u8>)> {
+        let f = self.act_for(w, x.rows)?;
+        let rb = f.row_bytes(x.cols).ok_or_else(|| {
+            shape(
+                "matmul",
+                format!("rows of {} are not whole {} blocks", x.cols, f.name()),
+            )
+        })?;
         let mut out = self.alloc_u8(x.rows * rb)?;
         if x.rows > 0 {
-            model::prepare(&self.gpu, &w.dev, &x.data, x.rows, &mut out).map_err(dev)?;
+            if f == ActFmt::Bf16 && w.dev.act().map_err(dev)? != ActFmt::Bf16 {
+                ops::xprep(&self.gpu, "optimized", &x.data, &mut out, x.rows, x.cols, f)
+                    .map_err(dev)?;
+            } else {
+                model::prepare(&self.gpu, &w.dev, &x.data, x.rows, &mut out).map_err(dev)?;
+            }
         }
-        Ok(out)
+        Ok((f, out))
     }
 
     /// F32/BF16 weights whose rows are not whole 32-element units: products by the generic
@@ -867,6 +918,29 @@ impl CudaBackend {
         if rows > 0 {
             model::product(&self.gpu, &w.dev, xq, rows, &mut y.data).map_err(dev)?;
         }
+        Ok(y)
+    }
+
+    /// [`Self::product`] from an image in format `f` (from [`Self::act_for`]): by cuBLAS when
+    /// the fast prefill takes it, else the exact kernels.
+    fn product_from(
+        &self,
+        w: &CudaWeight,
+        f: ActFmt,
+        xq: &CudaSlice<u8>,
+        rows: usize,
+    ) -> Result<CudaBuf> {
+        if !self.blas_for(w, rows) {
+            return self.product(w, xq, rows);
+        }
+        if f != ActFmt::Bf16 {
+            return Err(shape(
+                "matmul",
+                format!("{}: a cuBLAS product of a {} image", w.info.name, f.name()),
+            ));
+        }
+        let mut y = self.buf(rows, w.n_rows2())?;
+        model::matmul_blas(&self.gpu, &w.dev, xq, rows, &mut y.data).map_err(dev)?;
         Ok(y)
     }
 
@@ -958,7 +1032,7 @@ impl CudaBackend {
             if Self::odd_float(w) {
                 continue;
             }
-            let f = w.dev.act().map_err(dev)?;
+            let f = self.act_for(w, x.rows)?;
             if !fmts.contains(&f) {
                 fmts.push(f);
             }
@@ -1024,7 +1098,7 @@ impl CudaBackend {
                 ys[j] = Some(self.matmul_odd(w, x)?);
                 continue;
             }
-            let f = w.dev.act().map_err(dev)?;
+            let f = self.act_for(w, x.rows)?;
             plan[j] = Some(
                 imgs.iter()
                     .position(|(p, _)| *p == f)
@@ -1051,7 +1125,7 @@ impl CudaBackend {
                 vec![j]
             };
             if group.len() == 1 {
-                ys[j] = Some(self.product(ws[j], &imgs[i].1, x.rows)?);
+                ys[j] = Some(self.product_from(ws[j], imgs[i].0, &imgs[i].1, x.rows)?);
                 continue;
             }
             let mut outs = group
@@ -1676,8 +1750,8 @@ impl Backend for CudaBackend {
         if Self::odd_float(w) {
             return self.matmul_odd(w, x);
         }
-        let xq = self.prepare(w, x)?;
-        self.product(w, &xq, x.rows)
+        let (f, xq) = self.prepare(w, x)?;
+        self.product_from(w, f, &xq, x.rows)
     }
 
     /// One activation image per format for all the products of `x`; weights of one format and

@@ -36,9 +36,34 @@ pub fn ensure_driver() -> Result<(), CudaError> {
     }
 }
 
+/// Checks that libcublas (CUDA 13) can be loaded (without letting cudarc panic): the fast
+/// prefill's tensor-core products need it.
+pub fn ensure_blas() -> Result<(), CudaError> {
+    // SAFETY: only tries to dlopen the candidate library names; no symbol is called.
+    if unsafe { cudarc::cublas::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(CudaError::BlasMissing(
+            "libcublas.so.13 was not found: install the CUDA 13 toolkit's cuBLAS (or the \
+             nvidia-cublas wheel and put its lib folder on LD_LIBRARY_PATH), or use \
+             --prefill exact"
+                .into(),
+        ))
+    }
+}
+
+/// cuBLAS for the fast prefill (docs/CUDA.md, "Fast prefill"): its handle on the device's
+/// stream, and the BF16 scratch that dequantized weights go to (grown on demand, one weight at a
+/// time, in stream order).
+pub struct Blas {
+    pub handle: cudarc::cublas::CudaBlas,
+    pub scratch: Option<CudaSlice<u16>>,
+}
+
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
-/// `STRATA_CUDA_TRIGGER_FIRST` and `STRATA_CUDA_PLE_HOST` are off unless `1`).
-pub const SWITCHES: [&str; 16] = [
+/// `STRATA_CUDA_TRIGGER_FIRST`, `STRATA_CUDA_PLE_HOST` and `STRATA_CUDA_FAST_PREFILL` are off
+/// unless `1`).
+pub const SWITCHES: [&str; 17] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -55,6 +80,7 @@ pub const SWITCHES: [&str; 16] = [
     "STRATA_CUDA_CONV_ROWS",
     "STRATA_CUDA_MMQ_Q2T",
     "STRATA_CUDA_MMQ_WIDE",
+    "STRATA_CUDA_FAST_PREFILL",
 ];
 
 /// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were
@@ -113,6 +139,8 @@ pub struct Gpu {
     staging: Mutex<Option<[cudarc::driver::PinnedHostSlice<u8>; 2]>>,
     /// The ops of the step being recorded (record mode: launches are kept, not issued).
     rec: Mutex<Option<Vec<crate::record::Op>>>,
+    /// cuBLAS, made at the first fast-prefill product ([`Gpu::with_blas`]).
+    blas: Mutex<Option<Blas>>,
 }
 
 /// One timed launch: its kernel, the events around it, the bytes its launcher stated.
@@ -216,7 +244,40 @@ impl Gpu {
             next_bytes: Mutex::new(None),
             staging: Mutex::new(None),
             rec: Mutex::new(None),
+            blas: Mutex::new(None),
         })
+    }
+
+    /// Runs `f` with cuBLAS (its handle made on this device's stream at the first call, after
+    /// [`ensure_blas`]). Never while recording: a step graph holds only this crate's kernels.
+    pub fn with_blas<R>(
+        &self,
+        f: impl FnOnce(&mut Blas) -> Result<R, CudaError>,
+    ) -> Result<R, CudaError> {
+        if self.recording() {
+            return Err(CudaError::Launch {
+                kernel: "cublas".into(),
+                what: "a cuBLAS product inside a recorded step".into(),
+            });
+        }
+        let mut g = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            ensure_blas()?;
+            let handle = cudarc::cublas::CudaBlas::new(self.stream.clone()).map_err(|e| {
+                CudaError::Driver {
+                    call: "cublasCreate".into(),
+                    what: e.to_string(),
+                }
+            })?;
+            *g = Some(Blas {
+                handle,
+                scratch: None,
+            });
+        }
+        match g.as_mut() {
+            Some(b) => f(b),
+            None => Err(CudaError::BlasMissing("cuBLAS handle".into())),
+        }
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {

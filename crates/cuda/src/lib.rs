@@ -20,6 +20,9 @@ pub enum CudaError {
     DriverMissing(String),
     #[error("NVRTC not available: {0}")]
     NvrtcMissing(String),
+    /// libcublas (CUDA 13) could not be loaded: the fast prefill (`--prefill fast`) needs it.
+    #[error("cuBLAS not available: {0}")]
+    BlasMissing(String),
     #[error("NVRTC, module {module}: {what}")]
     Nvrtc { module: String, what: String },
     #[error("CUDA call {call} failed: {what}")]

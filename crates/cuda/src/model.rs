@@ -614,6 +614,159 @@ pub fn matmul(
     )
 }
 
+/// Rows from which the fast prefill (`--prefill fast`, [`matmul_blas`]) takes a BF16 weight's
+/// product to cuBLAS, and a quantized weight's (which first pays a dequantization of the whole
+/// matrix to BF16). Chosen, not measured: a prefill chunk (512) is above both.
+pub const BLAS_MIN_ROWS_BF16: usize = 64;
+pub const BLAS_MIN_ROWS_QUANT: usize = 256;
+/// The most elements a dequantized weight may have (the BF16 scratch: 128 MiB); larger ones
+/// (an LM head over all rows) keep the exact kernels.
+pub const BLAS_SCRATCH_MAX: usize = 64 << 20;
+
+/// Formats `embed.cu dequant_bf16_*` decodes.
+pub fn has_dequant_bf16(ty: GgmlType) -> bool {
+    use GgmlType as G;
+    matches!(
+        ty,
+        G::Q8_0
+            | G::Q4_0
+            | G::Q5_0
+            | G::IQ4_NL
+            | G::IQ4_XS
+            | G::Q2_0
+            | G::IQ3_S
+            | G::Q3_K
+            | G::Q4_K
+            | G::Q5_K
+            | G::Q6_K
+            | G::IQ3_XXS
+    )
+}
+
+/// Whether the fast prefill runs `w`'s product of `nt` rows by cuBLAS: a dense (not expert)
+/// BF16 weight from [`BLAS_MIN_ROWS_BF16`] rows, a dense quantized weight of a format
+/// `dequant_bf16_*` decodes from [`BLAS_MIN_ROWS_QUANT`] rows and at most
+/// [`BLAS_SCRATCH_MAX`] elements; every size within cuBLAS's 32-bit arguments. Its activations
+/// are then the rows' BF16 image, whatever the weight's paired format.
+pub fn blas_applies(w: &DevWeight, nt: usize) -> bool {
+    blas_takes(w.ty, w.rows, w.k, w.n_expert, nt)
+}
+
+/// [`blas_applies`] on a weight's shape: `rows` × `k` of `ty`, `n_expert` slabs, `nt` rows.
+pub fn blas_takes(ty: GgmlType, rows: usize, k: usize, n_expert: usize, nt: usize) -> bool {
+    let fits = |v: usize| v > 0 && v <= i32::MAX as usize;
+    if n_expert > 1 || !k.is_multiple_of(32) || !fits(rows) || !fits(k) || !fits(nt) {
+        return false;
+    }
+    let over = BLAS_MIN_OVERRIDE.load(std::sync::atomic::Ordering::Relaxed);
+    let min = |d: usize| if over > 0 { over } else { d };
+    match ty {
+        GgmlType::BF16 => nt >= min(BLAS_MIN_ROWS_BF16),
+        t if has_dequant_bf16(t) => {
+            nt >= min(BLAS_MIN_ROWS_QUANT)
+                && rows.checked_mul(k).is_some_and(|e| e <= BLAS_SCRATCH_MAX)
+        }
+        _ => false,
+    }
+}
+
+/// 0: the thresholds above; else the rows from which every format takes cuBLAS.
+static BLAS_MIN_OVERRIDE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// For tests on small files (whose prompts are shorter than the thresholds): the fast prefill
+/// takes every product of at least `rows` rows (never fewer than 9: steps of 1..8 rows are
+/// recorded and keep the exact kernels); None restores the thresholds.
+pub fn set_blas_min_rows(rows: Option<usize>) {
+    let v = rows.map_or(0, |r| r.max(9));
+    BLAS_MIN_OVERRIDE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The fast prefill's product (not the GEMV's bits: within a stated tolerance, docs/CUDA.md
+/// "Fast prefill"): `y[t][r] = Σ_k W[r][k]·x[t][k]` by cuBLAS on the tensor cores, BF16 inputs
+/// and f32 accumulation, `x` the rows' BF16 image; a quantized `w` is first dequantized to
+/// BF16 into the scratch (`embed.cu dequant_bf16_*`: the CPU's values, rounded once).
+pub fn matmul_blas(
+    gpu: &Gpu,
+    w: &DevWeight,
+    x: &CudaSlice<u8>,
+    nt: usize,
+    y: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let k = "matmul_blas";
+    if !blas_applies(w, nt) {
+        return Err(bad(k, format!("{} {}×{} at {nt} rows", w.ty, w.rows, w.k)));
+    }
+    need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
+    need(k, "x", x.len(), nt * w.k * 2)?;
+    need(k, "y", y.len(), nt * w.rows)?;
+    let (m, n, kk) = (w.rows as i32, nt as i32, w.k as i32);
+    gpu.with_blas(|b| {
+        let st = gpu.stream().clone();
+        let a = if w.ty == GgmlType::BF16 {
+            crate::record::addr(&w.bytes, &st)
+        } else {
+            let elems = w.rows * w.k;
+            if b.scratch.as_ref().is_none_or(|s| s.len() < elems) {
+                b.scratch = None;
+                b.scratch = Some(gpu.alloc_uninit::<u16>(elems)?);
+            }
+            let Some(scratch) = b.scratch.as_mut() else {
+                return Err(bad(k, "no scratch".into()));
+            };
+            let units = (w.k / 32) as u32;
+            let (ri, rb) = (w.rows as u32, w.row_bytes()? as u64);
+            gpu.note_bytes(w.rows * w.row_bytes()? + elems * 2);
+            launch!(
+                gpu,
+                "embed",
+                format!("dequant_bf16_{}", w.ty.name().to_lowercase()),
+                cfg((w.rows * w.k / 32).div_ceil(256) as u32, 256),
+                [&w.bytes, &mut *scratch, &ri, &units, &rb]
+            )?;
+            crate::record::addr(scratch, &st)
+        };
+        let xb = crate::record::addr(x, &st);
+        let yb = crate::record::addr_mut(y, &st);
+        let (one, zero) = (1.0f32, 0.0f32);
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+        };
+        gpu.note_bytes(w.rows * w.k * 2 + nt * w.k * 2 + nt * w.rows * 4);
+        gpu.timed("cublas_gemm_bf16", || {
+            // SAFETY: a, x and y are live device buffers of at least rows·k, nt·k BF16 and
+            // nt·rows f32 elements (checked above); column-major, C (rows × nt, ld rows) =
+            // Aᵀ (A: k × rows, ld k) · B (k × nt, ld k) is y's rows of x·Wᵀ.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *b.handle.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    m,
+                    n,
+                    kk,
+                    (&one as *const f32).cast(),
+                    a as *const std::ffi::c_void,
+                    cudaDataType::CUDA_R_16BF,
+                    kk,
+                    xb as *const std::ffi::c_void,
+                    cudaDataType::CUDA_R_16BF,
+                    kk,
+                    (&zero as *const f32).cast(),
+                    yb as *mut std::ffi::c_void,
+                    cudaDataType::CUDA_R_32F,
+                    m,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| CudaError::Launch {
+                kernel: "cublasGemmEx".into(),
+                what: e.to_string(),
+            })
+        })
+    })
+}
+
 /// Activation rows a block of the wide dense tensor-core product (mmq.cu `mmqw_*`).
 pub const MMQ_WIDE_TOKENS: usize = 32;
 
@@ -3102,6 +3255,67 @@ mod tests {
         assert_eq!(units_threads(1), 32);
         assert_eq!(units_threads(320), 320);
         assert_eq!(units_threads(5120), 1024);
+    }
+
+    /// Which products the fast prefill takes to cuBLAS, decided on the host: dense BF16 from
+    /// 64 rows, dense quantized formats with a BF16 decoder from 256 rows and within the
+    /// scratch, never expert slabs, F32, odd row lengths or sizes beyond 32-bit arguments.
+    #[test]
+    fn the_fast_prefill_takes_large_dense_products_only() {
+        use GgmlType as G;
+        assert!(blas_takes(G::BF16, 320, 10240, 1, 64));
+        assert!(!blas_takes(G::BF16, 320, 10240, 1, 63));
+        assert!(blas_takes(G::Q4_K, 6144, 2560, 1, 256));
+        assert!(!blas_takes(G::Q4_K, 6144, 2560, 1, 255));
+        assert!(blas_takes(G::Q2_0, 2560, 1024, 1, 512));
+        assert!(!blas_takes(G::Q2_0, 2560, 1024, 512, 512), "expert slabs");
+        assert!(
+            !blas_takes(G::F32, 256, 256, 1, 512),
+            "F32 keeps the exact kernels"
+        );
+        assert!(
+            !blas_takes(G::BF16, 256, 100, 1, 512),
+            "rows of 100 are not whole units"
+        );
+        assert!(
+            !blas_takes(G::Q6_K, 248_320, 2560, 1, 512),
+            "the LM head is over the scratch"
+        );
+        assert!(blas_takes(G::Q6_K, 16_384, 4096, 1, 512));
+        assert!(!blas_takes(G::Q8_0, 0, 2560, 1, 512));
+        assert!(!blas_takes(G::BF16, 1 << 31, 32, 1, 512), "rows beyond i32");
+        for t in [
+            G::Q8_0,
+            G::Q4_0,
+            G::Q5_0,
+            G::IQ4_NL,
+            G::IQ4_XS,
+            G::Q2_0,
+            G::IQ3_S,
+            G::Q3_K,
+            G::Q4_K,
+            G::Q5_K,
+            G::Q6_K,
+            G::IQ3_XXS,
+        ] {
+            assert!(has_dequant_bf16(t), "{t}");
+            assert!(
+                has_products(t),
+                "{t}: a dequantized format must also have exact kernels"
+            );
+        }
+        // Every dequantizer the host may ask for is in embed.cu.
+        let src = include_str!("../kernels/embed.cu");
+        for t in [G::Q8_0, G::Q2_0, G::Q4_K, G::Q6_K, G::IQ3_XXS, G::IQ4_XS] {
+            let name = t.name().to_lowercase();
+            assert!(
+                src.contains(&format!(
+                    "DEQUANT_BF16(T_{}, {name})",
+                    t.name().to_uppercase()
+                )),
+                "{name}"
+            );
+        }
     }
 
     /// The backend's switches take unset, empty, 0 and 1, and refuse anything else by name.

@@ -835,3 +835,81 @@ fn the_ple_table_in_host_memory_gives_the_same_bits() {
         "the host-memory table changed the logits"
     );
 }
+
+/// The fast prefill (`--prefill fast`: the large dense products by cuBLAS on BF16 images, the
+/// routed experts and everything else as before) against the goldens within the CPU tests'
+/// bounds, on the tiny bf16 file and the small quantized files; its distance from the exact
+/// prefill is printed (docs/CUDA.md states it). The row thresholds are lowered to 9 so that the
+/// fixtures' short prompts take it; the exact prefill of the same backend is unchanged by it.
+#[test]
+fn fast_prefill_stays_within_the_cpu_bounds_of_the_goldens() {
+    let Some(_) = gpu() else { return };
+    strata_cuda::model::set_blas_min_rows(Some(9));
+    let run = |path: &std::path::Path, tokens: &[u32]| {
+        let b = gpu().unwrap();
+        b.set_fast_prefill(true).expect("cuBLAS on the GPU machine");
+        let m = load(path, b, &LoadOptions::default());
+        let fast = logits(&m, tokens);
+        m.backend().set_fast_prefill(false).unwrap();
+        let exact = logits(&m, tokens);
+        m.backend().set_fast_prefill(true).unwrap();
+        let again = logits(&m, tokens);
+        assert!(
+            bits_eq(&fast, &again),
+            "{}: the fast prefill is not repeatable",
+            path.display()
+        );
+        (fast, exact)
+    };
+    let mut failures = vec![];
+    // tiny bf16: the BF16 products themselves go to cuBLAS.
+    let g = Golden::open(tiny("golden.safetensors"));
+    let tokens = g.ids("input_ids");
+    assert!(tokens.len() >= 9, "the tiny prompt takes the fast path");
+    let (fast, exact) = run(&tiny("model-bf16.gguf"), &tokens);
+    let (shape, want) = g.f32("logits");
+    let v = shape[1];
+    let (mx, mean, _, _) = diff(&fast, &want, v);
+    let over = (0..shape[0])
+        .filter(|&r| diff(&fast[r * v..(r + 1) * v], &want[r * v..(r + 1) * v], v).0 > 2e-2)
+        .count();
+    let (emx, emean, _, emism) = diff(&fast, &exact, v);
+    eprintln!(
+        "fast prefill, tiny bf16 vs transformers: max|Δ| {mx:.3e}, mean {mean:.3e}, rows over \
+         2e-2: {over}; vs the exact prefill: max|Δ| {emx:.3e}, mean {emean:.3e}, argmax {emism}"
+    );
+    if mean > 5e-3 || over * 20 > shape[0] {
+        failures.push(format!("tiny bf16: mean {mean:.3e}, {over} rows over 2e-2"));
+    }
+    assert!(
+        !bits_eq(&fast, &exact),
+        "tiny bf16: the fast path was not taken"
+    );
+    if let Some(dir) = small_dir() {
+        let tokens = Golden::open(dir.join("golden.safetensors")).ids("input_ids");
+        let g = Golden::open(dir.join("golden_llamacpp.safetensors"));
+        for f in ["q8_0", "q2_0-mix"] {
+            let (fast, exact) = run(&dir.join(format!("{f}.gguf")), &tokens);
+            let (shape, want) = g.f32(&format!("{f}.hf_dequant_logits"));
+            let (mx, mean, _, mism) = diff(&fast, &want, shape[1]);
+            let agree = 1.0 - mism as f32 / shape[0] as f32;
+            let (emx, emean, _, emism) = diff(&fast, &exact, shape[1]);
+            eprintln!(
+                "fast prefill, small {f} vs transformers: max|Δ| {mx:.3e}, mean {mean:.3e}, \
+                 argmax {:.1}%; vs the exact prefill: max|Δ| {emx:.3e}, mean {emean:.3e}, \
+                 argmax differs on {emism} of {} rows",
+                100.0 * agree,
+                shape[0]
+            );
+            if mean > 1e-2 || agree < 0.95 {
+                failures.push(format!("small {f}: mean {mean:.3e}, argmax {agree}"));
+            }
+            assert!(
+                !bits_eq(&fast, &exact),
+                "small {f}: the fast path was not taken"
+            );
+        }
+    }
+    strata_cuda::model::set_blas_min_rows(None);
+    assert!(failures.is_empty(), "{failures:?}");
+}

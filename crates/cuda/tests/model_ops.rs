@@ -2576,3 +2576,117 @@ fn staged_weight_uploads_arrive_whole() {
         assert!(back == bytes, "{len} bytes: the device copy differs");
     }
 }
+
+// ---- the fast prefill's products (cuBLAS): within a stated bound, not bitwise ---------------
+
+/// `embed.cu dequant_bf16_*` gives every weight element as the CPU's dequantized value rounded
+/// once to BF16 (bitwise), and the fast prefill's product (`m::matmul_blas`: cuBLAS, BF16 in,
+/// f32 sums) is within `2⁻²² · K · Σ|w_i·x_i|` of the f64 sum of those same BF16 inputs — the
+/// worst case of an f32 sum of K terms, truncating or rounding — for every format it takes,
+/// at 64, 300 and 512 rows. Its difference from the exact kernels is printed.
+#[test]
+fn fast_prefill_products_are_within_their_bound() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(77);
+    let (mm, k) = (96usize, 2560usize);
+    let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+    let formats = [
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+        GgmlType::Q2_0,
+        GgmlType::IQ3_S,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ3_XXS,
+    ];
+    for ty in formats {
+        let wb = weight_blocks(ty, mm * k / ty.block_size(), rng.u64());
+        let rb = ty.row_bytes(k).unwrap();
+        let mut wd = vec![0f32; mm * k];
+        for r in 0..mm {
+            strata_quant::dequantize(ty, &wb[r * rb..(r + 1) * rb], &mut wd[r * k..(r + 1) * k])
+                .unwrap();
+        }
+        let wq: Vec<f32> = wd.iter().map(|&v| bf(v)).collect();
+        let dw = DevWeight::upload(g, ty, &wb, mm, k, 1).unwrap();
+        assert!(m::blas_applies(&dw, 512), "{ty}");
+        for nt in [64usize, 300, 512] {
+            if !m::blas_applies(&dw, nt) {
+                assert!(
+                    ty != GgmlType::BF16 && nt < m::BLAS_MIN_ROWS_QUANT,
+                    "{ty} at {nt}"
+                );
+                continue;
+            }
+            let x = tame(rng.f32_vec(nt * k, 1.0));
+            let xb = bf16_bytes(&x);
+            let xq: Vec<f32> = x.iter().map(|&v| bf(v)).collect();
+            let mut y = g.zeros::<f32>(nt * mm).unwrap();
+            m::matmul_blas(g, &dw, &up(g, &xb), nt, &mut y).unwrap();
+            let got = down(g, &y);
+            let (mut worst, mut sum_rel) = (0f64, 0f64);
+            for t in 0..nt {
+                for r in 0..mm {
+                    let (mut s, mut a) = (0f64, 0f64);
+                    for i in 0..k {
+                        let p = wq[r * k + i] as f64 * xq[t * k + i] as f64;
+                        s += p;
+                        a += p.abs();
+                    }
+                    let d = (got[t * mm + r] as f64 - s).abs();
+                    let tol = 2f64.powi(-22) * k as f64 * a + 1e-30;
+                    assert!(
+                        d <= tol,
+                        "{ty} at {nt} rows, [{t}][{r}]: {} against {s} (|Δ| {d:.3e} > {tol:.3e})",
+                        got[t * mm + r]
+                    );
+                    worst = worst.max(d / (a + 1e-30));
+                    sum_rel += d / (a + 1e-30);
+                }
+            }
+            // Against the exact kernels (the weight's paired activation format).
+            let mut ye = g.zeros::<f32>(nt * mm).unwrap();
+            m::product(g, &dw, &up(g, &act_bytes(ty, &x, nt, k)), nt, &mut ye).unwrap();
+            let exact = down(g, &ye);
+            let (mx, mean) = exact.iter().zip(&got).fold((0f32, 0f64), |(m, s), (a, b)| {
+                (m.max((a - b).abs()), s + (a - b).abs() as f64)
+            });
+            eprintln!(
+                "fast product {ty} at {nt} rows: |Δ|/Σ|w·x| max {worst:.2e}, mean {:.2e}; \
+                 against the exact kernels max |Δ| {mx:.3e}, mean {:.3e}",
+                sum_rel / (nt * mm) as f64,
+                mean / exact.len() as f64
+            );
+        }
+        // The dequantized weight itself, bitwise: a product with unit activations picks each
+        // column (x = e_i for rows i < 64 of the 64-row batch).
+        if ty != GgmlType::BF16 {
+            let nt = m::BLAS_MIN_ROWS_QUANT;
+            let mut x = vec![0f32; nt * k];
+            for t in 0..nt {
+                x[t * k + (t * 37) % k] = 1.0;
+            }
+            let mut y = g.zeros::<f32>(nt * mm).unwrap();
+            m::matmul_blas(g, &dw, &up(g, &bf16_bytes(&x)), nt, &mut y).unwrap();
+            let got = down(g, &y);
+            let want: Vec<f32> = (0..nt)
+                .flat_map(|t| (0..mm).map(move |r| (t, r)))
+                .map(|(t, r)| wq[r * k + (t * 37) % k])
+                .collect();
+            // Equal as numbers (a −0.0 weight picked by a sum of zeros comes back +0.0).
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(a == b, "dequant_bf16 {ty}, element {i}: {a} against {b}");
+            }
+        }
+    }
+    // Shapes it does not take: experts, short batches, a weight over the scratch's size.
+    let wb = weight_blocks(GgmlType::Q8_0, 2 * 32 * 64 / 32, 1);
+    let dw = DevWeight::upload(g, GgmlType::Q8_0, &wb, 32, 64, 2).unwrap();
+    assert!(!m::blas_applies(&dw, 512), "an expert tensor");
+}

@@ -14,6 +14,16 @@ pub enum BackendKind {
     Auto,
 }
 
+/// How a GPU backend processes a prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrefillMode {
+    /// Every prompt row gets exactly the bits of a single decode step (the default)
+    Exact,
+    /// CUDA: the large dense products on the tensor cores by cuBLAS (BF16 inputs, f32 sums),
+    /// within a stated tolerance of the exact mode (docs/CUDA.md, "Fast prefill")
+    Fast,
+}
+
 #[derive(clap::Args, Clone, Debug)]
 pub struct BackendArgs {
     /// Where the model runs: cpu, cuda, wgpu, or auto (CUDA when a usable GPU and its
@@ -24,6 +34,11 @@ pub struct BackendArgs {
     /// STRATA_WGPU_ADAPTER, else the first GPU, else lavapipe)
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub device: usize,
+    /// Prompt processing on CUDA: exact (every row the bits of a single decode step) or fast
+    /// (the large products by cuBLAS on the tensor cores, within a stated tolerance); unset:
+    /// STRATA_CUDA_FAST_PREFILL=1 means fast, else exact. The CPU's prefill is always exact
+    #[arg(long, value_enum)]
+    pub prefill: Option<PrefillMode>,
 }
 
 /// A validated [`BackendArgs`].
@@ -31,6 +46,7 @@ pub struct BackendArgs {
 pub struct BackendChoice {
     pub kind: BackendKind,
     pub device: usize,
+    pub prefill: Option<PrefillMode>,
 }
 
 impl BackendArgs {
@@ -38,6 +54,7 @@ impl BackendArgs {
         Ok(BackendChoice {
             kind: self.backend,
             device: self.device,
+            prefill: self.prefill,
         })
     }
 }
