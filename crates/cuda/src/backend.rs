@@ -1179,6 +1179,7 @@ impl CudaBackend {
             streams: s,
             h,
             eps: hc.eps,
+            fast: self.fast_prefill(),
         };
         let fused = launcher && model::hc_fused_applies(&devs, rows);
         // A combine that does not fuse runs first, on its own.

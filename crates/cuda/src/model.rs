@@ -1135,6 +1135,26 @@ pub struct HcDev<'a> {
     pub streams: usize,
     pub h: usize,
     pub eps: f32,
+    /// The fast prefill: products it takes ([`blas_applies`]) by cuBLAS (all three weights are
+    /// BF16, so the images are the same either way).
+    pub fast: bool,
+}
+
+/// [`product`], or [`matmul_blas`] when `fast` and the shape is one it takes (never inside a
+/// recorded step); `x` is `w`'s paired image, which must be BF16 for the latter.
+fn product_or_blas(
+    gpu: &Gpu,
+    fast: bool,
+    w: &DevWeight,
+    x: &CudaSlice<u8>,
+    nt: usize,
+    y: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    if fast && w.ty == GgmlType::BF16 && !gpu.recording() && blas_applies(w, nt) {
+        matmul_blas(gpu, w, x, nt, y)
+    } else {
+        product(gpu, w, x, nt, y)
+    }
 }
 
 /// Scratch of [`hc_mix`] for up to `rows` rows (allocated once; addresses stay fixed).
@@ -1196,7 +1216,7 @@ pub fn hc_mix(
     let inv_s = 1.0 / st as f32;
     rms_norm(gpu, x, hc.norm, &mut s.xn, rows, sh, h, hc.eps)?;
     prepare(gpu, hc.down, &s.xn, rows, &mut s.xq)?;
-    product(gpu, hc.down, &s.xq, rows, &mut s.a)?;
+    product_or_blas(gpu, hc.fast, hc.down, &s.xq, rows, &mut s.a)?;
     // The up weight is BF16: its activation image is the BF16 rounding of silu(a / S).
     if hc.up.act()? != ActFmt::Bf16 {
         return Err(bad(k, format!("up weight {} is not BF16", hc.up.ty)));
@@ -1210,7 +1230,7 @@ pub fn hc_mix(
         grid(na),
         [&s.a, &mut s.aq, &nn, &inv_s]
     )?;
-    product(gpu, hc.up, &s.aq, rows, &mut s.g)?;
+    product_or_blas(gpu, hc.fast, hc.up, &s.aq, rows, &mut s.g)?;
     let (ri, hi, si) = (i32_of(k, rows)?, i32_of(k, h)?, i32_of(k, st)?);
     launch!(
         gpu,
@@ -1228,7 +1248,7 @@ pub fn hc_mix(
                 ));
             }
             need(k, "inj", inj.len(), rows * st)?;
-            product(gpu, wi, &s.xq, rows, inj)?;
+            product_or_blas(gpu, hc.fast, wi, &s.xq, rows, inj)?;
             let ni = u64_of(rows * st);
             launch!(
                 gpu,

@@ -413,6 +413,7 @@ fn hc_mix_matches_cpu() {
         streams: s,
         h,
         eps: 1e-6,
+        fast: false,
     };
     let mut scratch = m::HcScratch::new(g, &hc, 11).unwrap();
     for rows in [1usize, 3, 11] {
@@ -722,6 +723,7 @@ fn fused_hc_mix_case(g: &Gpu, rng: &mut Rng, s: usize, h: usize, rank: usize) {
             streams: s,
             h,
             eps: 1e-6,
+            fast: false,
         };
         let mut scratch = m::HcScratch::new(g, &hc, 8).unwrap();
         for rows in 1..=8usize {
@@ -2205,6 +2207,7 @@ fn model_op_timings() {
         streams: 4,
         h: 2560,
         eps: 1e-6,
+        fast: false,
     };
     let mut hs = m::HcScratch::new(g, &hc, 1).unwrap();
     let hx = up(g, &rng.f32_vec(10240, 1.0));
