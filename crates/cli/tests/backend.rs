@@ -114,6 +114,45 @@ fn an_unknown_backend_is_refused_by_clap() {
     assert!(e.contains("--backend") && e.contains("metal"), "{e}");
 }
 
+/// `--prefill exact|fast`: anything else is refused naming both; on the CPU (whose prefill is
+/// always exact) `fast` changes nothing, so the greedy text is the same.
+#[test]
+fn the_prefill_mode_is_checked_and_the_cpus_text_does_not_depend_on_it() {
+    let o = strata(&["run", "-p", "x", "--prefill", "quick"], None);
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    assert!(
+        e.contains("--prefill") && e.contains("exact") && e.contains("fast"),
+        "{e}"
+    );
+    let m = tiny();
+    let m = m.to_str().unwrap();
+    let run = |mode: &str| {
+        strata(
+            &[
+                "run",
+                "-m",
+                m,
+                "-p",
+                "hello there",
+                "-n",
+                "6",
+                "--temp",
+                "0",
+                "--backend",
+                "cpu",
+                "--prefill",
+                mode,
+            ],
+            None,
+        )
+    };
+    let (a, b) = (run("exact"), run("fast"));
+    assert!(a.status.success() && b.status.success(), "{}", stderr(&b));
+    assert!(!a.stdout.is_empty());
+    assert_eq!(a.stdout, b.stdout);
+}
+
 #[test]
 fn wgpu_gives_the_cpus_greedy_text_on_the_tiny_model() {
     let m = tiny();

@@ -222,19 +222,57 @@ qsa_select_ref(const float* scores, const u32* pos, u32* sel, u32* cnt, u32 cap_
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
         const u32 prefix = s_prefix;
-        for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
-            const u32 k = ord_key(sc[b]);
-            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+        // Keys of one row share their top bytes, so most of a warp's increments hit one
+        // bucket: lanes with equal buckets are counted together (one shared atomic a bucket
+        // a warp, not one a key). The loop's trip count is uniform across each warp.
+        for (u32 b0 = threadIdx.x & ~31u; b0 < nb; b0 += blockDim.x) {
+            const u32 b = b0 + (threadIdx.x & 31u);
+            u32 bucket = 256u;  // none
+            if (b < nb) {
+                const u32 k = ord_key(sc[b]);
+                if ((k & mask) == prefix) bucket = (k >> shift) & 255u;
+            }
+            const unsigned peers = __match_any_sync(0xffffffffu, bucket);
+            if (bucket < 256u && (threadIdx.x & 31u) == (u32)(__ffs(peers) - 1))
+                atomicAdd(&hist[bucket], (u32)__popc(peers));
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 need = s_need, d = 255;
-            for (;; --d) {
-                if (hist[d] >= need || d == 0) break;
-                need -= hist[d];
+        if (threadIdx.x < 32) {
+            // The bucket d holding the need-th largest key: the largest d whose count from the
+            // top, I(d) = Σ_{j ≥ d} hist[j], reaches need (else 0), and need less the keys
+            // above it. Lane l holds buckets 8l .. 8l + 7; I by a suffix scan over the lanes.
+            const u32 l = threadIdx.x, need0 = s_need;
+            u32 h[8], own = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                h[j] = hist[8 * l + j];
+                own += h[j];
             }
-            s_need = need;
-            s_prefix = prefix | (d << shift);
+            u32 above = own;  // Σ over lanes ≥ l, then made exclusive
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 v = __shfl_down_sync(0xffffffffu, above, o);
+                if (l + o < 32) above += v;
+            }
+            above -= own;  // Σ_{j ≥ 8l + 8} hist[j]
+            u32 cnt = 0, run = above;
+#pragma unroll
+            for (int j = 7; j >= 0; --j) {
+                run += h[j];
+                cnt += (run >= need0) ? 1u : 0u;
+            }
+            u32 reach = cnt;  // buckets with I(d) ≥ need
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) reach += __shfl_xor_sync(0xffffffffu, reach, o);
+            const u32 d = reach > 0 ? reach - 1 : 0;
+            if (l == d / 8) {
+                u32 i_above = above;  // I(d + 1)
+#pragma unroll
+                for (int j = 7; j >= 0; --j)
+                    if ((u32)j > d % 8) i_above += h[j];
+                s_need = need0 - i_above;
+                s_prefix = prefix | (d << shift);
+            }
         }
         mask |= 255u << shift;
         __syncthreads();

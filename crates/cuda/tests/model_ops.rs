@@ -1507,7 +1507,30 @@ fn qsa_selection_equals_cpu() {
     let Some(g) = gpu() else { return };
     let be = cpu();
     let mut rng = Rng::new(19);
-    let (heads, d, ratio, budget, cap) = (4usize, 128usize, 4usize, 32usize, 512usize);
+    // A short cache, and a long one (10,240 blocks: the radix select's buckets crowded by keys
+    // sharing their top bytes, the budget of 2,048 tokens a small part of it).
+    let cases: [(usize, usize, Vec<u32>); 2] = [
+        (32, 512, vec![0, 2, 3, 14, 30, 31, 45, 200, 437, 511]),
+        (2048, 40960, vec![4095, 9001, 20000, 40959]),
+    ];
+    for (budget, cap, pos) in cases {
+        let (heads, d, ratio) = (4usize, 128usize, 4usize);
+        qsa_selection_case(g, &be, &mut rng, heads, d, ratio, budget, cap, &pos);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn qsa_selection_case(
+    g: &Gpu,
+    be: &CpuBackend,
+    rng: &mut Rng,
+    heads: usize,
+    d: usize,
+    ratio: usize,
+    budget: usize,
+    cap: usize,
+    pos: &[u32],
+) {
     let cap_b = cap / ratio;
     // Block keys with many exact ties (rows copied), a zero block (score 0 for every query).
     let mut blocks = rng.f32_vec_special(cap_b * d, 1.0);
@@ -1519,10 +1542,9 @@ fn qsa_selection_equals_cpu() {
         }
     }
     blocks[5 * d..6 * d].iter_mut().for_each(|v| *v = 0.0);
-    let pos: Vec<u32> = vec![0, 2, 3, 14, 30, 31, 45, 200, 437, 511];
     let n = pos.len();
     let qi = rng.f32_vec_special(n * heads * d, 1.0);
-    let (dq, db, dp) = (up(g, &qi), up(g, &blocks), up(g, &pos));
+    let (dq, db, dp) = (up(g, &qi), up(g, &blocks), up(g, pos));
     for rule in [QsaRule::Reference, QsaRule::LlamaCpp] {
         let s = QsaSelect {
             ratio,
@@ -1535,7 +1557,7 @@ fn qsa_selection_equals_cpu() {
             .qsa_select(
                 &buf(n, heads * d, &qi),
                 &buf(nb_max, d, &blocks[..nb_max * d]),
-                &ids(&pos),
+                &ids(pos),
                 s,
             )
             .unwrap();
@@ -1549,11 +1571,11 @@ fn qsa_selection_equals_cpu() {
             assert_eq!(
                 got,
                 want.0[r].as_slice(),
-                "{rule:?}: row {r} at position {}",
+                "{rule:?}: row {r} at position {} (budget {budget})",
                 pos[r]
             );
         }
-        eprintln!("qsa_select {rule:?}: {n} rows equal to the CPU's token lists");
+        eprintln!("qsa_select {rule:?}, budget {budget}: {n} rows equal to the CPU's token lists");
     }
 }
 
