@@ -24,10 +24,7 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::{default_model, tiny_dir, Golden};
-use strata_convert::{convert_mtp, ConvertOptions, OutType};
 use strata_engine::backend::{Backend, DevicePick};
 use strata_engine::decode::{self, DraftEdit, Judged, Lent, Policy, Progress, Stepper, Verified};
 use strata_engine::generate::{GenOptions, Timings};
@@ -529,20 +526,8 @@ fn eight_sequences_in_a_batch_get_their_solo_bits_qwen2_default() {
 /// The tiny fixture with its real MTP head (converted from the checkpoint beside it).
 fn tiny_with_head() -> (Q4, Tokenizer) {
     let path = tiny_dir().join("model-f32.gguf");
-    let mut m =
-        qwen4exp::Model::load(&path, CpuBackend::new(2).unwrap(), &Default::default()).unwrap();
-    let (w, _) = convert_mtp(
-        &tiny_dir().join("hf"),
-        &ConvertOptions {
-            out_type: OutType::F32,
-            include_shared: false,
-        },
-    )
-    .unwrap();
-    m.attach_mtp(Arc::new(
-        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
-    ))
-    .unwrap();
+    let m = qwen4exp::Model::load(&path, CpuBackend::new(2).unwrap(), &Default::default()).unwrap();
+    let m = common::with_mtp_head(m, &tiny_dir().join("hf"), false);
     let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
     (Q4(m), tok)
 }

@@ -15,7 +15,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use common::tiny_dir;
-use strata_convert::{convert_mtp, ConvertOptions, OutType};
 use strata_engine::backend::{
     AttnDims, DevicePick, DraftMap, DraftPick, DraftSlop, ExpertWeights, StepKey, StepKind,
 };
@@ -721,20 +720,8 @@ impl DraftHook for Forced {
     }
 }
 
-fn with_head<B: Qwen4expOps>(mut m: Model<B>) -> Model<B> {
-    let (w, _) = convert_mtp(
-        &tiny_dir().join("hf"),
-        &ConvertOptions {
-            out_type: OutType::F32,
-            include_shared: false,
-        },
-    )
-    .unwrap();
-    m.attach_mtp(Arc::new(
-        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
-    ))
-    .unwrap();
-    m
+fn with_head<B: Qwen4expOps>(m: Model<B>) -> Model<B> {
+    common::with_mtp_head(m, &tiny_dir().join("hf"), false)
 }
 
 /// Picking behind the boundary (issue "Boundary", point 4): with a greedy or a seeded-draw
@@ -1248,19 +1235,8 @@ fn slop_mode_1_drafts_on_the_device_equal_the_host_chain() {
     )];
     if let Some(dir) = common::small_dir() {
         let path = dir.join("q8_0.gguf");
-        let mut m = Model::load(&path, Recording::new(), &LoadOptions::default()).unwrap();
-        let (w, _) = convert_mtp(
-            &dir.join("hf"),
-            &ConvertOptions {
-                out_type: OutType::F32,
-                include_shared: true,
-            },
-        )
-        .unwrap();
-        m.attach_mtp(Arc::new(
-            GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
-        ))
-        .unwrap();
+        let m = Model::load(&path, Recording::new(), &LoadOptions::default()).unwrap();
+        let m = common::with_mtp_head(m, &dir.join("hf"), true);
         let n = m.config().n_vocab as u32;
         // Every id the prompt region and the low ids use, and every other one above.
         let ids: Vec<u32> = (0..n)

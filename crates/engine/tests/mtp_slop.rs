@@ -13,7 +13,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use common::{tiny_dir, Golden};
-use strata_convert::{convert_mtp, ConvertOptions, OutType};
 use strata_engine::generate::{GenOptions, Qwen4expSession};
 use strata_engine::qwen4exp::{LoadOptions, Model};
 use strata_engine::sampler::guard::{self, GuardStop};
@@ -32,25 +31,13 @@ type M = Model<CpuBackend>;
 const NEW: usize = 40;
 
 fn model() -> M {
-    let mut m = Model::load(
+    let m = Model::load(
         tiny_dir().join("model-f32.gguf"),
         CpuBackend::new(2).unwrap(),
         &LoadOptions::default(),
     )
     .unwrap();
-    let (w, _) = convert_mtp(
-        &tiny_dir().join("hf"),
-        &ConvertOptions {
-            out_type: OutType::F32,
-            include_shared: false,
-        },
-    )
-    .unwrap();
-    m.attach_mtp(Arc::new(
-        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
-    ))
-    .unwrap();
-    m
+    common::with_mtp_head(m, &tiny_dir().join("hf"), false)
 }
 
 fn tokenizer() -> Tokenizer {

@@ -7,40 +7,24 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::{tiny_dir, Golden};
-use strata_convert::{convert_mtp, ConvertOptions, OutType};
 use strata_engine::qwen4exp::{LoadOptions, Model, State, Want};
 use strata_engine::sampler::{SampleContext, Sampler, SamplerConfig};
 use strata_engine::speculative::{
     generate_spec, run, DraftHook, DraftVocab, Picker, SpecConfig, SpecDecoder, SpecStats,
 };
 use strata_engine::CpuBackend;
-use strata_gguf::GgufFile;
 
 type M = Model<CpuBackend>;
 
 fn model() -> M {
-    let mut m = Model::load(
+    let m = Model::load(
         tiny_dir().join("model-f32.gguf"),
         CpuBackend::new(2).unwrap(),
         &LoadOptions::default(),
     )
     .unwrap();
-    let (w, _) = convert_mtp(
-        &tiny_dir().join("hf"),
-        &ConvertOptions {
-            out_type: OutType::F32,
-            include_shared: false,
-        },
-    )
-    .unwrap();
-    m.attach_mtp(Arc::new(
-        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
-    ))
-    .unwrap();
-    m
+    common::with_mtp_head(m, &tiny_dir().join("hf"), false)
 }
 
 /// The golden prompt up to and across its EOS (position 24), so the PLE reset is exercised.

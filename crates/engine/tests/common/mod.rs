@@ -156,3 +156,24 @@ pub fn default_model() -> Option<PathBuf> {
         None
     }
 }
+
+/// `m` with the MTP head converted (F32) from the checkpoint in `hf` attached; `include_shared`
+/// as the converter takes it (the small fixture's head carries its own shared tensors).
+pub fn with_mtp_head<B: strata_engine::Qwen4expOps>(
+    mut m: strata_engine::qwen4exp::Model<B>,
+    hf: &std::path::Path,
+    include_shared: bool,
+) -> strata_engine::qwen4exp::Model<B> {
+    use strata_convert::{convert_mtp, ConvertOptions, OutType};
+    let (w, _) = convert_mtp(
+        hf,
+        &ConvertOptions {
+            out_type: OutType::F32,
+            include_shared,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", hf.display()));
+    let file = strata_gguf::GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap();
+    m.attach_mtp(std::sync::Arc::new(file)).unwrap();
+    m
+}
