@@ -478,6 +478,9 @@ pub struct CudaBackend {
     /// many rows by cuBLAS on BF16 images ([`model::blas_applies`]), within a stated tolerance
     /// of the exact kernels instead of their bits. Off: every product is the GEMV's bits.
     fast_prefill: std::sync::atomic::AtomicBool,
+    /// Whether a batch of sequences runs as one step (`STRATA_CUDA_BATCH=1`, off by default:
+    /// bound for plain rows by `model_gpu`'s batch test, not yet for speculative windows).
+    batch: std::sync::atomic::AtomicBool,
 }
 
 /// A callback told the bytes of each weight the backend uploads.
@@ -529,6 +532,9 @@ impl CudaBackend {
             fast_prefill: std::sync::atomic::AtomicBool::new(
                 std::env::var("STRATA_CUDA_FAST_PREFILL").is_ok_and(|v| v.trim() == "1"),
             ),
+            batch: std::sync::atomic::AtomicBool::new(
+                std::env::var("STRATA_CUDA_BATCH").is_ok_and(|v| v.trim() == "1"),
+            ),
         })
     }
 
@@ -542,6 +548,12 @@ impl CudaBackend {
         self.fast_prefill
             .store(on, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Whether a batch of several sequences runs as one step (see `batch`); off: each
+    /// sequence's rows are a step of their own (the same bits, the solo graphs).
+    pub fn set_batches_sequences(&self, on: bool) {
+        self.batch.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the fast prefill is on.
@@ -1321,6 +1333,10 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
+    fn batches_sequences(&self) -> bool {
+        self.batch.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     type Buf = CudaBuf;
     type Weight = CudaWeight;
     type Ids = CudaIds;
