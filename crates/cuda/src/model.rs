@@ -623,24 +623,9 @@ pub const BLAS_MIN_ROWS_QUANT: usize = 256;
 /// (an LM head over all rows) keep the exact kernels.
 pub const BLAS_SCRATCH_MAX: usize = 64 << 20;
 
-/// Formats `embed.cu dequant_bf16_*` decodes.
+/// Formats `embed.cu dequant_bf16_*` decodes: the report's 13 but BF16 (which needs none).
 pub fn has_dequant_bf16(ty: GgmlType) -> bool {
-    use GgmlType as G;
-    matches!(
-        ty,
-        G::Q8_0
-            | G::Q4_0
-            | G::Q5_0
-            | G::IQ4_NL
-            | G::IQ4_XS
-            | G::Q2_0
-            | G::IQ3_S
-            | G::Q3_K
-            | G::Q4_K
-            | G::Q5_K
-            | G::Q6_K
-            | G::IQ3_XXS
-    )
+    ty != GgmlType::BF16 && strata_engine::kernels::embed::REPORT_FORMATS.contains(&ty)
 }
 
 /// Whether the fast prefill runs `w`'s product of `nt` rows by cuBLAS: a dense (not expert)
@@ -3304,38 +3289,20 @@ mod tests {
         assert!(blas_takes(G::Q6_K, 16_384, 4096, 1, 512));
         assert!(!blas_takes(G::Q8_0, 0, 2560, 1, 512));
         assert!(!blas_takes(G::BF16, 1 << 31, 32, 1, 512), "rows beyond i32");
-        for t in [
-            G::Q8_0,
-            G::Q4_0,
-            G::Q5_0,
-            G::IQ4_NL,
-            G::IQ4_XS,
-            G::Q2_0,
-            G::IQ3_S,
-            G::Q3_K,
-            G::Q4_K,
-            G::Q5_K,
-            G::Q6_K,
-            G::IQ3_XXS,
-        ] {
-            assert!(has_dequant_bf16(t), "{t}");
-            assert!(
-                has_products(t),
-                "{t}: a dequantized format must also have exact kernels"
-            );
-        }
-        // Every dequantizer the host may ask for is in embed.cu.
+        assert!(!has_dequant_bf16(G::BF16) && !has_dequant_bf16(G::F32));
+        // Every dequantizer the host may ask for is in embed.cu, and its format has exact
+        // kernels too (the exact mode's products).
         let src = include_str!("../kernels/embed.cu");
-        for t in [G::Q8_0, G::Q2_0, G::Q4_K, G::Q6_K, G::IQ3_XXS, G::IQ4_XS] {
-            let name = t.name().to_lowercase();
+        let report = strata_engine::kernels::embed::REPORT_FORMATS;
+        for t in report.into_iter().filter(|&t| has_dequant_bf16(t)) {
+            assert!(has_products(t), "{t}");
+            let (up, low) = (t.name().to_uppercase(), t.name().to_lowercase());
             assert!(
-                src.contains(&format!(
-                    "DEQUANT_BF16(T_{}, {name})",
-                    t.name().to_uppercase()
-                )),
-                "{name}"
+                src.contains(&format!("DEQUANT_BF16(T_{up}, {low})")),
+                "{low}"
             );
         }
+        assert_eq!(report.iter().filter(|&&t| has_dequant_bf16(t)).count(), 12);
     }
 
     /// The backend's switches take unset, empty, 0 and 1, and refuse anything else by name.

@@ -2615,21 +2615,8 @@ fn fast_prefill_products_are_within_their_bound() {
     let mut rng = Rng::new(77);
     let (mm, k) = (96usize, 2560usize);
     let bf = |v: f32| half::bf16::from_f32(v).to_f32();
-    let formats = [
-        GgmlType::BF16,
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q5_0,
-        GgmlType::IQ4_NL,
-        GgmlType::IQ4_XS,
-        GgmlType::Q2_0,
-        GgmlType::IQ3_S,
-        GgmlType::Q3_K,
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::IQ3_XXS,
-    ];
+    // The report's 13 formats (BF16 straight to cuBLAS, the others dequantized first).
+    let formats = strata_engine::kernels::embed::REPORT_FORMATS;
     for ty in formats {
         let wb = weight_blocks(ty, mm * k / ty.block_size(), rng.u64());
         let rb = ty.row_bytes(k).unwrap();
