@@ -605,26 +605,19 @@ attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
     float z = 0.f;
     for (int i = 0; i < nc; ++i) z += st[2 * i + 1] * expf(st[2 * i] - m);
     const float inv = 1.0f / z;
-    // The chunk's 256 weights (every block of the chunk makes all of them, the same way).
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        const u32 t = (u32)c * 256 + i;
-        float wt = 0.f;
-        u32 tok = cap;
-        if (t < T) {
-            tok = causal ? t : sel[(size_t)r * stride + t];
-            const float p = expf(scores[(size_t)rh * cap + t] - m);
-            wt = causal ? r16(p * inv, f16) : r16(p / z, f16);
-        }
-        w[i] = wt;
-        tk[i] = tok;
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    float wt = 0.f;
+    u32 tok = cap;
+    if (t < T) {
+        tok = causal ? t : sel[(size_t)r * stride + t];
+        const float p = expf(scores[(size_t)rh * cap + t] - m);
+        wt = causal ? r16(p * inv, f16) : r16(p / z, f16);
     }
+    w[threadIdx.x] = wt;
+    tk[threadIdx.x] = tok;
     __syncthreads();
     const int len = (int)min(256u, T - (u32)c * 256);
-    // The dims split over gridDim.z blocks of blockDim.x threads, blockDim.x · gridDim.z ≥ d
-    // (one dim a thread, each dim's sum over the chunk's tokens in order: the same whatever
-    // the split).
-    const int j = blockIdx.z * blockDim.x + threadIdx.x;
-    if (j < d) {
+    for (int j = threadIdx.x; j < d; j += 256) {
         float acc = 0.f;
         // 64 value rows in flight a thread (gathered by token: each load a memory latency).
         for (int u0 = 0; u0 < len; u0 += 64) {

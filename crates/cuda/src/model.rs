@@ -752,10 +752,6 @@ pub fn matmul_blas(
     })
 }
 
-/// Threads a block of `attend_split_out` (one head dim a thread; a head's dims over
-/// `head_dim / ATTN_OUT_THREADS` blocks).
-pub const ATTN_OUT_THREADS: usize = 64;
-
 /// Activation rows a block of the wide dense tensor-core product (mmq.cu `mmqw_*`).
 pub const MMQ_WIDE_TOKENS: usize = 32;
 
@@ -2288,26 +2284,11 @@ pub fn attend_split_as(
                 &mut *err
             ]
         )?;
-        // The per-head out kernel spreads a head's dims over blocks of 64 threads (a decode
-        // step's 24 heads × 9 chunks at 32K are only 216 blocks of 256 otherwise).
-        let co = if grouped {
-            c2
-        } else {
-            LaunchConfig {
-                grid_dim: (
-                    (m * n_head) as u32,
-                    chunks as u32,
-                    head_dim.div_ceil(ATTN_OUT_THREADS) as u32,
-                ),
-                block_dim: (ATTN_OUT_THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
-            }
-        };
         launch!(
             gpu,
             "attn",
             out_k,
-            co,
+            c2,
             [
                 v_cache,
                 &lst,
