@@ -355,9 +355,7 @@ fn ple_host() -> bool {
     match PLE_HOST.load(std::sync::atomic::Ordering::Relaxed) {
         1 => false,
         2 => true,
-        _ => {
-            *W.get_or_init(|| std::env::var("STRATA_CUDA_PLE_HOST").is_ok_and(|v| v.trim() == "1"))
-        }
+        _ => *W.get_or_init(|| crate::device::switch_set("STRATA_CUDA_PLE_HOST")),
     }
 }
 
@@ -529,12 +527,12 @@ impl CudaBackend {
             tick: std::sync::atomic::AtomicU64::new(0),
             step_lock: Mutex::new(()),
             graphs: crate::device::switch_on("STRATA_CUDA_GRAPHS"),
-            fast_prefill: std::sync::atomic::AtomicBool::new(
-                std::env::var("STRATA_CUDA_FAST_PREFILL").is_ok_and(|v| v.trim() == "1"),
-            ),
-            batch: std::sync::atomic::AtomicBool::new(
-                std::env::var("STRATA_CUDA_BATCH").is_ok_and(|v| v.trim() == "1"),
-            ),
+            fast_prefill: std::sync::atomic::AtomicBool::new(crate::device::switch_set(
+                "STRATA_CUDA_FAST_PREFILL",
+            )),
+            batch: std::sync::atomic::AtomicBool::new(crate::device::switch_set(
+                "STRATA_CUDA_BATCH",
+            )),
         })
     }
 
@@ -564,7 +562,7 @@ impl CudaBackend {
     /// Whether `w`'s product of `rows` rows goes to cuBLAS (the fast prefill on, the shape one
     /// it takes, not inside a recorded step).
     fn blas_for(&self, w: &CudaWeight, rows: usize) -> bool {
-        self.fast_prefill() && !self.gpu.recording() && model::blas_applies(&w.dev, rows)
+        model::blas_now(&self.gpu, self.fast_prefill(), &w.dev, rows)
     }
 
     /// The activation format `w`'s product of `rows` rows reads: BF16 for a cuBLAS product,

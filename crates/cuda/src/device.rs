@@ -90,6 +90,11 @@ pub fn switch_on(var: &str) -> bool {
     std::env::var(var).map_or(true, |v| v.trim() != "0")
 }
 
+/// Whether an opt-in switch (one of [`SWITCHES`] that is off by default) is set to `1`.
+pub fn switch_set(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v.trim() == "1")
+}
+
 /// Refuses, before anything is opened, a switch set to anything but unset, empty, 0 or 1
 /// (`get` reads a variable), so a mistyped value is an error naming it, never silently "on".
 pub fn check_switches(get: impl Fn(&str) -> Option<String>) -> Result<(), CudaError> {

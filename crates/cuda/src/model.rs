@@ -655,6 +655,12 @@ pub fn blas_takes(ty: GgmlType, rows: usize, k: usize, n_expert: usize, nt: usiz
     }
 }
 
+/// Whether a product goes to cuBLAS now: the fast prefill on (`fast`), a shape
+/// [`blas_applies`] takes, and not inside a recorded step (checked last: it takes a lock).
+pub fn blas_now(gpu: &Gpu, fast: bool, w: &DevWeight, nt: usize) -> bool {
+    fast && blas_applies(w, nt) && !gpu.recording()
+}
+
 /// 0: the thresholds above; else the rows from which every format takes cuBLAS.
 static BLAS_MIN_OVERRIDE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -1135,7 +1141,7 @@ fn product_or_blas(
     nt: usize,
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    if fast && w.ty == GgmlType::BF16 && !gpu.recording() && blas_applies(w, nt) {
+    if w.ty == GgmlType::BF16 && blas_now(gpu, fast, w, nt) {
         matmul_blas(gpu, w, x, nt, y)
     } else {
         product(gpu, w, x, nt, y)

@@ -210,7 +210,7 @@ impl Module {
 /// the experts' early start is off with it ([`crate::model`]'s `early_experts`).
 pub fn trigger_first() -> bool {
     static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *W.get_or_init(|| std::env::var("STRATA_CUDA_TRIGGER_FIRST").is_ok_and(|v| v.trim() == "1"))
+    *W.get_or_init(|| crate::device::switch_set("STRATA_CUDA_TRIGGER_FIRST"))
 }
 
 pub fn module(name: &str) -> Option<&'static Module> {
