@@ -101,6 +101,109 @@ qsa_pool(const float* kraw, float* blocks, u32 cap_blocks, const u32* pos, int d
     }
 }
 
+// ---- QSA row preparation (qwen4exp::ops::qsa_prepare): a step's rows in one launch -------------
+// The composition it replaces: deinterleave → rms_norm_f32 → rope_neox_f32 for the queries;
+// rms_norm_f32 → rope_neox_f32 → store_rows_f32 for the keys, store_rows_f32 for the values; with
+// the indexer store_rows_f32 (raw keys) → qsa_mean_f32 → rms_norm_f32 → rope_neox_f32 →
+// store_rows_f32 (blocks), and rms_norm_f32 → rope_neox_f32 for its queries. Grid (hq + hi + hkv +
+// 2·(hi > 0), rows), 256 threads; block (s, r) of step row r at position p = pos[r]:
+//   s < hq             query head s: q from qg's [q | gate] pair, RMS normed over hd with wq,
+//                      rotated at p; q and the gate written to their deinterleaved rows;
+//   s < hq + hi        indexer query head s − hq: normed over di with wiq, rotated at p;
+//   s < hq + hi + hkv  key head: normed with wk, rotated, written at kc[p]; its value head at vc[p];
+//   next               the raw indexer key row written at krawc[p];
+//   last               if row r completes block b ((p + 1) % ratio == 0): the mean of the block's
+//                      raw keys (this step's rows read from krawin — the host passes consecutive
+//                      positions only, so position t is row r − (p − t) — earlier ones from
+//                      krawc), normed over di with wik, rotated at b·ratio, written at blocksc[b].
+// Every value is the composition's expression in its order (the block sums of rms_norm_f32, the
+// rope's f64 angle), so the bits are the composed launches'; stores past their capacity set
+// ERR_CAPACITY and write nothing. hd, di ≤ 1024.
+__device__ __forceinline__ void prep_norm_rope(const float* x, const float* w, int d, float eps, u32 at,
+                                               const double* freqs, int rot, float* buf, float* sh, float* out) {
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < d; i += 256) {
+        const float v = x[i];
+        acc += v * v;
+    }
+    const float s = rms_scale(block_sum256(acc, sh), d, eps);
+    for (int i = threadIdx.x; i < d; i += 256) buf[i] = (x[i] * s) * w[i];
+    __syncthreads();
+    const int half = rot / 2;
+    for (int i = threadIdx.x; i < d; i += 256) {
+        if (i < half) {
+            const double a = (double)at * freqs[i];
+            const float c = (float)cos(a), sn = (float)sin(a);
+            const float x0 = buf[i], x1 = buf[i + half];
+            out[i] = x0 * c - x1 * sn;
+            out[i + half] = x1 * c + x0 * sn;
+        } else if (i >= rot) {
+            out[i] = buf[i];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+qsa_prep(const float* qg, const float* kin, const float* vin, const float* qiin, const float* krawin,
+         const float* wq, const float* wk, const float* wiq, const float* wik, const u32* pos, const double* freqs,
+         float* q_out, float* gate_out, float* qi_out, float* kc, float* vc, u32 cap, float* krawc, u32 kraw_cap,
+         float* blocksc, u32 blocks_cap, int hq, int hkv, int hd, int hi, int di, int rot, int ratio, float eps,
+         u32* err) {
+    grid_dep_sync();
+    __shared__ float sh[8];
+    __shared__ float buf[1024];
+    __shared__ float pooled[1024];
+    const int s = blockIdx.x, r = blockIdx.y;
+    const u32 p = pos[r];
+    if (s < hq) {
+        const float* src = qg + (size_t)r * 2 * hq * hd + (size_t)2 * s * hd;
+        float* g = gate_out + (size_t)r * hq * hd + (size_t)s * hd;
+        for (int i = threadIdx.x; i < hd; i += 256) g[i] = src[hd + i];
+        prep_norm_rope(src, wq, hd, eps, p, freqs, rot, buf, sh, q_out + (size_t)r * hq * hd + (size_t)s * hd);
+    } else if (s < hq + hi) {
+        const int h = s - hq;
+        const size_t off = (size_t)r * hi * di + (size_t)h * di;
+        prep_norm_rope(qiin + off, wiq, di, eps, p, freqs, rot, buf, sh, qi_out + off);
+    } else if (s < hq + hi + hkv) {
+        const int h = s - hq - hi;
+        if (p >= cap) {
+            if (threadIdx.x == 0) atomicOr(err, ERR_CAPACITY);
+            return;
+        }
+        const size_t kvc = (size_t)hkv * hd, off = (size_t)h * hd;
+        const float* vr = vin + (size_t)r * kvc + off;
+        float* vo = vc + (size_t)p * kvc + off;
+        for (int i = threadIdx.x; i < hd; i += 256) vo[i] = vr[i];
+        prep_norm_rope(kin + (size_t)r * kvc + off, wk, hd, eps, p, freqs, rot, buf, sh, kc + (size_t)p * kvc + off);
+    } else if (s == hq + hi + hkv) {
+        if (p >= kraw_cap) {
+            if (threadIdx.x == 0) atomicOr(err, ERR_CAPACITY);
+            return;
+        }
+        const float* kr = krawin + (size_t)r * di;
+        float* o = krawc + (size_t)p * di;
+        for (int i = threadIdx.x; i < di; i += 256) o[i] = kr[i];
+    } else {
+        if ((p + 1) % (u32)ratio != 0) return;
+        const u32 b = p / (u32)ratio;
+        if ((size_t)(b + 1) * ratio > kraw_cap || b >= blocks_cap) {
+            if (threadIdx.x == 0) atomicOr(err, ERR_CAPACITY);
+            return;
+        }
+        const u32 p0 = p - (u32)r;  // the step's first position
+        for (int i = threadIdx.x; i < di; i += 256) {
+            float v = 0.f;
+            for (int k = 0; k < ratio; ++k) {
+                const u32 t = b * (u32)ratio + (u32)k;
+                v += t >= p0 ? krawin[(size_t)(t - p0) * di + i] : krawc[(size_t)t * di + i];
+            }
+            pooled[i] = v / (float)ratio;
+        }
+        __syncthreads();
+        prep_norm_rope(pooled, wik, di, eps, b * (u32)ratio, freqs, rot, buf, sh, blocksc + (size_t)b * di);
+    }
+}
+
 // scores[r][b] for b < nb = (pos[r]+1)/ratio, one thread a block: each head's dot in order from
 // -0.0 (Iterator::sum), relu (+0 for NaN and -0), heads summed in order from -0.0, times
 // 1/sqrt(d). The block keys are staged through shared memory 32 dims at a time (coalesced
@@ -637,7 +740,7 @@ attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
 
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_sum(const float* part, const u32* cnt, const u32* pos, float* out, u32 cap, int n_head, int d,
-                 int causal, int max_chunks) {
+                 int causal, int max_chunks, const float* gate) {
     grid_dep_sync();
     const int rh = blockIdx.x, r = rh / n_head;
     const u32 T = causal ? pos[r] + 1 : cnt[r];
@@ -646,7 +749,8 @@ attend_split_sum(const float* part, const u32* cnt, const u32* pos, float* out, 
     for (int j = threadIdx.x; j < d; j += 256) {
         float acc = 0.f;
         for (int c = 0; c < nc; ++c) acc += part[((size_t)rh * max_chunks + c) * d + j];
-        out[(size_t)rh * d + j] = acc;
+        // With a gate: mul_sigmoid_f32's expression (qwen4exp's output gate, spec §7.4).
+        out[(size_t)rh * d + j] = gate ? acc * sigmoidf_(gate[(size_t)rh * d + j]) : acc;
     }
 }
 

@@ -25,11 +25,12 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
 use strata_engine::backend::{
     AttnDims, Backend, DeviceBuf, DeviceIds, DevicePick, DeviceWeight, DraftMap, DraftPick,
-    DraftSlop, ExpertWeights, KvType, StepKey, Usage,
+    DraftSlop, ExpertWeights, KvType, StepInputs, StepKey, Usage,
 };
 use strata_engine::kernels::ActFmt;
 use strata_engine::qwen4exp::ops::{
-    moe_block_composed, GdnParams, HcWeights, QsaSelect, Qwen4expOps,
+    moe_block_composed, qsa_prepare_composed, GdnParams, HcWeights, QsaCaches, QsaPrepW,
+    QsaPrepared, QsaRows, QsaSelect, Qwen4expOps,
 };
 use strata_engine::qwen4exp::weights::MoeW;
 use strata_engine::{EngineError, Result};
@@ -958,6 +959,26 @@ impl CudaBackend {
         Ok(CudaIds {
             len: ids.len(),
             data: self.upload_mem(ids)?,
+        })
+    }
+
+    /// The first `len` of `ids` for a buffer that only reads them while `ids` is unchanged (a
+    /// selection's positions): a second view where they live in a step's arena (no copy op in
+    /// the step; the block lives as long as either view), else a copy.
+    fn ids_view(&self, ids: &Mem<u32>, len: usize) -> Result<Mem<u32>> {
+        let Some(block) = &ids.arena else {
+            return self.copy_ids(ids, 0, len);
+        };
+        if len > ids.len() {
+            return Err(shape("ids_view", format!("{len} of {} ids", ids.len())));
+        }
+        let ptr = record::addr(&ids.s, self.gpu.stream());
+        // SAFETY: `ptr` is `len` ids of the arena block, which the view keeps alive; the view
+        // frees nothing (`Mem::drop` leaks arena views).
+        let s = unsafe { self.gpu.stream().upgrade_device_ptr::<u32>(ptr, len.max(1)) };
+        Ok(Mem {
+            s: ManuallyDrop::new(s),
+            arena: Some(Arc::clone(block)),
         })
     }
 
@@ -2185,6 +2206,7 @@ impl Backend for CudaBackend {
             None,
             dims,
             kv,
+            None,
         )
     }
 }
@@ -2288,6 +2310,7 @@ impl CudaBackend {
         sel: Option<&model::Selection>,
         dims: AttnDims,
         kv: KvType,
+        gate: Option<&CudaBuf>,
     ) -> Result<CudaBuf> {
         let kvc = dims.n_head_kv * dims.head_dim;
         if q.cols != dims.n_head * dims.head_dim
@@ -2334,6 +2357,7 @@ impl CudaBackend {
             &mut out.data,
             &mut scratch,
             &mut err,
+            gate.map(|g| &*g.data),
         )
         .map_err(dev)?;
         drop(err);
@@ -2732,7 +2756,7 @@ impl Qwen4expOps for CudaBackend {
         }
         Ok(CudaSelection {
             rows: n,
-            pos: self.copy_ids(&positions.data, 0, n)?,
+            pos: self.ids_view(&positions.data, n)?,
             sparse: Some(s),
             cache: (n <= SCRATCH_CACHE_ROWS).then(|| (Arc::clone(&self.sel_scratch), skey)),
         })
@@ -2741,7 +2765,7 @@ impl Qwen4expOps for CudaBackend {
     fn select_causal(&self, positions: &CudaIds) -> Result<CudaSelection> {
         Ok(CudaSelection {
             rows: positions.len,
-            pos: self.copy_ids(&positions.data, 0, positions.len)?,
+            pos: self.ids_view(&positions.data, positions.len)?,
             sparse: None,
             cache: None,
         })
@@ -2776,7 +2800,171 @@ impl Qwen4expOps for CudaBackend {
             sel.sparse.as_ref(),
             dims,
             kv,
+            None,
         )
+    }
+
+    /// Attention whose last pass applies the output gate (mul_sigmoid's bits).
+    fn attend_gated(
+        &self,
+        q: &CudaBuf,
+        gate: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        sel: &CudaSelection,
+        dims: AttnDims,
+        kv: KvType,
+    ) -> Result<CudaBuf> {
+        Self::same_shape("attend_gated", q, gate)?;
+        if let Some(s) = &sel.sparse {
+            if s.cap > k_cache.rows {
+                return Err(shape(
+                    "attend",
+                    format!(
+                        "a selection over {} tokens for caches of {}",
+                        s.cap, k_cache.rows
+                    ),
+                ));
+            }
+        }
+        self.attend_over(
+            q,
+            k_cache,
+            v_cache,
+            &sel.pos,
+            sel.rows,
+            sel.sparse.as_ref(),
+            dims,
+            kv,
+            Some(gate),
+        )
+    }
+
+    /// One launch for the rows of a decode step, a verify window or a prefill chunk
+    /// (`attn.cu qsa_prep`), bitwise the composition; shapes it does not take, positions that
+    /// are not consecutive and `STRATA_CUDA_QSA_PREP=0` run the composition.
+    fn qsa_prepare(
+        &self,
+        w: &QsaPrepW<'_, CudaWeight>,
+        x: QsaRows<CudaBuf>,
+        inputs: &StepInputs<Self>,
+        caches: QsaCaches<'_, CudaBuf>,
+    ) -> Result<QsaPrepared<CudaBuf>> {
+        let n = x.qg.rows;
+        let hd = w.head_dim;
+        let hp = inputs.host_positions();
+        let consecutive = hp.len() == n && hp.windows(2).all(|p| p[1] == p[0].wrapping_add(1));
+        let kvc = x.k.cols;
+        let base = n > 0
+            && consecutive
+            && model::qsa_prep_on()
+            && hd > 0
+            && hd <= 1024
+            && w.rot <= hd
+            && w.rot.is_multiple_of(2)
+            && x.qg.cols.is_multiple_of(2 * hd)
+            && kvc.is_multiple_of(hd)
+            && kvc > 0
+            && x.k.rows == n
+            && x.v.rows == n
+            && x.v.cols == kvc
+            && caches.k.cols == kvc
+            && caches.v.cols == kvc
+            && caches.k.rows == caches.v.rows
+            && inputs.positions.len == n
+            && w.q_norm.info.n_elements == hd as u64
+            && w.k_norm.info.n_elements == hd as u64;
+        let index_ok = match (&x.index, &w.index, &caches.index) {
+            (None, _, _) => true,
+            (Some((qi, kraw)), Some(ix), Some((ks, bs))) => {
+                let di = ix.head_dim;
+                di > 0
+                    && di <= 1024
+                    && w.rot <= di
+                    && ix.ratio > 0
+                    && qi.rows == n
+                    && kraw.rows == n
+                    && qi.cols.is_multiple_of(di)
+                    && qi.cols > 0
+                    && kraw.cols == di
+                    && ks.cols == di
+                    && bs.cols == di
+                    && ix.q_norm.info.n_elements == di as u64
+                    && ix.k_norm.info.n_elements == di as u64
+            }
+            _ => false,
+        };
+        if !(base && index_ok) {
+            return qsa_prepare_composed(self, w, x, inputs, caches);
+        }
+        let geom = model::QsaPrepGeom {
+            hq: x.qg.cols / (2 * hd),
+            hkv: kvc / hd,
+            hd,
+            hi: match (&x.index, &w.index) {
+                (Some((qi, _)), Some(ix)) => qi.cols / ix.head_dim,
+                _ => 0,
+            },
+            di: w.index.as_ref().map_or(0, |ix| ix.head_dim),
+            rot: w.rot,
+            ratio: w.index.as_ref().map_or(1, |ix| ix.ratio),
+            eps: w.eps,
+        };
+        let f = self.freqs(w.rot, w.theta)?;
+        let (wq, wk) = (self.values(w.q_norm)?, self.values(w.k_norm)?);
+        let mut q = self.buf(n, x.qg.cols / 2)?;
+        let mut gate = self.buf(n, x.qg.cols / 2)?;
+        let cap = caches.k.rows;
+        let QsaCaches { k: kc, v: vc, index } = caches;
+        let mut qi_out = None;
+        let ix_dev = match (&x.index, &w.index, index) {
+            (Some((qi, kraw)), Some(ix), Some((ks, bs))) => {
+                qi_out = Some(self.buf(n, qi.cols)?);
+                Some((qi, kraw, ix, ks, bs))
+            }
+            _ => None,
+        };
+        let index_dev = match (ix_dev, qi_out.as_mut()) {
+            (Some((qi, kraw, ix, ks, bs)), Some(qo)) => Some(model::QsaPrepIndex {
+                qi: &qi.data,
+                kraw: &kraw.data,
+                wiq: self.values(ix.q_norm)?,
+                wik: self.values(ix.k_norm)?,
+                qi_out: &mut qo.data,
+                kraw_cap: ks.rows,
+                kraw_store: &mut ks.data,
+                blocks_cap: bs.rows,
+                blocks: &mut bs.data,
+            }),
+            _ => None,
+        };
+        let mut err = self.err_word();
+        model::qsa_prep(
+            &self.gpu,
+            &geom,
+            n,
+            &x.qg.data,
+            &x.k.data,
+            &x.v.data,
+            wq,
+            wk,
+            &inputs.positions.data,
+            &f,
+            &mut q.data,
+            &mut gate.data,
+            &mut kc.data,
+            &mut vc.data,
+            cap,
+            index_dev,
+            &mut err,
+        )
+        .map_err(dev)?;
+        drop(err);
+        Ok(QsaPrepared {
+            q,
+            gate,
+            qi: qi_out,
+        })
     }
 
     fn ple_gate(&self, k: &CudaBuf, q: &CudaBuf, v: &CudaBuf, streams: usize) -> Result<CudaBuf> {

@@ -63,7 +63,7 @@ pub struct Blas {
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_TRIGGER_FIRST`, `STRATA_CUDA_PLE_HOST`, `STRATA_CUDA_FAST_PREFILL` and
 /// `STRATA_CUDA_BATCH` are off unless `1`).
-pub const SWITCHES: [&str; 18] = [
+pub const SWITCHES: [&str; 19] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -82,6 +82,7 @@ pub const SWITCHES: [&str; 18] = [
     "STRATA_CUDA_MMQ_WIDE",
     "STRATA_CUDA_FAST_PREFILL",
     "STRATA_CUDA_BATCH",
+    "STRATA_CUDA_QSA_PREP",
 ];
 
 /// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were

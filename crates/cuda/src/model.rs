@@ -1826,6 +1826,134 @@ pub fn qsa_pool(
     )
 }
 
+/// The geometry of a [`qsa_prep`] launch: `hq` query heads and `hkv` key/value heads of `hd`,
+/// `hi` indexer heads of `di` (0 without the indexer), RoPE over the first `rot` dims, blocks of
+/// `ratio` tokens.
+#[derive(Clone, Copy, Debug)]
+pub struct QsaPrepGeom {
+    pub hq: usize,
+    pub hkv: usize,
+    pub hd: usize,
+    pub hi: usize,
+    pub di: usize,
+    pub rot: usize,
+    pub ratio: usize,
+    pub eps: f32,
+}
+
+/// The indexer's buffers of a [`qsa_prep`] launch: its query and raw-key rows, norms, the
+/// queries it writes and the raw-key and pooled-block stores (their capacities in rows).
+pub struct QsaPrepIndex<'a> {
+    pub qi: &'a CudaSlice<f32>,
+    pub kraw: &'a CudaSlice<f32>,
+    pub wiq: &'a CudaSlice<f32>,
+    pub wik: &'a CudaSlice<f32>,
+    pub qi_out: &'a mut CudaSlice<f32>,
+    pub kraw_store: &'a mut CudaSlice<f32>,
+    pub kraw_cap: usize,
+    pub blocks: &'a mut CudaSlice<f32>,
+    pub blocks_cap: usize,
+}
+
+/// A QSA layer's row preparation in one launch (attn.cu `qsa_prep`; the composition it keeps
+/// the bits of is `strata_engine::qwen4exp::ops::qsa_prepare_composed`) for `rows` rows at
+/// consecutive positions `pos`: queries deinterleaved from `qg` into `q_out` and `gate_out`,
+/// normed and rotated; keys normed, rotated and written with the values into `kc` / `vc`
+/// (`cap` rows); with `index`, the indexer's side.
+#[allow(clippy::too_many_arguments)]
+pub fn qsa_prep(
+    gpu: &Gpu,
+    g: &QsaPrepGeom,
+    rows: usize,
+    qg: &CudaSlice<f32>,
+    k_in: &CudaSlice<f32>,
+    v_in: &CudaSlice<f32>,
+    wq: &CudaSlice<f32>,
+    wk: &CudaSlice<f32>,
+    pos: &CudaSlice<u32>,
+    freqs: &CudaSlice<f64>,
+    q_out: &mut CudaSlice<f32>,
+    gate_out: &mut CudaSlice<f32>,
+    kc: &mut CudaSlice<f32>,
+    vc: &mut CudaSlice<f32>,
+    cap: usize,
+    index: Option<QsaPrepIndex<'_>>,
+    err: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let k = "qsa_prep";
+    let idx = index.is_some();
+    let (hi, di) = if idx { (g.hi, g.di) } else { (0, 0) };
+    if g.hq == 0
+        || g.hkv == 0
+        || g.hd == 0
+        || g.hd > 1024
+        || g.rot > g.hd
+        || !g.rot.is_multiple_of(2)
+        || (idx && (hi == 0 || di == 0 || di > 1024 || g.rot > di || g.ratio == 0))
+    {
+        return Err(bad(k, format!("{g:?} (head dims ≤ 1024, rot even and ≤ both)")));
+    }
+    let (qc, kvc) = (g.hq * g.hd, g.hkv * g.hd);
+    need(k, "qg", qg.len(), rows * 2 * qc)?;
+    need(k, "k", k_in.len(), rows * kvc)?;
+    need(k, "v", v_in.len(), rows * kvc)?;
+    need(k, "q norm", wq.len(), g.hd)?;
+    need(k, "k norm", wk.len(), g.hd)?;
+    need(k, "positions", pos.len(), rows)?;
+    need(k, "freqs", freqs.len(), g.rot / 2)?;
+    need(k, "q out", q_out.len(), rows * qc)?;
+    need(k, "gate out", gate_out.len(), rows * qc)?;
+    need(k, "k cache", kc.len(), cap * kvc)?;
+    need(k, "v cache", vc.len(), cap * kvc)?;
+    let st = gpu.stream();
+    let (mut a_qi, mut a_kraw, mut a_wiq, mut a_wik, mut a_qio, mut a_krs, mut a_bl) =
+        (0u64, 0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let (mut kraw_cap, mut blocks_cap) = (0u32, 0u32);
+    if let Some(ix) = index {
+        need(k, "qi", ix.qi.len(), rows * hi * di)?;
+        need(k, "kraw", ix.kraw.len(), rows * di)?;
+        need(k, "qi norm", ix.wiq.len(), di)?;
+        need(k, "kraw norm", ix.wik.len(), di)?;
+        need(k, "qi out", ix.qi_out.len(), rows * hi * di)?;
+        need(k, "kraw store", ix.kraw_store.len(), ix.kraw_cap * di)?;
+        need(k, "block store", ix.blocks.len(), ix.blocks_cap * di)?;
+        a_qi = crate::record::addr(ix.qi, st);
+        a_kraw = crate::record::addr(ix.kraw, st);
+        a_wiq = crate::record::addr(ix.wiq, st);
+        a_wik = crate::record::addr(ix.wik, st);
+        a_qio = crate::record::addr_mut(ix.qi_out, st);
+        a_krs = crate::record::addr_mut(ix.kraw_store, st);
+        a_bl = crate::record::addr_mut(ix.blocks, st);
+        kraw_cap = u32::try_from(ix.kraw_cap).map_err(|_| bad(k, "kraw store".into()))?;
+        blocks_cap = u32::try_from(ix.blocks_cap).map_err(|_| bad(k, "block store".into()))?;
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let capu = u32::try_from(cap).map_err(|_| bad(k, format!("capacity {cap}")))?;
+    let (hq, hkv, hd, hii, dii, rot, ratio) = (
+        i32_of(k, g.hq)?,
+        i32_of(k, g.hkv)?,
+        i32_of(k, g.hd)?,
+        i32_of(k, hi)?,
+        i32_of(k, di)?,
+        i32_of(k, g.rot)?,
+        i32_of(k, g.ratio.max(1))?,
+    );
+    let gx = g.hq + hi + g.hkv + if idx { 2 } else { 0 };
+    launch!(
+        gpu,
+        "attn",
+        "qsa_prep",
+        cfg2(gx as u32, rows as u32, 256),
+        [
+            qg, k_in, v_in, &a_qi, &a_kraw, wq, wk, &a_wiq, &a_wik, pos, freqs, q_out, gate_out,
+            &a_qio, kc, vc, &capu, &a_krs, &kraw_cap, &a_bl, &blocks_cap, &hq, &hkv, &hd, &hii,
+            &dii, &rot, &ratio, &g.eps, err
+        ]
+    )
+}
+
 /// How one QSA layer selects (as `strata_engine::backend::QsaSelect`).
 pub use strata_engine::qwen4exp::ops::{QsaRule, QsaSelect};
 
@@ -2159,16 +2287,18 @@ pub fn attend_split(
     out: &mut CudaSlice<f32>,
     s: &mut AttnSplitScratch,
     err: &mut CudaSlice<u32>,
+    gate: Option<&CudaSlice<f32>>,
 ) -> Result<(), CudaError> {
     let grouped = attend_grouped_applies(n, dims);
     attend_split_as(
-        gpu, q, k_cache, v_cache, cap, sel, pos, n, dims, f16, out, s, err, grouped,
+        gpu, q, k_cache, v_cache, cap, sel, pos, n, dims, f16, out, s, err, grouped, gate,
     )
 }
 
 /// [`attend_split`] with the kernels chosen by the caller: `grouped` runs `attend_group_*`
 /// (head dims a multiple of 32 up to 256), else the per-head kernels; the same bits either
-/// way (tests/model_ops.rs binds them).
+/// way (tests/model_ops.rs binds them). With `gate` (rows like `q`'s), the last pass writes
+/// `out ⊙ σ(gate)` with [`mul_sigmoid`]'s bits.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_split_as(
     gpu: &Gpu,
@@ -2185,6 +2315,7 @@ pub fn attend_split_as(
     s: &mut AttnSplitScratch,
     err: &mut CudaSlice<u32>,
     grouped: bool,
+    gate: Option<&CudaSlice<f32>>,
 ) -> Result<(), CudaError> {
     let k = "attend_split";
     let AttnDims {
@@ -2204,6 +2335,9 @@ pub fn attend_split_as(
     need(k, "v cache", v_cache.len(), cap * kvc)?;
     need(k, "positions", pos.len(), n)?;
     need(k, "out", out.len(), n * n_head * head_dim)?;
+    if let Some(g) = gate {
+        need(k, "gate", g.len(), n * n_head * head_dim)?;
+    }
     if n == 0 {
         return Ok(());
     }
@@ -2313,12 +2447,14 @@ pub fn attend_split_as(
                 &mc
             ]
         )?;
+        // The gate's rows of this chunk, by address (0: no gate).
+        let gp: u64 = gate.map_or(0, |g| crate::record::addr(g, gpu.stream()) + (4 * r0 * qc) as u64);
         launch!(
             gpu,
             "attn",
             "attend_split_sum",
             cfg((m * n_head) as u32, 256),
-            [&s.part, &cnt, &pv, &mut ov, &capu, &nh, &hd, &causal, &mc]
+            [&s.part, &cnt, &pv, &mut ov, &capu, &nh, &hd, &causal, &mc, &gp]
         )?;
     }
     Ok(())
@@ -2883,6 +3019,30 @@ pub fn experts_staged_for(
         && (DOWN_STAGED_ROWS * dwrb).is_multiple_of(16)
         && dslab.is_multiple_of(16);
     Ok(Staged { gate_up, down })
+}
+
+/// 0: from `STRATA_CUDA_QSA_PREP`; 1: off; 2: on ([`set_qsa_prep`]).
+static QSA_PREP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether a QSA layer's row preparation runs as one [`qsa_prep`] launch (the default) rather
+/// than the composition (`STRATA_CUDA_QSA_PREP=0`, for an A/B).
+pub fn qsa_prep_on() -> bool {
+    match QSA_PREP.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => crate::device::switch_on("STRATA_CUDA_QSA_PREP"),
+    }
+}
+
+/// Overrides `STRATA_CUDA_QSA_PREP` for this process (None: the environment's choice), for
+/// tests that bind the one launch to the composition.
+pub fn set_qsa_prep(on: Option<bool>) {
+    let v = match on {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
+    QSA_PREP.store(v, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// 0: from `STRATA_CUDA_MOE_STAGE`; 1: off; 2: on ([`set_experts_stage`]).

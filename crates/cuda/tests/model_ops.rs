@@ -16,14 +16,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::CudaSlice;
+use strata_cuda::backend::CudaBuf;
 use strata_cuda::model::{self as m, DevWeight};
 use strata_cuda::{ops, Gpu};
 use strata_engine::backend::{AttnDims, DevicePick, ExpertWeights, KvType};
 use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
 use strata_engine::kernels::actq::{quantize_row, ActFmt};
 use strata_engine::kernels::testdata::{weight_blocks, Rng};
+use strata_engine::backend::StepInputs;
 use strata_engine::qwen4exp::ops::{
-    moe_block_composed, GdnDims, GdnParams, HcWeights, QsaRule, QsaSelect,
+    moe_block_composed, qsa_prepare_composed, GdnDims, GdnParams, HcWeights, QsaCaches,
+    QsaIndexW, QsaPrepW, QsaRows, QsaRule, QsaSelect,
 };
 use strata_engine::qwen4exp::weights::MoeW;
 use strata_engine::{Backend, CpuBackend, CpuBuf, CpuWeight};
@@ -1502,6 +1505,139 @@ fn kv_append_and_qsa_pool_match_cpu() {
     assert_eq!(g.download(&err).unwrap(), vec![0]);
 }
 
+/// A QSA layer's row preparation in one launch (`qsa_prep`, the backend's `qsa_prepare`)
+/// against the composition of the same backend's operations (`qsa_prepare_composed`): queries,
+/// gates, indexer queries and every cache bitwise, over a prompt and decode steps and windows
+/// that complete blocks inside the step and across steps (both geometries: the release's with
+/// partial RoPE and an indexer, and a full-RoPE layer without one); then the gated attention
+/// (`attend_gated`) against `attend` followed by `mul_sigmoid`, bitwise, over the selection.
+#[test]
+fn qsa_prepare_equals_the_composition() {
+    let Some(_) = gpu() else { return };
+    let cb = strata_cuda::CudaBackend::new(0).expect("CUDA backend");
+    let mut rng = Rng::new(31);
+    // (query heads, kv heads, head dim, indexer heads, indexer dim, rot, ratio)
+    for (hq, hkv, hd, hi, di, rot, ratio) in [
+        (6usize, 2usize, 256usize, 4usize, 128usize, 64usize, 4usize),
+        (4, 2, 64, 0, 0, 64, 0),
+    ] {
+        let (h6, i6) = (hd as u64, di as u64);
+        let mut specs = vec![
+            ("qn", vec![h6], GgmlType::F32, f32_bytes(&rng.f32_vec(hd, 1.0))),
+            ("kn", vec![h6], GgmlType::F32, f32_bytes(&rng.f32_vec(hd, 1.0))),
+        ];
+        if hi > 0 {
+            specs.push(("iqn", vec![i6], GgmlType::F32, f32_bytes(&rng.f32_vec(di, 1.0))));
+            specs.push(("ikn", vec![i6], GgmlType::F32, f32_bytes(&rng.f32_vec(di, 1.0))));
+        }
+        let file = gguf_of(&specs);
+        let l = |n: &str| cb.load_weight(&file, file.tensor(n).unwrap()).unwrap();
+        let (qn, kn) = (l("qn"), l("kn"));
+        let ix = (hi > 0).then(|| (l("iqn"), l("ikn")));
+        let w = QsaPrepW {
+            q_norm: &qn,
+            k_norm: &kn,
+            index: ix.as_ref().map(|(q, k)| QsaIndexW {
+                q_norm: q,
+                k_norm: k,
+                head_dim: di,
+                ratio,
+            }),
+            head_dim: hd,
+            rot,
+            theta: 10_000.0,
+            eps: 1e-6,
+        };
+        let cap = 40usize;
+        let kvc = hkv * hd;
+        let stores = |cb: &strata_cuda::CudaBackend| {
+            let s = |c: usize| cb.store(cap, c).unwrap();
+            (s(kvc), s(kvc), s(di.max(1)), s(di.max(1)))
+        };
+        let (mut a, mut b) = (stores(&cb), stores(&cb));
+        type Stores = (CudaBuf, CudaBuf, CudaBuf, CudaBuf);
+        fn caches(t: &mut Stores, index: bool) -> QsaCaches<'_, CudaBuf> {
+            QsaCaches {
+                k: &mut t.0,
+                v: &mut t.1,
+                index: index.then_some((&mut t.2, &mut t.3)),
+            }
+        }
+        let mut at = 0usize;
+        // A prompt of 6 (a block completed inside it), steps, windows across block edges.
+        for n in [6usize, 1, 1, 3, 8, 1, 5] {
+            let rows = |cb: &strata_cuda::CudaBackend, rng: &mut Rng| {
+                let mut r = |c: usize| cb.upload(n, c, &rng.f32_vec_special(n * c, 4.0)).unwrap();
+                let (qg, k, v) = (r(2 * hq * hd), r(kvc), r(kvc));
+                let index = (hi > 0).then(|| (r(hi * di), r(di)));
+                QsaRows { qg, k, v, index }
+            };
+            let xa = rows(&cb, &mut rng);
+            // The same rows again for the composition (same seed: the same values).
+            let xb = QsaRows {
+                qg: cb.copy(&xa.qg).unwrap(),
+                k: cb.copy(&xa.k).unwrap(),
+                v: cb.copy(&xa.v).unwrap(),
+                index: xa
+                    .index
+                    .as_ref()
+                    .map(|(q, k)| (cb.copy(q).unwrap(), cb.copy(k).unwrap())),
+            };
+            let tokens: Vec<u32> = (0..n as u32).collect();
+            let ratios: Vec<usize> = if hi > 0 { vec![ratio] } else { vec![] };
+            let inputs = StepInputs::new(&cb, &tokens, at, &ratios).unwrap();
+            let pa = cb.qsa_prepare(&w, xa, &inputs, caches(&mut a, hi > 0)).unwrap();
+            let pb = qsa_prepare_composed(&cb, &w, xb, &inputs, caches(&mut b, hi > 0)).unwrap();
+            let what = |p: &str| format!("qsa_prepare {hd}/{di} step of {n} at {at}: {p}");
+            let d = |x: &CudaBuf| cb.download(x).unwrap();
+            nontrivial(&what("q"), &d(&pb.q));
+            bitwise(&what("q"), &d(&pa.q), &d(&pb.q));
+            bitwise(&what("gate"), &d(&pa.gate), &d(&pb.gate));
+            bitwise(&what("k cache"), &d(&a.0), &d(&b.0));
+            bitwise(&what("v cache"), &d(&a.1), &d(&b.1));
+            if hi > 0 {
+                bitwise(
+                    &what("indexer q"),
+                    &d(pa.qi.as_ref().unwrap()),
+                    &d(pb.qi.as_ref().unwrap()),
+                );
+                bitwise(&what("raw key cache"), &d(&a.2), &d(&b.2));
+                nontrivial(&what("block cache"), &d(&b.3));
+                bitwise(&what("block cache"), &d(&a.3), &d(&b.3));
+            }
+            // The output gate inside attention against attend → mul_sigmoid.
+            let dims = AttnDims {
+                n_head: hq,
+                n_head_kv: hkv,
+                head_dim: hd,
+            };
+            let sel = match &pa.qi {
+                Some(qi) => cb
+                    .qsa_select(
+                        qi,
+                        &a.3,
+                        &inputs.positions,
+                        QsaSelect {
+                            ratio,
+                            budget: 8,
+                            rule: QsaRule::Reference,
+                        },
+                    )
+                    .unwrap(),
+                None => cb.select_causal(&inputs.positions).unwrap(),
+            };
+            let gated = cb
+                .attend_gated(&pa.q, &pa.gate, &a.0, &a.1, &sel, dims, KvType::F32)
+                .unwrap();
+            let plain = cb.attend(&pa.q, &a.0, &a.1, &sel, dims, KvType::F32).unwrap();
+            let composed = cb.mul_sigmoid(&plain, &pa.gate).unwrap();
+            nontrivial(&what("gated attention"), &d(&composed));
+            bitwise(&what("gated attention"), &d(&gated), &d(&composed));
+            at += n;
+        }
+    }
+}
+
 #[test]
 fn qsa_selection_equals_cpu() {
     let Some(g) = gpu() else { return };
@@ -1730,7 +1866,7 @@ fn attention_matches_cpu() {
                 kv == KvType::F16,
                 &mut out2,
                 &mut ss,
-                &mut err,
+                &mut err, None,
             )
             .unwrap();
             assert_eq!(g.download(&err).unwrap(), vec![0]);
@@ -1863,6 +1999,7 @@ fn grouped_attention_equals_the_per_head_kernels() {
                     &mut ss,
                     &mut err,
                     grouped,
+                    None,
                 )
                 .unwrap();
                 assert_eq!(g.download(&err).unwrap(), vec![0]);
@@ -2116,13 +2253,13 @@ fn model_op_timings() {
             false,
             &mut ao,
             &mut ss,
-            &mut err,
-        )
+            &mut err, None,
+            )
     });
     time("attend_split causal, 32768 tokens", &mut || {
         m::attend_split(
-            g, &q, &kc, &vc, cap, None, &pos, 1, adims, false, &mut ao, &mut ss, &mut err,
-        )
+            g, &q, &kc, &vc, cap, None, &pos, 1, adims, false, &mut ao, &mut ss, &mut err, None,
+            )
     });
     time("attend causal, 32768 tokens", &mut || {
         m::attend(

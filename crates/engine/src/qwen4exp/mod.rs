@@ -19,11 +19,11 @@ use crate::batch::{self, Split};
 use crate::error::{EngineError, Result};
 
 pub use config::{Config, LayerKind, LoadOptions, DOCUMENTED_QSA_RATIO};
-use ops::{GdnParams, HcWeights, QsaSelect, Qwen4expOps};
+use ops::{GdnParams, HcWeights, QsaIndexW, QsaPrepW, QsaRows, QsaSelect, Qwen4expOps};
 use state::GdnRecord;
 use state::{AttnCache, LayerState};
 pub use state::{Checkpoint, ReplayLog, State};
-use weights::{AttnW, Binder, GdnW, HcW, IndexerW, LayerW, MixerW, MoeW, PleW, Weights};
+use weights::{AttnW, Binder, GdnW, HcW, LayerW, MixerW, MoeW, PleW, Weights};
 
 /// What a forward call returns besides the logits.
 #[derive(Clone, Copy, Debug, Default)]
@@ -1105,9 +1105,10 @@ impl<B: Qwen4expOps> Model<B> {
 
     // ---- §7 QSA attention
 
-    /// The projections and the query norm over every row; the rest (RoPE at each row's
-    /// position, the cache writes, the block selection, attention) over each sequence's rows
-    /// against its own cache; the output gate and projection over every row again.
+    /// The projections over every row; the rest (the queries' and keys' norms and RoPE at each
+    /// row's position, the cache writes, the block selection, attention and its output gate)
+    /// over each sequence's rows against its own cache; the output projection over every row
+    /// again.
     fn qsa_attention(
         &self,
         aw: &AttnW<B::Weight>,
@@ -1118,51 +1119,70 @@ impl<B: Qwen4expOps> Model<B> {
     ) -> Result<B::Buf> {
         let b = &self.backend;
         let c = &self.config;
-        let (hd, eps) = (c.attn.head_dim, c.eps);
         let indexed = aw.indexer.as_ref().zip(ratio);
         // Every projection of `u` in one call (one quantization of `u` per activation format).
         let projected: Vec<B::Buf> = match indexed {
             Some((ix, _)) => b.matmuls([&aw.q, &aw.k, &aw.v, &ix.q, &ix.k], u)?.into(),
             None => b.matmuls([&aw.q, &aw.k, &aw.v], u)?.into(),
         };
-        let mut projected = projected.into_iter();
-        let Some(qg) = projected.next() else {
-            return Err(EngineError::shape("qsa", "projections"));
-        };
-        let mut parts = b.deinterleave(&qg, hd, 2)?.into_iter();
-        let (Some(q), Some(gate)) = (parts.next(), parts.next()) else {
-            return Err(EngineError::shape("qsa", "q/gate split"));
-        };
-        let q = b.rms_norm(&q, &aw.q_norm, hd, eps)?;
-        let mut xs = vec![q];
-        xs.extend(projected);
-        let a = rows.each(b, xs, |i, at, parts| {
+        let a = rows.each(b, projected, |i, at, parts| {
             let mut parts = parts.into_iter();
-            let (Some(mut q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+            let (Some(qg), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
                 return Err(EngineError::shape("qsa", "projection split"));
             };
-            let (qi, kraw) = (parts.next(), parts.next());
+            let index = parts.next().zip(parts.next());
             let Some(LayerState::Attn(cache)) = sts.get_mut(i).map(|s| &mut **s) else {
                 return Err(EngineError::Input(
                     "a layer's state does not match the model".to_string(),
                 ));
             };
-            b.rope_neox(&mut q, hd, c.rot_dims, at.theta, &at.inputs.positions)?;
-            self.qsa_store(aw, QsaKeys { k, v, kraw }, at, cache, ratio)?;
-            let sel = match (indexed, qi) {
-                (Some((ix, ratio)), Some(qi)) => self.qsa_select(ix, qi, at, cache, ratio)?,
+            let w = self.qsa_prep_weights(aw, at, ratio);
+            let p = b.qsa_prepare(&w, QsaRows { qg, k, v, index }, at.inputs, cache.stores())?;
+            let sel = match (indexed, p.qi) {
+                (Some((_, ratio)), Some(qi)) => self.qsa_select(qi, at, cache, ratio)?,
                 _ => b.select_causal(&at.inputs.positions)?,
             };
-            b.attend(&q, &cache.k.buf, &cache.v.buf, &sel, c.attn, c.kv_type)
+            b.attend_gated(
+                &p.q,
+                &p.gate,
+                &cache.k.buf,
+                &cache.v.buf,
+                &sel,
+                c.attn,
+                c.kv_type,
+            )
         })?;
-        let a = b.mul_sigmoid(&a, &gate)?;
         b.matmul(&aw.o, &a)
     }
 
-    /// §7.1–7.3, the cache side: keys (normed, rotated) and values written at the rows'
-    /// positions, raw indexer keys written and the blocks the rows complete pooled, normed,
-    /// rotated at their first token and written at their slots. What a row leaves in the cache
-    /// depends on that row alone (and the raw keys before it).
+    /// The norms, RoPE geometry and (when the layer selects) the indexer's of a QSA layer.
+    fn qsa_prep_weights<'w>(
+        &self,
+        aw: &'w AttnW<B::Weight>,
+        at: At<'_, B>,
+        ratio: Option<usize>,
+    ) -> QsaPrepW<'w, B::Weight> {
+        let c = &self.config;
+        QsaPrepW {
+            q_norm: &aw.q_norm,
+            k_norm: &aw.k_norm,
+            index: aw.indexer.as_ref().zip(ratio).map(|(ix, ratio)| QsaIndexW {
+                q_norm: &ix.q_norm,
+                k_norm: &ix.k_norm,
+                head_dim: c.indexer.head_dim,
+                ratio,
+            }),
+            head_dim: c.attn.head_dim,
+            rot: c.rot_dims,
+            theta: at.theta,
+            eps: c.eps,
+        }
+    }
+
+    /// §7.1–7.3, the cache side alone (a cache-only pass): keys (normed, rotated) and values
+    /// written at the rows' positions, raw indexer keys written and the blocks the rows
+    /// complete pooled, normed, rotated at their first token and written at their slots, the
+    /// composition [`Qwen4expOps::qsa_prepare`] keeps the bits of.
     fn qsa_store(
         &self,
         aw: &AttnW<B::Weight>,
@@ -1171,47 +1191,35 @@ impl<B: Qwen4expOps> Model<B> {
         cache: &mut AttnCache<B>,
         ratio: Option<usize>,
     ) -> Result<()> {
-        let b = &self.backend;
-        let c = &self.config;
-        let (hd, eps) = (c.attn.head_dim, c.eps);
-        let positions = &at.inputs.positions;
-        let mut k = b.rms_norm(&keys.k, &aw.k_norm, hd, eps)?;
-        b.rope_neox(&mut k, hd, c.rot_dims, at.theta, positions)?;
-        b.write_rows(&mut cache.k.buf, &k, positions)?;
-        b.write_rows(&mut cache.v.buf, &keys.v, positions)?;
-        let (Some(ix), Some(ratio), Some(kraw)) = (&aw.indexer, ratio, keys.kraw) else {
-            return Ok(());
-        };
-        let di = c.indexer.head_dim;
-        b.write_rows(&mut cache.kraw.buf, &kraw, positions)?;
-        let blocks = at.inputs.blocks(ratio)?;
-        let pooled = b.qsa_pool_blocks(&cache.kraw.buf, positions, ratio)?;
-        let mut kb = b.rms_norm(&pooled, &ix.k_norm, di, eps)?;
-        b.rope_neox(&mut kb, di, c.rot_dims, at.theta, &blocks.starts)?;
-        b.write_rows(&mut cache.blocks.buf, &kb, &blocks.slots)
+        let w = self.qsa_prep_weights(aw, at, ratio);
+        ops::qsa_write_keys_composed(
+            &self.backend,
+            &w,
+            keys.k,
+            keys.v,
+            keys.kraw,
+            at.inputs,
+            cache.stores(),
+        )
     }
 
-    /// §7.3, the query side: indexer queries (normed, rotated) against the pooled blocks.
+    /// §7.3, the query side: the indexer queries (normed and rotated by
+    /// [`Qwen4expOps::qsa_prepare`]) against the pooled blocks.
     fn qsa_select(
         &self,
-        ix: &IndexerW<B::Weight>,
         qi: B::Buf,
         at: At<'_, B>,
         cache: &AttnCache<B>,
         ratio: usize,
     ) -> Result<B::Selection> {
-        let b = &self.backend;
         let c = &self.config;
-        let (di, eps) = (c.indexer.head_dim, c.eps);
-        let positions = &at.inputs.positions;
-        let mut qi = b.rms_norm(&qi, &ix.q_norm, di, eps)?;
-        b.rope_neox(&mut qi, di, c.rot_dims, at.theta, positions)?;
         let sel = QsaSelect {
             ratio,
             budget: c.indexer.budget,
             rule: c.qsa_rule,
         };
-        b.qsa_select(&qi, &cache.blocks.buf, positions, sel)
+        self.backend
+            .qsa_select(&qi, &cache.blocks.buf, &at.inputs.positions, sel)
     }
 
     /// One attention layer over `x`'s rows (n > 1) when only the last row's output is read

@@ -5,7 +5,7 @@
 //! fused or reordered version is a registered variant checked against the CPU's by the parity
 //! harness.
 
-use crate::backend::{AttnDims, Backend, ExpertWeights, KvType};
+use crate::backend::{AttnDims, Backend, ExpertWeights, KvType, StepInputs};
 use crate::error::Result;
 use crate::qwen4exp::weights::MoeW;
 
@@ -87,6 +87,54 @@ pub struct HcWeights<'a, W> {
     pub eps: f32,
 }
 
+/// What a QSA layer's row preparation (spec §7.1–7.3) reads besides its rows: the q and k
+/// norms (one head's values, shared by the heads), the indexer's when the layer selects, and
+/// the RoPE geometry.
+pub struct QsaPrepW<'a, W> {
+    pub q_norm: &'a W,
+    pub k_norm: &'a W,
+    pub index: Option<QsaIndexW<'a, W>>,
+    pub head_dim: usize,
+    pub rot: usize,
+    pub theta: f32,
+    pub eps: f32,
+}
+
+/// The indexer's side of [`QsaPrepW`]: its norms, head size and block size (`ratio` tokens).
+pub struct QsaIndexW<'a, W> {
+    pub q_norm: &'a W,
+    pub k_norm: &'a W,
+    pub head_dim: usize,
+    pub ratio: usize,
+}
+
+/// A QSA layer's projections of one sequence's rows: `[q | gate]` per head, keys, values, and
+/// the indexer's queries and raw keys when the layer selects.
+pub struct QsaRows<Buf> {
+    pub qg: Buf,
+    pub k: Buf,
+    pub v: Buf,
+    /// `(qi, kraw)`.
+    pub index: Option<(Buf, Buf)>,
+}
+
+/// The stores a QSA layer's rows are written into: keys, values and, when the layer selects,
+/// `(raw indexer keys, pooled blocks)`.
+pub struct QsaCaches<'c, Buf> {
+    pub k: &'c mut Buf,
+    pub v: &'c mut Buf,
+    pub index: Option<(&'c mut Buf, &'c mut Buf)>,
+}
+
+/// What the row preparation gives attention: the normed, rotated queries, the output gate (per
+/// head, deinterleaved from `qg`) and, when the layer selects, the normed, rotated indexer
+/// queries.
+pub struct QsaPrepared<Buf> {
+    pub q: Buf,
+    pub gate: Buf,
+    pub qi: Option<Buf>,
+}
+
 /// The operations only qwen4exp uses, over the core [`Backend`]'s buffers.
 pub trait Qwen4expOps: Backend {
     /// QSA decisions: per row, the attended token positions.
@@ -128,6 +176,40 @@ pub trait Qwen4expOps: Backend {
         n_used: usize,
     ) -> Result<Self::Buf> {
         moe_block_composed(self, mw, u, n_used)
+    }
+
+    /// A QSA layer's rows between its projections and attention (spec §7.1–7.3), for one
+    /// sequence's rows at `inputs`' positions: queries deinterleaved from their gates, normed
+    /// and rotated; keys normed, rotated and written with the values; with the indexer, raw
+    /// keys written, the blocks the rows complete pooled, normed, rotated at their first token
+    /// and written, and the indexer queries normed and rotated. This default is the
+    /// composition ([`qsa_prepare_composed`]); a backend may do it in fewer launches with the
+    /// composed bits.
+    fn qsa_prepare(
+        &self,
+        w: &QsaPrepW<'_, Self::Weight>,
+        x: QsaRows<Self::Buf>,
+        inputs: &StepInputs<Self>,
+        caches: QsaCaches<'_, Self::Buf>,
+    ) -> Result<QsaPrepared<Self::Buf>> {
+        qsa_prepare_composed(self, w, x, inputs, caches)
+    }
+    /// [`Self::attend`], then the output gate: `attend(q, …) ⊙ σ(gate)` (spec §7.4). This
+    /// default composes the two; a backend may gate in attention's last pass with the same
+    /// bits.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_gated(
+        &self,
+        q: &Self::Buf,
+        gate: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        sel: &Self::Selection,
+        dims: AttnDims,
+        kv: KvType,
+    ) -> Result<Self::Buf> {
+        let a = self.attend(q, k_cache, v_cache, sel, dims, kv)?;
+        self.mul_sigmoid(&a, gate)
     }
 
     /// Causal depthwise conv over rows (kernel `w` is `[channels, K]`, tap K−1 on the current
@@ -241,4 +323,69 @@ pub fn moe_block_composed<B: Backend + ?Sized>(
     let shared = b.matmul(&mw.down_shexp, &b.swiglu(&g, &up)?)?;
     b.add_sigmoid_gated(&mut y, &shared, &gate)?;
     Ok(y)
+}
+
+/// [`Qwen4expOps::qsa_prepare`] as the composition of operations (the default, and the baseline
+/// a fused version keeps the bits of).
+pub fn qsa_prepare_composed<B: Qwen4expOps + ?Sized>(
+    b: &B,
+    w: &QsaPrepW<'_, B::Weight>,
+    x: QsaRows<B::Buf>,
+    inputs: &StepInputs<B>,
+    caches: QsaCaches<'_, B::Buf>,
+) -> Result<QsaPrepared<B::Buf>> {
+    let (hd, eps) = (w.head_dim, w.eps);
+    let positions = &inputs.positions;
+    let mut parts = b.deinterleave(&x.qg, hd, 2)?.into_iter();
+    let (Some(q), Some(gate)) = (parts.next(), parts.next()) else {
+        return Err(crate::error::EngineError::shape("qsa", "q/gate split"));
+    };
+    let mut q = b.rms_norm(&q, w.q_norm, hd, eps)?;
+    b.rope_neox(&mut q, hd, w.rot, w.theta, positions)?;
+    let (kraw, qi) = match x.index {
+        Some((qi, kraw)) => (Some(kraw), Some(qi)),
+        None => (None, None),
+    };
+    qsa_write_keys_composed(b, w, x.k, x.v, kraw, inputs, caches)?;
+    let qi = match (qi, &w.index) {
+        (Some(qi), Some(ix)) => {
+            let mut qi = b.rms_norm(&qi, ix.q_norm, ix.head_dim, eps)?;
+            b.rope_neox(&mut qi, ix.head_dim, w.rot, w.theta, positions)?;
+            Some(qi)
+        }
+        _ => None,
+    };
+    Ok(QsaPrepared { q, gate, qi })
+}
+
+/// The cache side of [`qsa_prepare_composed`] (spec §7.1–7.3): keys normed, rotated and written
+/// with the values at the rows' positions; with the indexer, raw keys written and the blocks
+/// the rows complete pooled, normed, rotated at their first token and written at their slots.
+/// What a row leaves in the caches depends on that row alone (and the raw keys before it).
+pub fn qsa_write_keys_composed<B: Qwen4expOps + ?Sized>(
+    b: &B,
+    w: &QsaPrepW<'_, B::Weight>,
+    k: B::Buf,
+    v: B::Buf,
+    kraw: Option<B::Buf>,
+    inputs: &StepInputs<B>,
+    caches: QsaCaches<'_, B::Buf>,
+) -> Result<()> {
+    let (hd, eps) = (w.head_dim, w.eps);
+    let positions = &inputs.positions;
+    let mut k = b.rms_norm(&k, w.k_norm, hd, eps)?;
+    b.rope_neox(&mut k, hd, w.rot, w.theta, positions)?;
+    b.write_rows(caches.k, &k, positions)?;
+    b.write_rows(caches.v, &v, positions)?;
+    let (Some(ix), Some(kraw), Some((kraw_store, block_store))) = (&w.index, kraw, caches.index)
+    else {
+        return Ok(());
+    };
+    let di = ix.head_dim;
+    b.write_rows(kraw_store, &kraw, positions)?;
+    let blocks = inputs.blocks(ix.ratio)?;
+    let pooled = b.qsa_pool_blocks(kraw_store, positions, ix.ratio)?;
+    let mut kb = b.rms_norm(&pooled, ix.k_norm, di, eps)?;
+    b.rope_neox(&mut kb, di, w.rot, w.theta, &blocks.starts)?;
+    b.write_rows(block_store, &kb, &blocks.slots)
 }

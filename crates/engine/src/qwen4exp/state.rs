@@ -27,6 +27,15 @@ impl<B: Backend> AttnCache<B> {
         })
     }
 
+    /// The stores as [`super::ops::Qwen4expOps::qsa_prepare`] writes them.
+    pub fn stores(&mut self) -> super::ops::QsaCaches<'_, B::Buf> {
+        super::ops::QsaCaches {
+            k: &mut self.k.buf,
+            v: &mut self.v.buf,
+            index: Some((&mut self.kraw.buf, &mut self.blocks.buf)),
+        }
+    }
+
     /// Refuses, before a step, a step that would end past the capacity.
     pub fn check_room(&self, end: usize) -> Result<()> {
         self.k.check_room(end)
