@@ -25,23 +25,6 @@ typedef unsigned long long u64;
 // strata_cuda::sources): the next kernel is let launch before the wait, so kernels chain ahead
 // as far as the SMs hold their waiting blocks. Only reads of weights are then safe before a
 // wait (the experts' settled route is not: the launcher turns that off).
-//
-// The step's progress (strata_cuda::device's L2-ahead branch, STRATA_CUDA_L2_AHEAD): where the
-// device set this module's `strata_progress` (null otherwise), the first thread of the first
-// block counts the kernel once it is past its wait, so the count says how many of the step's
-// kernels have started their dependent part (every one before them has finished). The
-// prefetch branch paces itself by it; it reads nothing else, and changes no result.
-extern "C" {
-__constant__ u32* strata_progress;
-}
-
-__device__ __forceinline__ void step_progress() {
-    if ((threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) == 0) {
-        u32* p = strata_progress;
-        if (p) atomicAdd(p, 1u);
-    }
-}
-
 __device__ __forceinline__ void grid_dep_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #if defined(STRATA_TRIGGER_FIRST)
@@ -52,7 +35,6 @@ __device__ __forceinline__ void grid_dep_sync() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 #endif
-    step_progress();
 }
 
 // Starts pulling `bytes` of read-only data at `p` (a block's weight rows) into L2 with sm_90's

@@ -300,38 +300,3 @@ swiglu_xprep(const float* g, const float* u, u8* out, int rows, int n, int fmt) 
 
 // The floor of a launch: an empty kernel (timed like the others).
 extern "C" __global__ void noop() { grid_dep_sync();}
-
-// The L2-ahead branch of a recorded step (strata_cuda::device, STRATA_CUDA_L2_AHEAD): runs beside
-// the step's chain of kernels and pulls the dense weights they will read into L2 a window ahead
-// of them. items[3j .. 3j + 3] = (address, bytes, start): item j waits until ctl[0] (the step's
-// kernels past their wait, common.cuh step_progress) reaches `start`, or the step is done
-// (ctl[1] != 0: then it stops), then this block's share of the item is prefetched by bulk
-// prefetches, a lane a piece (whole 16-byte granules). It never calls grid_dep_sync (it is not
-// in the chain and must not count itself) and writes nothing: results are unchanged.
-extern "C" __global__ void __launch_bounds__(32) l2_ahead(const u64* items, int n, const u32* ctl) {
-    const volatile u32* c = ctl;
-    const int lane = threadIdx.x;
-    for (int j = 0; j < n; ++j) {
-        const u64 a = items[3 * j], bytes = items[3 * j + 1];
-        const u32 start = (u32)items[3 * j + 2];
-        int go = 1;
-        if (lane == 0) {
-            while (c[0] < start) {
-                if (c[1] != 0) {
-                    go = 0;
-                    break;
-                }
-                __nanosleep(200);
-            }
-        }
-        if (!__shfl_sync(FULL_MASK, go, 0)) return;
-        const u64 per = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
-        const u64 b0 = a + blockIdx.x * per, b1 = min(a + bytes, b0 + per);
-        const u64 lp = ((per + 31) / 32 + 15) & ~15ull;
-        const u64 s = b0 + lane * lp, e = min(b1, s + lp);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        const u64 sa = (s + 15) & ~15ull, ea = e & ~15ull;
-        if (ea > sa) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(sa), "r"((u32)(ea - sa)));
-#endif
-    }
-}

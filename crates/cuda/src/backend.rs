@@ -1420,13 +1420,6 @@ impl Backend for CudaBackend {
                 e => named(e),
             })?;
         *self.weight_bytes.lock().unwrap_or_else(|p| p.into_inner()) += bytes.len();
-        if n_expert == 1 {
-            // A dense weight: the L2-ahead branch may pull it in before its product runs.
-            self.gpu.note_weight(
-                record::addr(&dw.bytes, self.gpu.stream()),
-                dw.bytes.len() as u64,
-            );
-        }
         if let Some(f) = self
             .on_upload
             .lock()
@@ -2922,11 +2915,7 @@ impl Qwen4expOps for CudaBackend {
         let mut q = self.buf(n, x.qg.cols / 2)?;
         let mut gate = self.buf(n, x.qg.cols / 2)?;
         let cap = caches.k.rows;
-        let QsaCaches {
-            k: kc,
-            v: vc,
-            index,
-        } = caches;
+        let QsaCaches { k: kc, v: vc, index } = caches;
         let mut qi_out = None;
         let ix_dev = match (&x.index, &w.index, index) {
             (Some((qi, kraw)), Some(ix), Some((ks, bs))) => {

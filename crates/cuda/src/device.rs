@@ -109,100 +109,6 @@ pub fn check_switches(get: impl Fn(&str) -> Option<String>) -> Result<(), CudaEr
     Ok(())
 }
 
-/// `STRATA_CUDA_L2_AHEAD=MiB`: the L2-ahead branch of recorded steps (off when unset or 0).
-pub const L2_AHEAD: &str = "STRATA_CUDA_L2_AHEAD";
-
-/// The L2-ahead window in bytes from `STRATA_CUDA_L2_AHEAD` (`get` reads a variable): unset,
-/// empty or 0 is off; 1..=1024 MiB is the window; anything else is an error naming it.
-pub fn l2_ahead_setting(get: impl Fn(&str) -> Option<String>) -> Result<Option<u64>, CudaError> {
-    let Some(v) = get(L2_AHEAD) else {
-        return Ok(None);
-    };
-    let t = v.trim();
-    if t.is_empty() || t == "0" {
-        return Ok(None);
-    }
-    match t.parse::<u64>() {
-        Ok(m) if (1..=1024).contains(&m) => Ok(Some(m << 20)),
-        _ => Err(CudaError::Number {
-            var: L2_AHEAD,
-            value: v,
-            expected: "0 (off) or a window of 1 to 1024 MiB",
-        }),
-    }
-}
-
-/// The L2-ahead branch (`STRATA_CUDA_L2_AHEAD`): a recorded step's graph gets a second branch,
-/// `norm.cu l2_ahead`, that pulls the dense weights the step's kernels will read into L2 while
-/// the chain runs, `window` bytes ahead of the kernel in flight. The chain's kernels count
-/// themselves past their waits into `ctl[0]` (common.cuh `step_progress`, through each module's
-/// `strata_progress`); `ctl[1]` says the chain is done. It moves data into L2 only: the
-/// results are unchanged.
-struct Ahead {
-    window: u64,
-    blocks: u32,
-    ctl: CudaSlice<u32>,
-    side: Arc<CudaStream>,
-    /// Dense weights on the device: (address, bytes), sorted by address.
-    weights: Mutex<Vec<(u64, u64)>>,
-}
-
-/// Dense weights larger than this are not prefetched whole (the LM head, the n-gram table).
-const AHEAD_MAX_WEIGHT: u64 = 64 << 20;
-
-/// The prefetch items of an op list: each dense weight that a launch's arguments point into, at
-/// its first launch, as (address, bytes, start) with `start` the count of the step's kernels
-/// past their waits after which it may be pulled: the earliest at which the items not yet
-/// reached by the chain (their launch not yet started), itself included, stay within `window`
-/// bytes — and never later than its own launch's predecessor.
-pub fn ahead_items(ops: &[crate::record::Op], weights: &[(u64, u64)], window: u64) -> Vec<u64> {
-    let launches = ops.iter().filter_map(|op| match op {
-        crate::record::Op::Launch { args, .. } => Some(args.as_slice()),
-        _ => None,
-    });
-    ahead_plan(launches, weights, window)
-}
-
-/// [`ahead_items`] over the launches' argument lists, in order (copies and memsets are not
-/// counted: they do not pass a `grid_dep_sync`).
-pub fn ahead_plan<'a>(
-    launches: impl Iterator<Item = &'a [crate::record::Arg]>,
-    weights: &[(u64, u64)],
-    window: u64,
-) -> Vec<u64> {
-    use crate::record::Arg;
-    let mut seen = std::collections::HashSet::new();
-    let mut list: Vec<(u64, u64, u32)> = Vec::new();
-    let mut li = 0u32;
-    for args in launches {
-        for a in args {
-            let Arg::B8(p) = *a else { continue };
-            let i = weights.partition_point(|&(s, _)| s <= p);
-            if i == 0 {
-                continue;
-            }
-            let (s, b) = weights[i - 1];
-            if p < s + b && seen.insert(s) {
-                list.push((s, b, li));
-            }
-        }
-        li += 1;
-    }
-    // Two pointers over the cumulative bytes: k is the first item that may still be in flight.
-    let mut out = Vec::with_capacity(3 * list.len());
-    let (mut k, mut in_flight) = (0usize, 0u64);
-    for j in 0..list.len() {
-        in_flight += list[j].1;
-        while k < j && in_flight > window {
-            in_flight -= list[k].1;
-            k += 1;
-        }
-        let start = if k == 0 { 0 } else { list[k - 1].2 + 1 };
-        out.extend([list[j].0, list[j].1, u64::from(start.min(list[j].2))]);
-    }
-    out
-}
-
 /// How one module was made ready at start.
 #[derive(Clone, Debug)]
 pub struct ModuleLoad {
@@ -242,8 +148,6 @@ pub struct Gpu {
     rec: Mutex<Option<Vec<crate::record::Op>>>,
     /// cuBLAS, made at the first fast-prefill product ([`Gpu::with_blas`]).
     blas: Mutex<Option<Blas>>,
-    /// The L2-ahead branch of recorded steps, when `STRATA_CUDA_L2_AHEAD` asks for one.
-    ahead: Option<Ahead>,
 }
 
 /// One timed launch: its kernel, the events around it, the bytes its launcher stated.
@@ -271,7 +175,6 @@ impl Gpu {
     /// architecture and loads them.
     pub fn new(ordinal: usize) -> Result<Gpu, CudaError> {
         check_switches(|v| std::env::var(v).ok())?;
-        let window = l2_ahead_setting(|v| std::env::var(v).ok())?;
         ensure_driver()?;
         nvrtc::ensure_nvrtc()?;
         // cudarc panics on a few library-level failures; turn any into an error.
@@ -332,34 +235,7 @@ impl Gpu {
             });
             modules.insert(m.name, module);
         }
-        let ahead = match window {
-            Some(window) => {
-                let mut ctl = stream.alloc_zeros::<u32>(2).map_err(drv("cuMemAlloc"))?;
-                let at = crate::record::addr_mut(&mut ctl, &stream);
-                for (name, m) in &modules {
-                    let mut g = m.get_global("strata_progress", &stream).map_err(|e| {
-                        CudaError::Driver {
-                            call: format!("cuModuleGetGlobal({name}, strata_progress)"),
-                            what: e.to_string(),
-                        }
-                    })?;
-                    stream
-                        .memcpy_htod(&at.to_le_bytes(), &mut g)
-                        .map_err(drv("cuMemcpyHtoD (strata_progress)"))?;
-                }
-                stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
-                Some(Ahead {
-                    window,
-                    blocks: 16,
-                    ctl,
-                    side: ctx.new_stream().map_err(drv("cuStreamCreate"))?,
-                    weights: Mutex::new(Vec::new()),
-                })
-            }
-            None => None,
-        };
         Ok(Gpu {
-            ahead,
             ctx,
             stream,
             name,
@@ -723,85 +599,9 @@ impl Gpu {
             .map_err(drv("cuEventRecord"))
     }
 
-    /// Captures the already-recorded `ops` into a graph (issuing them inside a stream capture);
-    /// with the L2-ahead branch, the graph also holds the branch that prefetches the dense
-    /// weights the ops read ([`Ahead`]).
+    /// Captures the already-recorded `ops` into a graph (issuing them inside a stream capture).
     pub fn capture_ops(&self, ops: &[crate::record::Op]) -> Result<Graph, CudaError> {
-        let Some(ah) = &self.ahead else {
-            return self.capture(&mut || crate::record::issue(ops, &self.stream, self.pdl));
-        };
-        let items = {
-            let w = ah.weights.lock().unwrap_or_else(|p| p.into_inner());
-            ahead_items(ops, &w, ah.window)
-        };
-        if items.is_empty() {
-            return self.capture(&mut || crate::record::issue(ops, &self.stream, self.pdl));
-        }
-        let list = self
-            .stream
-            .clone_htod(&items)
-            .map_err(drv("cuMemcpyHtoD"))?;
-        let f = self.func("norm", "l2_ahead")?;
-        let cs = self.stream.cu_stream();
-        let ctl = crate::record::addr(&ah.ctl, &self.stream);
-        let mut args = [
-            crate::record::addr(&list, &self.stream),
-            (items.len() / 3) as u64,
-            ctl,
-        ];
-        let mut g = self.capture(&mut || {
-            // SAFETY: `ctl` is the branch's two live words; the kernel's parameters are
-            // (const u64*, int, const u32*), each read from its 8-byte slot (the int from the
-            // low bytes, little-endian); `list` lives as long as the graph (Graph::keep).
-            unsafe {
-                cudarc::driver::result::memset_d8_async(ctl, 0, 8, cs)
-                    .map_err(drv("cuMemsetD8Async (L2 ahead)"))?;
-                let e = self.event()?;
-                ah.side
-                    .wait(&e)
-                    .map_err(drv("cuStreamWaitEvent (L2 ahead)"))?;
-                let mut params: Vec<*mut std::ffi::c_void> = args
-                    .iter_mut()
-                    .map(|a| a as *mut u64 as *mut std::ffi::c_void)
-                    .collect();
-                cudarc::driver::result::launch_kernel(
-                    f.cu_function(),
-                    (ah.blocks, 1, 1),
-                    (32, 1, 1),
-                    0,
-                    ah.side.cu_stream(),
-                    &mut params,
-                )
-                .map_err(drv("cuLaunchKernel (l2_ahead)"))?;
-            }
-            crate::record::issue(ops, &self.stream, self.pdl)?;
-            // SAFETY: as above; the done word is ctl[1] (its low byte set to 1).
-            unsafe {
-                cudarc::driver::result::memset_d8_async(ctl + 4, 1, 1, cs)
-                    .map_err(drv("cuMemsetD8Async (L2 ahead)"))?;
-            }
-            let e = ah
-                .side
-                .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .map_err(drv("cuEventRecord (L2 ahead)"))?;
-            self.stream
-                .wait(&e)
-                .map_err(drv("cuStreamWaitEvent (L2 ahead)"))
-        })?;
-        g.keep = Some(list);
-        Ok(g)
-    }
-
-    /// Notes a dense weight's device bytes for the L2-ahead branch (a no-op without it, and
-    /// for weights over 64 MiB).
-    pub fn note_weight(&self, addr: u64, bytes: u64) {
-        let Some(ah) = &self.ahead else { return };
-        if bytes == 0 || bytes > AHEAD_MAX_WEIGHT {
-            return;
-        }
-        let mut w = ah.weights.lock().unwrap_or_else(|p| p.into_inner());
-        let i = w.partition_point(|&(s, _)| s < addr);
-        w.insert(i, (addr, bytes));
+        self.capture(&mut || crate::record::issue(ops, &self.stream, self.pdl))
     }
 
     pub fn write<T: DeviceRepr>(
@@ -851,11 +651,10 @@ impl Gpu {
         let g = self.stream.end_capture(CUgraphInstantiate_flags(0));
         r?;
         let g = g.map_err(drv("cuStreamEndCapture / cuGraphInstantiate"))?;
-        g.map(|g| Graph { g, keep: None })
-            .ok_or_else(|| CudaError::Driver {
-                call: "cuStreamEndCapture".into(),
-                what: "the capture recorded no work".into(),
-            })
+        g.map(|g| Graph { g }).ok_or_else(|| CudaError::Driver {
+            call: "cuStreamEndCapture".into(),
+            what: "the capture recorded no work".into(),
+        })
     }
 
     /// Runs `f` between two events and returns the elapsed device time in microseconds.
@@ -884,10 +683,9 @@ impl Gpu {
     }
 }
 
-/// A captured, instantiated graph (and what its nodes read that it owns: the L2-ahead list).
+/// A captured, instantiated graph.
 pub struct Graph {
     g: cudarc::driver::CudaGraph,
-    keep: Option<CudaSlice<u64>>,
 }
 
 // SAFETY: a CUDA graph handle may be used from any thread; the backend launches it from one
@@ -928,58 +726,5 @@ pub fn cfg(grid: u32, block: u32) -> LaunchConfig {
         grid_dim: (grid.max(1), 1, 1),
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{ahead_plan, l2_ahead_setting};
-    use crate::record::Arg;
-
-    #[test]
-    fn the_l2_ahead_window_is_read_and_checked_by_name() {
-        let get = |v: &'static str| move |_: &str| Some(v.to_string());
-        assert_eq!(l2_ahead_setting(|_| None).unwrap(), None);
-        assert_eq!(l2_ahead_setting(get("0")).unwrap(), None);
-        assert_eq!(l2_ahead_setting(get(" 16 ")).unwrap(), Some(16 << 20));
-        for bad in ["-1", "2000", "16M", "x"] {
-            let e = l2_ahead_setting(get(bad)).unwrap_err().to_string();
-            assert!(e.contains("STRATA_CUDA_L2_AHEAD") && e.contains(bad), "{e}");
-        }
-    }
-
-    #[test]
-    fn the_l2_ahead_plan_takes_each_weight_at_its_first_launch_within_the_window() {
-        const M: u64 = 1 << 20;
-        // Weights at 100, 200, 300, 400 (MiB addresses), 8, 8, 4 and 20 MiB.
-        let w = [
-            (100 * M, 8 * M),
-            (200 * M, 8 * M),
-            (300 * M, 4 * M),
-            (400 * M, 20 * M),
-        ];
-        let launches: Vec<Vec<Arg>> = vec![
-            vec![Arg::B8(100 * M), Arg::B4(7)],              // 0: weight 0
-            vec![Arg::B8(5)],                                // 1: no weight
-            vec![Arg::B8(200 * M + 4096), Arg::B8(100 * M)], // 2: inside weight 1; weight 0 again
-            vec![Arg::B8(300 * M)],                          // 3: weight 2
-            vec![Arg::B8(400 * M), Arg::B8(404 * M)],        // 4: weight 3 (twice)
-            vec![Arg::B8(300 * M + 4 * M)],                  // 5: just past weight 2: none
-        ];
-        let plan = ahead_plan(launches.iter().map(|a| a.as_slice()), &w, 16 * M);
-        let items: Vec<(u64, u64, u64)> = plan.chunks(3).map(|c| (c[0], c[1], c[2])).collect();
-        assert_eq!(
-            items,
-            vec![
-                // 8 MiB in flight: from the start.
-                (100 * M, 8 * M, 0),
-                // 16 MiB with weight 0: still within the window.
-                (200 * M, 8 * M, 0),
-                // 20 MiB: weight 0's launch (0) must have started first.
-                (300 * M, 4 * M, 1),
-                // 32 MiB: weights 0..2 consumed → after launch 3; capped at its own launch (4).
-                (400 * M, 20 * M, 4),
-            ]
-        );
     }
 }

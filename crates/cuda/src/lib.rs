@@ -34,13 +34,6 @@ pub enum CudaError {
     /// A `STRATA_CUDA_*` switch with a value other than 0 or 1.
     #[error("{var}={value}: expected 0 (off) or 1 (on)")]
     Setting { var: &'static str, value: String },
-    /// A numeric `STRATA_CUDA_*` setting out of its range.
-    #[error("{var}={value}: expected {expected}")]
-    Number {
-        var: &'static str,
-        value: String,
-        expected: &'static str,
-    },
 }
 
 pub mod backend;

@@ -1891,10 +1891,7 @@ pub fn qsa_prep(
         || !g.rot.is_multiple_of(2)
         || (idx && (hi == 0 || di == 0 || di > 1024 || g.rot > di || g.ratio == 0))
     {
-        return Err(bad(
-            k,
-            format!("{g:?} (head dims ≤ 1024, rot even and ≤ both)"),
-        ));
+        return Err(bad(k, format!("{g:?} (head dims ≤ 1024, rot even and ≤ both)")));
     }
     let (qc, kvc) = (g.hq * g.hd, g.hkv * g.hd);
     need(k, "qg", qg.len(), rows * 2 * qc)?;
@@ -1950,36 +1947,9 @@ pub fn qsa_prep(
         "qsa_prep",
         cfg2(gx as u32, rows as u32, 256),
         [
-            qg,
-            k_in,
-            v_in,
-            &a_qi,
-            &a_kraw,
-            wq,
-            wk,
-            &a_wiq,
-            &a_wik,
-            pos,
-            freqs,
-            q_out,
-            gate_out,
-            &a_qio,
-            kc,
-            vc,
-            &capu,
-            &a_krs,
-            &kraw_cap,
-            &a_bl,
-            &blocks_cap,
-            &hq,
-            &hkv,
-            &hd,
-            &hii,
-            &dii,
-            &rot,
-            &ratio,
-            &g.eps,
-            err
+            qg, k_in, v_in, &a_qi, &a_kraw, wq, wk, &a_wiq, &a_wik, pos, freqs, q_out, gate_out,
+            &a_qio, kc, vc, &capu, &a_krs, &kraw_cap, &a_bl, &blocks_cap, &hq, &hkv, &hd, &hii,
+            &dii, &rot, &ratio, &g.eps, err
         ]
     )
 }
@@ -2478,9 +2448,7 @@ pub fn attend_split_as(
             ]
         )?;
         // The gate's rows of this chunk, by address (0: no gate).
-        let gp: u64 = gate.map_or(0, |g| {
-            crate::record::addr(g, gpu.stream()) + (4 * r0 * qc) as u64
-        });
+        let gp: u64 = gate.map_or(0, |g| crate::record::addr(g, gpu.stream()) + (4 * r0 * qc) as u64);
         launch!(
             gpu,
             "attn",
