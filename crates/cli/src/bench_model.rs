@@ -50,6 +50,45 @@ pub struct Args {
     /// Print JSON (an array of tests, llama-bench's field names) instead of the table
     #[arg(long)]
     pub json: bool,
+    /// An A/B inside this process (CUDA): every test is timed twice, its repetitions
+    /// alternating between the switches as the environment sets them (A) and these overrides
+    /// (B), e.g. `STRATA_CUDA_QSA_PREP=0`; the weights and buffers stay where they are, so the
+    /// spread between processes is out of the comparison. Comma-separated; switches read only at
+    /// start are refused
+    #[arg(long, value_name = "SWITCH=0|1[,…]")]
+    pub ab: Option<String>,
+}
+
+/// `--ab`'s overrides, checked: (switch, value) pairs.
+fn parse_ab(spec: &str) -> Result<Vec<(String, bool)>> {
+    let mut out = Vec::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let Some((k, v)) = part.split_once('=') else {
+            bail!("--ab {part}: expected SWITCH=0 or SWITCH=1");
+        };
+        let on = match v.trim() {
+            "0" => false,
+            "1" => true,
+            _ => bail!("--ab {part}: expected SWITCH=0 or SWITCH=1"),
+        };
+        let k = k.trim().to_string();
+        // Checked by setting it (then back to the environment's value).
+        strata_cuda::device::set_switch(&k, Some(on)).with_context(|| format!("--ab {part}"))?;
+        strata_cuda::device::set_switch(&k, None).with_context(|| format!("--ab {part}"))?;
+        out.push((k, on));
+    }
+    if out.is_empty() {
+        bail!("--ab: no switch given");
+    }
+    Ok(out)
+}
+
+/// Sets (`b`) or clears `--ab`'s overrides.
+fn apply_ab(ab: &[(String, bool)], b: bool) -> Result<()> {
+    for (k, on) in ab {
+        strata_cuda::device::set_switch(k, b.then_some(*on))?;
+    }
+    Ok(())
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,8 +120,19 @@ impl Test {
 
 struct Result1 {
     test: Test,
+    /// `--ab`'s arm: None without an A/B, else "A" or "B: overrides".
+    arm: Option<String>,
     wall_ns: Vec<u64>,
     cpu_ns: Vec<u64>,
+}
+
+impl Result1 {
+    fn name(&self) -> String {
+        match &self.arm {
+            Some(a) => format!("{} [{a}]", self.test.name()),
+            None => self.test.name(),
+        }
+    }
 }
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {
@@ -378,6 +428,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
         load::Bound::Qwen4expCuda(m) => Some(m.backend().gpu()),
         _ => None,
     };
+    let ab = match &a.ab {
+        Some(spec) => {
+            if profiler.is_none() {
+                bail!("--ab (an A/B of CUDA switches) needs the CUDA backend");
+            }
+            Some(parse_ab(spec)?)
+        }
+        None => None,
+    };
     let wgpu = match &loaded.model {
         load::Bound::Qwen2Wgpu(m) => Some(m.backend()),
         load::Bound::Qwen4expWgpu(m) => Some(m.backend()),
@@ -423,21 +482,59 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let mut results = Vec::new();
     for &t in &tests {
-        let mut r = Result1 {
-            test: t,
-            wall_ns: vec![],
-            cpu_ns: vec![],
+        let Some(ab) = &ab else {
+            let mut r = Result1 {
+                test: t,
+                arm: None,
+                wall_ns: vec![],
+                cpu_ns: vec![],
+            };
+            for _ in 0..a.repetitions {
+                let (w, c) = once(&loaded, t, a.ubatch, &mut rng)
+                    .with_context(|| format!("running {}", t.name()))?;
+                r.wall_ns.push(w);
+                r.cpu_ns.push(c);
+            }
+            if !a.json {
+                eprintln!("{}: done", t.name());
+            }
+            results.push(r);
+            continue;
         };
-        for _ in 0..a.repetitions {
-            let (w, c) = once(&loaded, t, a.ubatch, &mut rng)
-                .with_context(|| format!("running {}", t.name()))?;
-            r.wall_ns.push(w);
-            r.cpu_ns.push(c);
+        let label: Vec<String> = ab
+            .iter()
+            .map(|(k, on)| format!("{k}={}", u8::from(*on)))
+            .collect();
+        let mut arms = [
+            Result1 {
+                test: t,
+                arm: Some("A".into()),
+                wall_ns: vec![],
+                cpu_ns: vec![],
+            },
+            Result1 {
+                test: t,
+                arm: Some(format!("B: {}", label.join(","))),
+                wall_ns: vec![],
+                cpu_ns: vec![],
+            },
+        ];
+        // A B, B A, A B, …: neither arm always runs first.
+        for rep in 0..a.repetitions {
+            for k in 0..2 {
+                let b = (k + rep) % 2 == 1;
+                apply_ab(ab, b)?;
+                let run = once(&loaded, t, a.ubatch, &mut rng);
+                apply_ab(ab, false)?;
+                let (w, c) = run.with_context(|| format!("running {}", t.name()))?;
+                arms[usize::from(b)].wall_ns.push(w);
+                arms[usize::from(b)].cpu_ns.push(c);
+            }
         }
         if !a.json {
-            eprintln!("{}: done", t.name());
+            eprintln!("{}: done (A/B)", t.name());
         }
-        results.push(r);
+        results.extend(arms);
     }
 
     if let (true, Some(gpu)) = (a.profile, profiler) {
@@ -517,6 +614,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                     "n_ubatch": a.ubatch,
                     "type_k": format!("{:?}", a.model.kv_type).to_lowercase(),
                     "test": r.test.name(),
+                    "ab": r.arm,
                     "n_prompt": n_prompt,
                     "n_gen": n_gen,
                     "n_depth": r.test.depth,
@@ -547,7 +645,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 "| {model_type} | {:.2} GiB | {:.2} B | {backend} | {threads} | {} | {m:.2} ± {sd:.2} | {best:.2} | {:.2} |",
                 size as f64 / (1u64 << 30) as f64,
                 params as f64 / 1e9,
-                r.test.name(),
+                r.name(),
                 cpu_min as f64 / 1e6 / r.test.n as f64
             );
         }

@@ -115,6 +115,19 @@ fn bench_model_table_and_refusals() {
         "{err}"
     );
 
+    // An in-process A/B needs the CUDA backend's switches.
+    let out = strata(
+        &["bench", "model", "-m", m, "--ab", "STRATA_CUDA_QSA_PREP=0"],
+        None,
+    );
+    assert!(!out.status.success());
+    assert!(out.stdout.is_empty());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--ab") && err.contains("CUDA backend"),
+        "{err}"
+    );
+
     // The tiny fixture's context is 4,096 positions.
     let out = strata(
         &[

@@ -2915,7 +2915,11 @@ impl Qwen4expOps for CudaBackend {
         let mut q = self.buf(n, x.qg.cols / 2)?;
         let mut gate = self.buf(n, x.qg.cols / 2)?;
         let cap = caches.k.rows;
-        let QsaCaches { k: kc, v: vc, index } = caches;
+        let QsaCaches {
+            k: kc,
+            v: vc,
+            index,
+        } = caches;
         let mut qi_out = None;
         let ix_dev = match (&x.index, &w.index, index) {
             (Some((qi, kraw)), Some(ix), Some((ks, bs))) => {

@@ -85,15 +85,85 @@ pub const SWITCHES: [&str; 19] = [
     "STRATA_CUDA_QSA_PREP",
 ];
 
-/// Whether switch `var` (one of [`SWITCHES`]) is on: every value but `0` (the values were
-/// checked by [`check_switches`] when the device opened).
-pub fn switch_on(var: &str) -> bool {
-    std::env::var(var).map_or(true, |v| v.trim() != "0")
+/// The switches read once, when the device opens, a backend is made or a model loads (or a
+/// module is compiled): an override later changes nothing, so [`set_switch`] refuses them.
+pub const SWITCHES_AT_START: [&str; 7] = [
+    "STRATA_CUDA_GRAPHS",
+    "STRATA_CUDA_PDL",
+    "STRATA_CUDA_PINNED",
+    "STRATA_CUDA_PLE_HOST",
+    "STRATA_CUDA_TRIGGER_FIRST",
+    "STRATA_CUDA_FAST_PREFILL",
+    "STRATA_CUDA_BATCH",
+];
+
+/// Per switch: 0 the environment's value, 1 off, 2 on ([`set_switch`]).
+static OVERRIDES: [std::sync::atomic::AtomicU8; SWITCHES.len()] =
+    [const { std::sync::atomic::AtomicU8::new(0) }; SWITCHES.len()];
+
+/// The environment's value of every switch, read once (`None`: unset or empty).
+fn env_switches() -> &'static [Option<bool>; SWITCHES.len()] {
+    static E: std::sync::OnceLock<[Option<bool>; SWITCHES.len()]> = std::sync::OnceLock::new();
+    E.get_or_init(|| {
+        SWITCHES.map(|v| {
+            std::env::var(v)
+                .ok()
+                .map(|x| x.trim().to_string())
+                .filter(|x| !x.is_empty())
+                .map(|x| x != "0")
+        })
+    })
 }
 
-/// Whether an opt-in switch (one of [`SWITCHES`] that is off by default) is set to `1`.
+fn switch_index(var: &str) -> Option<usize> {
+    SWITCHES.iter().position(|s| *s == var)
+}
+
+fn switch_value(var: &str) -> Option<bool> {
+    let i = switch_index(var)?;
+    match OVERRIDES[i].load(std::sync::atomic::Ordering::Relaxed) {
+        1 => Some(false),
+        2 => Some(true),
+        _ => env_switches()[i],
+    }
+}
+
+/// Whether switch `var` (one of [`SWITCHES`]) is on: on unless set to `0` (the values were
+/// checked by [`check_switches`] when the device opened), or as [`set_switch`] overrode it.
+pub fn switch_on(var: &str) -> bool {
+    switch_value(var).unwrap_or(true)
+}
+
+/// Whether an opt-in switch (one of [`SWITCHES`] that is off by default) is set to `1`, or
+/// overridden on.
 pub fn switch_set(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| v.trim() == "1")
+    switch_value(var).unwrap_or(false)
+}
+
+/// Overrides switch `var` for this process from now on (None: back to the environment's
+/// value), for an A/B inside one process (`strata bench model --ab`) and for tests. The
+/// switches of [`SWITCHES_AT_START`] and names that are no switch are refused by name.
+pub fn set_switch(var: &str, on: Option<bool>) -> Result<(), CudaError> {
+    let Some(i) = switch_index(var) else {
+        return Err(CudaError::Switch {
+            name: var.to_string(),
+            why: "not one of the STRATA_CUDA_* switches (docs/CUDA.md, Switches)",
+        });
+    };
+    if SWITCHES_AT_START.contains(&var) {
+        return Err(CudaError::Switch {
+            name: var.to_string(),
+            why: "read once, when the device opens or the model loads: set it in the \
+                  environment instead",
+        });
+    }
+    let v = match on {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
+    OVERRIDES[i].store(v, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
 }
 
 /// Refuses, before anything is opened, a switch set to anything but unset, empty, 0 or 1

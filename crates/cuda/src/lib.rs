@@ -34,6 +34,9 @@ pub enum CudaError {
     /// A `STRATA_CUDA_*` switch with a value other than 0 or 1.
     #[error("{var}={value}: expected 0 (off) or 1 (on)")]
     Setting { var: &'static str, value: String },
+    /// A switch override (`strata_cuda::device::set_switch`) that cannot be made.
+    #[error("switch {name}: {why}")]
+    Switch { name: String, why: &'static str },
 }
 
 pub mod backend;

@@ -766,11 +766,10 @@ pub const MMQ_WIDE_TOKENS: usize = 32;
 /// rows instead of 16 and each activation unit staged once for 32 weight rows; the same bits):
 /// from 64 rows on, every integer format but Q6_K; `STRATA_CUDA_MMQ_WIDE=0` keeps `mmq_*`.
 pub fn mmq_wide_applies(ty: GgmlType, nt: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     nt >= 64
         && ty != GgmlType::Q6_K
         && has_mmq(ty)
-        && *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMQ_WIDE"))
+        && crate::device::switch_on("STRATA_CUDA_MMQ_WIDE")
 }
 
 /// Whether the tensor-core products stage Q2_0 in the transposed element order (mmq.cu
@@ -778,8 +777,7 @@ pub fn mmq_wide_applies(ty: GgmlType, nt: usize) -> bool {
 /// activation words transposed to match; the same integer dots, the same bits);
 /// `STRATA_CUDA_MMQ_Q2T=0` keeps the byte-wise decoder, for A/B.
 pub fn mmq_q2t_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_MMQ_Q2T"))
+    crate::device::switch_on("STRATA_CUDA_MMQ_Q2T")
 }
 
 /// [`matmul`] by the tiled kernel (gemv.cu `matmul_*`: one warp a weight row, 8 activation rows
@@ -1014,11 +1012,10 @@ fn addr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
 /// gemv_w_bf16_k2560_nt*, the unit-parallel kernel's bits: the router with the shared gate, the
 /// GDN and attention projections); `STRATA_CUDA_BF16W=0` keeps the unit-parallel kernel.
 pub fn units_w_applies(w: &DevWeight, nt: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     w.ty == GgmlType::BF16
         && w.k == 2560
         && (1..=8).contains(&nt)
-        && *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_BF16W"))
+        && crate::device::switch_on("STRATA_CUDA_BF16W")
 }
 
 /// Whether [`product_units`] runs `w` against `nt` activation rows.
@@ -1290,8 +1287,7 @@ pub fn hc_fused_applies(hc: &HcDev<'_>, rows: usize) -> bool {
 /// as hc_up_u_bf16): at most 12 units of rank, 1, 2, 4 or 8 streams, 1..=8 rows;
 /// `STRATA_CUDA_HC_UP4=0` keeps hc_up_u_bf16, for A/B.
 pub fn hc_up_q4_applies(streams: usize, rank: usize, rows: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_HC_UP4"))
+    crate::device::switch_on("STRATA_CUDA_HC_UP4")
         && matches!(streams, 1 | 2 | 4 | 8)
         && rank.is_multiple_of(32)
         && (1..=12).contains(&(rank / 32))
@@ -1517,8 +1513,7 @@ pub fn conv1d_silu(
 /// channel and 8 rows) and `conv1d_hist_f32` instead of a thread per channel over every row:
 /// the same bits; `STRATA_CUDA_CONV_ROWS=0` keeps the one kernel, for A/B.
 pub fn conv_rows_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_CONV_ROWS"))
+    crate::device::switch_on("STRATA_CUDA_CONV_ROWS")
 }
 
 /// Geometry of a GDN layer (as `strata_engine::backend::GdnDims`).
@@ -1602,8 +1597,7 @@ impl GdnScratch {
 /// memory by cp.async, row t's output sum interleaved with row t + 1's k·S sum: the same bits as
 /// `gdn_scan_*`); `STRATA_CUDA_GDN_RING=0` keeps `gdn_scan_*`, for A/B.
 pub fn gdn_ring_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_GDN_RING"))
+    crate::device::switch_on("STRATA_CUDA_GDN_RING")
 }
 
 /// [`gdn_step`] spread over the state's columns (one warp per 32 columns of a head, no block
@@ -1891,7 +1885,10 @@ pub fn qsa_prep(
         || !g.rot.is_multiple_of(2)
         || (idx && (hi == 0 || di == 0 || di > 1024 || g.rot > di || g.ratio == 0))
     {
-        return Err(bad(k, format!("{g:?} (head dims ≤ 1024, rot even and ≤ both)")));
+        return Err(bad(
+            k,
+            format!("{g:?} (head dims ≤ 1024, rot even and ≤ both)"),
+        ));
     }
     let (qc, kvc) = (g.hq * g.hd, g.hkv * g.hd);
     need(k, "qg", qg.len(), rows * 2 * qc)?;
@@ -1947,9 +1944,36 @@ pub fn qsa_prep(
         "qsa_prep",
         cfg2(gx as u32, rows as u32, 256),
         [
-            qg, k_in, v_in, &a_qi, &a_kraw, wq, wk, &a_wiq, &a_wik, pos, freqs, q_out, gate_out,
-            &a_qio, kc, vc, &capu, &a_krs, &kraw_cap, &a_bl, &blocks_cap, &hq, &hkv, &hd, &hii,
-            &dii, &rot, &ratio, &g.eps, err
+            qg,
+            k_in,
+            v_in,
+            &a_qi,
+            &a_kraw,
+            wq,
+            wk,
+            &a_wiq,
+            &a_wik,
+            pos,
+            freqs,
+            q_out,
+            gate_out,
+            &a_qio,
+            kc,
+            vc,
+            &capu,
+            &a_krs,
+            &kraw_cap,
+            &a_bl,
+            &blocks_cap,
+            &hq,
+            &hkv,
+            &hd,
+            &hii,
+            &dii,
+            &rot,
+            &ratio,
+            &g.eps,
+            err
         ]
     )
 }
@@ -2261,11 +2285,10 @@ pub const ATTN_GROUP: usize = 12;
 /// `attend_split_scores` / `attend_split_out`): more rows than a decode window, head dims a
 /// multiple of 32 up to 256; `STRATA_CUDA_ATTN_GROUP=0` keeps the per-head kernels, for A/B.
 pub fn attend_grouped_applies(rows: usize, dims: AttnDims) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     rows > 8
         && dims.head_dim.is_multiple_of(32)
         && dims.head_dim <= 256
-        && *ON.get_or_init(|| crate::device::switch_on("STRATA_CUDA_ATTN_GROUP"))
+        && crate::device::switch_on("STRATA_CUDA_ATTN_GROUP")
 }
 
 /// [`attend`] with the tokens split into chunks of 256, one block per (row, head, chunk) (rows
@@ -2448,7 +2471,9 @@ pub fn attend_split_as(
             ]
         )?;
         // The gate's rows of this chunk, by address (0: no gate).
-        let gp: u64 = gate.map_or(0, |g| crate::record::addr(g, gpu.stream()) + (4 * r0 * qc) as u64);
+        let gp: u64 = gate.map_or(0, |g| {
+            crate::record::addr(g, gpu.stream()) + (4 * r0 * qc) as u64
+        });
         launch!(
             gpu,
             "attn",
@@ -2805,8 +2830,7 @@ impl MoeScratch {
 /// decoder fits, about 1,024 contributions a down block); `STRATA_CUDA_EXPERTS_WIDE=0`: session
 /// 5's 512 and 512, for an A/B. Read once; either gives the same bits.
 fn experts_wide() -> bool {
-    static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *W.get_or_init(|| crate::device::switch_on("STRATA_CUDA_EXPERTS_WIDE"))
+    crate::device::switch_on("STRATA_CUDA_EXPERTS_WIDE")
 }
 
 /// Whether Q2_0 experts' gate/up runs the transposed-activation kernel (gemv.cu
@@ -2814,8 +2838,7 @@ fn experts_wide() -> bool {
 /// generic decoder, for A/B). (The down product stays generic: a transposed down with eight
 /// rows a thread measured 15.9 µs against the generic 14.5 µs, session 7.)
 fn experts_q2t() -> bool {
-    static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *W.get_or_init(|| crate::device::switch_on("STRATA_CUDA_Q2T"))
+    crate::device::switch_on("STRATA_CUDA_Q2T")
 }
 
 /// The transposed Q2_0 gate/up launch for rows of `units` units: its threads (G row groups of
@@ -2954,10 +2977,7 @@ pub fn shared_in_down(
 /// blocks before it; the unit-parallel ones pull their rows into L2. `STRATA_CUDA_MOE_EARLY=0`
 /// turns it off, for an A/B (the same bits either way).
 fn early_experts() -> bool {
-    static W: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *W.get_or_init(|| {
-        crate::device::switch_on("STRATA_CUDA_MOE_EARLY") && !crate::sources::trigger_first()
-    })
+    crate::device::switch_on("STRATA_CUDA_MOE_EARLY") && !crate::sources::trigger_first()
 }
 
 /// Which of the routed experts' two launches run the staged kernels (gemv.cu moe_gate_up_q2s,
@@ -3021,50 +3041,21 @@ pub fn experts_staged_for(
     Ok(Staged { gate_up, down })
 }
 
-/// 0: from `STRATA_CUDA_QSA_PREP`; 1: off; 2: on ([`set_qsa_prep`]).
-static QSA_PREP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
 /// Whether a QSA layer's row preparation runs as one [`qsa_prep`] launch (the default) rather
 /// than the composition (`STRATA_CUDA_QSA_PREP=0`, for an A/B).
 pub fn qsa_prep_on() -> bool {
-    match QSA_PREP.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => crate::device::switch_on("STRATA_CUDA_QSA_PREP"),
-    }
+    crate::device::switch_on("STRATA_CUDA_QSA_PREP")
 }
-
-/// Overrides `STRATA_CUDA_QSA_PREP` for this process (None: the environment's choice), for
-/// tests that bind the one launch to the composition.
-pub fn set_qsa_prep(on: Option<bool>) {
-    let v = match on {
-        None => 0,
-        Some(false) => 1,
-        Some(true) => 2,
-    };
-    QSA_PREP.store(v, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// 0: from `STRATA_CUDA_MOE_STAGE`; 1: off; 2: on ([`set_experts_stage`]).
-static MOE_STAGE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 fn experts_stage_on() -> bool {
-    match MOE_STAGE.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => crate::device::switch_on("STRATA_CUDA_MOE_STAGE"),
-    }
+    crate::device::switch_on("STRATA_CUDA_MOE_STAGE")
 }
 
 /// Overrides `STRATA_CUDA_MOE_STAGE` for this process (None: the environment's choice), for
 /// tests that bind the staged experts to the unit-parallel ones.
 pub fn set_experts_stage(on: Option<bool>) {
-    let v = match on {
-        None => 0,
-        Some(false) => 1,
-        Some(true) => 2,
-    };
-    MOE_STAGE.store(v, std::sync::atomic::Ordering::Relaxed);
+    // A switch read at every step: never refused.
+    let _ = crate::device::set_switch("STRATA_CUDA_MOE_STAGE", on);
 }
 
 fn experts_staged(gpu: &Gpu, ex: &ExpertsDev<'_>, xg: &CudaSlice<u8>, kslots: usize) -> Staged {
@@ -3488,6 +3479,33 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    /// An override turns a per-step switch off and on and back to the environment's value;
+    /// switches read only at start and names that are no switch are refused by name.
+    #[test]
+    fn switch_overrides_take_per_step_switches_only() {
+        use crate::device::{set_switch, switch_on, SWITCHES, SWITCHES_AT_START};
+        let v = "STRATA_CUDA_QSA_PREP";
+        let env = switch_on(v);
+        set_switch(v, Some(false)).unwrap();
+        assert!(!switch_on(v) && !super::qsa_prep_on());
+        set_switch(v, Some(true)).unwrap();
+        assert!(switch_on(v) && super::qsa_prep_on());
+        set_switch(v, None).unwrap();
+        assert_eq!(switch_on(v), env);
+        for s in SWITCHES_AT_START {
+            assert!(SWITCHES.contains(&s));
+            let e = set_switch(s, Some(false)).unwrap_err().to_string();
+            assert!(e.contains(s) && e.contains("environment"), "{e}");
+        }
+        let e = set_switch("STRATA_CUDA_NOPE", Some(true))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("STRATA_CUDA_NOPE") && e.contains("not one of"),
+            "{e}"
+        );
     }
 
     /// The dense tensor-core grid covers every (row, token) exactly once: blocks of 32 × 16,

@@ -19,14 +19,14 @@ use cudarc::driver::CudaSlice;
 use strata_cuda::backend::CudaBuf;
 use strata_cuda::model::{self as m, DevWeight};
 use strata_cuda::{ops, Gpu};
+use strata_engine::backend::StepInputs;
 use strata_engine::backend::{AttnDims, DevicePick, ExpertWeights, KvType};
 use strata_engine::cpu::{CpuIds, CpuRoutes, CpuSelection};
 use strata_engine::kernels::actq::{quantize_row, ActFmt};
 use strata_engine::kernels::testdata::{weight_blocks, Rng};
-use strata_engine::backend::StepInputs;
 use strata_engine::qwen4exp::ops::{
-    moe_block_composed, qsa_prepare_composed, GdnDims, GdnParams, HcWeights, QsaCaches,
-    QsaIndexW, QsaPrepW, QsaRows, QsaRule, QsaSelect,
+    moe_block_composed, qsa_prepare_composed, GdnDims, GdnParams, HcWeights, QsaCaches, QsaIndexW,
+    QsaPrepW, QsaRows, QsaRule, QsaSelect,
 };
 use strata_engine::qwen4exp::weights::MoeW;
 use strata_engine::{Backend, CpuBackend, CpuBuf, CpuWeight};
@@ -1523,12 +1523,32 @@ fn qsa_prepare_equals_the_composition() {
     ] {
         let (h6, i6) = (hd as u64, di as u64);
         let mut specs = vec![
-            ("qn", vec![h6], GgmlType::F32, f32_bytes(&rng.f32_vec(hd, 1.0))),
-            ("kn", vec![h6], GgmlType::F32, f32_bytes(&rng.f32_vec(hd, 1.0))),
+            (
+                "qn",
+                vec![h6],
+                GgmlType::F32,
+                f32_bytes(&rng.f32_vec(hd, 1.0)),
+            ),
+            (
+                "kn",
+                vec![h6],
+                GgmlType::F32,
+                f32_bytes(&rng.f32_vec(hd, 1.0)),
+            ),
         ];
         if hi > 0 {
-            specs.push(("iqn", vec![i6], GgmlType::F32, f32_bytes(&rng.f32_vec(di, 1.0))));
-            specs.push(("ikn", vec![i6], GgmlType::F32, f32_bytes(&rng.f32_vec(di, 1.0))));
+            specs.push((
+                "iqn",
+                vec![i6],
+                GgmlType::F32,
+                f32_bytes(&rng.f32_vec(di, 1.0)),
+            ));
+            specs.push((
+                "ikn",
+                vec![i6],
+                GgmlType::F32,
+                f32_bytes(&rng.f32_vec(di, 1.0)),
+            ));
         }
         let file = gguf_of(&specs);
         let l = |n: &str| cb.load_weight(&file, file.tensor(n).unwrap()).unwrap();
@@ -1586,7 +1606,9 @@ fn qsa_prepare_equals_the_composition() {
             let tokens: Vec<u32> = (0..n as u32).collect();
             let ratios: Vec<usize> = if hi > 0 { vec![ratio] } else { vec![] };
             let inputs = StepInputs::new(&cb, &tokens, at, &ratios).unwrap();
-            let pa = cb.qsa_prepare(&w, xa, &inputs, caches(&mut a, hi > 0)).unwrap();
+            let pa = cb
+                .qsa_prepare(&w, xa, &inputs, caches(&mut a, hi > 0))
+                .unwrap();
             let pb = qsa_prepare_composed(&cb, &w, xb, &inputs, caches(&mut b, hi > 0)).unwrap();
             let what = |p: &str| format!("qsa_prepare {hd}/{di} step of {n} at {at}: {p}");
             let d = |x: &CudaBuf| cb.download(x).unwrap();
@@ -1629,7 +1651,9 @@ fn qsa_prepare_equals_the_composition() {
             let gated = cb
                 .attend_gated(&pa.q, &pa.gate, &a.0, &a.1, &sel, dims, KvType::F32)
                 .unwrap();
-            let plain = cb.attend(&pa.q, &a.0, &a.1, &sel, dims, KvType::F32).unwrap();
+            let plain = cb
+                .attend(&pa.q, &a.0, &a.1, &sel, dims, KvType::F32)
+                .unwrap();
             let composed = cb.mul_sigmoid(&plain, &pa.gate).unwrap();
             nontrivial(&what("gated attention"), &d(&composed));
             bitwise(&what("gated attention"), &d(&gated), &d(&composed));
@@ -1866,7 +1890,8 @@ fn attention_matches_cpu() {
                 kv == KvType::F16,
                 &mut out2,
                 &mut ss,
-                &mut err, None,
+                &mut err,
+                None,
             )
             .unwrap();
             assert_eq!(g.download(&err).unwrap(), vec![0]);
@@ -2253,13 +2278,14 @@ fn model_op_timings() {
             false,
             &mut ao,
             &mut ss,
-            &mut err, None,
-            )
+            &mut err,
+            None,
+        )
     });
     time("attend_split causal, 32768 tokens", &mut || {
         m::attend_split(
             g, &q, &kc, &vc, cap, None, &pos, 1, adims, false, &mut ao, &mut ss, &mut err, None,
-            )
+        )
     });
     time("attend causal, 32768 tokens", &mut || {
         m::attend(
