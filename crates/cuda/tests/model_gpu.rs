@@ -959,6 +959,41 @@ fn batched_greedy<B: Qwen4expOps>(
     (seen, mixed)
 }
 
+#[path = "../../engine/tests/batch_harness/mod.rs"]
+mod batch_harness;
+
+/// Issue 15 on CUDA with speculation: the CPU's `batch.rs` test of the same shape through the
+/// shared harness (`crates/engine/tests/batch_harness`) on the tiny f32 file with its real MTP
+/// head, the backend running every batch as one step (`set_batches_sequences`). Three
+/// speculative sequences (windows 4, 3 and 8; one under slop mode 2 with a phrase that makes it
+/// rewind, one with drafts forced along its output) and three plain ones join at different
+/// steps; every verify window and speculative prompt chunk runs as rows of the step's one
+/// forward pass beside the others' rows. Each sequence's verify results, tokens, rewinds and
+/// trunk and MTP states after the run equal its solo run's bit for bit, greedy and seeded,
+/// and speculative output equals plain decoding's.
+#[test]
+fn speculative_and_plain_sequences_in_a_batch_get_their_solo_bits_on_cuda() {
+    let Some(b) = gpu() else { return };
+    b.set_batches_sequences(true);
+    let path = tiny("model-f32.gguf");
+    let mut m = load(&path, b, &LoadOptions::default());
+    let (w, _) = strata_convert::convert_mtp(
+        &tiny("hf"),
+        &strata_convert::ConvertOptions {
+            out_type: strata_convert::OutType::F32,
+            include_shared: false,
+        },
+    )
+    .unwrap();
+    m.attach_mtp(Arc::new(
+        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
+    ))
+    .unwrap();
+    let tok = strata_tokenizer::Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let ids = Golden::open(tiny("golden.safetensors")).ids("input_ids");
+    batch_harness::speculative_and_plain_in_a_batch_equal_solo(&batch_harness::Q4(m), &tok, &ids);
+}
+
 /// Issue 15 on CUDA (`STRATA_CUDA_BATCH=1`, here `set_batches_sequences`): eight sequences with
 /// different prompts (3..17 tokens) joining at different steps, prefill chunks beside the
 /// others' decode rows (eager passes) and batches of up to eight decode rows (recorded graphs),
