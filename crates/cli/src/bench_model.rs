@@ -428,6 +428,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
         load::Bound::Qwen4expCuda(m) => Some(m.backend().gpu()),
         _ => None,
     };
+    let cuda = match &loaded.model {
+        load::Bound::Qwen2Cuda(m) => Some(m.backend()),
+        load::Bound::Qwen4expCuda(m) => Some(m.backend()),
+        _ => None,
+    };
     let ab = match &a.ab {
         Some(spec) => {
             if profiler.is_none() {
@@ -482,6 +487,30 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let mut results = Vec::new();
     for &t in &tests {
+        if let Some(c) = cuda {
+            c.take_host_stats();
+        }
+        let host_note = |a: &Args| {
+            // #10 point 4: the host time of a recorded step (the model code and its launches'
+            // recording, the fingerprint, the graph's launch), beside the wall time per token.
+            let Some(c) = cuda else { return };
+            let h = c.take_host_stats();
+            if a.json || h.steps == 0 {
+                return;
+            }
+            let per = |ns: u64| ns as f64 / 1e3 / h.steps as f64;
+            eprintln!(
+                "{}: host per recorded step: {:.0} ops, body + recording {:.1} µs, fingerprint \
+                 {:.1} µs, graph launch {:.1} µs ({} steps, {} captured)",
+                t.name(),
+                h.ops as f64 / h.steps as f64,
+                per(h.body_ns),
+                per(h.fingerprint_ns),
+                per(h.launch_ns),
+                h.steps,
+                h.captures
+            );
+        };
         let Some(ab) = &ab else {
             let mut r = Result1 {
                 test: t,
@@ -498,6 +527,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             if !a.json {
                 eprintln!("{}: done", t.name());
             }
+            host_note(&a);
             results.push(r);
             continue;
         };

@@ -73,6 +73,20 @@ fn shape(op: &'static str, what: String) -> EngineError {
     EngineError::Shape { op, what }
 }
 
+/// Where the host's time of recorded steps goes (#10 point 4: the host time per step), summed
+/// since the last [`CudaBackend::take_host_stats`]: the step body (the model's code and the
+/// recording of its launches), the op list's fingerprint, and the graph's launch (or its
+/// capture, for a new op list). Waiting for the device is not in it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostStats {
+    pub steps: u64,
+    pub captures: u64,
+    pub ops: u64,
+    pub body_ns: u64,
+    pub fingerprint_ns: u64,
+    pub launch_ns: u64,
+}
+
 /// A device buffer the backend hands out: owned (freed when dropped), or a view into a recorded
 /// step's arena block (the block lives as long as any view of it; the view frees nothing).
 pub struct Mem<T> {
@@ -466,6 +480,8 @@ pub struct CudaBackend {
     sel_scratch: Arc<Mutex<ScratchList<model::Selection>>>,
     /// Recorded steps: per key, arena, staging and graphs; the step being recorded.
     steps: Mutex<HashMap<StepKey, KeyState>>,
+    /// Host time of the recorded steps ([`CudaBackend::host_stats`]).
+    host: Mutex<HostStats>,
     cur: Mutex<Option<StepRun>>,
     tick: std::sync::atomic::AtomicU64,
     /// One step at a time (a step's recording is the backend's state).
@@ -524,6 +540,7 @@ impl CudaBackend {
             attn_scratch: Mutex::new(Vec::new()),
             sel_scratch: Arc::new(Mutex::new(Vec::new())),
             steps: Mutex::new(HashMap::new()),
+            host: Mutex::new(HostStats::default()),
             cur: Mutex::new(None),
             tick: std::sync::atomic::AtomicU64::new(0),
             step_lock: Mutex::new(()),
@@ -579,6 +596,11 @@ impl CudaBackend {
     /// Sets (or clears) the callback told the bytes of each weight as it is uploaded.
     pub fn on_upload(&self, f: Option<UploadHook>) {
         *self.on_upload.lock().unwrap_or_else(|p| p.into_inner()) = f;
+    }
+
+    /// The host time of the recorded steps since the last call, and zeroes it.
+    pub fn take_host_stats(&self) -> HostStats {
+        std::mem::take(&mut *self.host.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -1485,8 +1507,15 @@ impl Backend for CudaBackend {
             flushed: false,
         });
         self.gpu.start_recording();
+        let t0 = std::time::Instant::now();
         let r = f();
         let ops = self.gpu.take_recording();
+        let (t1, n_ops) = (
+            std::time::Instant::now(),
+            ops.as_ref().map_or(0, |o| o.len()),
+        );
+        let mut t2 = t1;
+        let mut captured = false;
         let run = self.cur.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(run) = run {
             st.arena = run.arena;
@@ -1498,6 +1527,8 @@ impl Backend for CudaBackend {
             (Err(_), _) | (_, None) => Ok(()),
             (Ok(_), Some(ops)) => {
                 let fp = record::fingerprint(&ops);
+                t2 = std::time::Instant::now();
+                captured = !st.graphs.iter().any(|(k, _)| *k == fp);
                 match st.graphs.iter().position(|(k, _)| *k == fp) {
                     Some(i) => st.graphs[i].1.launch().map_err(dev),
                     None => match self.gpu.capture_ops(&ops) {
@@ -1518,6 +1549,16 @@ impl Backend for CudaBackend {
                 }
             }
         };
+        let t3 = std::time::Instant::now();
+        {
+            let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
+            h.steps += 1;
+            h.captures += u64::from(captured);
+            h.ops += n_ops as u64;
+            h.body_ns += (t1 - t0).as_nanos() as u64;
+            h.fingerprint_ns += (t2 - t1).as_nanos() as u64;
+            h.launch_ns += (t3 - t2).as_nanos() as u64;
+        }
         st.last = self.gpu.event().ok();
         self.steps
             .lock()
