@@ -500,12 +500,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
             }
             let per = |ns: u64| ns as f64 / 1e3 / h.steps as f64;
             eprintln!(
-                "{}: host per recorded step: {:.0} ops, body + recording {:.1} µs, fingerprint \
-                 {:.1} µs, graph launch {:.1} µs ({} steps, {} captured)",
+                "{}: host per recorded step: {:.0} ops in {:.1} parts, body + recording (with \
+                 the parts handed over on the way) {:.1} µs, signature {:.1} µs, last graph \
+                 launch {:.1} µs ({} steps, {} captured)",
                 t.name(),
                 h.ops as f64 / h.steps as f64,
+                h.parts as f64 / h.steps as f64,
                 per(h.body_ns),
-                per(h.fingerprint_ns),
+                per(h.signature_ns),
                 per(h.launch_ns),
                 h.steps,
                 h.captures

@@ -75,15 +75,17 @@ fn shape(op: &'static str, what: String) -> EngineError {
 
 /// Where the host's time of recorded steps goes (#10 point 4: the host time per step), summed
 /// since the last [`CudaBackend::take_host_stats`]: the step body (the model's code and the
-/// recording of its launches), the op list's fingerprint, and the graph's launch (or its
+/// recording of its launches), the op list's signature, and the graph's launch (or its
 /// capture, for a new op list). Waiting for the device is not in it.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostStats {
     pub steps: u64,
+    /// Parts the steps were handed to the device in ([`CudaBackend::submit_part`]).
+    pub parts: u64,
     pub captures: u64,
     pub ops: u64,
     pub body_ns: u64,
-    pub fingerprint_ns: u64,
+    pub signature_ns: u64,
     pub launch_ns: u64,
 }
 
@@ -260,13 +262,17 @@ impl Staging {
     }
 }
 
+/// The graphs captured for one part of a key's steps ([`CudaBackend::submit_part`]), by the
+/// signature of the op list each was captured from.
+type PartGraphs = Vec<(Vec<u64>, crate::Graph)>;
+
 /// What the backend keeps per step key: its arena and staging, the graphs captured from its
-/// recorded ops (by fingerprint), and the event of its last run.
+/// recorded ops (per part of the step, by signature), and the event of its last run.
 #[derive(Default)]
 struct KeyState {
     arena: Arena,
     staging: Staging,
-    graphs: Vec<(u64, crate::Graph)>,
+    graphs: Vec<PartGraphs>,
     last: Option<cudarc::driver::CudaEvent>,
     /// A run read device data back inside the step: later runs go eagerly.
     uncapturable: bool,
@@ -279,7 +285,20 @@ struct StepRun {
     staging: Staging,
     /// The recording was cut short (a host read inside the step): its ops were issued.
     flushed: bool,
+    /// The key's graphs per part, while the step runs; the part being recorded and the ops of
+    /// the parts before it; whether a part was captured now, and whether one could not be.
+    graphs: Vec<PartGraphs>,
+    part: usize,
+    ops_before: usize,
+    captured: bool,
+    uncapturable: bool,
 }
+
+/// A part of a recorded step is handed to the device ([`CudaBackend::submit_part`]) once it
+/// holds this many ops: small enough that the device starts early (the host records an op in
+/// ≈ 1 µs, the device runs one in ≈ 5), large enough that the parts' boundaries (a launch
+/// without programmatic overlap, a graph launch) stay few.
+const PART_OPS: usize = 128;
 
 thread_local! {
     /// Whether this thread is inside a [`Backend::step`] of the CUDA backend.
@@ -596,6 +615,43 @@ impl CudaBackend {
     /// Sets (or clears) the callback told the bytes of each weight as it is uploaded.
     pub fn on_upload(&self, f: Option<UploadHook>) {
         *self.on_upload.lock().unwrap_or_else(|p| p.into_inner()) = f;
+    }
+
+    /// Launches one part's op list: the graph captured earlier from an equal list (signature
+    /// `sig`), or a new capture (`captured`); a list the driver will not capture is issued op
+    /// by op (`uncapturable`: the key's later steps run eagerly).
+    fn launch_part(
+        &self,
+        graphs: &mut Vec<PartGraphs>,
+        part: usize,
+        sig: Vec<u64>,
+        ops: &[record::Op],
+        captured: &mut bool,
+        uncapturable: &mut bool,
+    ) -> Result<()> {
+        if graphs.len() <= part {
+            graphs.resize_with(part + 1, Vec::new);
+        }
+        let list = &mut graphs[part];
+        if let Some(i) = list.iter().position(|(k, _)| *k == sig) {
+            return list[i].1.launch().map_err(dev);
+        }
+        match self.gpu.capture_ops(ops) {
+            Ok(g) => {
+                *captured = true;
+                let out = g.launch().map_err(dev);
+                if list.len() >= GRAPHS_PER_KEY {
+                    list.remove(0);
+                }
+                list.push((sig, g));
+                out
+            }
+            // A list the driver would not capture still runs, op by op.
+            Err(_) => {
+                *uncapturable = true;
+                record::issue(ops, self.gpu.stream(), self.gpu.pdl).map_err(dev)
+            }
+        }
     }
 
     /// The host time of the recorded steps since the last call, and zeroes it.
@@ -1505,58 +1561,53 @@ impl Backend for CudaBackend {
             arena: std::mem::take(&mut st.arena),
             staging: std::mem::take(&mut st.staging),
             flushed: false,
+            graphs: std::mem::take(&mut st.graphs),
+            part: 0,
+            ops_before: 0,
+            captured: false,
+            uncapturable: false,
         });
         self.gpu.start_recording();
         let t0 = std::time::Instant::now();
         let r = f();
         let ops = self.gpu.take_recording();
-        let (t1, n_ops) = (
-            std::time::Instant::now(),
-            ops.as_ref().map_or(0, |o| o.len()),
-        );
+        let t1 = std::time::Instant::now();
         let mut t2 = t1;
-        let mut captured = false;
         let run = self.cur.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let (mut n_parts, mut n_ops, mut captured) = (1, 0, false);
         if let Some(run) = run {
             st.arena = run.arena;
             st.staging = run.staging;
-            st.uncapturable |= run.flushed;
+            st.graphs = run.graphs;
+            st.uncapturable |= run.flushed || run.uncapturable;
+            n_parts = run.part + 1;
+            n_ops = run.ops_before;
+            captured = run.captured;
         }
+        n_ops += ops.as_ref().map_or(0, Vec::len);
         let done = match (&r, ops) {
-            // A failed body issues nothing more: its recorded ops are dropped.
+            // A failed body issues nothing more: its recorded ops are dropped (parts handed to
+            // the device before the failure ran, as an eager body's ops would have).
             (Err(_), _) | (_, None) => Ok(()),
             (Ok(_), Some(ops)) => {
-                let fp = record::fingerprint(&ops);
+                let sig = record::signature(&ops);
                 t2 = std::time::Instant::now();
-                captured = !st.graphs.iter().any(|(k, _)| *k == fp);
-                match st.graphs.iter().position(|(k, _)| *k == fp) {
-                    Some(i) => st.graphs[i].1.launch().map_err(dev),
-                    None => match self.gpu.capture_ops(&ops) {
-                        Ok(g) => {
-                            let out = g.launch().map_err(dev);
-                            if st.graphs.len() >= GRAPHS_PER_KEY {
-                                st.graphs.remove(0);
-                            }
-                            st.graphs.push((fp, g));
-                            out
-                        }
-                        // A list the driver would not capture still runs, op by op.
-                        Err(_) => {
-                            st.uncapturable = true;
-                            record::issue(&ops, self.gpu.stream(), self.gpu.pdl).map_err(dev)
-                        }
-                    },
-                }
+                let (mut c, mut u) = (false, false);
+                let out = self.launch_part(&mut st.graphs, n_parts - 1, sig, &ops, &mut c, &mut u);
+                captured |= c;
+                st.uncapturable |= u;
+                out
             }
         };
         let t3 = std::time::Instant::now();
         {
             let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
             h.steps += 1;
+            h.parts += n_parts as u64;
             h.captures += u64::from(captured);
             h.ops += n_ops as u64;
             h.body_ns += (t1 - t0).as_nanos() as u64;
-            h.fingerprint_ns += (t2 - t1).as_nanos() as u64;
+            h.signature_ns += (t2 - t1).as_nanos() as u64;
             h.launch_ns += (t3 - t2).as_nanos() as u64;
         }
         st.last = self.gpu.event().ok();
@@ -1566,6 +1617,36 @@ impl Backend for CudaBackend {
             .insert(key, st);
         done?;
         r
+    }
+
+    /// Hands the ops recorded so far to the device as a part of their own once they are
+    /// [`PART_OPS`] or more (`STRATA_CUDA_PARTS=0`: one graph a step): the device runs the
+    /// layers recorded so far while the host records the rest, instead of waiting for the whole
+    /// body. Each part is a graph captured once and replayed (per part, by signature); parts
+    /// run in stream order, so the results are the same bits.
+    fn submit_part(&self) -> Result<()> {
+        if !crate::device::switch_on("STRATA_CUDA_PARTS") || self.gpu.recorded() < PART_OPS {
+            return Ok(());
+        }
+        let mut cur = self.cur.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(run) = cur.as_mut() else {
+            return Ok(());
+        };
+        if run.flushed {
+            return Ok(());
+        }
+        let Some(ops) = self.gpu.take_recording() else {
+            return Ok(());
+        };
+        self.gpu.start_recording();
+        let sig = record::signature(&ops);
+        let (mut c, mut u) = (false, false);
+        let out = self.launch_part(&mut run.graphs, run.part, sig, &ops, &mut c, &mut u);
+        run.part += 1;
+        run.ops_before += ops.len();
+        run.captured |= c;
+        run.uncapturable |= u;
+        out
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<CudaBuf> {

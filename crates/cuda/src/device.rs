@@ -63,7 +63,7 @@ pub struct Blas {
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_TRIGGER_FIRST`, `STRATA_CUDA_PLE_HOST`, `STRATA_CUDA_FAST_PREFILL` and
 /// `STRATA_CUDA_BATCH` are off unless `1`).
-pub const SWITCHES: [&str; 19] = [
+pub const SWITCHES: [&str; 20] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -83,6 +83,7 @@ pub const SWITCHES: [&str; 19] = [
     "STRATA_CUDA_FAST_PREFILL",
     "STRATA_CUDA_BATCH",
     "STRATA_CUDA_QSA_PREP",
+    "STRATA_CUDA_PARTS",
 ];
 
 /// The switches read once, when the device opens, a backend is made or a model loads (or a
@@ -364,6 +365,15 @@ impl Gpu {
     /// Whether launches are being recorded (see [`crate::record`]).
     pub fn recording(&self) -> bool {
         self.rec.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// How many ops the recording holds (0 when not recording).
+    pub fn recorded(&self) -> usize {
+        self.rec
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or(0, Vec::len)
     }
 
     /// Starts recording: launches, copies and memsets are kept instead of issued.

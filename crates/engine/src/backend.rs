@@ -655,6 +655,14 @@ pub trait Backend: Send + Sync {
         f()
     }
 
+    /// A point inside a step's body (the models call it after each layer) where a recording
+    /// backend may hand the device what the body has recorded so far, so that the device runs
+    /// it while the host records the rest. Changes nothing the step computes; the default does
+    /// nothing.
+    fn submit_part(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Whether a batch of sequences (`crate::batch`) runs as ONE step on this backend. A
     /// capturing backend keys its graphs by a step's shape, and a batch's shape changes as
     /// sequences join and leave, so the default is false: `forward_batch` then runs each

@@ -352,6 +352,8 @@ impl<B: Backend> Model<B> {
                     sts.iter_mut().map(|s| &mut s.layers[i]).collect();
                 self.decoder_layer(lw, &mut x, inputs, split, &mut caches)?;
             }
+            // The device may start on the layers recorded so far while the host goes on.
+            b.submit_part()?;
         }
         if !split.is_one() {
             // A batch: each sequence's last row, or all its rows.

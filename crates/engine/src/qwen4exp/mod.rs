@@ -846,6 +846,8 @@ impl<B: Qwen4expOps> Model<B> {
                 &mut layer,
                 &mut recs,
             )?);
+            // The device may start on the layers recorded so far while the host goes on.
+            b.submit_part()?;
             if want.layer_out {
                 self.settle(&mut x, carry.take())?;
                 layer_out.push(b.download(&x)?);
