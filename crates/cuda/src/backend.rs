@@ -300,6 +300,10 @@ struct StepRun {
 /// without programmatic overlap, a graph launch) stay few.
 const PART_OPS: usize = 128;
 
+/// The first part of a step goes at this many ops (`STRATA_CUDA_PARTS_EARLY`, on): the device
+/// waits for the host only until then.
+const FIRST_PART_OPS: usize = 32;
+
 thread_local! {
     /// Whether this thread is inside a [`Backend::step`] of the CUDA backend.
     static IN_STEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -1620,19 +1624,21 @@ impl Backend for CudaBackend {
     }
 
     /// Hands the ops recorded so far to the device as a part of their own once they are
-    /// [`PART_OPS`] or more (`STRATA_CUDA_PARTS=0`: one graph a step): the device runs the
+    /// [`PART_OPS`] or more ([`FIRST_PART_OPS`] for a step's first part;
+    /// `STRATA_CUDA_PARTS=0`: one graph a step): the device runs the
     /// layers recorded so far while the host records the rest, instead of waiting for the whole
     /// body. Each part is a graph captured once and replayed (per part, by signature); parts
     /// run in stream order, so the results are the same bits.
     fn submit_part(&self) -> Result<()> {
-        if !crate::device::switch_on("STRATA_CUDA_PARTS") || self.gpu.recorded() < PART_OPS {
+        if !crate::device::switch_on("STRATA_CUDA_PARTS") {
             return Ok(());
         }
         let mut cur = self.cur.lock().unwrap_or_else(|p| p.into_inner());
         let Some(run) = cur.as_mut() else {
             return Ok(());
         };
-        if run.flushed {
+        let first = run.part == 0 && crate::device::switch_on("STRATA_CUDA_PARTS_EARLY");
+        if run.flushed || self.gpu.recorded() < if first { FIRST_PART_OPS } else { PART_OPS } {
             return Ok(());
         }
         let Some(ops) = self.gpu.take_recording() else {
