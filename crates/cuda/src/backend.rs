@@ -2428,6 +2428,42 @@ impl CudaBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// Attention over a selection (checked against the caches), gated or not.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_selected(
+        &self,
+        q: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        sel: &CudaSelection,
+        dims: AttnDims,
+        kv: KvType,
+        gate: Option<&CudaBuf>,
+    ) -> Result<CudaBuf> {
+        if let Some(s) = &sel.sparse {
+            if s.cap > k_cache.rows {
+                return Err(shape(
+                    "attend",
+                    format!(
+                        "a selection over {} tokens for caches of {}",
+                        s.cap, k_cache.rows
+                    ),
+                ));
+            }
+        }
+        self.attend_over(
+            q,
+            k_cache,
+            v_cache,
+            &sel.pos,
+            sel.rows,
+            sel.sparse.as_ref(),
+            dims,
+            kv,
+            gate,
+        )
+    }
+
     fn attend_over(
         &self,
         q: &CudaBuf,
@@ -2908,28 +2944,7 @@ impl Qwen4expOps for CudaBackend {
         dims: AttnDims,
         kv: KvType,
     ) -> Result<CudaBuf> {
-        if let Some(s) = &sel.sparse {
-            if s.cap > k_cache.rows {
-                return Err(shape(
-                    "attend",
-                    format!(
-                        "a selection over {} tokens for caches of {}",
-                        s.cap, k_cache.rows
-                    ),
-                ));
-            }
-        }
-        self.attend_over(
-            q,
-            k_cache,
-            v_cache,
-            &sel.pos,
-            sel.rows,
-            sel.sparse.as_ref(),
-            dims,
-            kv,
-            None,
-        )
+        self.attend_selected(q, k_cache, v_cache, sel, dims, kv, None)
     }
 
     /// Attention whose last pass applies the output gate (mul_sigmoid's bits).
@@ -2944,28 +2959,7 @@ impl Qwen4expOps for CudaBackend {
         kv: KvType,
     ) -> Result<CudaBuf> {
         Self::same_shape("attend_gated", q, gate)?;
-        if let Some(s) = &sel.sparse {
-            if s.cap > k_cache.rows {
-                return Err(shape(
-                    "attend",
-                    format!(
-                        "a selection over {} tokens for caches of {}",
-                        s.cap, k_cache.rows
-                    ),
-                ));
-            }
-        }
-        self.attend_over(
-            q,
-            k_cache,
-            v_cache,
-            &sel.pos,
-            sel.rows,
-            sel.sparse.as_ref(),
-            dims,
-            kv,
-            Some(gate),
-        )
+        self.attend_selected(q, k_cache, v_cache, sel, dims, kv, Some(gate))
     }
 
     /// One launch for the rows of a decode step, a verify window or a prefill chunk

@@ -126,6 +126,22 @@ fn load<B: Qwen4expOps>(path: &std::path::Path, b: B, opts: &LoadOptions) -> Mod
     Model::load(path, b, opts).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// Attaches the tiny fixture's real MTP head (converted from the checkpoint beside it).
+fn attach_tiny_head<B: Qwen4expOps>(m: &mut Model<B>) {
+    let (w, _) = strata_convert::convert_mtp(
+        &tiny("hf"),
+        &strata_convert::ConvertOptions {
+            out_type: strata_convert::OutType::F32,
+            include_shared: false,
+        },
+    )
+    .unwrap();
+    m.attach_mtp(Arc::new(
+        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
+    ))
+    .unwrap();
+}
+
 fn bits_eq(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
@@ -345,18 +361,7 @@ fn prefill_and_windows_equal_single_steps_bitwise_on_cuda() {
 fn greedy_speculative_decoding_equals_plain_on_cuda() {
     let Some(gpu) = gpu() else { return };
     let mut m = load(&tiny("model-f32.gguf"), gpu, &LoadOptions::default());
-    let (w, _) = strata_convert::convert_mtp(
-        &tiny("hf"),
-        &strata_convert::ConvertOptions {
-            out_type: strata_convert::OutType::F32,
-            include_shared: false,
-        },
-    )
-    .unwrap();
-    m.attach_mtp(Arc::new(
-        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
-    ))
-    .unwrap();
+    attach_tiny_head(&mut m);
     let prompt = Golden::open(tiny("golden.safetensors")).ids("input_ids")[..30].to_vec();
     const NEW: usize = 40;
     let plain = {
@@ -715,18 +720,7 @@ fn slop_mode_1_speculative_equals_plain_on_cuda() {
     use strata_engine::speculative::guarded;
     let Some(gpu) = gpu() else { return };
     let mut m = load(&tiny("model-f32.gguf"), gpu, &LoadOptions::default());
-    let (w, _) = strata_convert::convert_mtp(
-        &tiny("hf"),
-        &strata_convert::ConvertOptions {
-            out_type: strata_convert::OutType::F32,
-            include_shared: false,
-        },
-    )
-    .unwrap();
-    m.attach_mtp(Arc::new(
-        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
-    ))
-    .unwrap();
+    attach_tiny_head(&mut m);
     let vocab = ToyVocab(m.config().n_vocab);
     let prompt = Golden::open(tiny("golden.safetensors")).ids("input_ids")[..30].to_vec();
     const NEW: usize = 40;
@@ -977,18 +971,7 @@ fn speculative_and_plain_sequences_in_a_batch_get_their_solo_bits_on_cuda() {
     b.set_batches_sequences(true);
     let path = tiny("model-f32.gguf");
     let mut m = load(&path, b, &LoadOptions::default());
-    let (w, _) = strata_convert::convert_mtp(
-        &tiny("hf"),
-        &strata_convert::ConvertOptions {
-            out_type: strata_convert::OutType::F32,
-            include_shared: false,
-        },
-    )
-    .unwrap();
-    m.attach_mtp(Arc::new(
-        GgufFile::from_bytes(w.to_bytes().unwrap(), "mtp.gguf").unwrap(),
-    ))
-    .unwrap();
+    attach_tiny_head(&mut m);
     let tok = strata_tokenizer::Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
     let ids = Golden::open(tiny("golden.safetensors")).ids("input_ids");
     batch_harness::speculative_and_plain_in_a_batch_equal_solo(&batch_harness::Q4(m), &tok, &ids);
