@@ -2427,7 +2427,6 @@ impl CudaBackend {
         Ok(out)
     }
 
-    #[allow(clippy::too_many_arguments)]
     /// Attention over a selection (checked against the caches), gated or not.
     #[allow(clippy::too_many_arguments)]
     fn attend_selected(
@@ -2464,6 +2463,7 @@ impl CudaBackend {
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn attend_over(
         &self,
         q: &CudaBuf,
