@@ -17,6 +17,9 @@
 #   bench    `bench model -p 0 -n 32 -r 3 -c 4096`, then `-p 512,4096 -n 0 -r 2 -c 8192`
 #   tg       `bench model -p 0 -n 32 -r 3 -c 4096` once per line of $AB ("-" for the defaults,
 #            else environment settings such as "STRATA_CUDA_X=0"), alternating, one load each
+#   ab       `bench model -p 0 -n 32 -r 5 -c 4096 --ab SWITCH=0|1[,…]` for each ';'-separated
+#            entry of $AB: both arms in one process (the spread between processes, 5–7 % on
+#            one machine, stays out of the comparison; session 11)
 #   profile  `bench model -p 0 -n 8 -r 1 --profile` (per-kernel table against the floors)
 #   depth    `bench model -p 0 -n 32 -d 32768 -r 1 -c 33000`, and its profile at that depth
 #   pp       `bench model -p 512,4096 -n 0 -r 2 -c 8192`
@@ -122,6 +125,14 @@ for step in $STEPS; do
                 fi
             done <<<"$(echo "$AB" | tr ';' '\n')"
         done
+        ;;
+    ab)
+        synth
+        while IFS= read -r line; do
+            [ -z "$line" ] || [ "$line" = - ] && continue
+            say "A/B in one process [--ab $line]"
+            bench -p 0 -n 32 -r 5 -c 4096 --ab "$line" | grep -E "tg|error" | tail -3
+        done <<<"$(echo "$AB" | tr ';' '\n')"
         ;;
     profile)
         synth
