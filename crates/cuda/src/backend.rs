@@ -503,7 +503,7 @@ pub struct CudaBackend {
     sel_scratch: Arc<Mutex<ScratchList<model::Selection>>>,
     /// Recorded steps: per key, arena, staging and graphs; the step being recorded.
     steps: Mutex<HashMap<StepKey, KeyState>>,
-    /// Host time of the recorded steps ([`CudaBackend::host_stats`]).
+    /// Host time of the recorded steps ([`CudaBackend::take_host_stats`]).
     host: Mutex<HostStats>,
     cur: Mutex<Option<StepRun>>,
     tick: std::sync::atomic::AtomicU64,
@@ -1624,7 +1624,7 @@ impl Backend for CudaBackend {
     }
 
     /// Hands the ops recorded so far to the device as a part of their own once they are
-    /// [`PART_OPS`] or more ([`FIRST_PART_OPS`] for a step's first part;
+    /// `PART_OPS` (128) or more (`FIRST_PART_OPS`, 32, for a step's first part;
     /// `STRATA_CUDA_PARTS=0`: one graph a step): the device runs the
     /// layers recorded so far while the host records the rest, instead of waiting for the whole
     /// body. Each part is a graph captured once and replayed (per part, by signature); parts

@@ -1,8 +1,9 @@
 //! Recorded steps: while a step body runs in record mode, its kernel launches, device copies,
 //! memsets and input uploads are kept as [`Op`]s instead of being issued. At the end of the
-//! step the backend either replays a CUDA graph captured earlier from the same op list (its
-//! [`fingerprint`]: kernels, launch shapes, every pointer and scalar argument) or captures one
-//! now by issuing the ops inside a stream capture. The inputs' values change from step to step
+//! step (or of each part of it) the backend either replays a CUDA graph captured earlier from
+//! the same op list (its [`signature`]: kernels, launch shapes, every pointer and scalar
+//! argument, compared whole) or captures one now by issuing the ops inside a stream capture.
+//! The inputs' values change from step to step
 //! without changing the ops: they are written into pinned host staging that the graph's copy
 //! nodes read when it runs.
 
