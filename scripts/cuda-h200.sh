@@ -24,7 +24,7 @@
 #   depth    `bench model -p 0 -n 32 -d 32768 -r 1 -c 33000`, and its profile at that depth
 #   pp       `bench model -p 512,4096 -n 0 -r 2 -c 8192`
 #   spec     `bench spec --backend cuda` with a synthetic MTP head (SYNTH_ARGS=--mtp is implied)
-#   ablate   the marginal cost of each costly kernel inside the graph (see the step)
+#   ablate   the marginal cost of each costly kernel inside the graph, in one process (the step)
 #   cmd      runs $CMD (with $S the binary) — anything else
 # The NVRTC cubins are cached in .dev/cuda/cubin and come back as $OUT/cubin.tar.xz: copied to
 # .dev/cuda/cubin.tar.xz here, the next call unpacks it and skips the compile of unchanged
@@ -161,33 +161,23 @@ for step in $STEPS; do
             --force-accept 0.85 --reps 2 2>&1 | tee "$LOG/spec.txt" | tail -20
         ;;
     ablate)
-        # Each of the $NABL (default 20) costliest kernels of the profile ablated in turn
-        # (STRATA_CUDA_ABLATE: its launches become empty ones, the results are wrong), plus the
-        # groups in $ABL_GROUPS (';'-separated lists; bash's own GROUPS is read-only): the step time lost is the kernel's marginal
-        # cost inside the graph. Base runs at the start and the end.
+        # The $NABL (default 24) costliest kernels of the profile, each ablated in turn
+        # (`bench model --ablate`: its launches become empty ones, the results are wrong), plus
+        # the groups in $ABL_GROUPS (';'-separated lists; bash's own GROUPS is read-only), the
+        # kernels without stated bytes, those with them, and every kernel (the launch floor),
+        # all in one process: the time a token saved is the kernels' marginal cost inside the
+        # graph (session 12; before, a process per kernel and its 5-7 % spread).
         synth
         [ -s "$LOG/profile.txt" ] || bench -p 0 -n 8 -r 1 -c 4096 --profile >"$LOG/profile.txt"
-        names=$(grep -E '^\| [a-z_0-9]+ \| [0-9]' "$LOG/profile.txt" | awk -F'|' '{gsub(/ /,"",$2); print $2}' |
-            awk '!seen[$0]++' | head -"${NABL:-20}")
-        # Two groups made from the table: every kernel whose launchers state no bytes (the
-        # small ones), and every kernel that does (the products).
-        nob=$(grep -E '^\| [a-z_0-9]+ \| [0-9]' "$LOG/profile.txt" | awk -F'|' '{gsub(/ /,"",$2); gsub(/ /,"",$6); if ($6 == "-") print $2}' | awk '!seen[$0]++' | paste -sd,)
-        wb=$(grep -E '^\| [a-z_0-9]+ \| [0-9]' "$LOG/profile.txt" | awk -F'|' '{gsub(/ /,"",$2); gsub(/ /,"",$6); if ($6 != "-") print $2}' | awk '!seen[$0]++' | paste -sd,)
-        ABL_GROUPS="${ABL_GROUPS:-};$nob;$wb"
-        best() { awk -F'|' '/\| tg/ {gsub(/ /,"",$9); print $9}' | tail -1; }
-        run_ab() { STRATA_CUDA_ABLATE="$1" bench -p 0 -n 16 -r 2 -c 4096 | best; }
-        b0=$(run_ab "")
-        echo "| ablated | best tg16 t/s | ms/token | Δ ms/token |" | tee "$LOG/ablate.md"
-        echo "| --- | ---: | ---: | ---: |" | tee -a "$LOG/ablate.md"
-        row() { awk -v n="$1" -v t="$2" -v b="$b0" 'BEGIN { if (t > 0) printf "| %s | %.2f | %.3f | %.3f |\n", n, t, 1000/t, 1000/b - 1000/t; else printf "| %s | failed | | |\n", n }'; }
-        row "(none)" "$b0" | tee -a "$LOG/ablate.md"
-        for n in $names $(echo "${ABL_GROUPS:-}" | tr ';' ' '); do
-            [ "$(left)" -lt 40 ] && { say "ablation stopped: budget"; break; }
-            t=$(run_ab "$n")
-            row "$n" "${t:-0}" | tee -a "$LOG/ablate.md"
-        done
-        b1=$(run_ab "")
-        row "(none, again)" "$b1" | tee -a "$LOG/ablate.md"
+        rows() { grep -E '^\| [a-z_0-9]+ \| [0-9]' "$LOG/profile.txt"; }
+        names=$(rows | awk -F'|' '{gsub(/ /,"",$2); print $2}' | awk '!seen[$0]++' | head -"${NABL:-24}" | paste -sd';')
+        nob=$(rows | awk -F'|' '{gsub(/ /,"",$2); gsub(/ /,"",$6); if ($6 == "-") print $2}' | awk '!seen[$0]++' | paste -sd,)
+        wb=$(rows | awk -F'|' '{gsub(/ /,"",$2); gsub(/ /,"",$6); if ($6 != "-") print $2}' | awk '!seen[$0]++' | paste -sd,)
+        lists="$names;${ABL_GROUPS:-};$nob;$wb;*"
+        say "ablate in one process: $lists"
+        bench -p 0 -n 16 -r "${ABL_REPS:-3}" -c 4096 --ablate "$lists" >"$LOG/ablate.txt" 2>&1
+        grep -E '^\| (arm|---|A|ablated)' "$LOG/ablate.txt" | tee "$LOG/ablate.md"
+        grep -E 'error|panicked' "$LOG/ablate.txt" | head -5
         ;;
     cmd)
         synth

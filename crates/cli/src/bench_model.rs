@@ -57,6 +57,67 @@ pub struct Args {
     /// start are refused
     #[arg(long, value_name = "SWITCH=0|1[,…]")]
     pub ab: Option<String>,
+    /// Marginal costs inside the recorded step (CUDA), in this process: every test is timed
+    /// once as it is and once per ';'-separated list of kernels made empty launches that only
+    /// wait (`*`: every kernel, the launch floor), repetitions rotating over the arms. The
+    /// ablated arms compute wrong results; their time lost against the first arm is what those
+    /// kernels cost in the graph
+    #[arg(long, value_name = "KERNEL[,…][;…]", conflicts_with = "ab")]
+    pub ablate: Option<String>,
+}
+
+/// One arm of an in-process comparison: switch overrides (`--ab`) or ablated kernels
+/// (`--ablate`); the first arm of either is the process as the environment sets it.
+enum Arm {
+    Switches(Vec<(String, bool)>),
+    Ablate(Vec<String>),
+}
+
+impl Arm {
+    fn label(&self) -> String {
+        match self {
+            Arm::Switches(ab) => {
+                let l: Vec<String> = ab
+                    .iter()
+                    .map(|(k, on)| format!("{k}={}", u8::from(*on)))
+                    .collect();
+                format!("B: {}", l.join(","))
+            }
+            Arm::Ablate(k) => format!("ablated: {}", k.join(",")),
+        }
+    }
+
+    /// Puts the arm in force (`on`) or back to the environment's settings.
+    fn apply(&self, on: bool) -> Result<()> {
+        match self {
+            Arm::Switches(ab) => apply_ab(ab, on),
+            Arm::Ablate(k) => {
+                strata_cuda::device::set_ablated(on.then(|| k.clone()));
+                Ok(())
+            }
+        }
+    }
+}
+
+/// `--ablate`'s lists, checked: each a non-empty list of kernel names.
+fn parse_ablate(spec: &str) -> Result<Vec<Vec<String>>> {
+    let lists: Vec<Vec<String>> = spec
+        .split(';')
+        .map(strata_cuda::device::ablate_list)
+        .filter(|l| !l.is_empty())
+        .collect();
+    if lists.is_empty() {
+        bail!("--ablate: no kernel named");
+    }
+    for l in &lists {
+        if let Some(bad) = l
+            .iter()
+            .find(|k| *k != "*" && !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        {
+            bail!("--ablate {bad}: not a kernel name (letters, digits and '_', or '*')");
+        }
+    }
+    Ok(lists)
 }
 
 /// `--ab`'s overrides, checked: (switch, value) pairs.
@@ -192,6 +253,27 @@ fn once(loaded: &Loaded, t: Test, ubatch: usize, rng: &mut SplitMix64) -> Result
         Kind::Gen => feed(s.as_mut(), rng, t.n, 1)?,
     }
     Ok((w0.elapsed().as_nanos() as u64, cpu_ns().saturating_sub(c0)))
+}
+
+/// `--ablate`'s answer per test: each arm's mean time a token and what it saves against the
+/// first (unablated) arm — the marginal cost of its kernels inside the recorded step.
+fn ablate_table(rs: &[Result1]) {
+    let ms = |r: &Result1| {
+        let n = r.wall_ns.len().max(1) as f64;
+        r.wall_ns.iter().map(|&w| w as f64).sum::<f64>() / n / 1e6 / r.test.n.max(1) as f64
+    };
+    let base = ms(&rs[0]);
+    eprintln!("| arm | ms/token | saved ms/token | saved % |");
+    eprintln!("| --- | ---: | ---: | ---: |");
+    for r in rs {
+        let m = ms(r);
+        eprintln!(
+            "| {} | {m:.3} | {:.3} | {:.1} % |",
+            r.arm.as_deref().unwrap_or("-"),
+            base - m,
+            100.0 * (base - m) / base.max(1e-12)
+        );
+    }
 }
 
 /// The 15 kernels with the most device time, per token (`per` tokens profiled, `total` µs of
@@ -433,14 +515,13 @@ pub fn run(a: Args) -> Result<ExitCode> {
         load::Bound::Qwen4expCuda(m) => Some(m.backend()),
         _ => None,
     };
-    let ab = match &a.ab {
-        Some(spec) => {
-            if profiler.is_none() {
-                bail!("--ab (an A/B of CUDA switches) needs the CUDA backend");
-            }
-            Some(parse_ab(spec)?)
+    let arms: Vec<Arm> = match (&a.ab, &a.ablate) {
+        (Some(_), _) | (_, Some(_)) if profiler.is_none() => {
+            bail!("--ab and --ablate (comparisons inside the CUDA step) need the CUDA backend")
         }
-        None => None,
+        (Some(spec), _) => vec![Arm::Switches(parse_ab(spec)?)],
+        (_, Some(spec)) => parse_ablate(spec)?.into_iter().map(Arm::Ablate).collect(),
+        _ => Vec::new(),
     };
     let wgpu = match &loaded.model {
         load::Bound::Qwen2Wgpu(m) => Some(m.backend()),
@@ -512,8 +593,20 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 h.steps,
                 h.captures
             );
+            if h.timed > 0 {
+                let med = |v: &[u64]| strata_cuda::backend::median_ns(v) as f64 / 1e3;
+                eprintln!(
+                    "{}: device per recorded step (timed events, median of {} pairs): {:.1} µs \
+                     from the first part's start to the last part's end, then {:.1} µs idle \
+                     until the next step starts",
+                    t.name(),
+                    h.timed,
+                    med(&h.device_span_ns),
+                    med(&h.device_gap_ns)
+                );
+            }
         };
-        let Some(ab) = &ab else {
+        if arms.is_empty() {
             let mut r = Result1 {
                 test: t,
                 arm: None,
@@ -532,41 +625,77 @@ pub fn run(a: Args) -> Result<ExitCode> {
             host_note(&a);
             results.push(r);
             continue;
-        };
-        let label: Vec<String> = ab
-            .iter()
-            .map(|(k, on)| format!("{k}={}", u8::from(*on)))
+        }
+        // Arm 0 is the environment's settings ("A"), then the overrides or ablated lists.
+        let n_arms = arms.len() + 1;
+        let mut rs: Vec<Result1> = (0..n_arms)
+            .map(|i| Result1 {
+                test: t,
+                arm: Some(match i {
+                    0 => "A".into(),
+                    _ => arms[i - 1].label(),
+                }),
+                wall_ns: vec![],
+                cpu_ns: vec![],
+            })
             .collect();
-        let mut arms = [
-            Result1 {
-                test: t,
-                arm: Some("A".into()),
-                wall_ns: vec![],
-                cpu_ns: vec![],
-            },
-            Result1 {
-                test: t,
-                arm: Some(format!("B: {}", label.join(","))),
-                wall_ns: vec![],
-                cpu_ns: vec![],
-            },
-        ];
-        // A B, B A, A B, …: neither arm always runs first.
-        for rep in 0..a.repetitions {
-            for k in 0..2 {
-                let b = (k + rep) % 2 == 1;
-                apply_ab(ab, b)?;
-                let run = once(&loaded, t, a.ubatch, &mut rng);
-                apply_ab(ab, false)?;
-                let (w, c) = run.with_context(|| format!("running {}", t.name()))?;
-                arms[usize::from(b)].wall_ns.push(w);
-                arms[usize::from(b)].cpu_ns.push(c);
+        // One untimed run of every other arm first: its op lists differ, so its graphs are
+        // captured there and not inside its first timed repetition.
+        // An ablated arm may fail (a kernel's stale output can be bad input to the next, e.g.
+        // an expert id): it is reported and left out, the others go on.
+        let mut failed = vec![false; n_arms];
+        for (i, arm) in arms.iter().enumerate() {
+            arm.apply(true)?;
+            let run = once(&loaded, t, a.ubatch, &mut rng);
+            arm.apply(false)?;
+            if let Err(e) = run {
+                if matches!(arm, Arm::Switches(_)) {
+                    return Err(e.context(format!("warming up {} [{}]", t.name(), arm.label())));
+                }
+                eprintln!("{} [{}]: failed, left out: {e:#}", t.name(), arm.label());
+                failed[i + 1] = true;
             }
         }
-        if !a.json {
-            eprintln!("{}: done (A/B)", t.name());
+        // The arms rotate (A B C, B C A, …): none always runs first.
+        for rep in 0..a.repetitions {
+            for k in 0..n_arms {
+                let i = (k + rep) % n_arms;
+                if failed[i] {
+                    continue;
+                }
+                if i > 0 {
+                    arms[i - 1].apply(true)?;
+                }
+                let run = once(&loaded, t, a.ubatch, &mut rng);
+                if i > 0 {
+                    arms[i - 1].apply(false)?;
+                }
+                match run {
+                    Ok((w, c)) => {
+                        rs[i].wall_ns.push(w);
+                        rs[i].cpu_ns.push(c);
+                    }
+                    Err(e) if i > 0 && matches!(arms[i - 1], Arm::Ablate(_)) => {
+                        eprintln!("{} [{}]: failed, left out: {e:#}", t.name(), arms[i - 1].label());
+                        failed[i] = true;
+                    }
+                    Err(e) => return Err(e.context(format!("running {}", t.name()))),
+                }
+            }
         }
-        results.extend(arms);
+        let rs: Vec<Result1> = rs
+            .into_iter()
+            .zip(&failed)
+            .filter(|(r, f)| !**f && !r.wall_ns.is_empty())
+            .map(|(r, _)| r)
+            .collect();
+        if !a.json {
+            eprintln!("{}: done ({} arms)", t.name(), n_arms);
+            if matches!(arms[0], Arm::Ablate(_)) {
+                ablate_table(&rs);
+            }
+        }
+        results.extend(rs);
     }
 
     if let (true, Some(gpu)) = (a.profile, profiler) {

@@ -77,7 +77,7 @@ fn shape(op: &'static str, what: String) -> EngineError {
 /// since the last [`CudaBackend::take_host_stats`]: the step body (the model's code and the
 /// recording of its launches), the op list's signature, and the graph's launch (or its
 /// capture, for a new op list). Waiting for the device is not in it.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct HostStats {
     pub steps: u64,
     /// Parts the steps were handed to the device in ([`CudaBackend::submit_part`]).
@@ -87,6 +87,27 @@ pub struct HostStats {
     pub body_ns: u64,
     pub signature_ns: u64,
     pub launch_ns: u64,
+    /// Device time from a step's first part starting to its last part ending (timed events
+    /// around the step's graphs; it includes any wait of the device for a later part), and
+    /// from that end to the next step's start: the device idle between two steps (the host's
+    /// pick read, sampling and first part). One entry per consecutive pair of steps (`timed`
+    /// of them); [`median_ns`] keeps the pairs across a new sequence out of the figure.
+    pub timed: u64,
+    pub device_span_ns: Vec<u64>,
+    pub device_gap_ns: Vec<u64>,
+}
+
+/// The median of `v` (0 for none).
+pub fn median_ns(v: &[u64]) -> u64 {
+    let mut v = v.to_vec();
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
+/// Timed events at a recorded step's start (before its first part) and end (after its last).
+struct StepEvents {
+    start: cudarc::driver::CudaEvent,
+    end: cudarc::driver::CudaEvent,
 }
 
 /// A device buffer the backend hands out: owned (freed when dropped), or a view into a recorded
@@ -292,6 +313,8 @@ struct StepRun {
     ops_before: usize,
     captured: bool,
     uncapturable: bool,
+    /// A timed event recorded before the step's first part ([`HostStats::device_span_ns`]).
+    started: Option<cudarc::driver::CudaEvent>,
 }
 
 /// A part of a recorded step is handed to the device ([`CudaBackend::submit_part`]) once it
@@ -505,6 +528,8 @@ pub struct CudaBackend {
     steps: Mutex<HashMap<StepKey, KeyState>>,
     /// Host time of the recorded steps ([`CudaBackend::take_host_stats`]).
     host: Mutex<HostStats>,
+    /// The last recorded step's timed events, until the next step's start is known.
+    prev_events: Mutex<Option<StepEvents>>,
     cur: Mutex<Option<StepRun>>,
     tick: std::sync::atomic::AtomicU64,
     /// One step at a time (a step's recording is the backend's state).
@@ -564,6 +589,7 @@ impl CudaBackend {
             sel_scratch: Arc::new(Mutex::new(Vec::new())),
             steps: Mutex::new(HashMap::new()),
             host: Mutex::new(HostStats::default()),
+            prev_events: Mutex::new(None),
             cur: Mutex::new(None),
             tick: std::sync::atomic::AtomicU64::new(0),
             step_lock: Mutex::new(()),
@@ -656,6 +682,27 @@ impl CudaBackend {
                 record::issue(ops, self.gpu.stream(), self.gpu.pdl).map_err(dev)
             }
         }
+    }
+
+    /// Records the step's end event and, with the step before it, adds a (span, gap) pair to
+    /// the stats once the device has passed this step's start (never waiting for it).
+    fn time_step(&self, started: Option<cudarc::driver::CudaEvent>, ok: bool) {
+        let mut prev = self.prev_events.lock().unwrap_or_else(|p| p.into_inner());
+        let now = match (started, ok) {
+            (Some(start), true) => self.gpu.timed_event().ok().map(|end| StepEvents { start, end }),
+            _ => None,
+        };
+        if let (Some(p), Some(n)) = (prev.as_ref(), now.as_ref()) {
+            if n.start.is_complete() {
+                if let (Ok(span), Ok(gap)) = (p.start.elapsed_ms(&p.end), p.end.elapsed_ms(&n.start)) {
+                    let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
+                    h.timed += 1;
+                    h.device_span_ns.push((f64::from(span) * 1e6) as u64);
+                    h.device_gap_ns.push((f64::from(gap.max(0.0)) * 1e6) as u64);
+                }
+            }
+        }
+        *prev = now;
     }
 
     /// The host time of the recorded steps since the last call, and zeroes it.
@@ -1570,6 +1617,7 @@ impl Backend for CudaBackend {
             ops_before: 0,
             captured: false,
             uncapturable: false,
+            started: None,
         });
         self.gpu.start_recording();
         let t0 = std::time::Instant::now();
@@ -1579,7 +1627,9 @@ impl Backend for CudaBackend {
         let mut t2 = t1;
         let run = self.cur.lock().unwrap_or_else(|p| p.into_inner()).take();
         let (mut n_parts, mut n_ops, mut captured) = (1, 0, false);
+        let mut started = None;
         if let Some(run) = run {
+            started = run.started;
             st.arena = run.arena;
             st.staging = run.staging;
             st.graphs = run.graphs;
@@ -1596,6 +1646,9 @@ impl Backend for CudaBackend {
             (Ok(_), Some(ops)) => {
                 let sig = record::signature(&ops);
                 t2 = std::time::Instant::now();
+                if started.is_none() {
+                    started = self.gpu.timed_event().ok();
+                }
                 let (mut c, mut u) = (false, false);
                 let out = self.launch_part(&mut st.graphs, n_parts - 1, sig, &ops, &mut c, &mut u);
                 captured |= c;
@@ -1615,6 +1668,7 @@ impl Backend for CudaBackend {
             h.launch_ns += (t3 - t2).as_nanos() as u64;
         }
         st.last = self.gpu.event().ok();
+        self.time_step(started, done.is_ok() && r.is_ok());
         self.steps
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -1646,6 +1700,9 @@ impl Backend for CudaBackend {
         };
         self.gpu.start_recording();
         let sig = record::signature(&ops);
+        if run.part == 0 {
+            run.started = self.gpu.timed_event().ok();
+        }
         let (mut c, mut u) = (false, false);
         let out = self.launch_part(&mut run.graphs, run.part, sig, &ops, &mut c, &mut u);
         run.part += 1;

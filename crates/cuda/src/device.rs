@@ -521,8 +521,7 @@ impl Gpu {
     /// The kernel `name` of module `module` (looked up once, then cached).
     /// Whether launches of kernel `name` are ablated ([`ablated_kernels`]).
     pub fn ablated(&self, name: &str) -> bool {
-        let set = ablated_kernels();
-        !set.is_empty() && set.iter().any(|s| s == name || s == "*")
+        any_ablated() && ablated_kernels().iter().any(|s| s == name || s == "*")
     }
 
     /// An ablated launch of `name`: norm.cu's `noop` on one warp instead (recorded or issued
@@ -680,6 +679,14 @@ impl Gpu {
             .map_err(drv("cuEventRecord"))
     }
 
+    /// An event with timing recorded on the stream now (the device's clock at that point of
+    /// the stream, for [`cudarc::driver::CudaEvent::elapsed_ms`]).
+    pub fn timed_event(&self) -> Result<CudaEvent, CudaError> {
+        self.stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv("cuEventRecord"))
+    }
+
     /// Captures the already-recorded `ops` into a graph (issuing them inside a stream capture).
     pub fn capture_ops(&self, ops: &[crate::record::Op]) -> Result<Graph, CudaError> {
         self.capture(&mut || crate::record::issue(ops, &self.stream, self.pdl))
@@ -781,24 +788,65 @@ impl Graph {
 }
 
 /// The kernels named in `STRATA_CUDA_ABLATE` (comma-separated kernel names, `*` for every
-/// kernel: the step's launch-and-dependency floor inside the graph): each launch of
-/// one of them becomes an empty one-warp launch (norm.cu `noop`, which only waits for the
-/// kernel before it). A measuring tool only: the model's results are wrong while it is set
-/// (the step runs on stale buffers). `bench model` with it set measures a kernel's marginal
-/// cost inside the recorded graph, where per-launch timers cannot see (the overlap of
-/// programmatic dependent launches).
-pub fn ablated_kernels() -> &'static [String] {
+/// kernel: the step's launch-and-dependency floor inside the graph), or as [`set_ablated`]
+/// overrode them: each launch of one of them becomes an empty one-warp launch (norm.cu `noop`,
+/// which only waits for the kernel before it). A measuring tool only: the model's results are
+/// wrong while it is set (the step runs on stale buffers). `bench model` with it set (or
+/// `--ablate`, in one process) measures a kernel's marginal cost inside the recorded graph,
+/// where per-launch timers cannot see (the overlap of programmatic dependent launches).
+pub fn ablated_kernels() -> Vec<String> {
+    let o = ABLATE_OVERRIDE.read().unwrap_or_else(|p| p.into_inner());
+    match &*o {
+        Some(v) => v.clone(),
+        None => env_ablated().to_vec(),
+    }
+}
+
+fn env_ablated() -> &'static [String] {
     static SET: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
     SET.get_or_init(|| {
         std::env::var("STRATA_CUDA_ABLATE")
-            .map(|v| {
-                v.split(',')
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect()
-            })
+            .map(|v| ablate_list(&v))
             .unwrap_or_default()
     })
+}
+
+/// A comma-separated list of kernel names (`*`: every kernel), trimmed, empties dropped.
+pub fn ablate_list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// `None` until [`set_ablated`] overrides the environment's list.
+static ABLATE_OVERRIDE: std::sync::RwLock<Option<Vec<String>>> = std::sync::RwLock::new(None);
+/// Whether any kernel is ablated now (checked on every launch before the list is read).
+static ABLATE_ANY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+
+/// Overrides [`ablated_kernels`] for this process from now on (None: back to
+/// `STRATA_CUDA_ABLATE`), for `strata bench model --ablate`, which times each list's decode
+/// against the unablated step in one process. Steps recorded after it see the new list (an
+/// ablated op list is another signature, so it gets graphs of its own).
+pub fn set_ablated(kernels: Option<Vec<String>>) {
+    let any = match &kernels {
+        Some(v) => !v.is_empty(),
+        None => !env_ablated().is_empty(),
+    };
+    *ABLATE_OVERRIDE.write().unwrap_or_else(|p| p.into_inner()) = kernels;
+    ABLATE_ANY.store(u8::from(any), std::sync::atomic::Ordering::Relaxed);
+}
+
+fn any_ablated() -> bool {
+    match ABLATE_ANY.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => false,
+        1 => true,
+        _ => {
+            let any = !env_ablated().is_empty();
+            ABLATE_ANY.store(u8::from(any), std::sync::atomic::Ordering::Relaxed);
+            any
+        }
+    }
 }
 
 /// A launch configuration of `grid` blocks of `block` threads.
