@@ -593,6 +593,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 h.steps,
                 h.captures
             );
+            if h.downloads > 0 {
+                eprintln!(
+                    "{}: {} downloads, {:.1} µs each once the device had finished the step",
+                    t.name(),
+                    h.downloads,
+                    h.download_ns as f64 / 1e3 / h.downloads as f64
+                );
+            }
             if h.timed > 0 {
                 let med = |v: &[u64]| strata_cuda::backend::median_ns(v) as f64 / 1e3;
                 eprintln!(
@@ -676,7 +684,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
                         rs[i].cpu_ns.push(c);
                     }
                     Err(e) if i > 0 && matches!(arms[i - 1], Arm::Ablate(_)) => {
-                        eprintln!("{} [{}]: failed, left out: {e:#}", t.name(), arms[i - 1].label());
+                        eprintln!(
+                            "{} [{}]: failed, left out: {e:#}",
+                            t.name(),
+                            arms[i - 1].label()
+                        );
                         failed[i] = true;
                     }
                     Err(e) => return Err(e.context(format!("running {}", t.name()))),

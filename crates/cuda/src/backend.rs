@@ -93,6 +93,10 @@ pub struct HostStats {
     /// pick read, sampling and first part). One entry per consecutive pair of steps (`timed`
     /// of them); [`median_ns`] keeps the pairs across a new sequence out of the figure.
     pub timed: u64,
+    /// Downloads of f32 buffers (logits) and the host's time in them once the device has
+    /// finished the work before them (the copy and its own wait).
+    pub downloads: u64,
+    pub download_ns: u64,
     pub device_span_ns: Vec<u64>,
     pub device_gap_ns: Vec<u64>,
 }
@@ -689,12 +693,18 @@ impl CudaBackend {
     fn time_step(&self, started: Option<cudarc::driver::CudaEvent>, ok: bool) {
         let mut prev = self.prev_events.lock().unwrap_or_else(|p| p.into_inner());
         let now = match (started, ok) {
-            (Some(start), true) => self.gpu.timed_event().ok().map(|end| StepEvents { start, end }),
+            (Some(start), true) => self
+                .gpu
+                .timed_event()
+                .ok()
+                .map(|end| StepEvents { start, end }),
             _ => None,
         };
         if let (Some(p), Some(n)) = (prev.as_ref(), now.as_ref()) {
             if n.start.is_complete() {
-                if let (Ok(span), Ok(gap)) = (p.start.elapsed_ms(&p.end), p.end.elapsed_ms(&n.start)) {
+                if let (Ok(span), Ok(gap)) =
+                    (p.start.elapsed_ms(&p.end), p.end.elapsed_ms(&n.start))
+                {
                     let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
                     h.timed += 1;
                     h.device_span_ns.push((f64::from(span) * 1e6) as u64);
@@ -1746,15 +1756,15 @@ impl Backend for CudaBackend {
 
     fn download(&self, x: &CudaBuf) -> Result<Vec<f32>> {
         self.flush()?;
-        let n = x.len();
-        let v = if n == 0 {
-            Vec::new()
-        } else {
-            self.gpu
-                .stream()
-                .clone_dtoh(&x.data.slice(0..n))
-                .map_err(|e| dev(crate::device::drv("cuMemcpyDtoH")(e)))?
-        };
+        // The wait for the work before it, then the copy alone (timed apart for the stats).
+        self.gpu.sync().map_err(dev)?;
+        let t0 = std::time::Instant::now();
+        let v = self.gpu.download_f32(&x.data, x.len()).map_err(dev)?;
+        {
+            let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
+            h.downloads += 1;
+            h.download_ns += t0.elapsed().as_nanos() as u64;
+        }
         self.check_err()?;
         Ok(v)
     }

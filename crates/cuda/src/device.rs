@@ -63,7 +63,7 @@ pub struct Blas {
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_TRIGGER_FIRST`, `STRATA_CUDA_PLE_HOST`, `STRATA_CUDA_FAST_PREFILL` and
 /// `STRATA_CUDA_BATCH` are off unless `1`).
-pub const SWITCHES: [&str; 21] = [
+pub const SWITCHES: [&str; 23] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -85,6 +85,8 @@ pub const SWITCHES: [&str; 21] = [
     "STRATA_CUDA_QSA_PREP",
     "STRATA_CUDA_PARTS",
     "STRATA_CUDA_PARTS_EARLY",
+    "STRATA_CUDA_READBACK",
+    "STRATA_CUDA_MOE_TRIGGER",
 ];
 
 /// The switches read once, when the device opens, a backend is made or a model loads (or a
@@ -220,6 +222,29 @@ pub struct Gpu {
     rec: Mutex<Option<Vec<crate::record::Op>>>,
     /// cuBLAS, made at the first fast-prefill product ([`Gpu::with_blas`]).
     blas: Mutex<Option<Blas>>,
+    /// Page-locked (cacheable) host memory that downloads land in ([`Gpu::download_f32`]),
+    /// grown to the largest download so far up to [`READBACK_MAX`].
+    readback: Mutex<Option<HostMem>>,
+}
+
+/// Downloads of at most this many bytes go through the page-locked read-back buffer.
+pub const READBACK_MAX: usize = 64 << 20;
+
+/// Page-locked, cacheable host memory (`cuMemHostAlloc` without write-combining: the host
+/// reads it), freed when dropped.
+struct HostMem {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: plain host memory; the Gpu uses it under its mutex only.
+unsafe impl Send for HostMem {}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemHostAlloc and is freed once.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
 }
 
 /// One timed launch: its kernel, the events around it, the bytes its launcher stated.
@@ -322,6 +347,7 @@ impl Gpu {
             profiling_on: std::sync::atomic::AtomicBool::new(false),
             next_bytes: Mutex::new(None),
             staging: Mutex::new(None),
+            readback: Mutex::new(None),
             rec: Mutex::new(None),
             blas: Mutex::new(None),
         })
@@ -707,6 +733,54 @@ impl Gpu {
         src: &CudaSlice<T>,
     ) -> Result<Vec<T>, CudaError> {
         self.stream.clone_dtoh(src).map_err(drv("cuMemcpyDtoH"))
+    }
+
+    /// `n` values of `src` from `start` on, in a new Vec: copied into the page-locked read-back
+    /// buffer (the driver's fast path; a pageable destination is staged by the driver in
+    /// pieces), the stream waited for, then copied out. Downloads over [`READBACK_MAX`] and
+    /// `STRATA_CUDA_READBACK=0` go straight to the Vec. The same bytes either way.
+    pub fn download_f32(&self, src: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>, CudaError> {
+        let bytes = 4 * n;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if bytes > READBACK_MAX || !switch_on("STRATA_CUDA_READBACK") {
+            return self
+                .stream
+                .clone_dtoh(&src.slice(0..n))
+                .map_err(drv("cuMemcpyDtoH"));
+        }
+        let mut rb = self.readback.lock().unwrap_or_else(|p| p.into_inner());
+        if rb.as_ref().is_none_or(|m| m.bytes < bytes) {
+            *rb = None;
+            // Rounded up to a MiB so that slightly larger downloads reuse it.
+            let want = bytes.div_ceil(1 << 20) << 20;
+            self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+            // SAFETY: a plain allocation of `want` bytes (flags 0: cacheable, not mapped).
+            let ptr = unsafe { cudarc::driver::result::malloc_host(want, 0) }
+                .map_err(drv("cuMemHostAlloc (read-back)"))?;
+            *rb = Some(HostMem {
+                ptr: ptr as *mut u8,
+                bytes: want,
+            });
+        }
+        let m = rb.as_ref().expect("made above");
+        let src_ptr = crate::record::addr(src, &self.stream);
+        // SAFETY: the buffer holds `bytes` (checked above) and nothing else uses it while the
+        // lock is held; the copy is waited for before it is read.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(m.ptr as *mut f32, n);
+            cudarc::driver::result::memcpy_dtoh_async(dst, src_ptr, self.stream.cu_stream())
+                .map_err(drv("cuMemcpyDtoHAsync (read-back)"))?;
+        }
+        self.sync()?;
+        let mut v = Vec::with_capacity(n);
+        // SAFETY: `n` f32 were written by the copy just waited for; `v` has room for them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(m.ptr as *const f32, v.as_mut_ptr(), n);
+            v.set_len(n);
+        }
+        Ok(v)
     }
 
     pub fn sync(&self) -> Result<(), CudaError> {
