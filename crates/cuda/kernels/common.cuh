@@ -86,22 +86,6 @@ __device__ __forceinline__ u32 ld32a2(const u8* p) {
 }
 __device__ __forceinline__ float ldf16(const u8* p) { return f16_to_f32(ld16(p)); }
 
-// The eight consecutive 32-bit words at a 2-byte-aligned `p` (ld32a2 each): the aligned words
-// that hold bytes of [p, p + 32) — eight, or nine when p is not 4-byte aligned — and funnel
-// shifts, instead of sixteen 16-bit loads (the block formats whose blocks are only 2-byte
-// aligned: Q8_0, Q3_K, Q6_K; session 12: the quantized GEMVs were bound by their load count).
-// The same words, so the same bits.
-__device__ __forceinline__ void ld8w_a2(const u8* p, u32 (&w)[8]) {
-    const u32* a = (const u32*)((u64)p & ~(u64)3);
-    const u32 sh = ((u32)(u64)p & 2u) * 8u;
-    u32 v[9];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = a[k];
-    v[8] = sh ? a[8] : 0u;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = __funnelshift_r(v[k], v[k + 1], sh);
-}
-
 __device__ __forceinline__ int dp4a(int a, int b, int c) {
     int r;
     asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));

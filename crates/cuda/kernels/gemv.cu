@@ -47,22 +47,6 @@ __device__ __forceinline__ void stage(u8* dst, const u8* src, int bytes, int i, 
 template <int B>
 __host__ __device__ constexpr int align_of_size() { return B % 16 == 0 ? 16 : B % 8 == 0 ? 8 : 4; }
 
-// Copies the `bytes` at `src` into shared memory at `dst` (16-byte aligned, `bytes` + 16 long)
-// with 16-byte loads from the aligned granules that hold them, `n` threads from thread `i` on:
-// the data lands at dst + (src mod 16), which is returned, so it keeps its alignment within 16
-// bytes (a block format's decoders see the same alignment as in global memory). A row of
-// 2,100 bytes (Q6_K, 4-byte aligned) takes 132 loads instead of 525 (session 12: the head's
-// GEMV was bound by its load instructions). The granules read beyond the row's ends are whole
-// 16-byte granules that also hold row bytes, so they lie inside the weight's allocation.
-__device__ __forceinline__ const u8* stage_granules(u8* dst, const u8* src, int bytes, int i, int n) {
-    const u64 a = (u64)src & ~(u64)15;
-    const int off = (int)((u64)src & 15);
-    const int g = (off + bytes + 15) >> 4;
-    const uint4* s4 = (const uint4*)a;
-    for (int k = i; k < g; k += n) ((uint4*)dst)[k] = s4[k];
-    return dst + off;
-}
-
 // One BF16 unit (32 values) against one activation unit, both 16-byte aligned, in the same
 // fmaf order as unit_dot<T_BF16>.
 __device__ __forceinline__ float bf16_unit(const uint4* wv, const uint4* xp) {
@@ -169,7 +153,7 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
         // The block's activation rows and each warp's weight row staged in shared memory with
         // wide coalesced loads; the unit decoders then read bytes at any alignment.
         __shared__ __align__(16) u8 xsh[NT * XRB];
-        __shared__ __align__(16) u8 wsh[WARPS][(WRB + 15) / 16 * 16 + 16];
+        __shared__ __align__(16) u8 wsh[WARPS][(WRB + 15) / 16 * 16];
         // The I-quant grids too: lanes look up different entries, which shared memory serves
         // in one pass where the global tables take one transaction per distinct line.
         constexpr int G3S = T == T_IQ3_S ? 512 : 1, G3XXS = T == T_IQ3_XXS ? 256 : 1, KS = T == T_IQ3_XXS ? 128 : 4;
@@ -191,15 +175,14 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
             // The activation units transposed once a block (q2_act), for q2_dot.
             __shared__ Q2X xt[NT * U];
             for (int i = threadIdx.x; i < NT * U; i += 32 * WARPS) xt[i] = q2_act(x, i);
-            const u8* wrow = wsh[warp];
-            if (r < rows) wrow = stage_granules(wsh[warp], w + (size_t)r * WRB, WRB, lane, 32);
+            if (r < rows) stage<align_of_size<WRB>()>(wsh[warp], w + (size_t)r * WRB, WRB, lane, 32);
             __syncthreads();
             if (r >= rows) return;
 #pragma unroll
             for (int i = 0; i < PER; ++i) {
                 const int u = lane + 32 * i;
                 if (u < U) {
-                    const Q2W wu = q2_load(wrow, u);
+                    const Q2W wu = q2_load(wsh[warp], u);
 #pragma unroll
                     for (int t = 0; t < NT; ++t) acc[t] += q2_dot(wu, xt[t * U + u]);
                 }
@@ -212,8 +195,7 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
             return;
         }
         stage<align_of_size<NT * XRB>()>(xsh, x, NT * XRB, threadIdx.x, 32 * WARPS);
-        const u8* wrow = wsh[warp];
-        if (r < rows) wrow = stage_granules(wsh[warp], w + (size_t)r * WRB, WRB, lane, 32);
+        if (r < rows) stage<align_of_size<WRB>()>(wsh[warp], w + (size_t)r * WRB, WRB, lane, 32);
         __syncthreads();
         if (r >= rows) return;
 #pragma unroll
@@ -221,7 +203,7 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
             const int u = lane + 32 * i;
             if (u < U) {
                 // Decoded once, used for every activation row.
-                const DecUnit du = decode_for_dot<T>(wrow, u, tb);
+                const DecUnit du = decode_for_dot<T>(wsh[warp], u, tb);
 #pragma unroll
                 for (int t = 0; t < NT; ++t) acc[t] += dot_decoded<T>(du, xsh + t * XRB, u);
             }
@@ -765,9 +747,7 @@ moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, i
 // written two or more waiting launches before (see moe_gate_up_q8_q2t), so the gate/up copies
 // and computes its block before the dependency wait, then waits, then writes its Q8_0 block;
 // the down copies its weight rows before the wait (its activations are the gate/up's, read
-// after it). early = 2 (`STRATA_CUDA_MOE_TRIGGER`, session 12): besides, the gate/up lets the
-// down launch at its start, so the down's weight copies overlap the gate/up's work instead of
-// following it; the down then makes the shared expert's image after its wait.
+// after it).
 #define MQS_STAGE 48800  // 64 Q2_0 rows of 2560 (46,080 bytes) + a Q8_0 row of 2560 (2,720)
 
 // Block (blockIdx.x, q): the pair q's 32 gate and 32 up rows of its Q8_0 block blockIdx.x,
@@ -781,12 +761,6 @@ moe_gate_up_q2s(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int 
     const int q = blockIdx.y, r0 = 32 * blockIdx.x, U = k / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 half = 32 * (u32)wrb;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // early == 2: the down may launch now and copy its weight rows while this block works (its
-    // own wait still waits for this grid's end; the down makes the shared expert's image after
-    // it, since what was written one launch before this one is not settled for it then).
-    if (early == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
     const int e = early ? __ldcg(ids + q) : (grid_dep_sync(), ids[q]);
     const bool ok = e >= 0 && e < n_expert;
     if (ok && tid == 0) {
@@ -875,7 +849,7 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
             q8_0_warp(siluf_(sg[e]) * su[e], sact + 34 * b, lane);
         }
     };
-    if (sw && early == 1) shared_image();
+    if (sw && early) shared_image();
     if (!early) grid_dep_sync();
     if (tid == 0) {
         u32 bytes = 0;
@@ -891,7 +865,7 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
         }
     }
     if (early) grid_dep_sync();
-    if (sw && early != 1) shared_image();
+    if (sw && !early) shared_image();
     // The pairs' activation units, transposed (thread i: slot i / U, unit i % U).
     if (tid < kslots * U) {
         const Q2X x = q2_act(aq + (size_t)(t * kslots + tid / U) * xrb, tid % U);

@@ -91,8 +91,7 @@ __device__ __forceinline__ void mmq_transpose4(u32& v0, u32& v1, u32& v2, u32& v
 }
 
 // Weight unit u of row `wr` (nullptr: a row past the matrix, zeros) into the staging layout.
-// NARROW: the 16-bit word loads of decode_for_dot (the wide tile spills with the wider form).
-template <int T, bool NARROW = false>
+template <int T>
 __device__ __forceinline__ void mmq_stage_w(const u8* wr, int u, uint2* wq, float4* ws, int q2t) {
     if (wr == nullptr) {
 #pragma unroll
@@ -111,7 +110,7 @@ __device__ __forceinline__ void mmq_stage_w(const u8* wr, int u, uint2* wq, floa
         *ws = make_float4(ldf16(b), 0.f, __int_as_float(0), __int_as_float(0));
         return;
     }
-    DecUnit d = decode_for_dot<T, NARROW>(wr, u, global_tables());
+    DecUnit d = decode_for_dot<T>(wr, u, global_tables());
     if (T == T_Q2_0) {
         // Codes 0..3 minus 1: Σ(c − 1)·x = isum − sx, the integer dot_decoded forms.
 #pragma unroll
@@ -219,7 +218,7 @@ __device__ __forceinline__ void mmq_tile(const u8* w, int rows, int k, u64 wrb, 
 #pragma unroll
                 for (int j = 0; j < MMQ_BM / SROWS; ++j) {
                     const int u = cb + su, r = sr + SROWS * j;
-                    mmq_stage_w<T, BN == 32>(u < units ? wrs[j] : nullptr, u, wq + su * SWQ + r * 4, ws + su * SWS + r, q2t);
+                    mmq_stage_w<T>(u < units ? wrs[j] : nullptr, u, wq + su * SWQ + r * 4, ws + su * SWS + r, q2t);
                 }
                 if (xjob) {
                     const int u = cb + sxu;

@@ -215,23 +215,7 @@ __device__ __forceinline__ u32 ldw(const u8* p) {
     else return ld32a2(p);
 }
 
-// The eight consecutive words at `p` of a block of format T (ldw each). NARROW: sixteen 16-bit
-// loads where the blocks are 2-byte aligned, as before session 12 (the tensor-core tiles'
-// decoders, which spill with the wider form's registers).
-template <int T, bool NARROW = false>
-__device__ __forceinline__ void ld8w(const u8* p, u32 (&w)[8]) {
-    if constexpr (NARROW) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) w[k] = ldw<T>(p + 4 * k);
-    } else if constexpr (Fmt<T>::TS % 4 == 0) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) w[k] = *(const u32*)(p + 4 * k);
-    } else {
-        ld8w_a2(p, w);
-    }
-}
-
-template <int T, bool NARROW = false>
+template <int T>
 __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb) {
     constexpr int QK = Fmt<T>::QK, TS = Fmt<T>::TS, UPB = QK / 32;
     const u8* b = w + (size_t)(u / UPB) * TS;
@@ -240,10 +224,8 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
     d.s0 = d.s1 = 0;
     d.f0 = d.f1 = 0.f;
     if (T == T_Q8_0) {
-        u32 q[8];
-        ld8w<T, NARROW>(b + 2, q);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) d.w[k] = (int)q[k];
+        for (int k = 0; k < 8; ++k) d.w[k] = (int)ldw<T>(b + 2 + 4 * k);
         d.f0 = ldf16(b);
     } else if (T == T_Q4_0) {
         // Elements j and j + 16 are the low and high nibbles of qs[j], minus 8.
@@ -295,14 +277,13 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
     } else if (T == T_Q3_K) {
         // Unit s = groups 2s, 2s+1 of 16; element l of group g: 2 bits at 2(s&3) of
         // qs[32(s>>2) + 16g + l], minus 4 unless bit s of hmask[16g + l]: -4..3 as bytes.
-        // Word k of each: byte offset 16g + l0 = 4k (g = k >> 2, l0 = 4(k & 3)).
-        u32 qw[8], hw[8];
-        ld8w<T, NARROW>(b + 32 + 32 * (s >> 2), qw);
-        ld8w<T, NARROW>(b, hw);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            const u32 lo = (qw[k] >> (2 * (s & 3))) & 0x03030303u;
-            const u32 hb = ((hw[k] >> s) & 0x01010101u) << 2;
+            const int g = k >> 2, l0 = 4 * (k & 3);
+            const u32 qw = ldw<T>(b + 32 + 32 * (s >> 2) + 16 * g + l0);
+            const u32 hw = ldw<T>(b + 16 * g + l0);
+            const u32 lo = (qw >> (2 * (s & 3))) & 0x03030303u;
+            const u32 hb = ((hw >> s) & 0x01010101u) << 2;
             d.w[k] = (int)__vsub4(lo | hb, 0x04040404u);
         }
         d.s0 = scale_q3_k(2 * s, b + 96);
@@ -312,13 +293,10 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
         const int half = s >> 2, g = s & 3;
         const u8* ql = b + 64 * half + 32 * (g & 1);
         const u8* qh = b + 128 + 32 * half;
-        u32 lw[8], hw[8];
-        ld8w<T, NARROW>(ql, lw);
-        ld8w<T, NARROW>(qh, hw);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            const u32 lo = (lw[k] >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu;
-            const u32 hi = ((hw[k] >> (2 * g)) & 0x03030303u) << 4;
+            const u32 lo = (ldw<T>(ql + 4 * k) >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu;
+            const u32 hi = ((ldw<T>(qh + 4 * k) >> (2 * g)) & 0x03030303u) << 4;
             d.w[k] = (int)(lo | hi);  // 0..63; the -32 goes through the group sums
         }
         d.s0 = (i8)b[192 + 2 * s];
@@ -370,11 +348,9 @@ __device__ __forceinline__ float dot_decoded(const DecUnit& d, const u8* x, int 
         const u8* xb = x + 34 * (size_t)u;  // Q8_0 activation block u
         const float dx = ldf16(xb);
         int isum = 0, sx = 0;
-        u32 xv[8];
-        ld8w_a2(xb + 2, xv);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            const int xw = (int)xv[k];
+            const int xw = (int)ld32a2(xb + 2 + 4 * k);
             isum = dp4a(d.w[k], xw, isum);
             if (T == T_Q2_0) sx = dp4a(0x01010101, xw, sx);
         }

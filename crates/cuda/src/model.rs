@@ -3133,13 +3133,7 @@ pub fn moe_experts_fused_on(
         }
     }
     let settled = shared.as_ref().is_some_and(|s| s.settled) && early_experts();
-    // 2: the gate/up also lets the down launch at its start (gemv.cu moe_gate_up_q2s), where
-    // both launches are the staged kernels.
-    let trigger = settled
-        && staged.gate_up
-        && staged.down
-        && crate::device::switch_on("STRATA_CUDA_MOE_TRIGGER");
-    let early = if trigger { 2 } else { i32::from(settled) };
+    let early = i32::from(settled);
     match gate_up_q2t_threads(ex.gate.ty, h / 32) {
         _ if staged.gate_up => launch!(
             gpu,
