@@ -754,7 +754,8 @@ moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, i
 // 512 threads: warp w the rows w, w + 16, w + 32, w + 48 (gate rows below 32, up above).
 extern "C" __global__ void __launch_bounds__(512)
 moe_gate_up_q2s(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int n_expert, const u8* x, int kslots,
-                u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err, int early) {
+                u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err, int early, const u8* wd, u64 dslab, u64 dwrb,
+                int drows) {
     __shared__ __align__(128) u8 st[MQS_STAGE];
     __shared__ float gu[64];
     __shared__ __align__(8) u64 bar;
@@ -768,6 +769,12 @@ moe_gate_up_q2s(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int 
         bulk_to_smem(st, wg + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &bar);
         bulk_to_smem(st + half, wu + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &bar);
         bulk_to_smem(st + 2 * half, x + (size_t)(q / kslots) * xrb, (u32)xrb, &bar);
+    }
+    // wd (the down's weights, model::moe_experts_fused_on): this block's share of its expert's
+    // down rows into L2 for the down kernel after it (weights: safe before any wait).
+    if (ok && wd != nullptr) {
+        const int per = (drows + gridDim.x - 1) / gridDim.x, a = blockIdx.x * per, b = min(drows, a + per);
+        if (a < b) prefetch_l2(wd + (size_t)e * dslab + (size_t)a * dwrb, (u64)(b - a) * dwrb);
     }
     u8* blk = aq + (size_t)q * (34 * (u64)(ff / 32)) + 34 * (size_t)blockIdx.x;
     if (!ok) {
@@ -1273,20 +1280,39 @@ __device__ __forceinline__ void hc_up4_sums(const u8* wu, const u8* aq, int h, i
 // itself (its units are the lanes below U) and the xor-2 and -1 steps with its three
 // neighbours — so the units of a row load in parallel, three a thread, all before the wait,
 // with no shared contributions. Block: 64 rows = 64/S columns × S streams; grid ceil(h·S/64).
+//
+// `early` (model::hc_mix_fused, STRATA_CUDA_HC_UP_EARLY): xn was written two launches back with
+// a waiting launch between (the norm, then the down), so it is complete when this grid starts:
+// each output's thread (nt · J ≤ 256) loads its S normed values through L2 before the wait,
+// and the epilogue after the sums has no load left. The same values, so the same bits.
 extern "C" __global__ void __launch_bounds__(256)
 hc_up_q4_bf16(const u8* wu, const u8* aq, const float* xn, float* u, int h, int streams, int rank, int nt,
-              float inv_s) {
+              float inv_s, int early) {
     __shared__ __align__(16) u8 ash[UNITS_XSTAGE];
     __shared__ float gs[8 * 64];
-    hc_up4_sums(wu, aq, h, streams, rank, nt, ash, gs);
     const int J = 64 / streams, j0 = blockIdx.x * J;
     const int jn = min(J, h - j0);
     const size_t sh = (size_t)streams * h;
+    float xv[8];
+    if (early && (int)threadIdx.x < nt * jn) {
+        const int t = threadIdx.x / jn, c = threadIdx.x - t * jn;
+        const float* xr = xn + (size_t)t * sh + j0 + c;
+#pragma unroll
+        for (int g = 0; g < 8; ++g)
+            if (g < streams) xv[g] = __ldcg(xr + (size_t)g * h);
+    }
+    hc_up4_sums(wu, aq, h, streams, rank, nt, ash, gs);
     for (int i = threadIdx.x; i < nt * jn; i += blockDim.x) {
         const int t = i / jn, c = i - t * jn;
         const float* xr = xn + (size_t)t * sh + j0 + c;
         float acc = 0.f;
-        for (int g = 0; g < streams; ++g) acc += sigmoidf_(gs[t * 64 + g * J + c]) * xr[(size_t)g * h];
+        if (early) {
+#pragma unroll
+            for (int g = 0; g < 8; ++g)
+                if (g < streams) acc += sigmoidf_(gs[t * 64 + g * J + c]) * xv[g];
+        } else {
+            for (int g = 0; g < streams; ++g) acc += sigmoidf_(gs[t * 64 + g * J + c]) * xr[(size_t)g * h];
+        }
         u[(size_t)t * h + j0 + c] = acc * inv_s;
     }
 }

@@ -1390,12 +1390,22 @@ pub fn hc_mix_fused(
     // The up rows, the activation image and the normed rows.
     gpu.note_bytes(2 * sh * rank + 2 * rows * rank + 4 * rows * sh);
     if hc_up_q4_applies(st, rank, rows) {
+        // The normed rows were written two launches back (the norm, then the down, which waits
+        // for it): settled when the up starts, so its blocks may load them before their wait
+        // (`STRATA_CUDA_HC_UP_EARLY`, session 12; not with the opt-in trigger-first, which
+        // lets kernels start before the one before them has waited). Each of the block's
+        // outputs takes one thread (rows · 64/S ≤ 256).
+        let early = i32::from(
+            crate::device::switch_on("STRATA_CUDA_HC_UP_EARLY")
+                && !crate::sources::trigger_first()
+                && rows * (64 / st) <= 256,
+        );
         return launch!(
             gpu,
             "gemv_bf16",
             "hc_up_q4_bf16",
             cfg(h.div_ceil(64 / st) as u32, 256),
-            [&hc.up.bytes, &s.aq, &s.xn, u, &hi, &si, &ri, &ni, &inv_s]
+            [&hc.up.bytes, &s.aq, &s.xn, u, &hi, &si, &ri, &ni, &inv_s, &early]
         );
     }
     let rb = units_rows_per_block(rank / 32, rows, sh)
@@ -3134,6 +3144,22 @@ pub fn moe_experts_fused_on(
     }
     let settled = shared.as_ref().is_some_and(|s| s.settled) && early_experts();
     let early = i32::from(settled);
+    // The down's weight rows of each pair's expert, pulled into L2 by the staged gate/up's
+    // blocks (`STRATA_CUDA_MOE_DOWN_L2`, session 12): each block its share of the rows, so the
+    // down's bulk copies find them there. 0: none.
+    let (pd, pdslab, pdwrb) = if staged.gate_up
+        && staged.down
+        && crate::device::switch_on("STRATA_CUDA_MOE_DOWN_L2")
+    {
+        (
+            addr(gpu, &ex.down.bytes),
+            u64_of(ex.down.slab_bytes()?),
+            u64_of(ex.down.row_bytes()?),
+        )
+    } else {
+        (0u64, 0u64, 0u64)
+    };
+    let pdrows = i32_of(k, ex.down.rows)?;
     match gate_up_q2t_threads(ex.gate.ty, h / 32) {
         _ if staged.gate_up => launch!(
             gpu,
@@ -3154,7 +3180,11 @@ pub fn moe_experts_fused_on(
                 &wb,
                 &xb,
                 &mut *err,
-                &early
+                &early,
+                &pd,
+                &pdslab,
+                &pdwrb,
+                &pdrows
             ]
         )?,
         Some(threads) => launch!(
