@@ -483,6 +483,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
         bail!("nothing to measure: every -p and -n is 0");
     }
 
+    // The comparisons' specs are checked before anything loads.
+    let arms: Vec<Arm> = match (&a.ab, &a.ablate) {
+        (Some(spec), _) => vec![Arm::Switches(parse_ab(spec)?)],
+        (_, Some(spec)) => parse_ablate(spec)?.into_iter().map(Arm::Ablate).collect(),
+        _ => Vec::new(),
+    };
     let choice = a.model.resolve()?;
     let path = choice.path()?;
     let file = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
@@ -515,14 +521,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
         load::Bound::Qwen4expCuda(m) => Some(m.backend()),
         _ => None,
     };
-    let arms: Vec<Arm> = match (&a.ab, &a.ablate) {
-        (Some(_), _) | (_, Some(_)) if profiler.is_none() => {
-            bail!("--ab and --ablate (comparisons inside the CUDA step) need the CUDA backend")
-        }
-        (Some(spec), _) => vec![Arm::Switches(parse_ab(spec)?)],
-        (_, Some(spec)) => parse_ablate(spec)?.into_iter().map(Arm::Ablate).collect(),
-        _ => Vec::new(),
-    };
+    if !arms.is_empty() && profiler.is_none() {
+        bail!("--ab and --ablate (comparisons inside the CUDA step) need the CUDA backend");
+    }
     let wgpu = match &loaded.model {
         load::Bound::Qwen2Wgpu(m) => Some(m.backend()),
         load::Bound::Qwen4expWgpu(m) => Some(m.backend()),

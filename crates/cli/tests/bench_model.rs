@@ -127,6 +127,29 @@ fn bench_model_table_and_refusals() {
         err.contains("--ab") && err.contains("CUDA backend"),
         "{err}"
     );
+    // So do marginal costs; a list that names no kernel, or a name that is none, is refused
+    // before anything loads; --ab and --ablate are one comparison or the other.
+    for (args, want) in [
+        (vec!["--ablate", "hc_down_bf16;*"], "CUDA backend"),
+        (vec!["--ablate", " ; ,"], "no kernel named"),
+        (vec!["--ablate", "hc_down_bf16;rm -rf"], "not a kernel name"),
+        (
+            vec!["--ab", "STRATA_CUDA_NOPE=0"],
+            "not one of the STRATA_CUDA_* switches",
+        ),
+        (
+            vec!["--ab", "STRATA_CUDA_QSA_PREP=0", "--ablate", "x"],
+            "cannot be used with",
+        ),
+    ] {
+        let mut a = vec!["bench", "model", "-m", m];
+        a.extend(args.iter().copied());
+        let out = strata(&a, None);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
 
     // The tiny fixture's context is 4,096 positions.
     let out = strata(

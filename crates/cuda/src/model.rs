@@ -1405,7 +1405,18 @@ pub fn hc_mix_fused(
             "gemv_bf16",
             "hc_up_q4_bf16",
             cfg(h.div_ceil(64 / st) as u32, 256),
-            [&hc.up.bytes, &s.aq, &s.xn, u, &hi, &si, &ri, &ni, &inv_s, &early]
+            [
+                &hc.up.bytes,
+                &s.aq,
+                &s.xn,
+                u,
+                &hi,
+                &si,
+                &ri,
+                &ni,
+                &inv_s,
+                &early
+            ]
         );
     }
     let rb = units_rows_per_block(rank / 32, rows, sh)
@@ -3147,18 +3158,16 @@ pub fn moe_experts_fused_on(
     // The down's weight rows of each pair's expert, pulled into L2 by the staged gate/up's
     // blocks (`STRATA_CUDA_MOE_DOWN_L2`, session 12): each block its share of the rows, so the
     // down's bulk copies find them there. 0: none.
-    let (pd, pdslab, pdwrb) = if staged.gate_up
-        && staged.down
-        && crate::device::switch_on("STRATA_CUDA_MOE_DOWN_L2")
-    {
-        (
-            addr(gpu, &ex.down.bytes),
-            u64_of(ex.down.slab_bytes()?),
-            u64_of(ex.down.row_bytes()?),
-        )
-    } else {
-        (0u64, 0u64, 0u64)
-    };
+    let (pd, pdslab, pdwrb) =
+        if staged.gate_up && staged.down && crate::device::switch_on("STRATA_CUDA_MOE_DOWN_L2") {
+            (
+                addr(gpu, &ex.down.bytes),
+                u64_of(ex.down.slab_bytes()?),
+                u64_of(ex.down.row_bytes()?),
+            )
+        } else {
+            (0u64, 0u64, 0u64)
+        };
     let pdrows = i32_of(k, ex.down.rows)?;
     match gate_up_q2t_threads(ex.gate.ty, h / 32) {
         _ if staged.gate_up => launch!(
