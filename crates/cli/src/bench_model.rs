@@ -596,10 +596,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
             );
             if h.downloads > 0 {
                 eprintln!(
-                    "{}: {} downloads, {:.1} µs each once the device had finished the step",
+                    "{}: {} downloads, {:.1} µs each once the device had finished the step \
+                     ({:.1} of them copying out of page-locked memory)",
                     t.name(),
                     h.downloads,
-                    h.download_ns as f64 / 1e3 / h.downloads as f64
+                    h.download_ns as f64 / 1e3 / h.downloads as f64,
+                    h.copy_out_ns as f64 / 1e3 / h.downloads as f64
                 );
             }
             if h.timed > 0 {

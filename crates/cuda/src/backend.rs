@@ -97,6 +97,8 @@ pub struct HostStats {
     /// finished the work before them (the copy and its own wait).
     pub downloads: u64,
     pub download_ns: u64,
+    /// The part of `download_ns` spent copying out of the page-locked read-back buffer.
+    pub copy_out_ns: u64,
     pub device_span_ns: Vec<u64>,
     pub device_gap_ns: Vec<u64>,
 }
@@ -1771,11 +1773,13 @@ impl Backend for CudaBackend {
         // The wait for the work before it, then the copy alone (timed apart for the stats).
         self.gpu.sync().map_err(dev)?;
         let t0 = std::time::Instant::now();
+        let c0 = self.gpu.copy_out_ns();
         let v = self.gpu.download_f32(&x.data, x.len()).map_err(dev)?;
         {
             let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
             h.downloads += 1;
             h.download_ns += t0.elapsed().as_nanos() as u64;
+            h.copy_out_ns += self.gpu.copy_out_ns() - c0;
         }
         self.check_err()?;
         Ok(v)

@@ -63,7 +63,7 @@ pub struct Blas {
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_TRIGGER_FIRST`, `STRATA_CUDA_PLE_HOST`, `STRATA_CUDA_FAST_PREFILL` and
 /// `STRATA_CUDA_BATCH` are off unless `1`).
-pub const SWITCHES: [&str; 25] = [
+pub const SWITCHES: [&str; 26] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -89,6 +89,7 @@ pub const SWITCHES: [&str; 25] = [
     "STRATA_CUDA_MOE_DOWN_L2",
     "STRATA_CUDA_HC_UP_EARLY",
     "STRATA_CUDA_PARTS_EARLIER",
+    "STRATA_CUDA_READBACK_PAR",
 ];
 
 /// The switches read once, when the device opens, a backend is made or a model loads (or a
@@ -227,7 +228,13 @@ pub struct Gpu {
     /// Page-locked (cacheable) host memory that downloads land in ([`Gpu::download_f32`]),
     /// grown to the largest download so far up to [`READBACK_MAX`].
     readback: Mutex<Option<HostMem>>,
+    copy_out_ns: std::sync::atomic::AtomicU64,
 }
+
+/// Downloads of at least this many values are copied out of the read-back buffer by
+/// [`PAR_COPY_PARTS`] threads (`STRATA_CUDA_READBACK_PAR`).
+const PAR_COPY_MIN: usize = 1 << 16;
+const PAR_COPY_PARTS: usize = 8;
 
 /// Downloads of at most this many bytes go through the page-locked read-back buffer.
 pub const READBACK_MAX: usize = 64 << 20;
@@ -350,6 +357,7 @@ impl Gpu {
             next_bytes: Mutex::new(None),
             staging: Mutex::new(None),
             readback: Mutex::new(None),
+            copy_out_ns: std::sync::atomic::AtomicU64::new(0),
             rec: Mutex::new(None),
             blas: Mutex::new(None),
         })
@@ -776,13 +784,33 @@ impl Gpu {
                 .map_err(drv("cuMemcpyDtoHAsync (read-back)"))?;
         }
         self.sync()?;
-        let mut v = Vec::with_capacity(n);
-        // SAFETY: `n` f32 were written by the copy just waited for; `v` has room for them.
-        unsafe {
-            std::ptr::copy_nonoverlapping(m.ptr as *const f32, v.as_mut_ptr(), n);
-            v.set_len(n);
-        }
+        let t = std::time::Instant::now();
+        // SAFETY: `n` f32 were written by the copy just waited for.
+        let host = unsafe { std::slice::from_raw_parts(m.ptr as *const f32, n) };
+        let v = if n >= PAR_COPY_MIN && switch_on("STRATA_CUDA_READBACK_PAR") {
+            // A logits row (≈ 1 MB) copied out by several threads: one thread's copy out of
+            // memory the device just wrote runs at a few GB/s.
+            let mut v = vec![0f32; n];
+            let chunk = n.div_ceil(PAR_COPY_PARTS);
+            use rayon::prelude::*;
+            v.par_chunks_mut(chunk)
+                .zip(host.par_chunks(chunk))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            v
+        } else {
+            host.to_vec()
+        };
+        self.copy_out_ns.fetch_add(
+            t.elapsed().as_nanos() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Ok(v)
+    }
+
+    /// Host time spent copying downloads out of the read-back buffer, in total (the rest of a
+    /// download is the device's copy and its wait).
+    pub fn copy_out_ns(&self) -> u64 {
+        self.copy_out_ns.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn sync(&self) -> Result<(), CudaError> {
