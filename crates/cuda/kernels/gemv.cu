@@ -754,8 +754,7 @@ moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, i
 // 512 threads: warp w the rows w, w + 16, w + 32, w + 48 (gate rows below 32, up above).
 extern "C" __global__ void __launch_bounds__(512)
 moe_gate_up_q2s(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int n_expert, const u8* x, int kslots,
-                u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err, int early, const u8* wd, u64 dslab, u64 dwrb,
-                int drows) {
+                u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err, int early) {
     __shared__ __align__(128) u8 st[MQS_STAGE];
     __shared__ float gu[64];
     __shared__ __align__(8) u64 bar;
@@ -769,12 +768,6 @@ moe_gate_up_q2s(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int 
         bulk_to_smem(st, wg + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &bar);
         bulk_to_smem(st + half, wu + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &bar);
         bulk_to_smem(st + 2 * half, x + (size_t)(q / kslots) * xrb, (u32)xrb, &bar);
-    }
-    // wd (the down's weights, model::moe_experts_fused_on): this block's share of its expert's
-    // down rows into L2 for the down kernel after it (weights: safe before any wait).
-    if (ok && wd != nullptr) {
-        const int per = (drows + gridDim.x - 1) / gridDim.x, a = blockIdx.x * per, b = min(drows, a + per);
-        if (a < b) prefetch_l2(wd + (size_t)e * dslab + (size_t)a * dwrb, (u64)(b - a) * dwrb);
     }
     u8* blk = aq + (size_t)q * (34 * (u64)(ff / 32)) + 34 * (size_t)blockIdx.x;
     if (!ok) {

@@ -333,11 +333,6 @@ const PART_OPS: usize = 128;
 /// waits for the host only until then.
 const FIRST_PART_OPS: usize = 32;
 
-/// The first part's size with `STRATA_CUDA_PARTS_EARLIER=1` (an opt-in measuring switch,
-/// session 12): parts are handed over at layer ends, and layer 0 with the embedding is ≈ 22
-/// ops, so at 32 the first part waits for layer 1 (and the PLE layer) as well.
-const EARLIER_PART_OPS: usize = 16;
-
 thread_local! {
     /// Whether this thread is inside a [`Backend::step`] of the CUDA backend.
     static IN_STEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -1709,14 +1704,7 @@ impl Backend for CudaBackend {
             return Ok(());
         };
         let first = run.part == 0 && crate::device::switch_on("STRATA_CUDA_PARTS_EARLY");
-        let at = if !first {
-            PART_OPS
-        } else if crate::device::switch_set("STRATA_CUDA_PARTS_EARLIER") {
-            EARLIER_PART_OPS
-        } else {
-            FIRST_PART_OPS
-        };
-        if run.flushed || self.gpu.recorded() < at {
+        if run.flushed || self.gpu.recorded() < if first { FIRST_PART_OPS } else { PART_OPS } {
             return Ok(());
         }
         let Some(ops) = self.gpu.take_recording() else {

@@ -63,7 +63,7 @@ pub struct Blas {
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_TRIGGER_FIRST`, `STRATA_CUDA_PLE_HOST`, `STRATA_CUDA_FAST_PREFILL` and
 /// `STRATA_CUDA_BATCH` are off unless `1`).
-pub const SWITCHES: [&str; 26] = [
+pub const SWITCHES: [&str; 23] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -86,10 +86,7 @@ pub const SWITCHES: [&str; 26] = [
     "STRATA_CUDA_PARTS",
     "STRATA_CUDA_PARTS_EARLY",
     "STRATA_CUDA_READBACK",
-    "STRATA_CUDA_MOE_DOWN_L2",
     "STRATA_CUDA_HC_UP_EARLY",
-    "STRATA_CUDA_PARTS_EARLIER",
-    "STRATA_CUDA_READBACK_PAR",
 ];
 
 /// The switches read once, when the device opens, a backend is made or a model loads (or a
@@ -230,11 +227,6 @@ pub struct Gpu {
     readback: Mutex<Option<HostMem>>,
     copy_out_ns: std::sync::atomic::AtomicU64,
 }
-
-/// Downloads of at least this many values are copied out of the read-back buffer by
-/// [`PAR_COPY_PARTS`] threads (`STRATA_CUDA_READBACK_PAR`).
-const PAR_COPY_MIN: usize = 1 << 16;
-const PAR_COPY_PARTS: usize = 8;
 
 /// Downloads of at most this many bytes go through the page-locked read-back buffer.
 pub const READBACK_MAX: usize = 64 << 20;
@@ -787,19 +779,7 @@ impl Gpu {
         let t = std::time::Instant::now();
         // SAFETY: `n` f32 were written by the copy just waited for.
         let host = unsafe { std::slice::from_raw_parts(m.ptr as *const f32, n) };
-        let v = if n >= PAR_COPY_MIN && switch_on("STRATA_CUDA_READBACK_PAR") {
-            // A logits row (≈ 1 MB) copied out by several threads: one thread's copy out of
-            // memory the device just wrote runs at a few GB/s.
-            let mut v = vec![0f32; n];
-            let chunk = n.div_ceil(PAR_COPY_PARTS);
-            use rayon::prelude::*;
-            v.par_chunks_mut(chunk)
-                .zip(host.par_chunks(chunk))
-                .for_each(|(d, s)| d.copy_from_slice(s));
-            v
-        } else {
-            host.to_vec()
-        };
+        let v = host.to_vec();
         self.copy_out_ns.fetch_add(
             t.elapsed().as_nanos() as u64,
             std::sync::atomic::Ordering::Relaxed,

@@ -3155,20 +3155,6 @@ pub fn moe_experts_fused_on(
     }
     let settled = shared.as_ref().is_some_and(|s| s.settled) && early_experts();
     let early = i32::from(settled);
-    // The down's weight rows of each pair's expert, pulled into L2 by the staged gate/up's
-    // blocks (`STRATA_CUDA_MOE_DOWN_L2`, session 12): each block its share of the rows, so the
-    // down's bulk copies find them there. 0: none.
-    let (pd, pdslab, pdwrb) =
-        if staged.gate_up && staged.down && crate::device::switch_on("STRATA_CUDA_MOE_DOWN_L2") {
-            (
-                addr(gpu, &ex.down.bytes),
-                u64_of(ex.down.slab_bytes()?),
-                u64_of(ex.down.row_bytes()?),
-            )
-        } else {
-            (0u64, 0u64, 0u64)
-        };
-    let pdrows = i32_of(k, ex.down.rows)?;
     match gate_up_q2t_threads(ex.gate.ty, h / 32) {
         _ if staged.gate_up => launch!(
             gpu,
@@ -3189,11 +3175,7 @@ pub fn moe_experts_fused_on(
                 &wb,
                 &xb,
                 &mut *err,
-                &early,
-                &pd,
-                &pdslab,
-                &pdwrb,
-                &pdrows
+                &early
             ]
         )?,
         Some(threads) => launch!(
