@@ -600,6 +600,13 @@ impl Session for Limited<'_> {
     fn rewind(&mut self, pos: usize) -> strata_engine::Result<()> {
         self.inner.rewind(pos)
     }
+    fn feed_picked(
+        &mut self,
+        tokens: &[u32],
+        pick: strata_engine::backend::DevicePick,
+    ) -> strata_engine::Result<Option<u32>> {
+        self.inner.feed_picked(tokens, pick)
+    }
 }
 
 /// The context a command runs in: `--ctx`, at most the model's.

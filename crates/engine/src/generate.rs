@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DevicePick};
 use crate::decode::{self, DraftEdit, Judged, Policy, Stepper};
 use crate::error::{EngineError, Result};
 use crate::qwen4exp::ops::Qwen4expOps;
@@ -28,6 +28,14 @@ pub trait Session {
     fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
     /// Forgets every token from position `pos` on (`pos` ≤ the current position).
     fn rewind(&mut self, pos: usize) -> Result<()>;
+    /// [`Session::feed`] with `pick`'s token after the last of them chosen where the logits
+    /// are (the token at position `tokens().len()` after the call; only its id crosses the
+    /// backend's boundary: `Backend::pick_rows`), for the decoding loop's plain windows.
+    /// None: this session cannot, and nothing was consumed (the default).
+    fn feed_picked(&mut self, tokens: &[u32], pick: DevicePick) -> Result<Option<u32>> {
+        let _ = (tokens, pick);
+        Ok(None)
+    }
 }
 
 /// A qwen2 sequence: its KV caches roll back by truncation.
@@ -109,6 +117,34 @@ impl<B: Qwen4expOps> Session for Qwen4expSession<'_, B> {
                 // A failed call leaves the recurrent states part-way while the token history is
                 // untouched (it grows only on success): rebuild from the history. Checkpointing
                 // every call instead would copy megabytes of state per token.
+                self.replay(self.state.tokens().len())?;
+                Err(e)
+            }
+        }
+    }
+    fn feed_picked(&mut self, tokens: &[u32], pick: DevicePick) -> Result<Option<u32>> {
+        // The step as `feed` runs it (a batch of one is that sequence's own step), then the
+        // pick on the backend: a verify window's path (`crate::speculative::target`), so a
+        // decode token moves one id instead of a row of logits (≈ 1 MB on the full model).
+        let at = (self.state.tokens().len() + tokens.len()) as u64;
+        let run = (|| {
+            let mut items = [qwen4exp::BatchItem::rows(&mut self.state, tokens, true)];
+            let out = self.model.forward_batch_dev(&mut items)?;
+            let b = self.model.backend();
+            let logits = &out
+                .first()
+                .ok_or_else(|| EngineError::shape("feed_picked", "no output for the sequence"))?
+                .logits;
+            b.download_ids(&b.pick_rows(logits, pick, at)?)
+        })();
+        match run {
+            Ok(ids) if ids.len() == 1 => Ok(Some(ids[0])),
+            Ok(ids) => Err(EngineError::shape(
+                "feed_picked",
+                format!("{} picks for one row", ids.len()),
+            )),
+            Err(e) => {
+                // As `feed`: rebuild the recurrent states from the untouched history.
                 self.replay(self.state.tokens().len())?;
                 Err(e)
             }
@@ -267,6 +303,12 @@ impl Stepper for SessionStepper<'_> {
             ));
         }
         self.0.feed(window)
+    }
+    fn verify_picked(&mut self, window: &[u32], pick: DevicePick) -> Result<Option<Vec<u32>>> {
+        if window.len() != 1 {
+            return Ok(None);
+        }
+        Ok(self.0.feed_picked(window, pick)?.map(|t| vec![t]))
     }
     fn settle(&mut self, seq: &[u32], judged: Judged) -> Result<()> {
         let want = &seq[..seq.len().saturating_sub(1)];

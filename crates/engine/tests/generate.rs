@@ -134,3 +134,84 @@ fn a_diverging_prompt_replays_the_shared_prefix() {
     let again = greedy(&mut s, &longer, 4, 512, &|_| false);
     assert_eq!(again.tokens, h.tokens);
 }
+
+/// A session that only feeds (the default `feed_picked`: None), so the decoding loop picks on
+/// the host from each token's logits.
+struct LogitsOnly<'a, 'm>(&'a mut Qwen4expSession<'m, CpuBackend>);
+
+impl Session for LogitsOnly<'_, '_> {
+    fn n_vocab(&self) -> usize {
+        self.0.n_vocab()
+    }
+    fn n_ctx(&self) -> usize {
+        self.0.n_ctx()
+    }
+    fn tokens(&self) -> &[u32] {
+        self.0.tokens()
+    }
+    fn feed(&mut self, tokens: &[u32]) -> strata_engine::Result<Vec<f32>> {
+        self.0.feed(tokens)
+    }
+    fn rewind(&mut self, pos: usize) -> strata_engine::Result<()> {
+        self.0.rewind(pos)
+    }
+}
+
+/// Plain decoding's windows take the backend's pick (`Session::feed_picked`, only ids cross)
+/// where the sampler is one (greedy, or a seeded draw with at most a temperature): the tokens,
+/// the stop and the sequence equal the host's picks from the logits, and a direct call picks
+/// what `sampler::pick_row` picks at the next token's position.
+#[test]
+fn plain_decoding_with_the_backends_pick_equals_picking_from_the_logits() {
+    use strata_engine::backend::DevicePick;
+    use strata_engine::sampler::{pick_row, Pick, Stage};
+    let model = tiny();
+    let configs = [
+        SamplerConfig::greedy(),
+        SamplerConfig {
+            stages: vec![Stage::Temperature { t: 0.7 }],
+            pick: Pick::Draw { seed: 42 },
+        },
+        SamplerConfig {
+            stages: Vec::new(),
+            pick: Pick::Draw { seed: 7 },
+        },
+    ];
+    for cfg in configs {
+        assert!(cfg.device_pick().is_some(), "{cfg:?} is a device pick");
+        let opts = GenOptions {
+            max_tokens: 12,
+            prefill_chunk: 4,
+        };
+        let run = |s: &mut dyn Session| {
+            let mut sampler = Sampler::new(cfg.clone()).unwrap();
+            generate::generate(s, &PROMPT, &mut sampler, &|_| false, &opts, &mut |_| true).unwrap()
+        };
+        let mut picked = Qwen4expSession::new(&model).unwrap();
+        let a = run(&mut picked);
+        let mut plain = Qwen4expSession::new(&model).unwrap();
+        let b = run(&mut LogitsOnly(&mut plain));
+        assert_eq!(a.tokens, b.tokens, "{cfg:?}");
+        assert_eq!(a.stop, b.stop, "{cfg:?}");
+        assert_eq!(picked.tokens(), plain.tokens(), "{cfg:?}");
+        assert_eq!(a.tokens.len(), 12);
+    }
+    // One call: the pick of the token after the fed one, at its position.
+    let mut s = Qwen4expSession::new(&model).unwrap();
+    let mut t = Qwen4expSession::new(&model).unwrap();
+    s.feed(&PROMPT).unwrap();
+    t.feed(&PROMPT).unwrap();
+    for pick in [
+        DevicePick::Greedy,
+        DevicePick::Draw {
+            seed: 3,
+            temperature: 0.9,
+        },
+    ] {
+        let got = s.feed_picked(&[PROMPT[0]], pick).unwrap();
+        let logits = t.feed(&[PROMPT[0]]).unwrap();
+        let want = pick_row(pick, &logits, t.tokens().len() as u64).unwrap();
+        assert_eq!(got, Some(want), "{pick:?}");
+        assert_eq!(s.tokens(), t.tokens());
+    }
+}
