@@ -74,6 +74,16 @@ impl<B: Backend> Session for Qwen2Session<'_, B> {
             }
         }
     }
+    fn feed_picked(&mut self, tokens: &[u32], pick: DevicePick) -> Result<Option<u32>> {
+        let pos = self.state.position();
+        match self.model.forward_picked(&mut self.state, tokens, pick) {
+            Ok(id) => Ok(Some(id)),
+            Err(e) => {
+                self.model.truncate(&mut self.state, pos)?;
+                Err(e)
+            }
+        }
+    }
     fn rewind(&mut self, pos: usize) -> Result<()> {
         self.model.truncate(&mut self.state, pos)
     }
@@ -125,7 +135,8 @@ impl<B: Qwen4expOps> Session for Qwen4expSession<'_, B> {
     fn feed_picked(&mut self, tokens: &[u32], pick: DevicePick) -> Result<Option<u32>> {
         // The step as `feed` runs it (a batch of one is that sequence's own step), then the
         // pick on the backend: a verify window's path (`crate::speculative::target`), so a
-        // decode token moves one id instead of a row of logits (≈ 1 MB on the full model).
+        // decode token moves one id instead of a row of logits (≈ 1 MB on the full model;
+        // qwen2: `qwen2::Model::forward_picked`).
         let at = (self.state.tokens().len() + tokens.len()) as u64;
         let run = (|| {
             let mut items = [qwen4exp::BatchItem::rows(&mut self.state, tokens, true)];

@@ -9,6 +9,8 @@ use strata_engine::qwen4exp::{LoadOptions, Model};
 use strata_engine::sampler::{argmax, Sampler, SamplerConfig};
 use strata_engine::CpuBackend;
 
+mod qwen2_random;
+
 fn tiny() -> Model<CpuBackend> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../fixtures/qwen4exp/tiny/model-f32.gguf");
@@ -213,5 +215,65 @@ fn plain_decoding_with_the_backends_pick_equals_picking_from_the_logits() {
         let want = pick_row(pick, &logits, t.tokens().len() as u64).unwrap();
         assert_eq!(got, Some(want), "{pick:?}");
         assert_eq!(s.tokens(), t.tokens());
+    }
+}
+
+/// The same for qwen2 (`qwen2::Model::forward_picked`), on the random model in the default
+/// model's formats: greedy and a seeded draw against picking from the logits.
+#[test]
+fn qwen2_plain_decoding_with_the_backends_pick_equals_picking_from_the_logits() {
+    use strata_engine::generate::Qwen2Session;
+    use strata_engine::qwen2::{LoadOptions as Q2, Model as M2};
+    use strata_engine::sampler::{Pick, Stage};
+    let model = M2::from_file(
+        qwen2_random::qwen2_mixed(),
+        CpuBackend::new(2).unwrap(),
+        &Q2 {
+            kv_type: strata_engine::KvType::F32,
+        },
+    )
+    .unwrap();
+    let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 1024).collect();
+    struct Only<'a, 'm>(&'a mut Qwen2Session<'m, CpuBackend>);
+    impl Session for Only<'_, '_> {
+        fn n_vocab(&self) -> usize {
+            self.0.n_vocab()
+        }
+        fn n_ctx(&self) -> usize {
+            self.0.n_ctx()
+        }
+        fn tokens(&self) -> &[u32] {
+            self.0.tokens()
+        }
+        fn feed(&mut self, tokens: &[u32]) -> strata_engine::Result<Vec<f32>> {
+            self.0.feed(tokens)
+        }
+        fn rewind(&mut self, pos: usize) -> strata_engine::Result<()> {
+            self.0.rewind(pos)
+        }
+    }
+    for cfg in [
+        SamplerConfig::greedy(),
+        SamplerConfig {
+            stages: vec![Stage::Temperature { t: 0.8 }],
+            pick: Pick::Draw { seed: 11 },
+        },
+    ] {
+        let opts = GenOptions {
+            max_tokens: 16,
+            prefill_chunk: 5,
+        };
+        let run = |s: &mut dyn Session| {
+            let mut sampler = Sampler::new(cfg.clone()).unwrap();
+            generate::generate(s, &prompt, &mut sampler, &|_| false, &opts, &mut |_| true).unwrap()
+        };
+        let mut picked = Qwen2Session::new(&model).unwrap();
+        let a = run(&mut picked);
+        let mut plain = Qwen2Session::new(&model).unwrap();
+        let b = run(&mut Only(&mut plain));
+        assert_eq!(a.tokens, b.tokens, "{cfg:?}");
+        assert_eq!(a.stop, b.stop, "{cfg:?}");
+        assert_eq!(picked.tokens(), plain.tokens(), "{cfg:?}");
+        assert_eq!(a.tokens.len(), 16);
     }
 }

@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 use strata_gguf::GgufFile;
 
-use crate::backend::{Backend, DeviceBuf, Prepared, RowStore, StepInputs, StepKey, StepKind};
+use crate::backend::{
+    Backend, DeviceBuf, DevicePick, Prepared, RowStore, StepInputs, StepKey, StepKind,
+};
 use crate::batch::{self, Split};
 use crate::error::{EngineError, Result};
 
@@ -234,26 +236,52 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         last_only: bool,
     ) -> Result<Outputs> {
-        let b = &self.backend;
-        let c = &self.config;
-        self.check(st, tokens)?;
-        let n = tokens.len();
-        let start = st.pos;
-        let key = StepKey {
-            kind: StepKind::Forward,
-            rows: n,
-            outputs: last_only as u32,
-            seq: st.id,
-        };
-        let logits = b.step(key, || {
-            let inputs = StepInputs::new(b, tokens, start, &[])?;
-            self.layers_and_head(&mut [&mut *st], &inputs, &Split::one(), last_only)
-        })?;
-        let logits = b.download(&logits)?;
+        let logits = self.forward_step(st, tokens, last_only)?;
+        let logits = self.backend.download(&logits)?;
         self.advance(st, tokens)?;
         Ok(Outputs {
             logits,
-            n_vocab: c.n_vocab,
+            n_vocab: self.config.n_vocab,
+        })
+    }
+
+    /// [`Model::forward_with`] of `tokens` with the last token's logits left on the backend
+    /// and `pick`'s token after it chosen there (`Backend::pick_rows`, at the next token's
+    /// position): only the id crosses (plain decoding, `generate::Session::feed_picked`).
+    pub fn forward_picked(
+        &self,
+        st: &mut State<B>,
+        tokens: &[u32],
+        pick: DevicePick,
+    ) -> Result<u32> {
+        let b = &self.backend;
+        let at = (st.pos + tokens.len()) as u64;
+        let logits = self.forward_step(st, tokens, true)?;
+        let ids = b.download_ids(&b.pick_rows(&logits, pick, at)?)?;
+        self.advance(st, tokens)?;
+        match ids[..] {
+            [id] => Ok(id),
+            _ => Err(EngineError::shape(
+                "forward_picked",
+                format!("{} picks for one row", ids.len()),
+            )),
+        }
+    }
+
+    /// The step of [`Model::forward_with`]: its logits on the backend, the state not advanced.
+    fn forward_step(&self, st: &mut State<B>, tokens: &[u32], last_only: bool) -> Result<B::Buf> {
+        let b = &self.backend;
+        self.check(st, tokens)?;
+        let start = st.pos;
+        let key = StepKey {
+            kind: StepKind::Forward,
+            rows: tokens.len(),
+            outputs: last_only as u32,
+            seq: st.id,
+        };
+        b.step(key, || {
+            let inputs = StepInputs::new(b, tokens, start, &[])?;
+            self.layers_and_head(&mut [&mut *st], &inputs, &Split::one(), last_only)
         })
     }
 
