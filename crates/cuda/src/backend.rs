@@ -91,7 +91,8 @@ pub struct HostStats {
     /// around the step's graphs; it includes any wait of the device for a later part), and
     /// from that end to the next step's start: the device idle between two steps (the host's
     /// pick read, sampling and first part). One entry per consecutive pair of steps (`timed`
-    /// of them); [`median_ns`] keeps the pairs across a new sequence out of the figure.
+    /// of them, the first 65,536 since the last take); [`median_ns`] keeps the pairs across a
+    /// new sequence out of the figure.
     pub timed: u64,
     /// Downloads of f32 buffers (logits) and the host's time in them once the device has
     /// finished the work before them (the copy and its own wait).
@@ -109,6 +110,10 @@ pub fn median_ns(v: &[u64]) -> u64 {
     v.sort_unstable();
     v.get(v.len() / 2).copied().unwrap_or(0)
 }
+
+/// At most this many (span, gap) pairs are kept between two [`CudaBackend::take_host_stats`]
+/// calls (the first ones; 1 MiB).
+const TIMED_PAIRS_KEPT: usize = 1 << 16;
 
 /// Timed events at a recorded step's start (before its first part) and end (after its last).
 struct StepEvents {
@@ -708,9 +713,12 @@ impl CudaBackend {
                     (p.start.elapsed_ms(&p.end), p.end.elapsed_ms(&n.start))
                 {
                     let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
-                    h.timed += 1;
-                    h.device_span_ns.push((f64::from(span) * 1e6) as u64);
-                    h.device_gap_ns.push((f64::from(gap.max(0.0)) * 1e6) as u64);
+                    // A process that never takes its stats (a server) keeps a bounded sample.
+                    if h.device_span_ns.len() < TIMED_PAIRS_KEPT {
+                        h.timed += 1;
+                        h.device_span_ns.push((f64::from(span) * 1e6) as u64);
+                        h.device_gap_ns.push((f64::from(gap.max(0.0)) * 1e6) as u64);
+                    }
                 }
             }
         }

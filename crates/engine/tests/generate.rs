@@ -139,9 +139,9 @@ fn a_diverging_prompt_replays_the_shared_prefix() {
 
 /// A session that only feeds (the default `feed_picked`: None), so the decoding loop picks on
 /// the host from each token's logits.
-struct LogitsOnly<'a, 'm>(&'a mut Qwen4expSession<'m, CpuBackend>);
+struct LogitsOnly<'a>(&'a mut dyn Session);
 
-impl Session for LogitsOnly<'_, '_> {
+impl Session for LogitsOnly<'_> {
     fn n_vocab(&self) -> usize {
         self.0.n_vocab()
     }
@@ -159,6 +159,29 @@ impl Session for LogitsOnly<'_, '_> {
     }
 }
 
+/// Generates `max` tokens after `prompt` with `cfg` twice, through `picked` (the backend's
+/// pick) and through `plain` wrapped in [`LogitsOnly`], both fresh sessions of one model: the
+/// tokens, the stop and the sequences left behind must be equal.
+fn picks_equal_the_logits_path(
+    picked: &mut dyn Session,
+    plain: &mut dyn Session,
+    prompt: &[u32],
+    cfg: &SamplerConfig,
+    opts: &GenOptions,
+) {
+    assert!(cfg.device_pick().is_some(), "{cfg:?} is a device pick");
+    let run = |s: &mut dyn Session| {
+        let mut sampler = Sampler::new(cfg.clone()).unwrap();
+        generate::generate(s, prompt, &mut sampler, &|_| false, opts, &mut |_| true).unwrap()
+    };
+    let a = run(picked);
+    let b = run(&mut LogitsOnly(plain));
+    assert_eq!(a.tokens, b.tokens, "{cfg:?}");
+    assert_eq!(a.stop, b.stop, "{cfg:?}");
+    assert_eq!(picked.tokens(), plain.tokens(), "{cfg:?}");
+    assert_eq!(a.tokens.len(), opts.max_tokens);
+}
+
 /// Plain decoding's windows take the backend's pick (`Session::feed_picked`, only ids cross)
 /// where the sampler is one (greedy, or a seeded draw with at most a temperature): the tokens,
 /// the stop and the sequence equal the host's picks from the logits, and a direct call picks
@@ -168,7 +191,11 @@ fn plain_decoding_with_the_backends_pick_equals_picking_from_the_logits() {
     use strata_engine::backend::DevicePick;
     use strata_engine::sampler::{pick_row, Pick, Stage};
     let model = tiny();
-    let configs = [
+    let opts = GenOptions {
+        max_tokens: 12,
+        prefill_chunk: 4,
+    };
+    for cfg in [
         SamplerConfig::greedy(),
         SamplerConfig {
             stages: vec![Stage::Temperature { t: 0.7 }],
@@ -178,25 +205,14 @@ fn plain_decoding_with_the_backends_pick_equals_picking_from_the_logits() {
             stages: Vec::new(),
             pick: Pick::Draw { seed: 7 },
         },
-    ];
-    for cfg in configs {
-        assert!(cfg.device_pick().is_some(), "{cfg:?} is a device pick");
-        let opts = GenOptions {
-            max_tokens: 12,
-            prefill_chunk: 4,
-        };
-        let run = |s: &mut dyn Session| {
-            let mut sampler = Sampler::new(cfg.clone()).unwrap();
-            generate::generate(s, &PROMPT, &mut sampler, &|_| false, &opts, &mut |_| true).unwrap()
-        };
-        let mut picked = Qwen4expSession::new(&model).unwrap();
-        let a = run(&mut picked);
-        let mut plain = Qwen4expSession::new(&model).unwrap();
-        let b = run(&mut LogitsOnly(&mut plain));
-        assert_eq!(a.tokens, b.tokens, "{cfg:?}");
-        assert_eq!(a.stop, b.stop, "{cfg:?}");
-        assert_eq!(picked.tokens(), plain.tokens(), "{cfg:?}");
-        assert_eq!(a.tokens.len(), 12);
+    ] {
+        picks_equal_the_logits_path(
+            &mut Qwen4expSession::new(&model).unwrap(),
+            &mut Qwen4expSession::new(&model).unwrap(),
+            &PROMPT,
+            &cfg,
+            &opts,
+        );
     }
     // One call: the pick of the token after the fed one, at its position.
     let mut s = Qwen4expSession::new(&model).unwrap();
@@ -234,24 +250,10 @@ fn qwen2_plain_decoding_with_the_backends_pick_equals_picking_from_the_logits() 
     )
     .unwrap();
     let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 1024).collect();
-    struct Only<'a, 'm>(&'a mut Qwen2Session<'m, CpuBackend>);
-    impl Session for Only<'_, '_> {
-        fn n_vocab(&self) -> usize {
-            self.0.n_vocab()
-        }
-        fn n_ctx(&self) -> usize {
-            self.0.n_ctx()
-        }
-        fn tokens(&self) -> &[u32] {
-            self.0.tokens()
-        }
-        fn feed(&mut self, tokens: &[u32]) -> strata_engine::Result<Vec<f32>> {
-            self.0.feed(tokens)
-        }
-        fn rewind(&mut self, pos: usize) -> strata_engine::Result<()> {
-            self.0.rewind(pos)
-        }
-    }
+    let opts = GenOptions {
+        max_tokens: 16,
+        prefill_chunk: 5,
+    };
     for cfg in [
         SamplerConfig::greedy(),
         SamplerConfig {
@@ -259,21 +261,12 @@ fn qwen2_plain_decoding_with_the_backends_pick_equals_picking_from_the_logits() 
             pick: Pick::Draw { seed: 11 },
         },
     ] {
-        let opts = GenOptions {
-            max_tokens: 16,
-            prefill_chunk: 5,
-        };
-        let run = |s: &mut dyn Session| {
-            let mut sampler = Sampler::new(cfg.clone()).unwrap();
-            generate::generate(s, &prompt, &mut sampler, &|_| false, &opts, &mut |_| true).unwrap()
-        };
-        let mut picked = Qwen2Session::new(&model).unwrap();
-        let a = run(&mut picked);
-        let mut plain = Qwen2Session::new(&model).unwrap();
-        let b = run(&mut Only(&mut plain));
-        assert_eq!(a.tokens, b.tokens, "{cfg:?}");
-        assert_eq!(a.stop, b.stop, "{cfg:?}");
-        assert_eq!(picked.tokens(), plain.tokens(), "{cfg:?}");
-        assert_eq!(a.tokens.len(), 16);
+        picks_equal_the_logits_path(
+            &mut Qwen2Session::new(&model).unwrap(),
+            &mut Qwen2Session::new(&model).unwrap(),
+            &prompt,
+            &cfg,
+            &opts,
+        );
     }
 }
