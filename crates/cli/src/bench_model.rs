@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde_json::json;
+use strata_engine::backend::DevicePick;
 use strata_engine::generate::Session;
 use strata_gguf::GgufFile;
 use strata_quant::synth::SplitMix64;
@@ -64,6 +65,11 @@ pub struct Args {
     /// kernels cost in the graph
     #[arg(long, value_name = "KERNEL[,…][;…]", conflicts_with = "ab")]
     pub ablate: Option<String>,
+    /// Decode tests take each step's greedy pick on the device and feed it back, as `strata
+    /// run --temp 0` decodes (only the id crosses to the host). Without it every step's
+    /// logits come back to the host, as llama-bench's do
+    #[arg(long)]
+    pub pick: bool,
 }
 
 /// One arm of an in-process comparison: switch overrides (`--ab`) or ablated kernels
@@ -243,13 +249,32 @@ fn feed(s: &mut dyn Session, rng: &mut SplitMix64, n: usize, ubatch: usize) -> R
     Ok(())
 }
 
+/// `n` decode steps that each feed the step before's greedy pick, made on the device (`--pick`);
+/// the first feeds a random token.
+fn decode_picked(s: &mut dyn Session, rng: &mut SplitMix64, n: usize) -> Result<()> {
+    let mut tok = (rng.next_u64() % s.n_vocab() as u64) as u32;
+    for _ in 0..n {
+        tok = s.feed_picked(&[tok], DevicePick::Greedy)?.ok_or_else(|| {
+            anyhow::anyhow!("--pick: this model's session cannot pick on its backend")
+        })?;
+    }
+    Ok(())
+}
+
 /// One repetition: a fresh sequence, the depth filled, then the timed part.
-fn once(loaded: &Loaded, t: Test, ubatch: usize, rng: &mut SplitMix64) -> Result<(u64, u64)> {
+fn once(
+    loaded: &Loaded,
+    t: Test,
+    ubatch: usize,
+    pick: bool,
+    rng: &mut SplitMix64,
+) -> Result<(u64, u64)> {
     let mut s = loaded.session(loaded.n_ctx_model())?;
     feed(s.as_mut(), rng, t.depth, ubatch).context("filling the context to the depth")?;
     let (w0, c0) = (Instant::now(), cpu_ns());
     match t.kind {
         Kind::Prompt => feed(s.as_mut(), rng, t.n, ubatch)?,
+        Kind::Gen if pick => decode_picked(s.as_mut(), rng, t.n)?,
         Kind::Gen => feed(s.as_mut(), rng, t.n, 1)?,
     }
     Ok((w0.elapsed().as_nanos() as u64, cpu_ns().saturating_sub(c0)))
@@ -510,6 +535,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let load_s = t_load.elapsed().as_secs_f64();
     if !a.json {
         eprintln!("backend: {}", loaded.backend_note);
+        if a.pick {
+            eprintln!("decode tests: each step's greedy pick made on the device and fed back (--pick)");
+        }
     }
     let profiler = match &loaded.model {
         load::Bound::Qwen2Cuda(m) => Some(m.backend().gpu()),
@@ -625,7 +653,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 cpu_ns: vec![],
             };
             for _ in 0..a.repetitions {
-                let (w, c) = once(&loaded, t, a.ubatch, &mut rng)
+                let (w, c) = once(&loaded, t, a.ubatch, a.pick, &mut rng)
                     .with_context(|| format!("running {}", t.name()))?;
                 r.wall_ns.push(w);
                 r.cpu_ns.push(c);
@@ -657,7 +685,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         let mut failed = vec![false; n_arms];
         for (i, arm) in arms.iter().enumerate() {
             arm.apply(true)?;
-            let run = once(&loaded, t, a.ubatch, &mut rng);
+            let run = once(&loaded, t, a.ubatch, a.pick, &mut rng);
             arm.apply(false)?;
             if let Err(e) = run {
                 if matches!(arm, Arm::Switches(_)) {
@@ -677,7 +705,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 if i > 0 {
                     arms[i - 1].apply(true)?;
                 }
-                let run = once(&loaded, t, a.ubatch, &mut rng);
+                let run = once(&loaded, t, a.ubatch, a.pick, &mut rng);
                 if i > 0 {
                     arms[i - 1].apply(false)?;
                 }

@@ -851,18 +851,15 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
     };
     if (sw && early) shared_image();
     if (!early) grid_dep_sync();
-    if (tid == 0) {
-        u32 bytes = 0;
-        for (int s = 0; s < kslots; ++s) {
-            const int e = __ldcg(id + s);
-            if (e >= 0 && e < n_expert) bytes += sb;
-        }
-        mbar_arm(&bar, bytes);
-        for (int s = 0; s < kslots; ++s) {
-            const int e = __ldcg(id + s);
-            if (e >= 0 && e < n_expert)
-                bulk_to_smem(st + s * sb, wd + (size_t)e * slab_bytes + (size_t)r0 * wrb, sb, &bar);
-        }
+    // Warp 0's lane s reads slot s's id (all at once: one load latency, not kslots in a row),
+    // lane 0 arms the barrier with the valid slots' bytes, then each lane copies its slot.
+    if (warp == 0) {
+        const int e = lane < kslots ? __ldcg(id + lane) : -1;
+        const bool valid = e >= 0 && e < n_expert;
+        const u32 n = __popc(__ballot_sync(FULL_MASK, valid));
+        if (lane == 0) mbar_arm(&bar, n * sb);
+        __syncwarp();
+        if (valid) bulk_to_smem(st + lane * sb, wd + (size_t)e * slab_bytes + (size_t)r0 * wrb, sb, &bar);
     }
     if (early) grid_dep_sync();
     if (sw && !early) shared_image();

@@ -25,6 +25,16 @@ pub const OPTIONS: &[&str] = &[
     "--prec-sqrt=true",
 ];
 
+/// [`OPTIONS`], plus `--generate-line-info` with `STRATA_CUDA_LINEINFO=1` (for ncu's source
+/// view; the code is the same, the cubin and so its cache key are not).
+fn options() -> Vec<String> {
+    let mut o: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
+    if std::env::var("STRATA_CUDA_LINEINFO").is_ok_and(|v| v == "1") {
+        o.push("--generate-line-info".into());
+    }
+    o
+}
+
 fn preload_from_env() -> Result<(), CudaError> {
     static PRELOADED: OnceLock<Result<(), String>> = OnceLock::new();
     PRELOADED
@@ -127,7 +137,7 @@ pub fn compile_cubin(name: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u
         result::create_program(&src, Some(cname.as_c_str()))
             .map_err(|e| err(format!("create: {e}")))?,
     );
-    let mut opts: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
+    let mut opts = options();
     opts.push(format!("--gpu-architecture=sm_{}{}", arch.0, arch.1));
     // SAFETY: prog is live; options are NUL-free strings that outlive the call.
     if let Err(e) = unsafe { result::compile_program(prog.0, &opts) } {
@@ -217,7 +227,7 @@ pub struct Compiled {
 /// The cubin of `source` for `arch`, from the cache when present, else compiled and stored.
 pub fn cached_cubin(name: &str, source: &str, arch: (i32, i32)) -> Result<Compiled, CudaError> {
     let (va, vb) = version()?;
-    let opts = OPTIONS.join(" ");
+    let opts = options().join(" ");
     let key = fnv1a64(&[
         source.as_bytes(),
         opts.as_bytes(),
