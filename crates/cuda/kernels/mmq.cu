@@ -60,7 +60,7 @@ __device__ __forceinline__ float mmq_contrib(float4 ws, float2 xs, int ia, int i
     if (T == T_Q8_0 || T == T_Q2_0 || T == T_Q4_0 || T == T_Q5_0 || T == T_IQ4_NL) {
         return (f0 * dx) * (float)ia;  // Q2_0: the −sx of dot_decoded is in the weights (−1..2)
     } else if (T == T_Q3_K) {
-        return (f0 * dx) * (float)(s0 * ia + s1 * ib);
+        return (f0 * dx) * (float)(s0 * ia + s1 * ib);  // the weights −4..3 (mmq_stage_w)
     } else if (T == T_Q6_K) {
         ia -= 32 * bs0;
         ib -= 32 * bs1;
@@ -115,6 +115,12 @@ __device__ __forceinline__ void mmq_stage_w(const u8* wr, int u, uint2* wq, floa
         // Codes 0..3 minus 1: Σ(c − 1)·x = isum − sx, the integer dot_decoded forms.
 #pragma unroll
         for (int k = 0; k < 8; ++k) d.w[k] = (int)__vsub4((u32)d.w[k], 0x01010101u);
+    }
+    if (T == T_Q3_K) {
+        // Codes 0..7 minus 4 (the weights themselves; dot_decoded takes the −4 through the
+        // group sums instead): the same integer dots.
+#pragma unroll
+        for (int k = 0; k < 8; ++k) d.w[k] = (int)__vsub4((u32)d.w[k], 0x04040404u);
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) wq[k] = make_uint2((u32)d.w[k], (u32)d.w[k + 4]);

@@ -275,16 +275,15 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
             d.w[k] = (int)v;
         }
     } else if (T == T_Q3_K) {
-        // Unit s = groups 2s, 2s+1 of 16; element l of group g: 2 bits at 2(s&3) of
-        // qs[32(s>>2) + 16g + l], minus 4 unless bit s of hmask[16g + l]: -4..3 as bytes.
+        // Unit s = groups 2s, 2s+1 of 16; element 4k + j (word k, byte j): 2 bits at 2(s&3)
+        // of qs word k (the 32 bytes at 32 + 32(s>>2)), plus 4 if bit s of hmask word k (the
+        // block's first 32 bytes): 0..7 as bytes. The format's −4 goes through the group sums
+        // (dot_decoded, mmq_contrib: Σ(q − 4)·x = Σq·x − 4·Σx, the same integer).
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            const int g = k >> 2, l0 = 4 * (k & 3);
-            const u32 qw = ldw<T>(b + 32 + 32 * (s >> 2) + 16 * g + l0);
-            const u32 hw = ldw<T>(b + 16 * g + l0);
-            const u32 lo = (qw >> (2 * (s & 3))) & 0x03030303u;
-            const u32 hb = ((hw >> s) & 0x01010101u) << 2;
-            d.w[k] = (int)__vsub4(lo | hb, 0x04040404u);
+            const u32 qw = ldw<T>(b + 32 + 32 * (s >> 2) + 4 * k);
+            const u32 hw = ldw<T>(b + 4 * k);
+            d.w[k] = (int)(((qw >> (2 * (s & 3))) & 0x03030303u) | (((hw >> s) & 0x01010101u) << 2));
         }
         d.s0 = scale_q3_k(2 * s, b + 96);
         d.s1 = scale_q3_k(2 * s + 1, b + 96);
@@ -368,6 +367,9 @@ __device__ __forceinline__ float dot_decoded(const DecUnit& d, const u8* x, int 
             for (int k = 0; k < 4; ++k) ia = dp4a(d.w[k], (int)xq[k], ia);
 #pragma unroll
             for (int k = 4; k < 8; ++k) ib = dp4a(d.w[k], (int)xq[k], ib);
+            const u32 bw = *(const u32*)bs;  // the two groups' sums (4-byte aligned)
+            ia -= 4 * (int)(i16)(bw & 0xffffu);
+            ib -= 4 * ((int)bw >> 16);
             return (d.f0 * dx) * (float)(d.s0 * ia + d.s1 * ib);
         }
         if (T == T_Q6_K) {

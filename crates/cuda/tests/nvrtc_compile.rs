@@ -47,6 +47,13 @@ fn every_module_compiles_and_optimized_kernels_do_not_spill() {
                 };
                 let t = std::time::Instant::now();
                 let r = nvrtc::compile_log(m.name, &m.source(), (9, 0), &["--ptxas-options=-v"]);
+                // STRATA_NVRTC_DUMP=DIR: each module's cubin written there too (for nvdisasm
+                // without a GPU: instruction counts of a kernel edit).
+                if let Some(dir) = std::env::var_os("STRATA_NVRTC_DUMP") {
+                    if let Ok(c) = nvrtc::compile_cubin(m.name, &m.source(), (9, 0)) {
+                        let _ = std::fs::write(std::path::Path::new(&dir).join(format!("{}.cubin", m.name)), c);
+                    }
+                }
                 let mut out = results.lock().unwrap_or_else(|p| p.into_inner());
                 out.push((i, r.map(|log| (log, t.elapsed()))));
             });
