@@ -536,7 +536,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
     if !a.json {
         eprintln!("backend: {}", loaded.backend_note);
         if a.pick {
-            eprintln!("decode tests: each step's greedy pick made on the device and fed back (--pick)");
+            eprintln!(
+                "decode tests: each step's greedy pick made on the device and fed back (--pick)"
+            );
         }
     }
     let profiler = match &loaded.model {

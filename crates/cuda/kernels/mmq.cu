@@ -155,6 +155,14 @@ __device__ __forceinline__ void mmq_stage_x(const u8* xr, int u, uint2* xq, floa
         const u32* q = (const u32*)(xb + 4 + 32 * s);
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] = q[k];
+        if (T == T_IQ4_XS) {
+            // decode_for_dot's element order (iq4xs_act_pair)
+            u32 t[8];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) iq4xs_act_pair(v[k], v[k + 4], t[2 * k], t[2 * k + 1]);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = t[k];
+        }
         const i16* bs = (const i16*)(xb + 260 + 4 * s);
         bw = (u32)(u16)bs[0] | ((u32)(u16)bs[1] << 16);
     }

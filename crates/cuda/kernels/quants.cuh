@@ -187,6 +187,23 @@ __device__ __forceinline__ int iq4_lookup4(u32 q, u32 k0, u32 k1, u32 k2, u32 k3
     return (int)__byte_perm(lo, hi, pick);
 }
 
+// The IQ4_NL values of the four nibbles in the low 16 bits of `q`, in nibble order (no
+// compaction: the nibbles are the byte_perm selectors themselves).
+__device__ __forceinline__ int iq4_lookup4n(u32 q, u32 k0, u32 k1, u32 k2, u32 k3) {
+    const u32 s7 = q & 0x7777u;
+    const u32 lo = __byte_perm(k0, k1, s7);
+    const u32 hi = __byte_perm(k2, k3, s7);
+    return (int)__byte_perm(lo, hi, 0x3210u | ((q >> 1) & 0x4444u));
+}
+
+// IQ4_XS's activation words in decode_for_dot's order: from the unit's natural words x_k
+// (elements 4k..4k+3) and x_{k+4}, the pair (4k, 4k+16, 4k+1, 4k+17), (4k+2, 4k+18, 4k+3,
+// 4k+19).
+__device__ __forceinline__ void iq4xs_act_pair(u32 xk, u32 xk4, u32& a, u32& b) {
+    a = __byte_perm(xk, xk4, 0x5140u);
+    b = __byte_perm(xk, xk4, 0x7362u);
+}
+
 // Lookup tables a kernel reads (the global ones, or copies it staged in shared memory).
 struct Tables {
     const u32* g3s;
@@ -306,11 +323,16 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
         d.s0 = (lo | (((ld16(b + 2) >> (2 * s)) & 3) << 4)) - 32;
         d.f0 = ldf16(b);
         const u32 k0 = kvalues_iq4nl_w[0], k1 = kvalues_iq4nl_w[1], k2 = kvalues_iq4nl_w[2], k3 = kvalues_iq4nl_w[3];
+        // Code word k (bytes 4k..4k+3: element 4k + j in byte j's low nibble, 4k + 16 + j in
+        // its high one) looked up in its own nibble order: weight words 2k, 2k + 1 hold
+        // elements (4k, 4k+16, 4k+1, 4k+17) and (4k+2, 4k+18, 4k+3, 4k+19); dot_decoded and
+        // the MMQ staging lay the activation out the same way (iq4xs_act_pair). The unit has
+        // one scale, so its integer dot is the same sum in another order.
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const u32 q = ldw<T>(b + 8 + 16 * s + 4 * k);
-            d.w[k] = iq4_lookup4(q & 0x0F0F0F0Fu, k0, k1, k2, k3);
-            d.w[k + 4] = iq4_lookup4((q >> 4) & 0x0F0F0F0Fu, k0, k1, k2, k3);
+            d.w[2 * k] = iq4_lookup4n(q, k0, k1, k2, k3);
+            d.w[2 * k + 1] = iq4_lookup4n(q >> 16, k0, k1, k2, k3);
         }
     } else if (T == T_IQ3_S) {
         const int sc = (b[106 + (s >> 1)] >> (4 * (s & 1))) & 0xF;
@@ -383,6 +405,16 @@ __device__ __forceinline__ float dot_decoded(const DecUnit& d, const u8* x, int 
             return (d.f0 * dx) * (float)(d.s0 * ia + d.s1 * ib);
         }
         int isum = 0;
+        if (T == T_IQ4_XS) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                u32 a, c;
+                iq4xs_act_pair(xq[k], xq[k + 4], a, c);
+                isum = dp4a(d.w[2 * k], (int)a, isum);
+                isum = dp4a(d.w[2 * k + 1], (int)c, isum);
+            }
+            return (d.f0 * dx) * (float)(d.s0 * isum);
+        }
 #pragma unroll
         for (int k = 0; k < 8; ++k) isum = dp4a(d.w[k], (int)xq[k], isum);
         if (T == T_Q4_K || T == T_Q5_K) {

@@ -2865,3 +2865,154 @@ fn fast_prefill_products_are_within_their_bound() {
     let dw = DevWeight::upload(g, GgmlType::Q8_0, &wb, 32, 64, 2).unwrap();
     assert!(!m::blas_applies(&dw, 512), "an expert tensor");
 }
+
+// ---- the GEMV's bits against its documented order, emulated on the CPU ---------------------
+
+/// f16 bits to f32.
+fn f16f(b: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// One weight unit's f32 contribution against its Q8_K activation unit, as the CUDA kernels
+/// form it (quants.cuh dot_decoded): the unit's integer dot(s) from the formats' definitions
+/// (any order: integers), then the float expression in the kernels' order. Q3_K and IQ4_XS.
+fn unit_contribution(ty: GgmlType, w: &[u8], xblk: &[u8], s: usize) -> f32 {
+    let dx = f32::from_le_bytes(xblk[0..4].try_into().unwrap());
+    let xq = |e: usize| xblk[4 + 32 * s + e] as i8 as i32;
+    match ty {
+        GgmlType::Q3_K => {
+            let sc = &w[96..108];
+            let scale = |j: usize| -> i32 {
+                let lo = if j < 8 { sc[j] & 0xF } else { sc[j - 8] >> 4 } as i32;
+                let hi = ((sc[8 + (j & 3)] >> (2 * (j >> 2))) & 3) as i32;
+                (lo | (hi << 4)) - 32
+            };
+            let mut dots = [0i32; 2];
+            for e in 0..32 {
+                let q = ((w[32 + 32 * (s >> 2) + e] >> (2 * (s & 3))) & 3) as i32;
+                let h = ((w[e] >> s) & 1) as i32;
+                dots[e / 16] += (q + 4 * h - 4) * xq(e);
+            }
+            (f16f(w, 108) * dx) * ((scale(2 * s) * dots[0] + scale(2 * s + 1) * dots[1]) as f32)
+        }
+        GgmlType::IQ4_XS => {
+            let kv = &strata_quant::grids::KVALUES_IQ4NL;
+            let sh = u16::from_le_bytes([w[2], w[3]]) as i32;
+            let lo = ((w[4 + s / 2] >> (4 * (s & 1))) & 0xF) as i32;
+            let ls = (lo | (((sh >> (2 * s)) & 3) << 4)) - 32;
+            let mut dot = 0i32;
+            for j in 0..16 {
+                let b = w[8 + 16 * s + j];
+                dot += kv[(b & 0xF) as usize] as i32 * xq(j)
+                    + kv[(b >> 4) as usize] as i32 * xq(j + 16);
+            }
+            (f16f(w, 0) * dx) * ((ls * dot) as f32)
+        }
+        _ => unreachable!("{ty}"),
+    }
+}
+
+/// The order every GEMV keeps (gemv.cu): lane l adds units l, l + 32, … from +0, then the
+/// warp's xor butterfly (16, 8, 4, 2, 1).
+fn lane_order(c: &[f32]) -> f32 {
+    let mut v = [0f32; 32];
+    for (u, &x) in c.iter().enumerate() {
+        v[u % 32] += x;
+    }
+    for off in [16, 8, 4, 2, 1] {
+        let w = v;
+        for l in 0..32 {
+            v[l] = w[l] + w[l ^ off];
+        }
+    }
+    v[0]
+}
+
+/// The products of Q3_K and IQ4_XS (the GDN qkv formats) equal, bit for bit, their order
+/// emulated on the CPU from the formats' definitions: the row-parallel optimized GEMV (many
+/// rows) and the unit-parallel product (few), one and three activation rows. Binds the
+/// decoders' integer rewrites (Q3_K's −4 through the group sums, IQ4_XS's nibble order) to
+/// the formats themselves, not only to the other CUDA kernels.
+#[test]
+fn q3_k_and_iq4_xs_products_equal_their_order_emulated_on_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(53);
+    let k = 2560;
+    for ty in [GgmlType::Q3_K, GgmlType::IQ4_XS] {
+        let (bs, ts) = (ty.block_size(), ty.type_size());
+        for rows in [4101usize, 300] {
+            let wb = weight_blocks(ty, rows * k / bs, rng.u64());
+            let dw = DevWeight::upload(g, ty, &wb, rows, k, 1).unwrap();
+            for nt in [1usize, 3] {
+                let x = tame(rng.f32_vec_special(nt * k, 1.0));
+                let xq = act_bytes(ty, &x, nt, k);
+                let xr = xq.len() / nt;
+                let mut y = g.zeros::<f32>(nt * rows).unwrap();
+                m::product(g, &dw, &up(g, &xq), nt, &mut y).unwrap();
+                let got = down(g, &y);
+                let mut want = Vec::with_capacity(nt * rows);
+                for t in 0..nt {
+                    for r in 0..rows {
+                        let row = &wb[r * (k / bs) * ts..(r + 1) * (k / bs) * ts];
+                        let c: Vec<f32> = (0..k / 32)
+                            .map(|u| {
+                                let (b, s) = (u / 8, u % 8);
+                                let xblk = &xq[t * xr + 292 * b..t * xr + 292 * (b + 1)];
+                                unit_contribution(ty, &row[b * ts..(b + 1) * ts], xblk, s)
+                            })
+                            .collect();
+                        want.push(lane_order(&c));
+                    }
+                }
+                bitwise(
+                    &format!("{ty} {rows}×{k} nt={nt} vs its order on the CPU"),
+                    &got,
+                    &want,
+                );
+            }
+        }
+    }
+}
+
+/// The CPU emulation of the GEMV's order above agrees with the CPU backend's product (another
+/// order) within the dot bound: the emulation itself reads the formats right. No GPU needed.
+#[test]
+fn the_emulated_gemv_order_agrees_with_the_cpu_product() {
+    let be = cpu();
+    let mut rng = Rng::new(54);
+    let (rows, k, nt) = (37usize, 2560usize, 2usize);
+    for ty in [GgmlType::Q3_K, GgmlType::IQ4_XS] {
+        let (bs, ts) = (ty.block_size(), ty.type_size());
+        let wb = weight_blocks(ty, rows * k / bs, rng.u64());
+        let x = tame(rng.f32_vec_special(nt * k, 1.0));
+        let xq = act_bytes(ty, &x, nt, k);
+        let xr = xq.len() / nt;
+        let w = weights(vec![("w", vec![k as u64, rows as u64], ty, wb.clone())]);
+        let cpu_y = be.matmul(&w["w"], &buf(nt, k, &x)).unwrap();
+        let mut emu = Vec::new();
+        for t in 0..nt {
+            for r in 0..rows {
+                let row = &wb[r * (k / bs) * ts..(r + 1) * (k / bs) * ts];
+                let c: Vec<f32> = (0..k / 32)
+                    .map(|u| {
+                        let (b, s) = (u / 8, u % 8);
+                        unit_contribution(
+                            ty,
+                            &row[b * ts..(b + 1) * ts],
+                            &xq[t * xr + 292 * b..t * xr + 292 * (b + 1)],
+                            s,
+                        )
+                    })
+                    .collect();
+                emu.push(lane_order(&c));
+            }
+        }
+        let tol = dot_tol(ty, &wb, rows, k, &x, nt);
+        within(
+            &format!("{ty} emulated order vs the CPU product"),
+            &emu,
+            cpu_y.as_slice(),
+            |i| tol[i],
+        );
+    }
+}

@@ -50,8 +50,15 @@ fn every_module_compiles_and_optimized_kernels_do_not_spill() {
                 // STRATA_NVRTC_DUMP=DIR: each module's cubin written there too (for nvdisasm
                 // without a GPU: instruction counts of a kernel edit).
                 if let Some(dir) = std::env::var_os("STRATA_NVRTC_DUMP") {
+                    let _ = std::fs::write(
+                        std::path::Path::new(&dir).join(format!("{}.cu", m.name)),
+                        m.source(),
+                    );
                     if let Ok(c) = nvrtc::compile_cubin(m.name, &m.source(), (9, 0)) {
-                        let _ = std::fs::write(std::path::Path::new(&dir).join(format!("{}.cubin", m.name)), c);
+                        let _ = std::fs::write(
+                            std::path::Path::new(&dir).join(format!("{}.cubin", m.name)),
+                            c,
+                        );
                     }
                 }
                 let mut out = results.lock().unwrap_or_else(|p| p.into_inner());
