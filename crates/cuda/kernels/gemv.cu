@@ -203,7 +203,7 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
             const int u = lane + 32 * i;
             if (u < U) {
                 // Decoded once, used for every activation row.
-                const DecUnit du = decode_for_dot<T>(wsh[warp], u, tb);
+                const DecUnit du = decode_for_dot<T, true>(wsh[warp], u, tb);
 #pragma unroll
                 for (int t = 0; t < NT; ++t) acc[t] += dot_decoded<T>(du, xsh + t * XRB, u);
             }

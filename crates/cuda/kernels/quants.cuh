@@ -232,7 +232,27 @@ __device__ __forceinline__ u32 ldw(const u8* p) {
     else return ld32a2(p);
 }
 
-template <int T>
+// Eight consecutive 32-bit words at `p`, 2-byte aligned (a Q3_K or Q6_K block's field): nine
+// aligned words around them and a funnel shift each, instead of sixteen 16-bit loads. The
+// aligned words span from 2 bytes before the field (only when it is not 4-byte aligned: then it
+// is not the start of a row, which is) to 2 bytes past it (still inside the block: the fields
+// read this way end at least 4 bytes before their block's end). WIDE: the word at p + 32 is
+// loaded even when aligned (branch-free).
+__device__ __forceinline__ void ld_words8(const u8* p, u32 (&w)[8]) {
+    const u32 mis = (u32)(size_t)p & 2u;
+    const u32* a = (const u32*)(p - mis);  // pointer arithmetic keeps the address space
+    const u32 sh = mis * 8u;
+    u32 v[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) v[i] = a[i];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = __funnelshift_r(v[k], v[k + 1], sh);
+}
+
+// WIDE (the row-parallel GEMV, whose rows are staged in shared memory and which has registers
+// to spare): the 2-byte-aligned formats' fields read by ld_words8. The same words, so the same
+// unit.
+template <int T, bool WIDE = false>
 __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb) {
     constexpr int QK = Fmt<T>::QK, TS = Fmt<T>::TS, UPB = QK / 32;
     const u8* b = w + (size_t)(u / UPB) * TS;
@@ -296,11 +316,20 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
         // of qs word k (the 32 bytes at 32 + 32(s>>2)), plus 4 if bit s of hmask word k (the
         // block's first 32 bytes): 0..7 as bytes. The format's −4 goes through the group sums
         // (dot_decoded, mmq_contrib: Σ(q − 4)·x = Σq·x − 4·Σx, the same integer).
+        if constexpr (WIDE) {
+            u32 qw[8], hw[8];
+            ld_words8(b + 32 + 32 * (s >> 2), qw);
+            ld_words8(b, hw);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const u32 qw = ldw<T>(b + 32 + 32 * (s >> 2) + 4 * k);
-            const u32 hw = ldw<T>(b + 4 * k);
-            d.w[k] = (int)(((qw >> (2 * (s & 3))) & 0x03030303u) | (((hw >> s) & 0x01010101u) << 2));
+            for (int k = 0; k < 8; ++k)
+                d.w[k] = (int)(((qw[k] >> (2 * (s & 3))) & 0x03030303u) | (((hw[k] >> s) & 0x01010101u) << 2));
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const u32 qw = ldw<T>(b + 32 + 32 * (s >> 2) + 4 * k);
+                const u32 hw = ldw<T>(b + 4 * k);
+                d.w[k] = (int)(((qw >> (2 * (s & 3))) & 0x03030303u) | (((hw >> s) & 0x01010101u) << 2));
+            }
         }
         d.s0 = scale_q3_k(2 * s, b + 96);
         d.s1 = scale_q3_k(2 * s + 1, b + 96);
@@ -309,11 +338,20 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
         const int half = s >> 2, g = s & 3;
         const u8* ql = b + 64 * half + 32 * (g & 1);
         const u8* qh = b + 128 + 32 * half;
+        if constexpr (WIDE) {
+            u32 lw[8], hw[8];
+            ld_words8(ql, lw);
+            ld_words8(qh, hw);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const u32 lo = (ldw<T>(ql + 4 * k) >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu;
-            const u32 hi = ((ldw<T>(qh + 4 * k) >> (2 * g)) & 0x03030303u) << 4;
-            d.w[k] = (int)(lo | hi);  // 0..63; the -32 goes through the group sums
+            for (int k = 0; k < 8; ++k)
+                d.w[k] = (int)(((lw[k] >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu) | (((hw[k] >> (2 * g)) & 0x03030303u) << 4));
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const u32 lo = (ldw<T>(ql + 4 * k) >> (g < 2 ? 0 : 4)) & 0x0F0F0F0Fu;
+                const u32 hi = ((ldw<T>(qh + 4 * k) >> (2 * g)) & 0x03030303u) << 4;
+                d.w[k] = (int)(lo | hi);  // 0..63; the -32 goes through the group sums
+            }
         }
         d.s0 = (i8)b[192 + 2 * s];
         d.s1 = (i8)b[193 + 2 * s];
