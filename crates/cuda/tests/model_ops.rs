@@ -2875,7 +2875,7 @@ fn f16f(b: &[u8], at: usize) -> f32 {
 
 /// One weight unit's f32 contribution against its Q8_K activation unit, as the CUDA kernels
 /// form it (quants.cuh dot_decoded): the unit's integer dot(s) from the formats' definitions
-/// (any order: integers), then the float expression in the kernels' order. Q3_K and IQ4_XS.
+/// (any order: integers), then the float expression in the kernels' order. Q3_K, Q6_K, IQ4_XS.
 fn unit_contribution(ty: GgmlType, w: &[u8], xblk: &[u8], s: usize) -> f32 {
     let dx = f32::from_le_bytes(xblk[0..4].try_into().unwrap());
     let xq = |e: usize| xblk[4 + 32 * s + e] as i8 as i32;
@@ -2894,6 +2894,19 @@ fn unit_contribution(ty: GgmlType, w: &[u8], xblk: &[u8], s: usize) -> f32 {
                 dots[e / 16] += (q + 4 * h - 4) * xq(e);
             }
             (f16f(w, 108) * dx) * ((scale(2 * s) * dots[0] + scale(2 * s + 1) * dots[1]) as f32)
+        }
+        GgmlType::Q6_K => {
+            // Element 32s + e: 4 low bits from ql, 2 high from qh (ggml's layout), minus 32.
+            let (half, g) = (s >> 2, s & 3);
+            let mut dots = [0i32; 2];
+            for e in 0..32 {
+                let ql = w[64 * half + 32 * (g & 1) + e];
+                let lo = if g < 2 { ql & 0xF } else { ql >> 4 } as i32;
+                let hi = ((w[128 + 32 * half + e] >> (2 * g)) & 3) as i32;
+                dots[e / 16] += ((lo | (hi << 4)) - 32) * xq(e);
+            }
+            let (s0, s1) = (w[192 + 2 * s] as i8 as i32, w[193 + 2 * s] as i8 as i32);
+            (f16f(w, 208) * dx) * ((s0 * dots[0] + s1 * dots[1]) as f32)
         }
         GgmlType::IQ4_XS => {
             let kv = &strata_quant::grids::KVALUES_IQ4NL;
@@ -2928,17 +2941,17 @@ fn lane_order(c: &[f32]) -> f32 {
     v[0]
 }
 
-/// The products of Q3_K and IQ4_XS (the GDN qkv formats) equal, bit for bit, their order
+/// The products of Q3_K, Q6_K and IQ4_XS (the GDN qkv formats, the head) equal, bit for bit, their order
 /// emulated on the CPU from the formats' definitions: the row-parallel optimized GEMV (many
 /// rows) and the unit-parallel product (few), one and three activation rows. Binds the
-/// decoders' integer rewrites (Q3_K's −4 through the group sums, IQ4_XS's nibble order) to
+/// decoders' rewrites (Q3_K's −4 through the group sums, the aligned word loads, IQ4_XS's nibble order) to
 /// the formats themselves, not only to the other CUDA kernels.
 #[test]
-fn q3_k_and_iq4_xs_products_equal_their_order_emulated_on_the_cpu() {
+fn q3_k_q6_k_and_iq4_xs_products_equal_their_order_emulated_on_the_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new(53);
     let k = 2560;
-    for ty in [GgmlType::Q3_K, GgmlType::IQ4_XS] {
+    for ty in [GgmlType::Q3_K, GgmlType::Q6_K, GgmlType::IQ4_XS] {
         let (bs, ts) = (ty.block_size(), ty.type_size());
         for rows in [4101usize, 300] {
             let wb = weight_blocks(ty, rows * k / bs, rng.u64());
@@ -2981,7 +2994,7 @@ fn the_emulated_gemv_order_agrees_with_the_cpu_product() {
     let be = cpu();
     let mut rng = Rng::new(54);
     let (rows, k, nt) = (37usize, 2560usize, 2usize);
-    for ty in [GgmlType::Q3_K, GgmlType::IQ4_XS] {
+    for ty in [GgmlType::Q3_K, GgmlType::Q6_K, GgmlType::IQ4_XS] {
         let (bs, ts) = (ty.block_size(), ty.type_size());
         let wb = weight_blocks(ty, rows * k / bs, rng.u64());
         let x = tame(rng.f32_vec_special(nt * k, 1.0));
