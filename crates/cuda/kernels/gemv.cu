@@ -831,10 +831,12 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
     __shared__ __align__(128) u8 st[MDS_STAGE];
     __shared__ __align__(128) u8 sst[MDS_ROWS * 34 * MDS_SH_UNITS];
     __shared__ __align__(16) u8 sact[34 * MDS_SH_UNITS];
-    // The pairs' transposed units; first the pairs' Q8_0 rows as they are (fewer bytes).
-    __shared__ __align__(16) Q2Xs xa[MDS_SLOTS * 20];
-    u8* xst = (u8*)xa;
+    __shared__ Q2Xs xa[MDS_SLOTS * 20];
     __shared__ __align__(8) u64 bar, bars;
+    // The route (slot ids and weights) and the shared gate, read by warp 0 where the copies
+    // are issued (before the wait where they are settled), kept for the kernel's end.
+    __shared__ int sid[MDS_SLOTS];
+    __shared__ float swt[MDS_SLOTS], sgate;
     const int t = blockIdx.y, r0 = MDS_ROWS * blockIdx.x, U = k / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 sb = MDS_ROWS * (u32)wrb;
@@ -851,19 +853,6 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
             q8_0_warp(siluf_(sg[e]) * su[e], sact + 34 * b, lane);
         }
     };
-    // The route (ids, weights) and the shared gate in registers, read all at once where they
-    // are settled (before the wait), so that no load waits at the kernel's end.
-    int ev[MDS_SLOTS];
-    float wv[MDS_SLOTS], gt = 0.f;
-    auto load_route = [&]() {
-#pragma unroll
-        for (int s = 0; s < MDS_SLOTS; ++s) {
-            ev[s] = s < kslots ? __ldcg(id + s) : 0;
-            wv[s] = s < kslots ? __ldcg(wts + t * kslots + s) : 0.f;
-        }
-        if (sw || shared) gt = __ldcg(gate + t);
-    };
-    if (early) load_route();
     if (sw && early) shared_image();
     if (!early) grid_dep_sync();
     // Warp 0's lane s reads slot s's id (all at once: one load latency, not kslots in a row),
@@ -875,25 +864,17 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
         if (lane == 0) mbar_arm(&bar, n * sb);
         __syncwarp();
         if (valid) bulk_to_smem(st + lane * sb, wd + (size_t)e * slab_bytes + (size_t)r0 * wrb, sb, &bar);
+        if (lane < kslots) {
+            sid[lane] = e;
+            swt[lane] = __ldcg(wts + t * kslots + lane);
+        }
+        if (lane == 0 && (sw || shared)) sgate = __ldcg(gate + t);
     }
-    if (!early) load_route();
     if (early) grid_dep_sync();
     if (sw && !early) shared_image();
-    // The pairs' Q8_0 images (the gate/up's: kslots consecutive rows) staged with coalesced
-    // loads (8 bytes where the rows allow, else 2), then transposed from shared memory into
-    // the same place (thread i: slot i / U, unit i % U).
-    const u8* xg = aq + (size_t)t * kslots * xrb;
-    const int xbytes = kslots * (int)xrb;
-    if ((((size_t)xg | (size_t)xbytes) & 7) == 0) {
-        for (int i = tid; i < xbytes / 8; i += 512) ((uint2*)xst)[i] = ((const uint2*)xg)[i];
-    } else {
-        for (int i = tid; i < xbytes / 2; i += 512) ((u16*)xst)[i] = ((const u16*)xg)[i];
-    }
-    __syncthreads();
-    Q2X x;
-    if (tid < kslots * U) x = q2_act(xst + (size_t)(tid / U) * xrb, tid % U);
-    __syncthreads();
+    // The pairs' activation units, transposed (thread i: slot i / U, unit i % U).
     if (tid < kslots * U) {
+        const Q2X x = q2_act(aq + (size_t)(t * kslots + tid / U) * xrb, tid % U);
         Q2Xs& d = xa[tid];
 #pragma unroll
         for (int i = 0; i < 4; ++i) d.a[i] = x.a[i], d.b[i] = x.b[i];
@@ -924,12 +905,13 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
 #pragma unroll
     for (int s = 0; s < MDS_SLOTS; ++s) {
         if (s < kslots) {
+            const int e = sid[s];
             float v = dot_post<T_Q2_0>(acc[s]);
-            if (ev[s] < 0 || ev[s] >= n_expert) {
+            if (e < 0 || e >= n_expert) {
                 if (lane == 0) atomicOr(err, 2u);
                 v = __int_as_float(0x7fc00000);
             }
-            comb += wv[s] * v;
+            comb += swt[s] * v;
         }
     }
     float sv = 0.f;
@@ -941,8 +923,8 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
     }
     if (lane == 0 && r < h) {
         const size_t o = (size_t)t * h + r;
-        if (sw) comb = comb + sigmoidf_(gt) * sv;
-        else if (shared) comb = comb + sigmoidf_(gt) * shared[o];
+        if (sw) comb = comb + sigmoidf_(sgate) * sv;
+        else if (shared) comb = comb + sigmoidf_(sgate) * shared[o];
         out[o] = comb;
     }
 }
