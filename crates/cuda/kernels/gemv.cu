@@ -833,10 +833,6 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
     __shared__ __align__(16) u8 sact[34 * MDS_SH_UNITS];
     __shared__ Q2Xs xa[MDS_SLOTS * 20];
     __shared__ __align__(8) u64 bar, bars;
-    // The route (slot ids and weights) and the shared gate, read by warp 0 where the copies
-    // are issued (before the wait where they are settled), kept for the kernel's end.
-    __shared__ int sid[MDS_SLOTS];
-    __shared__ float swt[MDS_SLOTS], sgate;
     const int t = blockIdx.y, r0 = MDS_ROWS * blockIdx.x, U = k / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 sb = MDS_ROWS * (u32)wrb;
@@ -864,11 +860,6 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
         if (lane == 0) mbar_arm(&bar, n * sb);
         __syncwarp();
         if (valid) bulk_to_smem(st + lane * sb, wd + (size_t)e * slab_bytes + (size_t)r0 * wrb, sb, &bar);
-        if (lane < kslots) {
-            sid[lane] = e;
-            swt[lane] = __ldcg(wts + t * kslots + lane);
-        }
-        if (lane == 0 && (sw || shared)) sgate = __ldcg(gate + t);
     }
     if (early) grid_dep_sync();
     if (sw && !early) shared_image();
@@ -905,13 +896,13 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
 #pragma unroll
     for (int s = 0; s < MDS_SLOTS; ++s) {
         if (s < kslots) {
-            const int e = sid[s];
+            const int e = id[s];
             float v = dot_post<T_Q2_0>(acc[s]);
             if (e < 0 || e >= n_expert) {
                 if (lane == 0) atomicOr(err, 2u);
                 v = __int_as_float(0x7fc00000);
             }
-            comb += swt[s] * v;
+            comb += wts[t * kslots + s] * v;
         }
     }
     float sv = 0.f;
@@ -923,8 +914,8 @@ moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u
     }
     if (lane == 0 && r < h) {
         const size_t o = (size_t)t * h + r;
-        if (sw) comb = comb + sigmoidf_(sgate) * sv;
-        else if (shared) comb = comb + sigmoidf_(sgate) * shared[o];
+        if (sw) comb = comb + sigmoidf_(gate[t]) * sv;
+        else if (shared) comb = comb + sigmoidf_(gate[t]) * shared[o];
         out[o] = comb;
     }
 }
