@@ -236,8 +236,8 @@ __device__ __forceinline__ u32 ldw(const u8* p) {
 // aligned words around them and a funnel shift each, instead of sixteen 16-bit loads. The
 // aligned words span from 2 bytes before the field (only when it is not 4-byte aligned: then it
 // is not the start of a row, which is) to 2 bytes past it (still inside the block: the fields
-// read this way end at least 4 bytes before their block's end). WIDE: the word at p + 32 is
-// loaded even when aligned (branch-free).
+// read this way end at least 4 bytes before their block's end). The ninth word is loaded even
+// when `p` is aligned (branch-free).
 __device__ __forceinline__ void ld_words8(const u8* p, u32 (&w)[8]) {
     const u32 mis = (u32)(size_t)p & 2u;
     const u32* a = (const u32*)(p - mis);  // pointer arithmetic keeps the address space
@@ -315,7 +315,9 @@ __device__ __forceinline__ DecUnit decode_for_dot(const u8* w, int u, Tables tb)
         // Unit s = groups 2s, 2s+1 of 16; element 4k + j (word k, byte j): 2 bits at 2(s&3)
         // of qs word k (the 32 bytes at 32 + 32(s>>2)), plus 4 if bit s of hmask word k (the
         // block's first 32 bytes): 0..7 as bytes. The format's −4 goes through the group sums
-        // (dot_decoded, mmq_contrib: Σ(q − 4)·x = Σq·x − 4·Σx, the same integer).
+        // (dot_decoded: Σ(q − 4)·x = Σq·x − 4·Σx, the same integer; the MMQ staging subtracts
+        // it from the weights instead). The two branches below differ only in their loads; one
+        // loop over loaded arrays for both keeps a stack frame in the MMQ tiles (nvrtc_compile).
         if constexpr (WIDE) {
             u32 qw[8], hw[8];
             ld_words8(b + 32 + 32 * (s >> 2), qw);

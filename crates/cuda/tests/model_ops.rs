@@ -2941,6 +2941,35 @@ fn lane_order(c: &[f32]) -> f32 {
     v[0]
 }
 
+/// `nt` activation rows (Q8_K images `xq`) against `rows` weight rows of `k` (`wb`), each
+/// output by unit_contribution and lane_order: the GEMV's bits, emulated.
+fn emulated_product(
+    ty: GgmlType,
+    wb: &[u8],
+    xq: &[u8],
+    rows: usize,
+    k: usize,
+    nt: usize,
+) -> Vec<f32> {
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    let (xr, rb) = (xq.len() / nt, (k / bs) * ts);
+    let mut out = Vec::with_capacity(nt * rows);
+    for t in 0..nt {
+        for r in 0..rows {
+            let row = &wb[r * rb..(r + 1) * rb];
+            let c: Vec<f32> = (0..k / 32)
+                .map(|u| {
+                    let (b, s) = (u / 8, u % 8);
+                    let xblk = &xq[t * xr + 292 * b..t * xr + 292 * (b + 1)];
+                    unit_contribution(ty, &row[b * ts..(b + 1) * ts], xblk, s)
+                })
+                .collect();
+            out.push(lane_order(&c));
+        }
+    }
+    out
+}
+
 /// The products of Q3_K, Q6_K and IQ4_XS (the GDN qkv formats, the head) equal, bit for bit, their order
 /// emulated on the CPU from the formats' definitions: the row-parallel optimized GEMV (many
 /// rows) and the unit-parallel product (few), one and three activation rows. Binds the
@@ -2952,31 +2981,17 @@ fn q3_k_q6_k_and_iq4_xs_products_equal_their_order_emulated_on_the_cpu() {
     let mut rng = Rng::new(53);
     let k = 2560;
     for ty in [GgmlType::Q3_K, GgmlType::Q6_K, GgmlType::IQ4_XS] {
-        let (bs, ts) = (ty.block_size(), ty.type_size());
+        let bs = ty.block_size();
         for rows in [4101usize, 300] {
             let wb = weight_blocks(ty, rows * k / bs, rng.u64());
             let dw = DevWeight::upload(g, ty, &wb, rows, k, 1).unwrap();
             for nt in [1usize, 3] {
                 let x = tame(rng.f32_vec_special(nt * k, 1.0));
                 let xq = act_bytes(ty, &x, nt, k);
-                let xr = xq.len() / nt;
                 let mut y = g.zeros::<f32>(nt * rows).unwrap();
                 m::product(g, &dw, &up(g, &xq), nt, &mut y).unwrap();
                 let got = down(g, &y);
-                let mut want = Vec::with_capacity(nt * rows);
-                for t in 0..nt {
-                    for r in 0..rows {
-                        let row = &wb[r * (k / bs) * ts..(r + 1) * (k / bs) * ts];
-                        let c: Vec<f32> = (0..k / 32)
-                            .map(|u| {
-                                let (b, s) = (u / 8, u % 8);
-                                let xblk = &xq[t * xr + 292 * b..t * xr + 292 * (b + 1)];
-                                unit_contribution(ty, &row[b * ts..(b + 1) * ts], xblk, s)
-                            })
-                            .collect();
-                        want.push(lane_order(&c));
-                    }
-                }
+                let want = emulated_product(ty, &wb, &xq, rows, k, nt);
                 bitwise(
                     &format!("{ty} {rows}×{k} nt={nt} vs its order on the CPU"),
                     &got,
@@ -2995,31 +3010,13 @@ fn the_emulated_gemv_order_agrees_with_the_cpu_product() {
     let mut rng = Rng::new(54);
     let (rows, k, nt) = (37usize, 2560usize, 2usize);
     for ty in [GgmlType::Q3_K, GgmlType::Q6_K, GgmlType::IQ4_XS] {
-        let (bs, ts) = (ty.block_size(), ty.type_size());
+        let bs = ty.block_size();
         let wb = weight_blocks(ty, rows * k / bs, rng.u64());
         let x = tame(rng.f32_vec_special(nt * k, 1.0));
         let xq = act_bytes(ty, &x, nt, k);
-        let xr = xq.len() / nt;
         let w = weights(vec![("w", vec![k as u64, rows as u64], ty, wb.clone())]);
         let cpu_y = be.matmul(&w["w"], &buf(nt, k, &x)).unwrap();
-        let mut emu = Vec::new();
-        for t in 0..nt {
-            for r in 0..rows {
-                let row = &wb[r * (k / bs) * ts..(r + 1) * (k / bs) * ts];
-                let c: Vec<f32> = (0..k / 32)
-                    .map(|u| {
-                        let (b, s) = (u / 8, u % 8);
-                        unit_contribution(
-                            ty,
-                            &row[b * ts..(b + 1) * ts],
-                            &xq[t * xr + 292 * b..t * xr + 292 * (b + 1)],
-                            s,
-                        )
-                    })
-                    .collect();
-                emu.push(lane_order(&c));
-            }
-        }
+        let emu = emulated_product(ty, &wb, &xq, rows, k, nt);
         let tol = dot_tol(ty, &wb, rows, k, &x, nt);
         within(
             &format!("{ty} emulated order vs the CPU product"),
