@@ -204,6 +204,26 @@ qsa_prep(const float* qg, const float* kin, const float* vin, const float* qiin,
     }
 }
 
+// kv[0..w) = p[0..w) (w ≤ 64), kv[w..64) = 0: sixteen 16-byte loads where p is 16-byte aligned
+// and w is 64, else w scalar loads; every load issued before any use.
+__device__ __forceinline__ void load64(const float* p, int w, float* kv) {
+    if (w == 64 && (((u64)p) & 15) == 0) {
+        float4 x[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) x[j] = reinterpret_cast<const float4*>(p)[j];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            kv[4 * j] = x[j].x;
+            kv[4 * j + 1] = x[j].y;
+            kv[4 * j + 2] = x[j].z;
+            kv[4 * j + 3] = x[j].w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 64; ++j) kv[j] = j < w ? p[j] : 0.f;
+    }
+}
+
 // scores[r][b] for b < nb = (pos[r]+1)/ratio, one thread a block: each head's dot in order from
 // -0.0 (Iterator::sum), relu (+0 for NaN and -0), heads summed in order from -0.0, times
 // 1/sqrt(d). The block keys are staged through shared memory 32 dims at a time (coalesced
@@ -211,20 +231,48 @@ qsa_prep(const float* qg, const float* kin, const float* vin, const float* qiin,
 // up, rows); heads ≤ 8, heads·d ≤ 1024.
 extern "C" __global__ void __launch_bounds__(256)
 qsa_scores(const float* qi, const float* blocks, const u32* pos, float* scores, u32 cap_blocks, int heads, int d,
-           int ratio) {
+           int ratio, int all_blocks, int direct) {
     grid_dep_sync();
     __shared__ float qs[1024];
     __shared__ float kt[256][33];
     const int r = blockIdx.y;
     const u32 nb = min((pos[r] + 1) / (u32)ratio, cap_blocks);
     const u32 b0 = blockIdx.x * 256;
-    if (b0 >= nb) return;
+    // Every complete block is selected (nb ≤ all_blocks, the budget's blocks; 0: never
+    // skipped): the selection does not read the scores, so none is computed.
+    if (b0 >= nb || nb <= (u32)all_blocks) return;
     const float* q = qi + (size_t)r * heads * d;
     for (int i = threadIdx.x; i < heads * d; i += 256) qs[i] = q[i];
     const u32 b = b0 + threadIdx.x;
     float s[8];
 #pragma unroll
     for (int h = 0; h < 8; ++h) s[h] = -0.0f;
+    if (direct) {
+        // Each thread reads its block's key straight from the store, 64 dims a load batch
+        // (one memory latency a batch instead of a barrier pair and a latency every 32 dims);
+        // each head's sum keeps the dims' order.
+        __syncthreads();
+        if (b >= nb) return;
+        const float* kr = blocks + (size_t)b * d;
+        for (int c0 = 0; c0 < d; c0 += 64) {
+            const int w = min(64, d - c0);
+            float kv[64];
+            load64(kr + c0, w, kv);
+#pragma unroll
+            for (int i = 0; i < 64; ++i)
+                if (i < w) {
+#pragma unroll
+                    for (int h = 0; h < 8; ++h)
+                        if (h < heads) s[h] += qs[h * d + c0 + i] * kv[i];
+                }
+        }
+        float tot = -0.0f;
+#pragma unroll
+        for (int h = 0; h < 8; ++h)
+            if (h < heads) tot += s[h] > 0.f ? s[h] : 0.f;
+        scores[(size_t)r * cap_blocks + b] = tot * (1.0f / sqrtf((float)d));
+        return;
+    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int c0 = 0; c0 < d; c0 += 32) {
         const int w = min(32, d - c0);
@@ -295,7 +343,7 @@ __device__ __forceinline__ int block_scan1024(int v, int* sh, int& total) {
 // the number written.
 extern "C" __global__ void __launch_bounds__(1024)
 qsa_select_ref(const float* scores, const u32* pos, u32* sel, u32* cnt, u32 cap_blocks, int ratio, int budget,
-               int stride, u32* err) {
+               int stride, u32* err, int all_fast) {
     grid_dep_sync();
     __shared__ u32 hist[256];
     __shared__ int scan[32];
@@ -312,6 +360,13 @@ qsa_select_ref(const float* scores, const u32* pos, u32* sel, u32* cnt, u32 cap_
             atomicOr(err, ERR_CAPACITY);
             cnt[r] = 0;
         }
+        return;
+    }
+    if (all_fast && want == nb) {
+        // Every complete block is selected (qsa_scores computed none): the blocks ascending, then
+        // the tail, are the tokens 0 ..= p in order.
+        for (u32 t = threadIdx.x; t <= p; t += blockDim.x) out[t] = t;
+        if (threadIdx.x == 0) cnt[r] = total_tokens;
         return;
     }
     // Radix select: after the passes, prefix = the want-th largest key, need = how many of the
@@ -616,7 +671,7 @@ __device__ __forceinline__ float attn_score(const float* qs, const float* kr, in
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
                     float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
-                    int max_chunks, u32* err) {
+                    int max_chunks, u32* err, int direct) {
     grid_dep_sync();
     __shared__ float qs[512];
     __shared__ float sh[8];
@@ -646,7 +701,31 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
     // Only the chunk's live rows are staged (a short context's last chunk is mostly empty);
     // the rows past them belong to threads whose score is -inf whatever they read.
     const int live = (int)min(256u, T - (u32)c * 256);
-    for (int c0 = 0; c0 < d; c0 += 32) {
+    if (direct) {
+        // Each thread reads its token's key row straight from the store, 64 dims a load batch
+        // (one memory latency a batch instead of a barrier pair and a latency every 32 dims;
+        // at a short context most of the staged passes' threads had no row): the same dots in
+        // the same order.
+        __syncthreads();
+        if (t < T && tok < cap) {
+            const float* kr = kc + (size_t)tok * kvc + off;
+            for (int c0 = 0; c0 < d; c0 += 64) {
+                const int w = min(64, d - c0);
+                float kv[64];
+                load64(kr + c0, w, kv);
+                if (causal) {
+#pragma unroll
+                    for (int i = 0; i < 64; ++i)
+                        if (i < w) a[i & 7] += qs[c0 + i] * kv[i];
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 64; ++i)
+                        if (i < w) acc += qs[c0 + i] * r16(kv[i], f16);
+                }
+            }
+        }
+    }
+    for (int c0 = 0; c0 < d && !direct; c0 += 32) {
         const int w = min(32, d - c0);
         __syncthreads();
         // Every row of the pass loaded before the first store (32 loads in flight a thread:
@@ -1027,7 +1106,7 @@ __device__ __forceinline__ void attend_group_out_t(const float* vc, const u32* s
 extern "C" __global__ void __launch_bounds__(256)
 attend_group_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
                     float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
-                    int max_chunks, u32* err) {
+                    int max_chunks, u32* err, int direct) {
     grid_dep_sync();
     __shared__ __align__(16) float qs[ATTN_AG * 256];
     __shared__ float kt[2][256][ATTN_KD + 1];

@@ -2081,13 +2081,30 @@ pub fn qsa_select(
         i32_of(k, s.budget)?,
         i32_of(k, sel.stride)?,
     );
+    // Where the reference rule selects every complete block (a context of at most `budget`
+    // tokens' blocks), no score is computed and the selection lists the tokens in order.
+    let all_fast = s.rule == QsaRule::Reference && qsa_all_on();
+    let all_blocks = if all_fast { bi / ri } else { 0 };
+    let direct = i32::from(attn_direct_on());
     launch!(
         gpu,
         "attn",
         "qsa_scores",
         cfg2(sel.cap_blocks.div_ceil(256) as u32, n as u32, 256),
-        [qi, blocks, pos, &mut sel.scores, &cb, &hi, &di, &ri]
+        [
+            qi,
+            blocks,
+            pos,
+            &mut sel.scores,
+            &cb,
+            &hi,
+            &di,
+            &ri,
+            &all_blocks,
+            &direct
+        ]
     )?;
+    let all_fast = i32::from(all_fast);
     match s.rule {
         QsaRule::Reference => launch!(
             gpu,
@@ -2103,7 +2120,8 @@ pub fn qsa_select(
                 &ri,
                 &bi,
                 &si,
-                err
+                err,
+                &all_fast
             ]
         ),
         QsaRule::LlamaCpp => {
@@ -2133,6 +2151,19 @@ pub fn qsa_select(
             )
         }
     }
+}
+
+/// Whether the decode rows' attention scores (`attend_split_scores`) and the QSA block scores
+/// read each key row straight from the store (`STRATA_CUDA_ATTN_DIRECT`, on) instead of staging
+/// the rows through shared memory 32 dims at a time; the same bits either way.
+pub fn attn_direct_on() -> bool {
+    crate::device::switch_on("STRATA_CUDA_ATTN_DIRECT")
+}
+
+/// Whether the reference selection skips its block scores and radix select where it takes every
+/// complete block (`STRATA_CUDA_QSA_ALL`, on); the same token lists either way.
+pub fn qsa_all_on() -> bool {
+    crate::device::switch_on("STRATA_CUDA_QSA_ALL")
 }
 
 /// Attention geometry (as `strata_engine::backend::AttnDims`).
@@ -2413,6 +2444,7 @@ pub fn attend_split_as(
             format!("{dims:?}: the grouped kernels take head dims of 32·k ≤ 256"),
         ));
     }
+    let direct = i32::from(attn_direct_on());
     // The grouped kernels: blocks of up to ATTN_GROUP heads of one kv head.
     let groups = n_head_kv * (n_head / n_head_kv).div_ceil(ATTN_GROUP);
     // Rows run in chunks of the scratch's rows (each row's result does not depend on it).
@@ -2430,7 +2462,7 @@ pub fn attend_split_as(
             None => (pos.slice(r0..r0 + m), pos.slice(r0..r0 + m)),
         };
         // The grouped kernels take the same arguments as the per-head ones, over blocks of up
-        // to ATTN_GROUP heads of one kv head instead of one head.
+        // to ATTN_GROUP heads of one kv head instead of one head (they ignore `direct`).
         let (scores_k, out_k, c2) = if grouped {
             (
                 "attend_group_scores",
@@ -2465,7 +2497,8 @@ pub fn attend_split_as(
                 &causal,
                 &fi,
                 &mc,
-                &mut *err
+                &mut *err,
+                &direct
             ]
         )?;
         launch!(

@@ -1721,20 +1721,28 @@ fn qsa_selection_case(
                 s,
             )
             .unwrap();
-        let mut sel = m::Selection::new(g, n, cap, s).unwrap();
-        let mut err = g.zeros::<u32>(1).unwrap();
-        m::qsa_select(g, &dq, &db, &dp, n, heads, d, s, &mut sel, &mut err).unwrap();
-        assert_eq!(g.download(&err).unwrap(), vec![0], "{rule:?}: error word");
-        let (cnt, toks) = (g.download(&sel.cnt).unwrap(), g.download(&sel.sel).unwrap());
-        for r in 0..n {
-            let got = &toks[r * sel.stride..r * sel.stride + cnt[r] as usize];
-            assert_eq!(
-                got,
-                want.0[r].as_slice(),
-                "{rule:?}: row {r} at position {} (budget {budget})",
-                pos[r]
-            );
+        // Both ways of the short-context path (`STRATA_CUDA_QSA_ALL`: no scores where every
+        // block is taken) and of the scores' loads (`STRATA_CUDA_ATTN_DIRECT`).
+        for (all, direct) in [(true, true), (false, true), (false, false)] {
+            strata_cuda::device::set_switch("STRATA_CUDA_QSA_ALL", Some(all)).unwrap();
+            strata_cuda::device::set_switch("STRATA_CUDA_ATTN_DIRECT", Some(direct)).unwrap();
+            let mut sel = m::Selection::new(g, n, cap, s).unwrap();
+            let mut err = g.zeros::<u32>(1).unwrap();
+            m::qsa_select(g, &dq, &db, &dp, n, heads, d, s, &mut sel, &mut err).unwrap();
+            assert_eq!(g.download(&err).unwrap(), vec![0], "{rule:?}: error word");
+            let (cnt, toks) = (g.download(&sel.cnt).unwrap(), g.download(&sel.sel).unwrap());
+            for r in 0..n {
+                let got = &toks[r * sel.stride..r * sel.stride + cnt[r] as usize];
+                assert_eq!(
+                    got,
+                    want.0[r].as_slice(),
+                    "{rule:?} (all {all}, direct {direct}): row {r} at position {} (budget {budget})",
+                    pos[r]
+                );
+            }
         }
+        strata_cuda::device::set_switch("STRATA_CUDA_QSA_ALL", None).unwrap();
+        strata_cuda::device::set_switch("STRATA_CUDA_ATTN_DIRECT", None).unwrap();
         eprintln!("qsa_select {rule:?}, budget {budget}: {n} rows equal to the CPU's token lists");
     }
 }
@@ -1909,7 +1917,8 @@ fn attention_matches_cpu() {
 }
 
 /// The grouped prefill attention (attn.cu `attend_group_*`: a block per row, group of up to 12
-/// heads of one kv head and chunk) against the per-head split kernels: bitwise, over selections
+/// heads of one kv head and chunk) and the per-head kernels with their key rows staged
+/// (`STRATA_CUDA_ATTN_DIRECT=0`) against the per-head split kernels: bitwise, over selections
 /// and causally, F32 (with specials) and F16 stores, group sizes 2, 7, 12 and 26 (three blocks
 /// of heads for one kv head), rows spanning several chunks of 256 tokens.
 #[test]
@@ -2004,7 +2013,10 @@ fn grouped_attention_equals_the_per_head_kernels() {
             g.write(&mut sel.cnt, &cnt).unwrap();
             let (qd, kd, vd, pd) = (up(g, &q), up(g, &kc), up(g, &vc), up(g, &pos));
             let mut outs = Vec::new();
-            for grouped in [false, true] {
+            // The per-head kernels with their scores' key rows read directly (the default) and
+            // staged through shared memory (`STRATA_CUDA_ATTN_DIRECT=0`), then the grouped ones.
+            for (grouped, direct) in [(false, true), (false, false), (true, true)] {
+                strata_cuda::device::set_switch("STRATA_CUDA_ATTN_DIRECT", Some(direct)).unwrap();
                 // Scratch for fewer rows than the call: the row chunks run too.
                 let mut ss = m::AttnSplitScratch::new(g, 5, dims, cap).unwrap();
                 let mut out = g.zeros::<f32>(n * qc).unwrap();
@@ -2030,10 +2042,16 @@ fn grouped_attention_equals_the_per_head_kernels() {
                 assert_eq!(g.download(&err).unwrap(), vec![0]);
                 outs.push(down(g, &out));
             }
+            strata_cuda::device::set_switch("STRATA_CUDA_ATTN_DIRECT", None).unwrap();
             nontrivial("attend_split", &outs[0]);
             bitwise(
-                &format!("grouped attention, causal {causal}, f16 {f16}, {dims:?}"),
+                &format!("staged scores, causal {causal}, f16 {f16}, {dims:?}"),
                 &outs[1],
+                &outs[0],
+            );
+            bitwise(
+                &format!("grouped attention, causal {causal}, f16 {f16}, {dims:?}"),
+                &outs[2],
                 &outs[0],
             );
         }
