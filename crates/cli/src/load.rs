@@ -71,8 +71,8 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
         BackendKind::Cpu => cpu(String::new()),
         BackendKind::Cuda => match CudaBackend::new(b.device) {
             Ok(c) => {
-                set_prefill(&c, b)?;
-                let note = cuda_note(&c);
+                let why = set_prefill(&c, b)?;
+                let note = cuda_note(&c, why);
                 Ok((Chosen::Cuda(Box::new(c)), note))
             }
             Err(e) => bail!(
@@ -96,8 +96,8 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
         }
         BackendKind::Auto => match CudaBackend::new(b.device) {
             Ok(c) => {
-                set_prefill(&c, b)?;
-                let note = format!("{} (auto)", cuda_note(&c));
+                let why = set_prefill(&c, b)?;
+                let note = format!("{} (auto)", cuda_note(&c, why));
                 Ok((Chosen::Cuda(Box::new(c)), note))
             }
             Err(e) => cpu(format!(" (auto: no usable GPU: {e})")),
@@ -105,14 +105,27 @@ pub fn open_backend(b: &BackendChoice, threads: usize) -> Result<(Chosen, String
     }
 }
 
-/// `--prefill` on an opened CUDA backend (unset: the backend's default, from
-/// `STRATA_CUDA_FAST_PREFILL`); fast without cuBLAS is an error naming it.
-fn set_prefill(c: &CudaBackend, b: &BackendChoice) -> Result<()> {
+/// `--prefill` on an opened CUDA backend; fast without cuBLAS is an error naming it. Unset: the
+/// backend's setting where `STRATA_CUDA_FAST_PREFILL` gives one, else fast where cuBLAS loads
+/// and the backend does not batch sequences (a batch's rows equal their solo runs' only in the
+/// exact mode), else exact, with the reason in the `-v` note.
+fn set_prefill(c: &CudaBackend, b: &BackendChoice) -> Result<Option<String>> {
+    use strata_engine::backend::Backend;
     if let Some(mode) = b.prefill {
         c.set_fast_prefill(mode == PrefillMode::Fast)
             .map_err(|e| anyhow::anyhow!("--prefill fast: {e}"))?;
+        return Ok(None);
     }
-    Ok(())
+    if strata_cuda::device::switch_given("STRATA_CUDA_FAST_PREFILL").is_some() {
+        return Ok(None);
+    }
+    if c.batches_sequences() {
+        return Ok(Some("exact prefill: sequences batch".into()));
+    }
+    Ok(match c.set_fast_prefill(true) {
+        Ok(()) => None,
+        Err(e) => Some(format!("exact prefill: the fast one needs cuBLAS ({e})")),
+    })
 }
 
 fn cpu_note(c: &CpuBackend) -> String {
@@ -125,7 +138,7 @@ fn cpu_note(c: &CpuBackend) -> String {
     format!("cpu ({} threads, {:?}{kernels})", c.threads(), c.isa())
 }
 
-fn cuda_note(c: &CudaBackend) -> String {
+fn cuda_note(c: &CudaBackend, why: Option<String>) -> String {
     let g = c.gpu();
     format!(
         "cuda:{} ({}, sm_{}{}, {} SMs{})",
@@ -135,9 +148,9 @@ fn cuda_note(c: &CudaBackend) -> String {
         g.arch.1,
         g.sms,
         if c.fast_prefill() {
-            ", fast prefill (cuBLAS)"
+            ", fast prefill (cuBLAS)".to_string()
         } else {
-            ""
+            format!(", {}", why.unwrap_or_else(|| "exact prefill".into()))
         }
     )
 }

@@ -136,10 +136,11 @@ fn run_model(a: Args) -> anyhow::Result<ExitCode> {
         }
         None => crate::model_cache::default_model_path(true)?,
     };
+    // The prompt and verify suites measure the determinism contract: the exact prefill.
     let choice = BackendChoice {
         kind,
         device: a.device,
-        prefill: None,
+        prefill: Some(crate::args::backend::PrefillMode::Exact),
     };
     let opened = crate::load::open(&path)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -134,6 +134,12 @@ fn switch_value(var: &str) -> Option<bool> {
     }
 }
 
+/// Switch `var`'s setting where the environment or an override gives one (`None`: unset, or not
+/// a switch), for callers whose default depends on more than the switch.
+pub fn switch_given(var: &str) -> Option<bool> {
+    switch_value(var)
+}
+
 /// Whether switch `var` (one of [`SWITCHES`]) is on: on unless set to `0` (the values were
 /// checked by [`check_switches`] when the device opened), or as [`set_switch`] overrode it.
 pub fn switch_on(var: &str) -> bool {

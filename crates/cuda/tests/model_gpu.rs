@@ -409,6 +409,65 @@ fn greedy_speculative_decoding_equals_plain_on_cuda() {
     }
 }
 
+/// With the fast prefill on (cuBLAS from 10 rows here, so the tiny prompt's chunks of 11 take
+/// it), greedy speculative decoding equals plain decoding when both run the prompt in the same
+/// chunks (`GenOptions::prefill_chunk`, as the CLI's loops do): the fast rows depend on a
+/// chunk's row count, not on which loop ran it.
+#[test]
+fn greedy_spec_equals_plain_with_the_fast_prefill_on_cuda() {
+    use strata_engine::generate::{generate, GenOptions, Qwen4expSession};
+    use strata_engine::sampler::{Sampler, SamplerConfig};
+    let Some(gpu) = gpu() else { return };
+    strata_cuda::model::set_blas_min_rows(Some(9));
+    gpu.set_fast_prefill(true)
+        .expect("cuBLAS on the GPU machine");
+    let mut m = load(&tiny("model-bf16.gguf"), gpu, &LoadOptions::default());
+    attach_tiny_head(&mut m);
+    let prompt = Golden::open(tiny("golden.safetensors")).ids("input_ids")[..30].to_vec();
+    const NEW: usize = 24;
+    let opts = GenOptions {
+        max_tokens: NEW,
+        prefill_chunk: 11,
+        ..Default::default()
+    };
+    // The fast path ran: its prompt logits are not the exact mode's.
+    let fast = logits(&m, &prompt);
+    m.backend().set_fast_prefill(false).unwrap();
+    let exact = logits(&m, &prompt);
+    m.backend().set_fast_prefill(true).unwrap();
+    assert!(
+        !bits_eq(&fast, &exact),
+        "the tiny prompt did not take the fast prefill"
+    );
+    let mut session = Qwen4expSession::new(&m).unwrap();
+    let mut sampler = Sampler::new(SamplerConfig::greedy()).unwrap();
+    let plain = generate(
+        &mut session,
+        &prompt,
+        &mut sampler,
+        &|_| false,
+        &opts,
+        &mut |_| true,
+    )
+    .unwrap()
+    .tokens;
+    assert_eq!(plain.len(), NEW);
+    for window in [2, 4, 8] {
+        let mut d = SpecDecoder::new(
+            &m,
+            SpecConfig {
+                window,
+                ..SpecConfig::default()
+            },
+        )
+        .unwrap();
+        let got =
+            strata_engine::speculative::run_with(&mut d, &prompt, &opts, &mut |_| true).unwrap();
+        assert_eq!(got, plain, "fast prefill, window {window}");
+    }
+    strata_cuda::model::set_blas_min_rows(None);
+}
+
 fn greedy_qwen2<B: strata_engine::Backend>(
     m: &strata_engine::qwen2::Model<B>,
     prompt: &[u32],

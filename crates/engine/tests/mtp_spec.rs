@@ -188,6 +188,37 @@ fn greedy_spec_equals_plain_for_every_window() {
     }
 }
 
+/// The prompt in chunks of 7 rows (plain decoding's `prefill_chunk`, which a GPU's fast
+/// prefill needs both loops to share): the same tokens and states as plain decoding, whose
+/// oracle runs the prompt in one call.
+#[test]
+fn a_prompt_in_chunks_keeps_spec_equal_to_plain() {
+    let m = model();
+    let (want, plain_state) = greedy_plain(&m, NEW);
+    for window in [2, 5] {
+        let mut dec = SpecDecoder::new(&m, cfg(window)).unwrap();
+        let opts = strata_engine::generate::GenOptions {
+            max_tokens: NEW,
+            prefill_chunk: 7,
+            ..Default::default()
+        };
+        let got = strata_engine::speculative::run_with(&mut dec, &prompt(), &opts, &mut |_| true)
+            .unwrap();
+        assert_eq!(got, want, "window {window}");
+        assert_eq!(
+            dec.stats().prompt_passes as usize,
+            prompt().len().div_ceil(7),
+            "window {window}: the prompt's passes"
+        );
+        check_states(
+            &m,
+            &mut dec,
+            &plain_state,
+            &format!("chunks, window {window}"),
+        );
+    }
+}
+
 #[test]
 fn forced_acceptance_patterns_equal_plain() {
     let m = model();

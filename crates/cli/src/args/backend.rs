@@ -17,7 +17,7 @@ pub enum BackendKind {
 /// How a GPU backend processes a prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum PrefillMode {
-    /// Every prompt row gets exactly the bits of a single decode step (the default)
+    /// Every prompt row gets exactly the bits of a single decode step
     Exact,
     /// CUDA: the large dense products on the tensor cores by cuBLAS (BF16 inputs, f32 sums),
     /// within a stated tolerance of the exact mode (docs/CUDA.md, "Fast prefill")
@@ -35,8 +35,10 @@ pub struct BackendArgs {
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub device: usize,
     /// Prompt processing on CUDA: exact (every row the bits of a single decode step) or fast
-    /// (the large products by cuBLAS on the tensor cores, within a stated tolerance); unset:
-    /// STRATA_CUDA_FAST_PREFILL=1 means fast, else exact. The CPU's prefill is always exact
+    /// (the large products by cuBLAS on the tensor cores, within a stated tolerance). Unset:
+    /// STRATA_CUDA_FAST_PREFILL=0|1 if given, else fast where cuBLAS loads and the backend
+    /// does not batch sequences (STRATA_CUDA_BATCH=1 keeps exact: a batch's rows get their solo
+    /// bits only in the exact mode); -v says which. The CPU's prefill is always exact
     #[arg(long, value_enum)]
     pub prefill: Option<PrefillMode>,
 }

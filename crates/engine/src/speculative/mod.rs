@@ -778,19 +778,30 @@ impl<B: Qwen4expOps> Stepper for SpecDecoder<'_, B> {
         self.target.tokens()
     }
 
-    fn prefill(&mut self, prompt: &[u32], _opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>> {
+    fn prefill(&mut self, prompt: &[u32], opts: &GenOptions, t: &mut Timings) -> Result<Vec<f32>> {
         let from = self.target.position();
-        // The whole rest of the prompt as one chunk, a batch of one.
+        // The rest of the prompt in plain decoding's chunks (`prefill_chunk` rows from where the
+        // sequence stands), each a batch of one: a GPU's fast prefill, whose rows depend on the
+        // chunk's row count, then gives the trunk plain decoding's bits too.
         let t0 = Instant::now();
         let model = self.model;
-        let item = self.prompt_item(prompt, prompt.len())?;
-        let out = model
-            .forward_batch_dev(&mut [item])?
-            .pop()
-            .ok_or_else(|| EngineError::shape("prefill", "no result for the prompt"))?;
-        let logits = self
-            .prompt_ran(out)?
-            .ok_or_else(|| EngineError::shape("prefill", "no logits after the prompt"))?;
+        let step = opts.prefill_chunk.max(1);
+        let mut end = from;
+        let logits = loop {
+            end = end.saturating_add(step).min(prompt.len());
+            let item = self.prompt_item(prompt, end)?;
+            let out = model
+                .forward_batch_dev(&mut [item])?
+                .pop()
+                .ok_or_else(|| EngineError::shape("prefill", "no result for the prompt"))?;
+            match self.prompt_ran(out)? {
+                Some(logits) => break logits,
+                None if end >= prompt.len() => {
+                    return Err(EngineError::shape("prefill", "no logits after the prompt"))
+                }
+                None => {}
+            }
+        };
         t.prompt = t0.elapsed();
         t.prompt_tokens = prompt.len() - from;
         t.reused_tokens = from;
@@ -879,14 +890,25 @@ pub fn run<B: Qwen4expOps>(
     max_new: usize,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Vec<u32>> {
-    if max_new == 0 {
-        return Ok(Vec::new());
-    }
-    let window = dec.window;
     let opts = GenOptions {
         max_tokens: max_new,
         ..GenOptions::default()
     };
+    run_with(dec, prompt, &opts, on_token)
+}
+
+/// [`run`] with `opts`' token budget (`max_tokens`) and prompt chunks (`prefill_chunk`); its
+/// sampler settings are the decoder's picker's, not `opts`'.
+pub fn run_with<B: Qwen4expOps>(
+    dec: &mut SpecDecoder<'_, B>,
+    prompt: &[u32],
+    opts: &GenOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Vec<u32>> {
+    if opts.max_tokens == 0 {
+        return Ok(Vec::new());
+    }
+    let window = dec.window;
     let d = dec.with_picker_taken(|dec, pick| {
         let policy = Policy {
             pick,
@@ -894,7 +916,7 @@ pub fn run<B: Qwen4expOps>(
             is_eog: &|_| false,
             window,
         };
-        decode::run(dec, prompt, policy, &opts, on_token)
+        decode::run(dec, prompt, policy, opts, on_token)
     })?;
     Ok(d.tokens)
 }
