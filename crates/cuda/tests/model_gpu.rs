@@ -428,7 +428,6 @@ fn greedy_spec_equals_plain_with_the_fast_prefill_on_cuda() {
     let opts = GenOptions {
         max_tokens: NEW,
         prefill_chunk: 11,
-        ..Default::default()
     };
     // The fast path ran: its prompt logits are not the exact mode's.
     let fast = logits(&m, &prompt);

@@ -200,7 +200,6 @@ fn a_prompt_in_chunks_keeps_spec_equal_to_plain() {
         let opts = strata_engine::generate::GenOptions {
             max_tokens: NEW,
             prefill_chunk: 7,
-            ..Default::default()
         };
         let got = strata_engine::speculative::run_with(&mut dec, &prompt(), &opts, &mut |_| true)
             .unwrap();
