@@ -224,6 +224,26 @@ __device__ __forceinline__ void load64(const float* p, int w, float* kv) {
     }
 }
 
+// Before the dependency wait of a decode row's attention block (rh, chunk c): the chunk's key or
+// value rows of its kv head pulled into L2, where the row's tokens are 0 ..= p (causal, or a
+// list that holds every visible token: p + 1 ≤ stride). The blocks of one kv head's `group` heads
+// share the rows (thread t's row where t % group is the block's head % group). Only a hint: the
+// position may not be settled yet (rows stay inside the store whatever it reads), and the rows
+// are read after the wait as before.
+__device__ __forceinline__ void attn_rows_to_l2(const float* store, const u32* pos, u32 cap, int n_head,
+                                                int n_head_kv, int d, int stride, int causal) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int rh = blockIdx.x, r = rh / n_head, h = rh % n_head, c = blockIdx.y;
+    const int group = n_head / n_head_kv, kvc = n_head_kv * d, off = (h / group) * d;
+    const u32 n = min(__ldcg(pos + r), cap - 1) + 1;
+    const u32 t = (u32)c * 256 + threadIdx.x;
+    if ((causal || n <= (u32)stride) && t < n && (int)threadIdx.x % group == h % group && (d & 3) == 0) {
+        const u64 a = (u64)(store + (size_t)t * kvc + off);
+        if ((a & 15) == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(4 * d)));
+    }
+#endif
+}
+
 // scores[r][b] for b < nb = (pos[r]+1)/ratio, one thread a block: each head's dot in order from
 // -0.0 (Iterator::sum), relu (+0 for NaN and -0), heads summed in order from -0.0, times
 // 1/sqrt(d). The block keys are staged through shared memory 32 dims at a time (coalesced
@@ -672,6 +692,7 @@ extern "C" __global__ void __launch_bounds__(256)
 attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
                     float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
                     int max_chunks, u32* err, int direct) {
+    if (direct & 2) attn_rows_to_l2(kc, pos, cap, n_head, n_head_kv, d, stride, causal);
     grid_dep_sync();
     __shared__ float qs[512];
     __shared__ float sh[8];
@@ -701,7 +722,7 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
     // Only the chunk's live rows are staged (a short context's last chunk is mostly empty);
     // the rows past them belong to threads whose score is -inf whatever they read.
     const int live = (int)min(256u, T - (u32)c * 256);
-    if (direct) {
+    if (direct & 1) {
         // Each thread reads its token's key row straight from the store, 64 dims a load batch
         // (one memory latency a batch instead of a barrier pair and a latency every 32 dims;
         // at a short context most of the staged passes' threads had no row): the same dots in
@@ -725,7 +746,7 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
             }
         }
     }
-    for (int c0 = 0; c0 < d && !direct; c0 += 32) {
+    for (int c0 = 0; c0 < d && !(direct & 1); c0 += 32) {
         const int w = min(32, d - c0);
         __syncthreads();
         // Every row of the pass loaded before the first store (32 loads in flight a thread:
@@ -772,7 +793,8 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
                  const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
-                 int f16, int max_chunks) {
+                 int f16, int max_chunks, int direct) {
+    if (direct) attn_rows_to_l2(vc, pos, cap, n_head, n_head_kv, d, stride, causal);
     grid_dep_sync();
     __shared__ float w[256];
     __shared__ u32 tk[256];
@@ -1123,7 +1145,7 @@ attend_group_scores(const float* q, const float* kc, const u32* sel, const u32* 
 extern "C" __global__ void __launch_bounds__(256)
 attend_group_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
                  const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
-                 int f16, int max_chunks) {
+                 int f16, int max_chunks, int direct) {
     grid_dep_sync();
     __shared__ __align__(16) float w[ATTN_AG][256];
     __shared__ u32 tk[256];

@@ -2445,6 +2445,10 @@ pub fn attend_split_as(
         ));
     }
     let direct = i32::from(attn_direct_on());
+    // A decode row's key and value rows pulled into L2 before the scores' and the out pass's
+    // waits (attn.cu attn_rows_to_l2; the grouped kernels ignore it): `STRATA_CUDA_ATTN_L2`, on.
+    let prefetch = i32::from(crate::device::switch_on("STRATA_CUDA_ATTN_L2"));
+    let score_flags = direct | (prefetch << 1);
     // The grouped kernels: blocks of up to ATTN_GROUP heads of one kv head.
     let groups = n_head_kv * (n_head / n_head_kv).div_ceil(ATTN_GROUP);
     // Rows run in chunks of the scratch's rows (each row's result does not depend on it).
@@ -2498,7 +2502,7 @@ pub fn attend_split_as(
                 &fi,
                 &mc,
                 &mut *err,
-                &direct
+                &score_flags
             ]
         )?;
         launch!(
@@ -2521,7 +2525,8 @@ pub fn attend_split_as(
                 &st,
                 &causal,
                 &fi,
-                &mc
+                &mc,
+                &prefetch
             ]
         )?;
         // The gate's rows of this chunk, by address (0: no gate).
