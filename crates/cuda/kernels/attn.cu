@@ -691,8 +691,11 @@ __device__ __forceinline__ float attn_score(const float* qs, const float* kr, in
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
                     float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
-                    int max_chunks, u32* err, int direct) {
-    if (direct & 2) attn_rows_to_l2(kc, pos, cap, n_head, n_head_kv, d, stride, causal);
+                    int max_chunks, u32* err, int direct, const float* vc, float* out, u64 gate) {
+    if (direct & 2) {
+        attn_rows_to_l2(kc, pos, cap, n_head, n_head_kv, d, stride, causal);
+        if (direct & 4) attn_rows_to_l2(vc, pos, cap, n_head, n_head_kv, d, stride, causal);
+    }
     grid_dep_sync();
     __shared__ float qs[512];
     __shared__ float sh[8];
@@ -788,13 +791,49 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
         stats[((size_t)rh * max_chunks + c) * 2] = m;
         stats[((size_t)rh * max_chunks + c) * 2 + 1] = z;
     }
+    if (!(direct & 4) || T > 256) return;
+    // One chunk holds every token (T ≤ 256, so this is chunk 0): the out pass and the sum done
+    // here (flag bit 2; attend_split_out and attend_split_sum then skip the row), their
+    // expressions with nc = 1 — m = max(-inf, m), z = 0 + z·exp(m − m), the weights from this
+    // block's scores, the value sum in token order from +0, then 0 + part and the gate.
+    __shared__ float wsh[256];
+    const float mo = fmaxf(NEG_INF, m);
+    float zo = 0.f;
+    zo += z * expf(m - mo);
+    const float inv = 1.0f / zo;
+    float wt = 0.f;
+    if (t < T) {
+        const float p = expf(s - mo);
+        wt = causal ? r16(p * inv, f16) : r16(p / zo, f16);
+    }
+    wsh[threadIdx.x] = wt;
+    __syncthreads();
+    const int len = (int)T;
+    const float* gp = (const float*)gate;
+    for (int j = threadIdx.x; j < d; j += 256) {
+        float acc = 0.f;
+        for (int u0 = 0; u0 < len; u0 += 64) {
+            float vv[64];
+#pragma unroll
+            for (int u = 0; u < 64; ++u) {
+                const bool ok = u0 + u < len && tk[u0 + u] < cap;
+                vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < 64; ++u)
+                if (u0 + u < len && tk[u0 + u] < cap) acc += wsh[u0 + u] * (causal ? vv[u] : r16(vv[u], f16));
+        }
+        float o = 0.f;
+        o += acc;
+        out[(size_t)rh * d + j] = gp ? o * sigmoidf_(gp[(size_t)rh * d + j]) : o;
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
                  const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
                  int f16, int max_chunks, int direct) {
-    if (direct) attn_rows_to_l2(vc, pos, cap, n_head, n_head_kv, d, stride, causal);
+    if (direct & 1) attn_rows_to_l2(vc, pos, cap, n_head, n_head_kv, d, stride, causal);
     grid_dep_sync();
     __shared__ float w[256];
     __shared__ u32 tk[256];
@@ -802,7 +841,8 @@ attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
     const int kvc = n_head_kv * d, off = (h / (n_head / n_head_kv)) * d;
     const u32 T = causal ? pos[r] + 1 : cnt[r];
     const int nc = (int)((T + 255) / 256);
-    if (T > cap || c >= nc) return;
+    // Flag bit 2: a row of one chunk was finished by attend_split_scores.
+    if (T > cap || c >= nc || ((direct & 4) && nc == 1)) return;
     const float* st = stats + (size_t)rh * max_chunks * 2;
     float m = NEG_INF;
     for (int i = 0; i < nc; ++i) m = fmaxf(m, st[2 * i]);
@@ -841,12 +881,15 @@ attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
 
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_sum(const float* part, const u32* cnt, const u32* pos, float* out, u32 cap, int n_head, int d,
-                 int causal, int max_chunks, const float* gate) {
+                 int causal, int max_chunks, const float* gate, int fused) {
     grid_dep_sync();
     const int rh = blockIdx.x, r = rh / n_head;
     const u32 T = causal ? pos[r] + 1 : cnt[r];
     if (T > cap) return;
     const int nc = (int)((T + 255) / 256);
+    // A row of one chunk was finished by attend_split_scores (`fused`: the per-head kernels'
+    // flag bit 2).
+    if (fused && nc == 1) return;
     for (int j = threadIdx.x; j < d; j += 256) {
         float acc = 0.f;
         for (int c = 0; c < nc; ++c) acc += part[((size_t)rh * max_chunks + c) * d + j];
@@ -1128,7 +1171,7 @@ __device__ __forceinline__ void attend_group_out_t(const float* vc, const u32* s
 extern "C" __global__ void __launch_bounds__(256)
 attend_group_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
                     float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
-                    int max_chunks, u32* err, int direct) {
+                    int max_chunks, u32* err, int direct, const float* vc, float* out, u64 gate) {
     grid_dep_sync();
     __shared__ __align__(16) float qs[ATTN_AG * 256];
     __shared__ float kt[2][256][ATTN_KD + 1];

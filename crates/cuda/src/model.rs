@@ -2448,7 +2448,11 @@ pub fn attend_split_as(
     // A decode row's key and value rows pulled into L2 before the scores' and the out pass's
     // waits (attn.cu attn_rows_to_l2; the grouped kernels ignore it): `STRATA_CUDA_ATTN_L2`, on.
     let prefetch = i32::from(crate::device::switch_on("STRATA_CUDA_ATTN_L2"));
-    let score_flags = direct | (prefetch << 1);
+    // A row whose tokens fit one chunk finished by the scores kernel (weights, values, gate),
+    // the out and sum passes skipping it (the per-head kernels only): `STRATA_CUDA_ATTN_FUSE`, on.
+    let fused = i32::from(!grouped && crate::device::switch_on("STRATA_CUDA_ATTN_FUSE"));
+    let score_flags = direct | (prefetch << 1) | (fused << 2);
+    let out_flags = prefetch | (fused << 2);
     // The grouped kernels: blocks of up to ATTN_GROUP heads of one kv head.
     let groups = n_head_kv * (n_head / n_head_kv).div_ceil(ATTN_GROUP);
     // Rows run in chunks of the scratch's rows (each row's result does not depend on it).
@@ -2458,6 +2462,10 @@ pub fn attend_split_as(
         let qv = q.slice(r0 * qc..(r0 + m) * qc);
         let pv = pos.slice(r0..r0 + m);
         let mut ov = out.slice_mut(r0 * qc..(r0 + m) * qc);
+        // The gate's rows of this chunk, by address (0: no gate).
+        let gp: u64 = gate.map_or(0, |g| {
+            crate::record::addr(g, gpu.stream()) + (4 * r0 * qc) as u64
+        });
         let (lst, cnt) = match sel {
             Some(se) => (
                 se.sel.slice(r0 * se.stride..(r0 + m) * se.stride),
@@ -2502,7 +2510,10 @@ pub fn attend_split_as(
                 &fi,
                 &mc,
                 &mut *err,
-                &score_flags
+                &score_flags,
+                v_cache,
+                &mut ov,
+                &gp
             ]
         )?;
         launch!(
@@ -2526,19 +2537,15 @@ pub fn attend_split_as(
                 &causal,
                 &fi,
                 &mc,
-                &prefetch
+                &out_flags
             ]
         )?;
-        // The gate's rows of this chunk, by address (0: no gate).
-        let gp: u64 = gate.map_or(0, |g| {
-            crate::record::addr(g, gpu.stream()) + (4 * r0 * qc) as u64
-        });
         launch!(
             gpu,
             "attn",
             "attend_split_sum",
             cfg((m * n_head) as u32, 256),
-            [&s.part, &cnt, &pv, &mut ov, &capu, &nh, &hd, &causal, &mc, &gp]
+            [&s.part, &cnt, &pv, &mut ov, &capu, &nh, &hd, &causal, &mc, &gp, &fused]
         )?;
     }
     Ok(())

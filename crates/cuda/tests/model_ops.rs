@@ -2012,11 +2012,21 @@ fn grouped_attention_equals_the_per_head_kernels() {
             g.write(&mut sel.sel, &flat).unwrap();
             g.write(&mut sel.cnt, &cnt).unwrap();
             let (qd, kd, vd, pd) = (up(g, &q), up(g, &kc), up(g, &vc), up(g, &pos));
+            // The output gate (qwen4exp's) on the F32 stores' cases.
+            let gate = (!f16).then(|| up(g, &rng.f32_vec(n * qc, 2.0)));
             let mut outs = Vec::new();
-            // The per-head kernels with their scores' key rows read directly (the default) and
-            // staged through shared memory (`STRATA_CUDA_ATTN_DIRECT=0`), then the grouped ones.
-            for (grouped, direct) in [(false, true), (false, false), (true, true)] {
+            // The per-head kernels with their scores' key rows read directly and a one-chunk
+            // row finished by the scores kernel (the defaults), with the rows staged through
+            // shared memory (`STRATA_CUDA_ATTN_DIRECT=0`), with every row through the out and
+            // sum passes (`STRATA_CUDA_ATTN_FUSE=0`), then the grouped ones.
+            for (grouped, direct, fuse) in [
+                (false, true, true),
+                (false, false, true),
+                (false, true, false),
+                (true, true, true),
+            ] {
                 strata_cuda::device::set_switch("STRATA_CUDA_ATTN_DIRECT", Some(direct)).unwrap();
+                strata_cuda::device::set_switch("STRATA_CUDA_ATTN_FUSE", Some(fuse)).unwrap();
                 // Scratch for fewer rows than the call: the row chunks run too.
                 let mut ss = m::AttnSplitScratch::new(g, 5, dims, cap).unwrap();
                 let mut out = g.zeros::<f32>(n * qc).unwrap();
@@ -2036,13 +2046,14 @@ fn grouped_attention_equals_the_per_head_kernels() {
                     &mut ss,
                     &mut err,
                     grouped,
-                    None,
+                    gate.as_ref(),
                 )
                 .unwrap();
                 assert_eq!(g.download(&err).unwrap(), vec![0]);
                 outs.push(down(g, &out));
             }
             strata_cuda::device::set_switch("STRATA_CUDA_ATTN_DIRECT", None).unwrap();
+            strata_cuda::device::set_switch("STRATA_CUDA_ATTN_FUSE", None).unwrap();
             nontrivial("attend_split", &outs[0]);
             bitwise(
                 &format!("staged scores, causal {causal}, f16 {f16}, {dims:?}"),
@@ -2050,8 +2061,13 @@ fn grouped_attention_equals_the_per_head_kernels() {
                 &outs[0],
             );
             bitwise(
-                &format!("grouped attention, causal {causal}, f16 {f16}, {dims:?}"),
+                &format!("unfused one-chunk rows, causal {causal}, f16 {f16}, {dims:?}"),
                 &outs[2],
+                &outs[0],
+            );
+            bitwise(
+                &format!("grouped attention, causal {causal}, f16 {f16}, {dims:?}"),
+                &outs[3],
                 &outs[0],
             );
         }
