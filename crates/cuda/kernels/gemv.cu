@@ -216,6 +216,61 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
     }
 }
 
+// gemv_rows4: gemv_opt<T, K, 1>'s rows for a product of many rows (the LM head: 248,320 Q6_K
+// rows of 2560), four consecutive rows a warp and four warps a block. Four rows of a 2-byte-
+// aligned format are 16-byte aligned where the first is a multiple of four (Q6_K: 4 · 2100 B),
+// so each warp's rows come into shared memory by one bulk copy issued before the dependency
+// wait (the weights do not depend on the kernel before): no load instruction a weight byte,
+// where gemv_opt stages each row with 4-byte loads (its load pipe, not DRAM, bounded the head).
+// The activation row is staged once for sixteen rows instead of eight. Each row is then summed
+// as gemv_opt sums it — the same decoder, lanes and warp_sum — so the same bits.
+template <int T, int K>
+__device__ __forceinline__ void gemv_rows4(const u8* w, const u8* x, float* y, int rows) {
+    constexpr int U = K / 32, PER = (U + 31) / 32, WARPS = 4, RW = 4;
+    constexpr int WRB = (K / Fmt<T>::QK) * Fmt<T>::TS;
+    constexpr int XRB = (T == T_Q8_0 || T == T_Q2_0) ? 34 * (K / 32) : 292 * (K / 256);
+    static_assert((RW * WRB) % 16 == 0, "four rows are whole 16-byte granules");
+    __shared__ __align__(16) u8 xsh[XRB];
+    // 16 bytes past each warp's rows: the word decoders read up to a word beyond a field.
+    __shared__ __align__(16) u8 wsh[WARPS][RW * WRB + 16];
+    __shared__ __align__(8) u64 bar[WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r0 = (blockIdx.x * WARPS + warp) * RW;
+    const int n = min(RW, rows - r0);
+    const u8* src = w + (size_t)r0 * WRB;
+    const bool bulk = n == RW && (((u64)src) & 15) == 0;
+    if (bulk && lane == 0) {
+        mbar_arm(&bar[warp], RW * WRB);
+        bulk_to_smem(wsh[warp], src, RW * WRB, &bar[warp]);
+    }
+    grid_dep_sync();
+    stage<align_of_size<XRB>()>(xsh, x, XRB, threadIdx.x, 32 * WARPS);
+    if (n > 0 && !bulk) stage<align_of_size<WRB>()>(wsh[warp], src, n * WRB, lane, 32);
+    __syncthreads();
+    if (n <= 0) return;
+    if (bulk) mbar_wait(&bar[warp]);
+    const Tables tb = global_tables();
+    for (int j = 0; j < n; ++j) {
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int u = lane + 32 * i;
+            if (u < U) {
+                const DecUnit du = decode_for_dot<T, true>(wsh[warp] + j * WRB, u, tb);
+                acc += dot_decoded<T>(du, xsh, u);
+            }
+        }
+        const float s = warp_sum(acc);
+        if (lane == 0) y[r0 + j] = dot_post<T>(s);
+    }
+}
+
+#define GEMV_ROWS4(T, NAME)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+    gemv_rows4_##NAME##_k2560(const u8* w, const u8* x, float* y, int rows) {                  \
+        gemv_rows4<T, 2560>(w, x, y, rows);                                                    \
+    }
+
 // ---- products beyond the GEMV window (each (weight row, activation row) dot has gemv_base's
 // order: lane l takes units l, l+32, …, then warp_sum — so every output equals the GEMV's bit
 // for bit, whatever the batch, the tile or the expert grouping) ------------------------------
@@ -1019,6 +1074,7 @@ GEMV_OPT_LONG(T_Q5_K, q5_k, 6144)
 #endif
 #if defined(GEMV_Q6_K)
 GEMV_ALL(T_Q6_K, q6_k)
+GEMV_ROWS4(T_Q6_K, q6_k)
 #endif
 #if defined(GEMV_IQ4_XS)
 GEMV_ALL(T_IQ4_XS, iq4_xs)

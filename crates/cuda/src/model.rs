@@ -838,6 +838,17 @@ pub fn direct_opt(w: &DevWeight, nt: usize) -> bool {
         }
 }
 
+/// Whether [`product`] runs `w` for one activation row as gemv.cu `gemv_rows4_*` (four rows a
+/// warp, brought in by one bulk copy before the wait; gemv_opt's bits): Q6_K rows of 2560, at
+/// least 16,384 of them (the LM head); `STRATA_CUDA_ROWS4=0` keeps gemv_opt, for A/B.
+pub fn rows4_applies(w: &DevWeight, nt: usize) -> bool {
+    nt == 1
+        && w.ty == GgmlType::Q6_K
+        && w.k == 2560
+        && w.rows >= 16384
+        && crate::device::switch_on("STRATA_CUDA_ROWS4")
+}
+
 /// The product the model runs: for 1..=8 rows the unit-parallel product, or the optimized GEMV
 /// for weights of many rows; [`matmul`] beyond (the tensor-core kernel) and for the formats
 /// without a GEMV (all bitwise the same per row).
@@ -866,6 +877,21 @@ pub fn product(
         )
     } else if units_preferred(w, nt) {
         product_units(gpu, &[w], &mut [y], x, nt)
+    } else if rows4_applies(w, nt) {
+        let k = "product";
+        need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
+        need(k, "x", x.len(), w.act_row_bytes()?)?;
+        need(k, "y", y.len(), w.rows)?;
+        let ri = i32_of(k, w.rows)?;
+        let tn = product_module(w.ty)?;
+        gpu.note_bytes(w.rows * w.row_bytes()? + w.act_row_bytes()?);
+        launch!(
+            gpu,
+            &format!("gemv_{tn}"),
+            format!("gemv_rows4_{tn}_k2560"),
+            cfg(w.rows.div_ceil(16) as u32, 128),
+            [&w.bytes, x, y, &ri]
+        )
     } else if (1..=8).contains(&nt) && strata_engine::kernels::gemv::GEMV_FORMATS.contains(&w.ty) {
         ops::gemv(gpu, "optimized", w.ty, &w.bytes, w.rows, w.k, x, nt, y)
     } else {
