@@ -216,20 +216,25 @@ __device__ __forceinline__ void gemv_opt(const u8* w, const u8* x, float* y, int
     }
 }
 
-// gemv_rows4: gemv_opt<T, K, 1>'s rows for a product of many rows (the LM head: 248,320 Q6_K
-// rows of 2560), four consecutive rows a warp and four warps a block. Four rows of a 2-byte-
-// aligned format are 16-byte aligned where the first is a multiple of four (Q6_K: 4 · 2100 B),
-// so each warp's rows come into shared memory by one bulk copy issued before the dependency
-// wait (the weights do not depend on the kernel before): no load instruction a weight byte,
-// where gemv_opt stages each row with 4-byte loads (its load pipe, not DRAM, bounded the head).
-// The activation row is staged once for sixteen rows instead of eight. Each row is then summed
-// as gemv_opt sums it — the same decoder, lanes and warp_sum — so the same bits.
+// gemv_rows4: gemv_opt<T, K, 1>'s rows for a product of many rows at one activation row (the LM
+// head: 248,320 Q6_K rows of 2560; the GDN qkv and gate: 6,144–10,240 rows), each warp's rows
+// brought into shared memory by one bulk copy issued before the dependency wait (the weights do
+// not depend on the kernel before), so no load instruction a weight byte where gemv_opt stages
+// each row with 4- to 16-byte loads after its wait. A warp takes RW consecutive rows, the fewest
+// whose bytes are whole 16-byte granules (Q6_K: 4 · 2,100 B; Q3_K: 4 · 1,100 B; Q4_K and IQ4_XS:
+// one row): 4 warps a block when RW = 4, 8 when RW = 1. The activation row is staged once a
+// block. Each row is then summed as gemv_opt sums it — the same decoder, lanes and warp_sum —
+// so the same bits.
+template <int WRB>
+__host__ __device__ constexpr int rows_to_granule() { return WRB % 16 == 0 ? 1 : WRB % 8 == 0 ? 2 : 4; }
+
 template <int T, int K>
 __device__ __forceinline__ void gemv_rows4(const u8* w, const u8* x, float* y, int rows) {
-    constexpr int U = K / 32, PER = (U + 31) / 32, WARPS = 4, RW = 4;
+    constexpr int U = K / 32, PER = (U + 31) / 32;
     constexpr int WRB = (K / Fmt<T>::QK) * Fmt<T>::TS;
+    constexpr int RW = rows_to_granule<WRB>(), WARPS = RW == 1 ? 8 : 4;
     constexpr int XRB = (T == T_Q8_0 || T == T_Q2_0) ? 34 * (K / 32) : 292 * (K / 256);
-    static_assert((RW * WRB) % 16 == 0, "four rows are whole 16-byte granules");
+    static_assert((RW * WRB) % 16 == 0, "a warp's rows are whole 16-byte granules");
     __shared__ __align__(16) u8 xsh[XRB];
     // 16 bytes past each warp's rows: the word decoders read up to a word beyond a field.
     __shared__ __align__(16) u8 wsh[WARPS][RW * WRB + 16];
@@ -245,7 +250,7 @@ __device__ __forceinline__ void gemv_rows4(const u8* w, const u8* x, float* y, i
     }
     grid_dep_sync();
     stage<align_of_size<XRB>()>(xsh, x, XRB, threadIdx.x, 32 * WARPS);
-    if (n > 0 && !bulk) stage<align_of_size<WRB>()>(wsh[warp], src, n * WRB, lane, 32);
+    if (n > 0 && !bulk) stage<4>(wsh[warp], src, n * WRB, lane, 32);
     __syncthreads();
     if (n <= 0) return;
     if (bulk) mbar_wait(&bar[warp]);
@@ -266,7 +271,7 @@ __device__ __forceinline__ void gemv_rows4(const u8* w, const u8* x, float* y, i
 }
 
 #define GEMV_ROWS4(T, NAME)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128)                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
     gemv_rows4_##NAME##_k2560(const u8* w, const u8* x, float* y, int rows) {                  \
         gemv_rows4<T, 2560>(w, x, y, rows);                                                    \
     }
@@ -1066,6 +1071,7 @@ GEMV_ALL(T_Q8_0, q8_0)
 #endif
 #if defined(GEMV_Q4_K)
 GEMV_ALL(T_Q4_K, q4_k)
+GEMV_ROWS4(T_Q4_K, q4_k)
 GEMV_OPT_LONG(T_Q4_K, q4_k, 6144)
 #endif
 #if defined(GEMV_Q5_K)
@@ -1078,6 +1084,7 @@ GEMV_ROWS4(T_Q6_K, q6_k)
 #endif
 #if defined(GEMV_IQ4_XS)
 GEMV_ALL(T_IQ4_XS, iq4_xs)
+GEMV_ROWS4(T_IQ4_XS, iq4_xs)
 #endif
 #if defined(GEMV_IQ3_S)
 GEMV_ALL(T_IQ3_S, iq3_s)
@@ -1112,6 +1119,7 @@ UNITS(T_IQ4_NL, iq4_nl)
 // Q3_K (the GDN attn_qkv of 18 layers): the model's launcher runs the optimized GEMV for its
 // 10240 rows of 2560 (strata_cuda::model::product), gemv_base's order.
 GEMV_ALL(T_Q3_K, q3_k)
+GEMV_ROWS4(T_Q3_K, q3_k)
 #endif
 #if defined(GEMV_BF16)
 GEMV_ALL(T_BF16, bf16)

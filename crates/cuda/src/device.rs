@@ -63,7 +63,7 @@ pub struct Blas {
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_TRIGGER_FIRST`, `STRATA_CUDA_PLE_HOST`, `STRATA_CUDA_FAST_PREFILL` and
 /// `STRATA_CUDA_BATCH` are off unless `1`).
-pub const SWITCHES: [&str; 28] = [
+pub const SWITCHES: [&str; 29] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -92,6 +92,7 @@ pub const SWITCHES: [&str; 28] = [
     "STRATA_CUDA_ATTN_L2",
     "STRATA_CUDA_ATTN_FUSE",
     "STRATA_CUDA_ROWS4",
+    "STRATA_CUDA_ROWS4_GDN",
 ];
 
 /// The switches read once, when the device opens, a backend is made or a model loads (or a

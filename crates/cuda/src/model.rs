@@ -838,15 +838,31 @@ pub fn direct_opt(w: &DevWeight, nt: usize) -> bool {
         }
 }
 
-/// Whether [`product`] runs `w` for one activation row as gemv.cu `gemv_rows4_*` (four rows a
-/// warp, brought in by one bulk copy before the wait; gemv_opt's bits): Q6_K rows of 2560, at
-/// least 16,384 of them (the LM head); `STRATA_CUDA_ROWS4=0` keeps gemv_opt, for A/B.
+/// Whether [`product`] runs `w` for one activation row as gemv.cu `gemv_rows4_*` (each warp's
+/// rows brought in by one bulk copy before the wait; gemv_opt's bits): rows of 2560 in Q6_K (at
+/// least 16,384: the LM head) or in Q3_K, Q4_K or IQ4_XS (at least 4,096: the GDN qkv and
+/// gate); `STRATA_CUDA_ROWS4=0` keeps gemv_opt for all, `STRATA_CUDA_ROWS4_GDN=0` for the
+/// last three, for A/B.
 pub fn rows4_applies(w: &DevWeight, nt: usize) -> bool {
-    nt == 1
-        && w.ty == GgmlType::Q6_K
-        && w.k == 2560
-        && w.rows >= 16384
-        && crate::device::switch_on("STRATA_CUDA_ROWS4")
+    let least = match w.ty {
+        GgmlType::Q6_K => 16384,
+        GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::IQ4_XS
+            if crate::device::switch_on("STRATA_CUDA_ROWS4_GDN") =>
+        {
+            UNITS_BELOW_ROWS
+        }
+        _ => return false,
+    };
+    nt == 1 && w.k == 2560 && w.rows >= least && crate::device::switch_on("STRATA_CUDA_ROWS4")
+}
+
+/// Rows a block and threads of gemv.cu `gemv_rows4_*` for `ty` (its `RW · WARPS`: four rows a
+/// warp and four warps where a row is not whole 16-byte granules, else a row a warp and eight).
+pub fn rows4_geometry(ty: GgmlType) -> (usize, u32) {
+    match ty {
+        GgmlType::Q6_K | GgmlType::Q3_K => (16, 128),
+        _ => (8, 256),
+    }
 }
 
 /// The product the model runs: for 1..=8 rows the unit-parallel product, or the optimized GEMV
@@ -860,7 +876,23 @@ pub fn product(
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     whole_units("product", w)?;
-    if direct_opt(w, nt) {
+    if rows4_applies(w, nt) {
+        let k = "product";
+        need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
+        need(k, "x", x.len(), w.act_row_bytes()?)?;
+        need(k, "y", y.len(), w.rows)?;
+        let ri = i32_of(k, w.rows)?;
+        let (per_block, threads) = rows4_geometry(w.ty);
+        let tn = product_module(w.ty)?;
+        gpu.note_bytes(w.rows * w.row_bytes()? + w.act_row_bytes()?);
+        launch!(
+            gpu,
+            &format!("gemv_{tn}"),
+            format!("gemv_rows4_{tn}_k2560"),
+            cfg(w.rows.div_ceil(per_block) as u32, threads),
+            [&w.bytes, x, y, &ri]
+        )
+    } else if direct_opt(w, nt) {
         let k = "product";
         need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
         need(k, "x", x.len(), nt * w.act_row_bytes()?)?;
@@ -877,21 +909,6 @@ pub fn product(
         )
     } else if units_preferred(w, nt) {
         product_units(gpu, &[w], &mut [y], x, nt)
-    } else if rows4_applies(w, nt) {
-        let k = "product";
-        need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
-        need(k, "x", x.len(), w.act_row_bytes()?)?;
-        need(k, "y", y.len(), w.rows)?;
-        let ri = i32_of(k, w.rows)?;
-        let tn = product_module(w.ty)?;
-        gpu.note_bytes(w.rows * w.row_bytes()? + w.act_row_bytes()?);
-        launch!(
-            gpu,
-            &format!("gemv_{tn}"),
-            format!("gemv_rows4_{tn}_k2560"),
-            cfg(w.rows.div_ceil(16) as u32, 128),
-            [&w.bytes, x, y, &ri]
-        )
     } else if (1..=8).contains(&nt) && strata_engine::kernels::gemv::GEMV_FORMATS.contains(&w.ty) {
         ops::gemv(gpu, "optimized", w.ty, &w.bytes, w.rows, w.k, x, nt, y)
     } else {

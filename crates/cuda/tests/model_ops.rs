@@ -690,34 +690,42 @@ fn direct_optimized_gemvs_equal_the_tiled_kernel() {
     }
 }
 
-/// The LM head's product (gemv.cu `gemv_rows4_q6_k_k2560`: four Q6_K rows a warp by one bulk
-/// copy) equals the tiled kernel and the row-parallel GEMV (`STRATA_CUDA_ROWS4=0`) bit for bit,
-/// over a row count whose last block holds a partial group of rows (staged, not bulk-copied).
+/// The many-row products at one activation row (gemv.cu `gemv_rows4_*`: each warp's rows by one
+/// bulk copy; the LM head's Q6_K, the GDN qkv and gate's Q3_K, Q4_K and IQ4_XS) equal the tiled
+/// kernel and the row-parallel GEMV (`STRATA_CUDA_ROWS4=0`) bit for bit, over row counts whose
+/// last warp holds a partial group of rows (staged, not bulk-copied).
 #[test]
 fn many_row_products_equal_the_tiled_kernel() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new(48);
-    let (ty, rows, k) = (GgmlType::Q6_K, 16_391usize, 2560usize);
-    let wb = weight_blocks(ty, rows * k / ty.block_size(), rng.u64());
-    let dw = DevWeight::upload(g, ty, &wb, rows, k, 1).unwrap();
-    assert!(m::rows4_applies(&dw, 1), "{ty} {rows}×{k} takes gemv_rows4");
-    let x = tame(rng.f32_vec_special(k, 1.0));
-    let xq = up(g, &act_bytes(ty, &x, 1, k));
-    let mut want = g.zeros::<f32>(rows).unwrap();
-    m::matmul(g, &dw, &xq, 1, &mut want).unwrap();
-    let want = down(g, &want);
-    nontrivial(&format!("{ty} {rows}×{k}"), &want);
-    for rows4 in [true, false] {
-        strata_cuda::device::set_switch("STRATA_CUDA_ROWS4", Some(rows4)).unwrap();
-        let mut got = g.zeros::<f32>(rows).unwrap();
-        m::product(g, &dw, &xq, 1, &mut got).unwrap();
-        bitwise(
-            &format!("{ty} {rows}×{k}, gemv_rows4 {rows4}"),
-            &down(g, &got),
-            &want,
-        );
+    let k = 2560usize;
+    for (ty, rows) in [
+        (GgmlType::Q6_K, 16_391usize),
+        (GgmlType::Q3_K, 4_101),
+        (GgmlType::Q4_K, 4_099),
+        (GgmlType::IQ4_XS, 4_103),
+    ] {
+        let wb = weight_blocks(ty, rows * k / ty.block_size(), rng.u64());
+        let dw = DevWeight::upload(g, ty, &wb, rows, k, 1).unwrap();
+        assert!(m::rows4_applies(&dw, 1), "{ty} {rows}×{k} takes gemv_rows4");
+        let x = tame(rng.f32_vec_special(k, 1.0));
+        let xq = up(g, &act_bytes(ty, &x, 1, k));
+        let mut want = g.zeros::<f32>(rows).unwrap();
+        m::matmul(g, &dw, &xq, 1, &mut want).unwrap();
+        let want = down(g, &want);
+        nontrivial(&format!("{ty} {rows}×{k}"), &want);
+        for rows4 in [true, false] {
+            strata_cuda::device::set_switch("STRATA_CUDA_ROWS4", Some(rows4)).unwrap();
+            let mut got = g.zeros::<f32>(rows).unwrap();
+            m::product(g, &dw, &xq, 1, &mut got).unwrap();
+            bitwise(
+                &format!("{ty} {rows}×{k}, gemv_rows4 {rows4}"),
+                &down(g, &got),
+                &want,
+            );
+        }
+        strata_cuda::device::set_switch("STRATA_CUDA_ROWS4", None).unwrap();
     }
-    strata_cuda::device::set_switch("STRATA_CUDA_ROWS4", None).unwrap();
 }
 
 /// The fused mix (three launches, with and without the previous block's combine, with and
