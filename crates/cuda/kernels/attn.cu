@@ -688,6 +688,27 @@ __device__ __forceinline__ float attn_score(const float* qs, const float* kr, in
     return acc * scale;
 }
 
+// Output dim j of a chunk's weighted value sum: Σ_u w[u]·v[tk[u]][off + j] over its `len`
+// tokens in order from +0 (tokens past the store skipped; F16: each value rounded as read), 64
+// value rows in flight a thread (gathered by token: each load a memory latency). The out pass
+// and the scores kernel's one-chunk rows share it.
+__device__ __forceinline__ float attn_value_sum(const float* vc, const u32* tk, const float* w, int len, u32 cap,
+                                                int kvc, int off, int j, int causal, int f16) {
+    float acc = 0.f;
+    for (int u0 = 0; u0 < len; u0 += 64) {
+        float vv[64];
+#pragma unroll
+        for (int u = 0; u < 64; ++u) {
+            const bool ok = u0 + u < len && tk[u0 + u] < cap;
+            vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 64; ++u)
+            if (u0 + u < len && tk[u0 + u] < cap) acc += w[u0 + u] * (causal ? vv[u] : r16(vv[u], f16));
+    }
+    return acc;
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
                     float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
@@ -811,18 +832,7 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
     const int len = (int)T;
     const float* gp = (const float*)gate;
     for (int j = threadIdx.x; j < d; j += 256) {
-        float acc = 0.f;
-        for (int u0 = 0; u0 < len; u0 += 64) {
-            float vv[64];
-#pragma unroll
-            for (int u = 0; u < 64; ++u) {
-                const bool ok = u0 + u < len && tk[u0 + u] < cap;
-                vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
-            }
-#pragma unroll
-            for (int u = 0; u < 64; ++u)
-                if (u0 + u < len && tk[u0 + u] < cap) acc += wsh[u0 + u] * (causal ? vv[u] : r16(vv[u], f16));
-        }
+        const float acc = attn_value_sum(vc, tk, wsh, len, cap, kvc, off, j, causal, f16);
         float o = 0.f;
         o += acc;
         out[(size_t)rh * d + j] = gp ? o * sigmoidf_(gp[(size_t)rh * d + j]) : o;
@@ -861,22 +871,8 @@ attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
     tk[threadIdx.x] = tok;
     __syncthreads();
     const int len = (int)min(256u, T - (u32)c * 256);
-    for (int j = threadIdx.x; j < d; j += 256) {
-        float acc = 0.f;
-        // 64 value rows in flight a thread (gathered by token: each load a memory latency).
-        for (int u0 = 0; u0 < len; u0 += 64) {
-            float vv[64];
-#pragma unroll
-            for (int u = 0; u < 64; ++u) {
-                const bool ok = u0 + u < len && tk[u0 + u] < cap;
-                vv[u] = ok ? vc[(size_t)tk[u0 + u] * kvc + off + j] : 0.f;
-            }
-#pragma unroll
-            for (int u = 0; u < 64; ++u)
-                if (u0 + u < len && tk[u0 + u] < cap) acc += w[u0 + u] * (causal ? vv[u] : r16(vv[u], f16));
-        }
-        part[((size_t)rh * max_chunks + c) * d + j] = acc;
-    }
+    for (int j = threadIdx.x; j < d; j += 256)
+        part[((size_t)rh * max_chunks + c) * d + j] = attn_value_sum(vc, tk, w, len, cap, kvc, off, j, causal, f16);
 }
 
 extern "C" __global__ void __launch_bounds__(256)

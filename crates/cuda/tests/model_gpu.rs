@@ -357,6 +357,18 @@ fn prefill_and_windows_equal_single_steps_bitwise_on_cuda() {
     }
 }
 
+/// A speculative decoder of `window` rows with the default settings.
+fn decoder<B: Qwen4expOps>(m: &Model<B>, window: usize) -> SpecDecoder<'_, B> {
+    SpecDecoder::new(
+        m,
+        SpecConfig {
+            window,
+            ..SpecConfig::default()
+        },
+    )
+    .unwrap()
+}
+
 #[test]
 fn greedy_speculative_decoding_equals_plain_on_cuda() {
     let Some(gpu) = gpu() else { return };
@@ -365,14 +377,7 @@ fn greedy_speculative_decoding_equals_plain_on_cuda() {
     let prompt = Golden::open(tiny("golden.safetensors")).ids("input_ids")[..30].to_vec();
     const NEW: usize = 40;
     let plain = {
-        let mut d = SpecDecoder::new(
-            &m,
-            SpecConfig {
-                window: 1,
-                ..SpecConfig::default()
-            },
-        )
-        .unwrap();
+        let mut d = decoder(&m, 1);
         run(&mut d, &prompt, NEW, &mut |_| true).unwrap()
     };
     // The plain oracle: one forward call a token, greedy.
@@ -390,14 +395,7 @@ fn greedy_speculative_decoding_equals_plain_on_cuda() {
     }
     assert_eq!(plain, oracle, "window 1 != plain");
     for window in 2..=8 {
-        let mut d = SpecDecoder::new(
-            &m,
-            SpecConfig {
-                window,
-                ..SpecConfig::default()
-            },
-        )
-        .unwrap();
+        let mut d = decoder(&m, window);
         let got = run(&mut d, &prompt, NEW, &mut |_| true).unwrap();
         let s = d.stats();
         eprintln!(
@@ -452,14 +450,7 @@ fn greedy_spec_equals_plain_with_the_fast_prefill_on_cuda() {
     .tokens;
     assert_eq!(plain.len(), NEW);
     for window in [2, 4, 8] {
-        let mut d = SpecDecoder::new(
-            &m,
-            SpecConfig {
-                window,
-                ..SpecConfig::default()
-            },
-        )
-        .unwrap();
+        let mut d = decoder(&m, window);
         let got =
             strata_engine::speculative::run_with(&mut d, &prompt, &opts, &mut |_| true).unwrap();
         assert_eq!(got, plain, "fast prefill, window {window}");
