@@ -226,18 +226,20 @@ __device__ __forceinline__ void load64(const float* p, int w, float* kv) {
 
 // Before the dependency wait of a decode row's attention block (rh, chunk c): the chunk's key or
 // value rows of its kv head pulled into L2, where the row's tokens are 0 ..= p (causal, or a
-// list that holds every visible token: p + 1 ≤ stride). The blocks of one kv head's `group` heads
-// share the rows (thread t's row where t % group is the block's head % group). Only a hint: the
-// position may not be settled yet (rows stay inside the store whatever it reads), and the rows
-// are read after the wait as before.
+// list that holds every visible token: p + 1 ≤ stride) and more than `above` of them (the out
+// pass skips the rows the scores kernel finishes, which pulled their values itself). The blocks
+// of one kv head's `group` heads share the rows (thread t's row where t % group is the block's
+// head % group). Only a hint: the position may not be settled yet (rows stay inside the store
+// whatever it reads), and the rows are read after the wait as before.
 __device__ __forceinline__ void attn_rows_to_l2(const float* store, const u32* pos, u32 cap, int n_head,
-                                                int n_head_kv, int d, int stride, int causal) {
+                                                int n_head_kv, int d, int stride, int causal, u32 above) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const int rh = blockIdx.x, r = rh / n_head, h = rh % n_head, c = blockIdx.y;
     const int group = n_head / n_head_kv, kvc = n_head_kv * d, off = (h / group) * d;
     const u32 n = min(__ldcg(pos + r), cap - 1) + 1;
     const u32 t = (u32)c * 256 + threadIdx.x;
-    if ((causal || n <= (u32)stride) && t < n && (int)threadIdx.x % group == h % group && (d & 3) == 0) {
+    if ((causal || n <= (u32)stride) && n > above && t < n && (int)threadIdx.x % group == h % group &&
+        (d & 3) == 0) {
         const u64 a = (u64)(store + (size_t)t * kvc + off);
         if ((a & 15) == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(4 * d)));
     }
@@ -688,6 +690,14 @@ __device__ __forceinline__ float attn_score(const float* qs, const float* kr, in
     return acc * scale;
 }
 
+// The decode attention kernels' `flags` (strata_cuda::model::attend_split_as; the grouped
+// kernels take the argument and ignore it): ATTN_DIRECT, the scores' key rows read straight from
+// the store; ATTN_L2, the key and value rows pulled into L2 before the waits; ATTN_FUSE, a row of
+// one chunk finished by the scores kernel.
+#define ATTN_DIRECT 1
+#define ATTN_L2 2
+#define ATTN_FUSE 4
+
 // Output dim j of a chunk's weighted value sum: Σ_u w[u]·v[tk[u]][off + j] over its `len`
 // tokens in order from +0 (tokens past the store skipped; F16: each value rounded as read), 64
 // value rows in flight a thread (gathered by token: each load a memory latency). The out pass
@@ -712,10 +722,10 @@ __device__ __forceinline__ float attn_value_sum(const float* vc, const u32* tk, 
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
                     float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
-                    int max_chunks, u32* err, int direct, const float* vc, float* out, u64 gate) {
-    if (direct & 2) {
-        attn_rows_to_l2(kc, pos, cap, n_head, n_head_kv, d, stride, causal);
-        if (direct & 4) attn_rows_to_l2(vc, pos, cap, n_head, n_head_kv, d, stride, causal);
+                    int max_chunks, u32* err, int flags, const float* vc, float* out, u64 gate) {
+    if (flags & ATTN_L2) {
+        attn_rows_to_l2(kc, pos, cap, n_head, n_head_kv, d, stride, causal, 0);
+        if (flags & ATTN_FUSE) attn_rows_to_l2(vc, pos, cap, n_head, n_head_kv, d, stride, causal, 0);
     }
     grid_dep_sync();
     __shared__ float qs[512];
@@ -746,7 +756,7 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
     // Only the chunk's live rows are staged (a short context's last chunk is mostly empty);
     // the rows past them belong to threads whose score is -inf whatever they read.
     const int live = (int)min(256u, T - (u32)c * 256);
-    if (direct & 1) {
+    if (flags & ATTN_DIRECT) {
         // Each thread reads its token's key row straight from the store, 64 dims a load batch
         // (one memory latency a batch instead of a barrier pair and a latency every 32 dims;
         // at a short context most of the staged passes' threads had no row): the same dots in
@@ -770,7 +780,7 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
             }
         }
     }
-    for (int c0 = 0; c0 < d && !(direct & 1); c0 += 32) {
+    for (int c0 = 0; c0 < d && !(flags & ATTN_DIRECT); c0 += 32) {
         const int w = min(32, d - c0);
         __syncthreads();
         // Every row of the pass loaded before the first store (32 loads in flight a thread:
@@ -812,9 +822,9 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
         stats[((size_t)rh * max_chunks + c) * 2] = m;
         stats[((size_t)rh * max_chunks + c) * 2 + 1] = z;
     }
-    if (!(direct & 4) || T > 256) return;
+    if (!(flags & ATTN_FUSE) || T > 256) return;
     // One chunk holds every token (T ≤ 256, so this is chunk 0): the out pass and the sum done
-    // here (flag bit 2; attend_split_out and attend_split_sum then skip the row), their
+    // here (ATTN_FUSE; attend_split_out and attend_split_sum then skip the row), their
     // expressions with nc = 1 — m = max(-inf, m), z = 0 + z·exp(m − m), the weights from this
     // block's scores, the value sum in token order from +0, then 0 + part and the gate.
     __shared__ float wsh[256];
@@ -842,8 +852,9 @@ attend_split_scores(const float* q, const float* kc, const u32* sel, const u32* 
 extern "C" __global__ void __launch_bounds__(256)
 attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
                  const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
-                 int f16, int max_chunks, int direct) {
-    if (direct & 1) attn_rows_to_l2(vc, pos, cap, n_head, n_head_kv, d, stride, causal);
+                 int f16, int max_chunks, int flags) {
+    if (flags & ATTN_L2)
+        attn_rows_to_l2(vc, pos, cap, n_head, n_head_kv, d, stride, causal, (flags & ATTN_FUSE) ? 256u : 0u);
     grid_dep_sync();
     __shared__ float w[256];
     __shared__ u32 tk[256];
@@ -851,8 +862,8 @@ attend_split_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos
     const int kvc = n_head_kv * d, off = (h / (n_head / n_head_kv)) * d;
     const u32 T = causal ? pos[r] + 1 : cnt[r];
     const int nc = (int)((T + 255) / 256);
-    // Flag bit 2: a row of one chunk was finished by attend_split_scores.
-    if (T > cap || c >= nc || ((direct & 4) && nc == 1)) return;
+    // ATTN_FUSE: a row of one chunk was finished by attend_split_scores.
+    if (T > cap || c >= nc || ((flags & ATTN_FUSE) && nc == 1)) return;
     const float* st = stats + (size_t)rh * max_chunks * 2;
     float m = NEG_INF;
     for (int i = 0; i < nc; ++i) m = fmaxf(m, st[2 * i]);
@@ -884,7 +895,7 @@ attend_split_sum(const float* part, const u32* cnt, const u32* pos, float* out, 
     if (T > cap) return;
     const int nc = (int)((T + 255) / 256);
     // A row of one chunk was finished by attend_split_scores (`fused`: the per-head kernels'
-    // flag bit 2).
+    // ATTN_FUSE).
     if (fused && nc == 1) return;
     for (int j = threadIdx.x; j < d; j += 256) {
         float acc = 0.f;
@@ -1167,7 +1178,7 @@ __device__ __forceinline__ void attend_group_out_t(const float* vc, const u32* s
 extern "C" __global__ void __launch_bounds__(256)
 attend_group_scores(const float* q, const float* kc, const u32* sel, const u32* cnt, const u32* pos, float* scores,
                     float* stats, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal, int f16,
-                    int max_chunks, u32* err, int direct, const float* vc, float* out, u64 gate) {
+                    int max_chunks, u32* err, int flags, const float* vc, float* out, u64 gate) {
     grid_dep_sync();
     __shared__ __align__(16) float qs[ATTN_AG * 256];
     __shared__ float kt[2][256][ATTN_KD + 1];
@@ -1184,7 +1195,7 @@ attend_group_scores(const float* q, const float* kc, const u32* sel, const u32* 
 extern "C" __global__ void __launch_bounds__(256)
 attend_group_out(const float* vc, const u32* sel, const u32* cnt, const u32* pos, const float* scores,
                  const float* stats, float* part, u32 cap, int n_head, int n_head_kv, int d, int stride, int causal,
-                 int f16, int max_chunks, int direct) {
+                 int f16, int max_chunks, int flags) {
     grid_dep_sync();
     __shared__ __align__(16) float w[ATTN_AG][256];
     __shared__ u32 tk[256];

@@ -856,13 +856,19 @@ pub fn rows4_applies(w: &DevWeight, nt: usize) -> bool {
     nt == 1 && w.k == 2560 && w.rows >= least && crate::device::switch_on("STRATA_CUDA_ROWS4")
 }
 
-/// Rows a block and threads of gemv.cu `gemv_rows4_*` for `ty` (its `RW · WARPS`: four rows a
-/// warp and four warps where a row is not whole 16-byte granules, else a row a warp and eight).
-pub fn rows4_geometry(ty: GgmlType) -> (usize, u32) {
-    match ty {
-        GgmlType::Q6_K | GgmlType::Q3_K => (16, 128),
-        _ => (8, 256),
-    }
+/// Rows a block and threads of gemv.cu `gemv_rows4_*` for rows of `row_bytes`, by the kernel's
+/// rule (`rows_to_granule`, `WARPS`): a warp takes the fewest rows whose bytes are whole 16-byte
+/// granules, eight warps a block where that is one row, else four.
+pub fn rows4_geometry(row_bytes: usize) -> (usize, u32) {
+    let rw = if row_bytes.is_multiple_of(16) {
+        1
+    } else if row_bytes.is_multiple_of(8) {
+        2
+    } else {
+        4
+    };
+    let warps = if rw == 1 { 8 } else { 4 };
+    (rw * warps, 32 * warps as u32)
 }
 
 /// The product the model runs: for 1..=8 rows the unit-parallel product, or the optimized GEMV
@@ -877,36 +883,20 @@ pub fn product(
 ) -> Result<(), CudaError> {
     whole_units("product", w)?;
     if rows4_applies(w, nt) {
-        let k = "product";
-        need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
-        need(k, "x", x.len(), w.act_row_bytes()?)?;
-        need(k, "y", y.len(), w.rows)?;
-        let ri = i32_of(k, w.rows)?;
-        let (per_block, threads) = rows4_geometry(w.ty);
-        let tn = product_module(w.ty)?;
-        gpu.note_bytes(w.rows * w.row_bytes()? + w.act_row_bytes()?);
-        launch!(
+        let (per_block, threads) = rows4_geometry(w.row_bytes()?);
+        let name = format!("gemv_rows4_{}_k2560", product_module(w.ty)?);
+        row_kernel(
             gpu,
-            &format!("gemv_{tn}"),
-            format!("gemv_rows4_{tn}_k2560"),
+            w,
+            x,
+            nt,
+            y,
+            name,
             cfg(w.rows.div_ceil(per_block) as u32, threads),
-            [&w.bytes, x, y, &ri]
         )
     } else if direct_opt(w, nt) {
-        let k = "product";
-        need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
-        need(k, "x", x.len(), nt * w.act_row_bytes()?)?;
-        need(k, "y", y.len(), nt * w.rows)?;
-        let ri = i32_of(k, w.rows)?;
-        let tn = product_module(w.ty)?;
-        gpu.note_bytes(w.rows * w.row_bytes()? + nt * w.act_row_bytes()?);
-        launch!(
-            gpu,
-            &format!("gemv_{tn}"),
-            format!("gemv_opt_{tn}_k{}_nt{nt}", w.k),
-            cfg(w.rows.div_ceil(8) as u32, 256),
-            [&w.bytes, x, y, &ri]
-        )
+        let name = format!("gemv_opt_{}_k{}_nt{nt}", product_module(w.ty)?, w.k);
+        row_kernel(gpu, w, x, nt, y, name, cfg(w.rows.div_ceil(8) as u32, 256))
     } else if units_preferred(w, nt) {
         product_units(gpu, &[w], &mut [y], x, nt)
     } else if (1..=8).contains(&nt) && strata_engine::kernels::gemv::GEMV_FORMATS.contains(&w.ty) {
@@ -914,6 +904,32 @@ pub fn product(
     } else {
         matmul(gpu, w, x, nt, y)
     }
+}
+
+/// One of gemv.cu's row kernels of `w`'s module (`name`, arguments `w, x, y, rows`) over `nt`
+/// activation rows, the buffers checked first.
+fn row_kernel(
+    gpu: &Gpu,
+    w: &DevWeight,
+    x: &CudaSlice<u8>,
+    nt: usize,
+    y: &mut CudaSlice<f32>,
+    name: String,
+    c: LaunchConfig,
+) -> Result<(), CudaError> {
+    let k = "product";
+    need(k, "w", w.bytes.len(), w.rows * w.row_bytes()?)?;
+    need(k, "x", x.len(), nt * w.act_row_bytes()?)?;
+    need(k, "y", y.len(), nt * w.rows)?;
+    let ri = i32_of(k, w.rows)?;
+    gpu.note_bytes(w.rows * w.row_bytes()? + nt * w.act_row_bytes()?);
+    launch!(
+        gpu,
+        &format!("gemv_{}", product_module(w.ty)?),
+        name,
+        c,
+        [&w.bytes, x, y, &ri]
+    )
 }
 
 /// The images of `nt` rows of `n` in BF16, Q8_0 and/or Q8_K (those given) in one launch
@@ -2494,8 +2510,9 @@ pub fn attend_split_as(
     // A row whose tokens fit one chunk finished by the scores kernel (weights, values, gate),
     // the out and sum passes skipping it (the per-head kernels only): `STRATA_CUDA_ATTN_FUSE`, on.
     let fused = i32::from(!grouped && crate::device::switch_on("STRATA_CUDA_ATTN_FUSE"));
+    // attn.cu's ATTN_DIRECT = 1, ATTN_L2 = 2, ATTN_FUSE = 4.
     let score_flags = direct | (prefetch << 1) | (fused << 2);
-    let out_flags = prefetch | (fused << 2);
+    let out_flags = (prefetch << 1) | (fused << 2);
     // The grouped kernels: blocks of up to ATTN_GROUP heads of one kv head.
     let groups = n_head_kv * (n_head / n_head_kv).div_ceil(ATTN_GROUP);
     // Rows run in chunks of the scratch's rows (each row's result does not depend on it).
@@ -2517,7 +2534,7 @@ pub fn attend_split_as(
             None => (pos.slice(r0..r0 + m), pos.slice(r0..r0 + m)),
         };
         // The grouped kernels take the same arguments as the per-head ones, over blocks of up
-        // to ATTN_GROUP heads of one kv head instead of one head (they ignore `direct`).
+        // to ATTN_GROUP heads of one kv head instead of one head (they ignore the flags).
         let (scores_k, out_k, c2) = if grouped {
             (
                 "attend_group_scores",
@@ -3615,6 +3632,28 @@ mod tests {
             e.contains("STRATA_CUDA_NOPE") && e.contains("not one of"),
             "{e}"
         );
+    }
+
+    /// gemv_rows4's host geometry follows the kernel's rule for the formats it runs: a warp's
+    /// rows are whole 16-byte granules (Q6_K and Q3_K rows of 2560 are not: four rows a warp,
+    /// four warps; Q4_K and IQ4_XS rows are: a row a warp, eight warps).
+    #[test]
+    fn rows4_geometry_matches_the_kernels_granules() {
+        for (ty, want) in [
+            (GgmlType::Q6_K, (16, 128)),
+            (GgmlType::Q3_K, (16, 128)),
+            (GgmlType::Q4_K, (8, 256)),
+            (GgmlType::IQ4_XS, (8, 256)),
+        ] {
+            let rb = ty.row_bytes(2560).unwrap();
+            let (per_block, threads) = rows4_geometry(rb);
+            assert_eq!((per_block, threads), want, "{ty}: rows of {rb} bytes");
+            let rw = per_block / (threads as usize / 32);
+            assert!(
+                (rw * rb).is_multiple_of(16),
+                "{ty}: a warp's rows are whole granules"
+            );
+        }
     }
 
     /// The dense tensor-core grid covers every (row, token) exactly once: blocks of 32 × 16,

@@ -693,7 +693,8 @@ fn direct_optimized_gemvs_equal_the_tiled_kernel() {
 /// The many-row products at one activation row (gemv.cu `gemv_rows4_*`: each warp's rows by one
 /// bulk copy; the LM head's Q6_K, the GDN qkv and gate's Q3_K, Q4_K and IQ4_XS) equal the tiled
 /// kernel and the row-parallel GEMV (`STRATA_CUDA_ROWS4=0`) bit for bit, over row counts whose
-/// last warp holds a partial group of rows (staged, not bulk-copied).
+/// last block is partial (for Q6_K and Q3_K, four rows a warp, its last warp a partial group:
+/// staged, not bulk-copied).
 #[test]
 fn many_row_products_equal_the_tiled_kernel() {
     let Some(g) = gpu() else { return };
@@ -1955,8 +1956,10 @@ fn attention_matches_cpu() {
 }
 
 /// The grouped prefill attention (attn.cu `attend_group_*`: a block per row, group of up to 12
-/// heads of one kv head and chunk) and the per-head kernels with their key rows staged
-/// (`STRATA_CUDA_ATTN_DIRECT=0`) against the per-head split kernels: bitwise, over selections
+/// heads of one kv head and chunk), the per-head kernels with their key rows staged
+/// (`STRATA_CUDA_ATTN_DIRECT=0`) and with every row through the out and sum passes
+/// (`STRATA_CUDA_ATTN_FUSE=0`) against the per-head defaults, with the output gate on the F32
+/// stores: bitwise, over selections
 /// and causally, F32 (with specials) and F16 stores, group sizes 2, 7, 12 and 26 (three blocks
 /// of heads for one kv head), rows spanning several chunks of 256 tokens.
 #[test]
