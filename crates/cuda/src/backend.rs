@@ -1766,13 +1766,11 @@ impl Backend for CudaBackend {
 
     fn download(&self, x: &CudaBuf) -> Result<Vec<f32>> {
         self.flush()?;
-        // Timed from the instant the work before it was seen done (the stats' download is
-        // the copy alone).
+        // The wait for the work before it, then the copy alone (timed apart for the stats).
+        self.gpu.sync().map_err(dev)?;
+        let t0 = std::time::Instant::now();
         let c0 = self.gpu.copy_out_ns();
-        let (v, t0) = self
-            .gpu
-            .download_f32_timed(&x.data, x.len())
-            .map_err(dev)?;
+        let v = self.gpu.download_f32(&x.data, x.len()).map_err(dev)?;
         {
             let mut h = self.host.lock().unwrap_or_else(|p| p.into_inner());
             h.downloads += 1;

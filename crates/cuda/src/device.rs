@@ -63,7 +63,7 @@ pub struct Blas {
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_TRIGGER_FIRST`, `STRATA_CUDA_PLE_HOST`, `STRATA_CUDA_FAST_PREFILL` and
 /// `STRATA_CUDA_BATCH` are off unless `1`).
-pub const SWITCHES: [&str; 30] = [
+pub const SWITCHES: [&str; 29] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -93,7 +93,6 @@ pub const SWITCHES: [&str; 30] = [
     "STRATA_CUDA_ATTN_FUSE",
     "STRATA_CUDA_ROWS4",
     "STRATA_CUDA_ROWS4_GDN",
-    "STRATA_CUDA_READBACK_CHUNKS",
 ];
 
 /// The switches read once, when the device opens, a backend is made or a model loads (or a
@@ -238,27 +237,11 @@ pub struct Gpu {
     /// Page-locked (cacheable) host memory that downloads land in ([`Gpu::download_f32`]),
     /// grown to the largest download so far up to [`READBACK_MAX`].
     readback: Mutex<Option<HostMem>>,
-    /// The events that mark each piece of a chunked download's arrival
-    /// ([`READBACK_CHUNK`]), made as needed and reused.
-    readback_events: Mutex<Vec<CudaEvent>>,
     copy_out_ns: std::sync::atomic::AtomicU64,
 }
 
 /// Downloads of at most this many bytes go through the page-locked read-back buffer.
 pub const READBACK_MAX: usize = 64 << 20;
-
-/// A download through the read-back buffer is issued as copies of this many bytes, each
-/// followed by an event, and each piece is copied out as soon as it has arrived, while the
-/// next ones are in flight (`STRATA_CUDA_READBACK_CHUNKS`, on; off: one copy, waited for,
-/// then copied out).
-pub const READBACK_CHUNK: usize = 128 << 10;
-
-/// The pieces a download of `n` f32 is cut into: (start, length) in values, in order, each
-/// at most [`READBACK_CHUNK`] bytes (one piece when `chunked` is off).
-pub fn readback_pieces(n: usize, chunked: bool) -> Vec<(usize, usize)> {
-    let step = if chunked { READBACK_CHUNK / 4 } else { n.max(1) };
-    (0..n).step_by(step).map(|s| (s, step.min(n - s))).collect()
-}
 
 /// Page-locked, cacheable host memory (`cuMemHostAlloc` without write-combining: the host
 /// reads it), freed when dropped.
@@ -378,7 +361,6 @@ impl Gpu {
             next_bytes: Mutex::new(None),
             staging: Mutex::new(None),
             readback: Mutex::new(None),
-            readback_events: Mutex::new(Vec::new()),
             copy_out_ns: std::sync::atomic::AtomicU64::new(0),
             rec: Mutex::new(None),
             blas: Mutex::new(None),
@@ -767,41 +749,20 @@ impl Gpu {
         self.stream.clone_dtoh(src).map_err(drv("cuMemcpyDtoH"))
     }
 
-    /// `n` values of `src` in a new Vec: copied into the page-locked read-back buffer (the
-    /// driver's fast path; a pageable destination is staged by the driver in pieces), then
-    /// copied out. With `STRATA_CUDA_READBACK_CHUNKS` (on) the copy is issued in pieces of
-    /// [`READBACK_CHUNK`] bytes, each followed by an event, and each piece is copied out once
-    /// its event has passed, while the later pieces are in flight; off: one copy, the stream
-    /// waited for, then the copy out. Downloads over [`READBACK_MAX`] and
-    /// `STRATA_CUDA_READBACK=0` go straight to the Vec. The same bytes every way.
+    /// `n` values of `src` from `start` on, in a new Vec: copied into the page-locked read-back
+    /// buffer (the driver's fast path; a pageable destination is staged by the driver in
+    /// pieces), the stream waited for, then copied out. Downloads over [`READBACK_MAX`] and
+    /// `STRATA_CUDA_READBACK=0` go straight to the Vec. The same bytes either way.
     pub fn download_f32(&self, src: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>, CudaError> {
-        Ok(self.download_f32_timed(src, n)?.0)
-    }
-
-    /// [`Gpu::download_f32`], with the instant the host saw the work before the download done
-    /// (the stream waited for first where the download is not chunked; a chunked one's first
-    /// event, recorded before its copies, passed: so the pieces' copies are already queued
-    /// behind that work, not issued after the host woke).
-    pub fn download_f32_timed(
-        &self,
-        src: &CudaSlice<f32>,
-        n: usize,
-    ) -> Result<(Vec<f32>, Instant), CudaError> {
         let bytes = 4 * n;
-        let chunked = switch_on("STRATA_CUDA_READBACK_CHUNKS");
-        if n == 0 || bytes > READBACK_MAX || !switch_on("STRATA_CUDA_READBACK") || !chunked {
-            self.sync()?;
-        }
         if n == 0 {
-            return Ok((Vec::new(), Instant::now()));
+            return Ok(Vec::new());
         }
         if bytes > READBACK_MAX || !switch_on("STRATA_CUDA_READBACK") {
-            let t0 = Instant::now();
-            let v = self
+            return self
                 .stream
                 .clone_dtoh(&src.slice(0..n))
-                .map_err(drv("cuMemcpyDtoH"))?;
-            return Ok((v, t0));
+                .map_err(drv("cuMemcpyDtoH"));
         }
         let mut rb = self.readback.lock().unwrap_or_else(|p| p.into_inner());
         if rb.as_ref().is_none_or(|m| m.bytes < bytes) {
@@ -819,72 +780,27 @@ impl Gpu {
         }
         let m = rb.as_ref().expect("made above");
         let src_ptr = crate::record::addr(src, &self.stream);
-        let pieces = readback_pieces(n, chunked);
-        let mut evs = self
-            .readback_events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        // Event 0 marks the work before; event i + 1 piece i's arrival.
-        if chunked {
-            while evs.len() < pieces.len() + 1 {
-                evs.push(
-                    self.ctx
-                        .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                        .map_err(drv("cuEventCreate (read-back)"))?,
-                );
-            }
-        }
-        let mut t0 = Instant::now();
-        if chunked {
-            evs[0]
-                .record(&self.stream)
-                .map_err(drv("cuEventRecord (read-back)"))?;
-        }
-        for (i, &(s, len)) in pieces.iter().enumerate() {
-            // SAFETY: the buffer holds `bytes` (checked above) and nothing else uses it while
-            // the lock is held; each piece is waited for before it is read.
-            unsafe {
-                let dst = std::slice::from_raw_parts_mut((m.ptr as *mut f32).add(s), len);
-                cudarc::driver::result::memcpy_dtoh_async(
-                    dst,
-                    src_ptr + 4 * s as u64,
-                    self.stream.cu_stream(),
-                )
+        // SAFETY: the buffer holds `bytes` (checked above) and nothing else uses it while the
+        // lock is held; the copy is waited for before it is read.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(m.ptr as *mut f32, n);
+            cudarc::driver::result::memcpy_dtoh_async(dst, src_ptr, self.stream.cu_stream())
                 .map_err(drv("cuMemcpyDtoHAsync (read-back)"))?;
-            }
-            if chunked {
-                evs[i + 1]
-                    .record(&self.stream)
-                    .map_err(drv("cuEventRecord (read-back)"))?;
-            }
         }
-        if chunked {
-            evs[0]
-                .synchronize()
-                .map_err(drv("cuEventSynchronize (read-back)"))?;
-            t0 = Instant::now();
-        }
-        let mut v = Vec::with_capacity(n);
-        let mut copy_ns = 0u64;
-        for (i, &(s, len)) in pieces.iter().enumerate() {
-            if chunked {
-                evs[i + 1]
-                    .synchronize()
-                    .map_err(drv("cuEventSynchronize (read-back)"))?;
-            } else {
-                self.sync()?;
-            }
-            let t = std::time::Instant::now();
-            // SAFETY: the piece's values were written by the copy just waited for.
-            let host = unsafe { std::slice::from_raw_parts((m.ptr as *const f32).add(s), len) };
-            v.extend_from_slice(host);
-            copy_ns += t.elapsed().as_nanos() as u64;
-        }
-        self.copy_out_ns
-            .fetch_add(copy_ns, std::sync::atomic::Ordering::Relaxed);
-        Ok((v, t0))
+        self.sync()?;
+        let t = std::time::Instant::now();
+        // SAFETY: `n` f32 were written by the copy just waited for.
+        let host = unsafe { std::slice::from_raw_parts(m.ptr as *const f32, n) };
+        let v = host.to_vec();
+        self.copy_out_ns.fetch_add(
+            t.elapsed().as_nanos() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        Ok(v)
     }
 
+    /// Host time spent copying downloads out of the read-back buffer, in total (the rest of a
+    /// download is the device's copy and its wait).
     pub fn copy_out_ns(&self) -> u64 {
         self.copy_out_ns.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -1035,30 +951,5 @@ pub fn cfg(grid: u32, block: u32) -> LaunchConfig {
         grid_dim: (grid.max(1), 1, 1),
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The pieces cover 0..n in order, each at most READBACK_CHUNK bytes, none empty.
-    #[test]
-    fn readback_pieces_cover_the_download_in_order() {
-        let step = READBACK_CHUNK / 4;
-        for n in [1, 5, step - 1, step, step + 1, 7 * step + 3, 248_320] {
-            for chunked in [true, false] {
-                let p = readback_pieces(n, chunked);
-                let mut at = 0;
-                for &(s, len) in &p {
-                    assert_eq!(s, at, "n = {n}: pieces out of order or with a gap");
-                    assert!(len > 0 && (!chunked || 4 * len <= READBACK_CHUNK));
-                    at += len;
-                }
-                assert_eq!(at, n);
-                assert_eq!(p.len(), if chunked { n.div_ceil(step) } else { 1 });
-            }
-        }
-        assert!(readback_pieces(0, true).is_empty());
     }
 }

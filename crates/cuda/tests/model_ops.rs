@@ -3101,30 +3101,3 @@ fn the_emulated_gemv_order_agrees_with_the_cpu_product() {
         );
     }
 }
-
-/// A download in pieces (`STRATA_CUDA_READBACK_CHUNKS`, each piece copied out once it has
-/// arrived) returns the device's values exactly as one copy does, for lengths below, at and
-/// across the piece size, and for the logits' row of 248,320.
-#[test]
-fn downloads_in_pieces_equal_one_copy() {
-    let Some(g) = gpu() else { return };
-    let piece = strata_cuda::device::READBACK_CHUNK / 4;
-    let mut rng = Rng::new(91);
-    for n in [1, 7, piece - 1, piece, piece + 1, 3 * piece + 5, 248_320] {
-        let host: Vec<f32> = (0..n).map(|_| rng.f32_special(1.0)).collect();
-        let d = g.upload(&host).unwrap();
-        let mut got = Vec::new();
-        for chunked in [true, false] {
-            strata_cuda::device::set_switch("STRATA_CUDA_READBACK_CHUNKS", Some(chunked)).unwrap();
-            got.push(g.download_f32(&d, n).unwrap());
-        }
-        strata_cuda::device::set_switch("STRATA_CUDA_READBACK_CHUNKS", None).unwrap();
-        for v in &got {
-            assert_eq!(v.len(), n);
-            assert!(
-                v.iter().zip(&host).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "n = {n}: the download differs from the uploaded values"
-            );
-        }
-    }
-}
