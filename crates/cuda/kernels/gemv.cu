@@ -810,61 +810,25 @@ moe_gate_up_q8_q2t(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, i
 // after it).
 #define MQS_STAGE 48800  // 64 Q2_0 rows of 2560 (46,080 bytes) + a Q8_0 row of 2560 (2,720)
 
-// One gate/up block's shared memory: the staged rows and activation row, the 64 sums, the
-// barrier of the bulk copies.
-struct GuSmem {
-    __align__(128) u8 st[MQS_STAGE];
-    float gu[64];
-    __align__(8) u64 bar;
-};
-
-// The block's first thread copies pair q's 32 gate and 32 up rows of Q8_0 block r0 / 32 of
-// expert e, and its activation row, into shared memory.
-__device__ __forceinline__ void q2s_gate_up_issue(GuSmem& s, const u8* wg, const u8* wu, u64 slab_bytes, int e, int r0,
-                                                  u64 wrb, const u8* xrow, u64 xrb) {
-    if (threadIdx.x == 0) {
-        const u32 half = 32 * (u32)wrb;
-        mbar_arm(&s.bar, 2 * half + (u32)xrb);
-        bulk_to_smem(s.st, wg + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &s.bar);
-        bulk_to_smem(s.st + half, wu + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &s.bar);
-        bulk_to_smem(s.st + 2 * half, xrow, (u32)xrb, &s.bar);
-    }
-}
-
-// After the copies (every thread, after a __syncthreads): the 64 rows' sums, warp w the rows
-// w, w + 16, w + 32, w + 48, lane l its units l, l + 32, l + 64, then warp_sum.
-__device__ __forceinline__ void q2s_gate_up_rows(GuSmem& s, int U, u64 wrb) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    mbar_wait(&s.bar);
-    const u8* xs = s.st + 64 * (u32)wrb;
-    Q2X a[3];
-#pragma unroll
-    for (int m = 0; m < 3; ++m)
-        if (lane + 32 * m < U) a[m] = q2_act(xs, lane + 32 * m);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = warp + 16 * i;
-        const u8* wr = s.st + (size_t)r * wrb;
-        float acc = 0.f;
-#pragma unroll
-        for (int m = 0; m < 3; ++m)
-            if (lane + 32 * m < U) acc += q2_dot(q2_load(wr, lane + 32 * m), a[m]);
-        acc = warp_sum(acc);
-        if (lane == 0) s.gu[r] = dot_post<T_Q2_0>(acc);
-    }
-}
-
 // Block (blockIdx.x, q): the pair q's 32 gate and 32 up rows of its Q8_0 block blockIdx.x,
 // 512 threads: warp w the rows w, w + 16, w + 32, w + 48 (gate rows below 32, up above).
 extern "C" __global__ void __launch_bounds__(512)
 moe_gate_up_q2s(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int n_expert, const u8* x, int kslots,
                 u8* aq, int ff, int k, u64 wrb, u64 xrb, u32* err, int early) {
-    __shared__ GuSmem s;
+    __shared__ __align__(128) u8 st[MQS_STAGE];
+    __shared__ float gu[64];
+    __shared__ __align__(8) u64 bar;
     const int q = blockIdx.y, r0 = 32 * blockIdx.x, U = k / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 half = 32 * (u32)wrb;
     const int e = early ? __ldcg(ids + q) : (grid_dep_sync(), ids[q]);
     const bool ok = e >= 0 && e < n_expert;
-    if (ok) q2s_gate_up_issue(s, wg, wu, slab_bytes, e, r0, wrb, x + (size_t)(q / kslots) * xrb, xrb);
+    if (ok && tid == 0) {
+        mbar_arm(&bar, 2 * half + (u32)xrb);
+        bulk_to_smem(st, wg + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &bar);
+        bulk_to_smem(st + half, wu + (size_t)e * slab_bytes + (size_t)r0 * wrb, half, &bar);
+        bulk_to_smem(st + 2 * half, x + (size_t)(q / kslots) * xrb, (u32)xrb, &bar);
+    }
     u8* blk = aq + (size_t)q * (34 * (u64)(ff / 32)) + 34 * (size_t)blockIdx.x;
     if (!ok) {
         if (early) grid_dep_sync();
@@ -875,10 +839,26 @@ moe_gate_up_q2s(const u8* wg, const u8* wu, u64 slab_bytes, const int* ids, int 
         return;
     }
     __syncthreads();
-    q2s_gate_up_rows(s, U, wrb);
+    mbar_wait(&bar);
+    const u8* xs = st + 2 * half;
+    Q2X a[3];
+#pragma unroll
+    for (int m = 0; m < 3; ++m)
+        if (lane + 32 * m < U) a[m] = q2_act(xs, lane + 32 * m);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = warp + 16 * i;
+        const u8* wr = st + (size_t)r * wrb;
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < 3; ++m)
+            if (lane + 32 * m < U) acc += q2_dot(q2_load(wr, lane + 32 * m), a[m]);
+        acc = warp_sum(acc);
+        if (lane == 0) gu[r] = dot_post<T_Q2_0>(acc);
+    }
     __syncthreads();
     if (early) grid_dep_sync();
-    if (warp == 0) q8_0_warp(siluf_(s.gu[lane]) * s.gu[32 + lane], blk, lane);
+    if (warp == 0) q8_0_warp(siluf_(gu[lane]) * gu[32 + lane], blk, lane);
 }
 
 #define MDS_ROWS 16       // output rows a block (a warp each)
@@ -892,137 +872,6 @@ struct Q2Xs {
     float dx;
     int sx;
 };
-
-// One down block's shared memory: its slots' weight rows, the shared expert's rows and image,
-// the pairs' transposed units, the two barriers.
-struct DnSmem {
-    __align__(128) u8 st[MDS_STAGE];
-    __align__(128) u8 sst[MDS_ROWS * 34 * MDS_SH_UNITS];
-    __align__(16) u8 sact[34 * MDS_SH_UNITS];
-    Q2Xs xa[MDS_SLOTS * 20];
-    __align__(8) u64 bar;
-    __align__(8) u64 bars;
-};
-
-// The down's arguments (moe_down_q2s's parameters).
-struct DnArgs {
-    const u8* wd;
-    u64 slab_bytes;
-    const int* ids;
-    int n_expert;
-    const u8* aq;
-    const float* wts;
-    int kslots;
-    float* out;
-    const float* shared;
-    const float* gate;
-    int h, k;
-    u64 wrb, xrb;
-    u32* err;
-    const float *sg, *su;
-    const u8* sw;
-    int sff;
-    u64 swrb;
-};
-
-// The shared expert's 16 Q8_0 down rows of the block, copied (weights: before any wait).
-__device__ __forceinline__ void q2s_down_issue_shared(DnSmem& s, const DnArgs& a, int r0) {
-    if (a.sw && threadIdx.x == 0) {
-        mbar_arm(&s.bars, MDS_ROWS * (u32)a.swrb);
-        bulk_to_smem(s.sst, a.sw + (size_t)r0 * a.swrb, MDS_ROWS * (u32)a.swrb, &s.bars);
-    }
-}
-
-// The shared expert's activation image (swiglu_xprep's warp a 32-element block).
-__device__ __forceinline__ void q2s_down_shared_image(DnSmem& s, const DnArgs& a, int t) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int b = warp; b < a.sff / 32; b += 16) {
-        const size_t e = (size_t)t * a.sff + 32 * b + lane;
-        q8_0_warp(siluf_(a.sg[e]) * a.su[e], s.sact + 34 * b, lane);
-    }
-}
-
-// Warp 0's lane s reads slot s's id (all at once: one load latency, not kslots in a row),
-// lane 0 arms the barrier with the valid slots' bytes, then each lane copies its slot.
-__device__ __forceinline__ void q2s_down_issue_rows(DnSmem& s, const DnArgs& a, int t, int r0) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (warp == 0) {
-        const u32 sb = MDS_ROWS * (u32)a.wrb;
-        const int e = lane < a.kslots ? __ldcg(a.ids + t * a.kslots + lane) : -1;
-        const bool valid = e >= 0 && e < a.n_expert;
-        const u32 n = __popc(__ballot_sync(FULL_MASK, valid));
-        if (lane == 0) mbar_arm(&s.bar, n * sb);
-        __syncwarp();
-        if (valid) bulk_to_smem(s.st + lane * sb, a.wd + (size_t)e * a.slab_bytes + (size_t)r0 * a.wrb, sb, &s.bar);
-    }
-}
-
-// The pairs' activation units, transposed (thread i: slot i / U, unit i % U), from `imgs`, a
-// row's kslots consecutive images.
-__device__ __forceinline__ void q2s_down_transpose(DnSmem& s, const u8* imgs, const DnArgs& a) {
-    const int tid = threadIdx.x, U = a.k / 32;
-    if (tid < a.kslots * U) {
-        const Q2X x = q2_act(imgs + (size_t)(tid / U) * a.xrb, tid % U);
-        Q2Xs& d = s.xa[tid];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) d.a[i] = x.a[i], d.b[i] = x.b[i];
-        d.dx = x.dx;
-        d.sx = x.sx;
-    }
-}
-
-// After the transposition and a __syncthreads: warp w's output row r0 + w over the slots, the
-// route's weights, and the shared expert.
-__device__ __forceinline__ void q2s_down_rows(DnSmem& s, const DnArgs& a, int t, int r0) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, U = a.k / 32;
-    const u32 sb = MDS_ROWS * (u32)a.wrb;
-    const int* id = a.ids + t * a.kslots;
-    mbar_wait(&s.bar);
-    const int r = r0 + warp;
-    // Every slot's row first (independent), then their butterflies side by side.
-    float acc[MDS_SLOTS];
-#pragma unroll
-    for (int sl = 0; sl < MDS_SLOTS; ++sl) {
-        acc[sl] = 0.f;
-        if (sl < a.kslots && lane < U) {
-            const Q2Xs& d = s.xa[sl * U + lane];
-            Q2X x;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) x.a[i] = d.a[i], x.b[i] = d.b[i];
-            x.dx = d.dx;
-            x.sx = d.sx;
-            acc[sl] += q2_dot(q2_load(s.st + sl * sb + (size_t)warp * a.wrb, lane), x);
-        }
-    }
-#pragma unroll
-    for (int sl = 0; sl < MDS_SLOTS; ++sl) acc[sl] = warp_sum(acc[sl]);
-    float comb = 0.f;
-#pragma unroll
-    for (int sl = 0; sl < MDS_SLOTS; ++sl) {
-        if (sl < a.kslots) {
-            const int e = id[sl];
-            float v = dot_post<T_Q2_0>(acc[sl]);
-            if (e < 0 || e >= a.n_expert) {
-                if (lane == 0) atomicOr(a.err, 2u);
-                v = __int_as_float(0x7fc00000);
-            }
-            comb += a.wts[t * a.kslots + sl] * v;
-        }
-    }
-    float sv = 0.f;
-    if (a.sw) {
-        mbar_wait(&s.bars);
-        float x = 0.f;
-        if (lane < a.sff / 32) x += unit_dot_w<T_Q8_0>(load_unit<T_Q8_0>(s.sst + (size_t)warp * a.swrb, lane), s.sact, lane);
-        sv = dot_post<T_Q8_0>(warp_sum(x));
-    }
-    if (lane == 0 && r < a.h) {
-        const size_t o = (size_t)t * a.h + r;
-        if (a.sw) comb = comb + sigmoidf_(a.gate[t]) * sv;
-        else if (a.shared) comb = comb + sigmoidf_(a.gate[t]) * a.shared[o];
-        a.out[o] = comb;
-    }
-}
 
 // Block (blockIdx.x, t): output rows r0 .. r0 + 16 of activation row t over its kslots slots,
 // 512 threads: warp w the output row r0 + w. Each slot's 16 weight rows are one bulk copy; the
@@ -1039,113 +888,96 @@ extern "C" __global__ void __launch_bounds__(512)
 moe_down_q2s(const u8* wd, u64 slab_bytes, const int* ids, int n_expert, const u8* aq, const float* wts, int kslots,
              float* out, const float* shared, const float* gate, int h, int k, u64 wrb, u64 xrb, u32* err,
              int early, const float* sg, const float* su, const u8* sw, int sff, u64 swrb) {
-    __shared__ DnSmem s;
-    const DnArgs a{wd, slab_bytes, ids, n_expert, aq, wts, kslots, out, shared, gate, h, k, wrb, xrb, err, sg, su, sw, sff, swrb};
-    const int t = blockIdx.y, r0 = MDS_ROWS * blockIdx.x;
-    q2s_down_issue_shared(s, a, r0);
-    if (sw && early) q2s_down_shared_image(s, a, t);
-    if (!early) grid_dep_sync();
-    q2s_down_issue_rows(s, a, t, r0);
-    if (early) grid_dep_sync();
-    if (sw && !early) q2s_down_shared_image(s, a, t);
-    q2s_down_transpose(s, aq + (size_t)t * kslots * xrb, a);
-    __syncthreads();
-    q2s_down_rows(s, a, t, r0);
-}
-
-// ---- the routed experts of decode rows in one launch (moe_experts_q2s) ---------------------
-// moe_gate_up_q2s's blocks and moe_down_q2s's blocks (with `early`: the route, the activation
-// image and the shared expert's products settled) as one grid of max(gate/up blocks, down
-// blocks) blocks, every one resident at once (the launcher checks the occupancy), each doing
-// at most one block of each: first its down block's copies (weights and the settled route) and
-// the shared expert's image, then its gate/up block (copies, sums; after the dependency wait
-// its Q8_0 block), then a barrier over the grid, then the down block from the images the
-// whole grid wrote. The same functions as the two kernels in the same order, so the same bits;
-// one launch and one dependency wait fewer, and the down's weights arrive during the gate/up.
-// The dependent kernel is let launch only after the grid barrier (every block resident by
-// then, so its waiting blocks cannot hold a slot this grid still needs).
-#define MEX_SMEM ((sizeof(GuSmem) + 127) / 128 * 128 + sizeof(DnSmem))
-static_assert(MEX_SMEM <= 96 * 1024, "strata_cuda::model::EXPERTS_ONE_SMEM is the launch's dynamic shared memory");
-
-// Every block of the grid arrives; none leaves before all have (a count and a generation word
-// in `w`, reset by the last to arrive; the block's writes before it are visible after it).
-__device__ __forceinline__ void grid_barrier(u32* w) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        volatile u32* gen = w + 1;
-        const u32 g0 = *gen;
-        __threadfence();
-        const u32 n = gridDim.x * gridDim.y;
-        if (atomicAdd(w, 1u) == n - 1) {
-            atomicExch(w, 0u);
-            __threadfence();
-            atomicAdd(w + 1, 1u);
-        } else {
-            while (*gen == g0) {
-            }
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-// Reads `n` bytes (a multiple of 8, 8-byte aligned) of another block's writes at L2 into
-// shared memory: no line of them can be stale in this SM's L1.
-__device__ __forceinline__ void copy_cg8(u8* dst, const u8* src, int n) {
-    for (int i = threadIdx.x; i < n / 8; i += blockDim.x) ((uint2*)dst)[i] = __ldcg((const uint2*)src + i);
-}
-
-extern "C" __global__ void __launch_bounds__(512, 2)
-moe_experts_q2s(const u8* wg, const u8* wu, u64 gslab, u64 gwrb, const u8* x, u64 gxrb, int ff, const u8* wd,
-                u64 dslab, const int* ids, int n_expert, u8* aq, const float* wts, int kslots, int nt, float* out,
-                const float* shared, const float* gate, int h, u64 dwrb, u32* err, const float* sg, const float* su,
-                const u8* sw, int sff, u64 swrb, u32* gbar) {
-    extern __shared__ __align__(128) u8 dyn[];
-    GuSmem& g = *(GuSmem*)dyn;
-    DnSmem& s = *(DnSmem*)(dyn + (sizeof(GuSmem) + 127) / 128 * 128);
-    const u64 dxrb = 34 * (u64)(ff / 32);
-    const DnArgs a{wd, dslab, ids, n_expert, aq, wts, kslots, out, shared, gate, h, ff, dwrb, dxrb, err, sg, su, sw, sff, swrb};
-    const int b = blockIdx.x, gu_blocks = ff / 32, dn_blocks = h / MDS_ROWS;
+    __shared__ __align__(128) u8 st[MDS_STAGE];
+    __shared__ __align__(128) u8 sst[MDS_ROWS * 34 * MDS_SH_UNITS];
+    __shared__ __align__(16) u8 sact[34 * MDS_SH_UNITS];
+    __shared__ Q2Xs xa[MDS_SLOTS * 20];
+    __shared__ __align__(8) u64 bar, bars;
+    const int t = blockIdx.y, r0 = MDS_ROWS * blockIdx.x, U = k / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const bool down = b < dn_blocks * nt, gate_up = b < gu_blocks * nt * kslots;
-    const int t = b / dn_blocks, r0 = MDS_ROWS * (b % dn_blocks);
-    if (down) {
-        q2s_down_issue_shared(s, a, r0);
-        if (sw) q2s_down_shared_image(s, a, t);
-        q2s_down_issue_rows(s, a, t, r0);
+    const u32 sb = MDS_ROWS * (u32)wrb;
+    const int* id = ids + t * kslots;
+    const int SU = sff / 32;
+    if (sw && tid == 0) {
+        mbar_arm(&bars, MDS_ROWS * (u32)swrb);
+        bulk_to_smem(sst, sw + (size_t)r0 * swrb, MDS_ROWS * (u32)swrb, &bars);
     }
-    const int q = b / gu_blocks, gr0 = 32 * (b % gu_blocks);
-    const int e = gate_up ? __ldcg(ids + q) : 0;
-    const bool ok = e >= 0 && e < n_expert;
-    if (gate_up && ok) q2s_gate_up_issue(g, wg, wu, gslab, e, gr0, gwrb, x + (size_t)(q / kslots) * gxrb, gxrb);
+    // The shared expert's activation image (swiglu_xprep's warp a 32-element block).
+    auto shared_image = [&]() {
+        for (int b = warp; b < SU; b += 16) {
+            const size_t e = (size_t)t * sff + 32 * b + lane;
+            q8_0_warp(siluf_(sg[e]) * su[e], sact + 34 * b, lane);
+        }
+    };
+    if (sw && early) shared_image();
+    if (!early) grid_dep_sync();
+    // Warp 0's lane s reads slot s's id (all at once: one load latency, not kslots in a row),
+    // lane 0 arms the barrier with the valid slots' bytes, then each lane copies its slot.
+    if (warp == 0) {
+        const int e = lane < kslots ? __ldcg(id + lane) : -1;
+        const bool valid = e >= 0 && e < n_expert;
+        const u32 n = __popc(__ballot_sync(FULL_MASK, valid));
+        if (lane == 0) mbar_arm(&bar, n * sb);
+        __syncwarp();
+        if (valid) bulk_to_smem(st + lane * sb, wd + (size_t)e * slab_bytes + (size_t)r0 * wrb, sb, &bar);
+    }
+    if (early) grid_dep_sync();
+    if (sw && !early) shared_image();
+    // The pairs' activation units, transposed (thread i: slot i / U, unit i % U).
+    if (tid < kslots * U) {
+        const Q2X x = q2_act(aq + (size_t)(t * kslots + tid / U) * xrb, tid % U);
+        Q2Xs& d = xa[tid];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d.a[i] = x.a[i], d.b[i] = x.b[i];
+        d.dx = x.dx;
+        d.sx = x.sx;
+    }
     __syncthreads();
-    if (gate_up && ok) q2s_gate_up_rows(g, h / 32, gwrb);
-    __syncthreads();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-    if (gate_up) {
-        u8* blk = aq + (size_t)q * dxrb + 34 * (size_t)(b % gu_blocks);
-        if (!ok) {
-            if (tid == 0) {
-                atomicOr(err, 2u);
-                *(u16*)blk = 0x7e00;  // NaN scale: every product of this pair is NaN
-            }
-        } else if (warp == 0) {
-            q8_0_warp(siluf_(g.gu[lane]) * g.gu[32 + lane], blk, lane);
+    mbar_wait(&bar);
+    const int r = r0 + warp;
+    // Every slot's row first (independent), then their butterflies side by side.
+    float acc[MDS_SLOTS];
+#pragma unroll
+    for (int s = 0; s < MDS_SLOTS; ++s) {
+        acc[s] = 0.f;
+        if (s < kslots && lane < U) {
+            const Q2Xs& d = xa[s * U + lane];
+            Q2X x;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) x.a[i] = d.a[i], x.b[i] = d.b[i];
+            x.dx = d.dx;
+            x.sx = d.sx;
+            acc[s] += q2_dot(q2_load(st + s * sb + (size_t)warp * wrb, lane), x);
         }
     }
-    grid_barrier(gbar);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    if (!down) return;
-    // The row's images, written by other blocks: read at L2 into the gate/up's stage (free now).
-    copy_cg8(g.st, aq + (size_t)t * kslots * dxrb, kslots * (int)dxrb);
-    __syncthreads();
-    q2s_down_transpose(s, g.st, a);
-    __syncthreads();
-    q2s_down_rows(s, a, t, r0);
+#pragma unroll
+    for (int s = 0; s < MDS_SLOTS; ++s) acc[s] = warp_sum(acc[s]);
+    float comb = 0.f;
+#pragma unroll
+    for (int s = 0; s < MDS_SLOTS; ++s) {
+        if (s < kslots) {
+            const int e = id[s];
+            float v = dot_post<T_Q2_0>(acc[s]);
+            if (e < 0 || e >= n_expert) {
+                if (lane == 0) atomicOr(err, 2u);
+                v = __int_as_float(0x7fc00000);
+            }
+            comb += wts[t * kslots + s] * v;
+        }
+    }
+    float sv = 0.f;
+    if (sw) {
+        mbar_wait(&bars);
+        float a = 0.f;
+        if (lane < SU) a += unit_dot_w<T_Q8_0>(load_unit<T_Q8_0>(sst + (size_t)warp * swrb, lane), sact, lane);
+        sv = dot_post<T_Q8_0>(warp_sum(a));
+    }
+    if (lane == 0 && r < h) {
+        const size_t o = (size_t)t * h + r;
+        if (sw) comb = comb + sigmoidf_(gate[t]) * sv;
+        else if (shared) comb = comb + sigmoidf_(gate[t]) * shared[o];
+        out[o] = comb;
+    }
 }
 
 #endif

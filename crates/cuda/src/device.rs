@@ -63,7 +63,7 @@ pub struct Blas {
 /// The on/off switches of the CUDA backend (each `0` turns a default off, for an A/B;
 /// `STRATA_CUDA_TRIGGER_FIRST`, `STRATA_CUDA_PLE_HOST`, `STRATA_CUDA_FAST_PREFILL` and
 /// `STRATA_CUDA_BATCH` are off unless `1`).
-pub const SWITCHES: [&str; 30] = [
+pub const SWITCHES: [&str; 29] = [
     "STRATA_CUDA_GRAPHS",
     "STRATA_CUDA_PDL",
     "STRATA_CUDA_EXPERTS_WIDE",
@@ -93,7 +93,6 @@ pub const SWITCHES: [&str; 30] = [
     "STRATA_CUDA_ATTN_FUSE",
     "STRATA_CUDA_ROWS4",
     "STRATA_CUDA_ROWS4_GDN",
-    "STRATA_CUDA_MOE_ONE",
 ];
 
 /// The switches read once, when the device opens, a backend is made or a model loads (or a
@@ -238,13 +237,6 @@ pub struct Gpu {
     /// Page-locked (cacheable) host memory that downloads land in ([`Gpu::download_f32`]),
     /// grown to the largest download so far up to [`READBACK_MAX`].
     readback: Mutex<Option<HostMem>>,
-    /// The grid barrier's two words (a count and a generation) for kernels whose blocks wait
-    /// for each other ([`Gpu::grid_barrier`]): made zero with the device, left zero by every
-    /// complete launch.
-    grid_bar: CudaSlice<u32>,
-    /// The blocks a co-resident launch of a kernel may have, by kernel and dynamic shared
-    /// memory ([`Gpu::resident_blocks`]).
-    resident: Mutex<HashMap<(String, u32), usize>>,
     copy_out_ns: std::sync::atomic::AtomicU64,
 }
 
@@ -353,10 +345,7 @@ impl Gpu {
             });
             modules.insert(m.name, module);
         }
-        let grid_bar = stream.alloc_zeros::<u32>(2).map_err(drv("cuMemAlloc"))?;
         Ok(Gpu {
-            grid_bar,
-            resident: Mutex::new(HashMap::new()),
             ctx,
             stream,
             name,
@@ -614,53 +603,6 @@ impl Gpu {
         })?;
         f.insert(name.to_string(), func.clone());
         Ok(func)
-    }
-
-    /// The grid barrier's words (see `grid_barrier` in gemv.cu): one pair for the device, since
-    /// kernels on its one stream never run their barriers at once.
-    pub fn grid_barrier(&self) -> &CudaSlice<u32> {
-        &self.grid_bar
-    }
-
-    /// How many blocks of `threads` threads with `smem` bytes of dynamic shared memory of
-    /// `module`'s kernel `name` fit on the device at once (its SMs times the blocks an SM
-    /// holds), with the kernel's dynamic shared memory limit raised to `smem` first; asked
-    /// once per kernel and size. A grid whose blocks wait for each other must not be larger.
-    pub fn resident_blocks(
-        &self,
-        module: &str,
-        name: &str,
-        threads: u32,
-        smem: u32,
-    ) -> Result<usize, CudaError> {
-        let key = (name.to_string(), smem);
-        if let Some(&n) = self
-            .resident
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-        {
-            return Ok(n);
-        }
-        let f = self.func(module, name)?;
-        // SAFETY: an attribute of a loaded function; the size is checked by the driver.
-        unsafe {
-            cudarc::driver::result::function::set_function_attribute(
-                f.cu_function(),
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-        }
-        .map_err(drv("cuFuncSetAttribute(max dynamic shared memory)"))?;
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-            .map_err(drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-        let n = per_sm as usize * self.sms.max(0) as usize;
-        self.resident
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, n);
-        Ok(n)
     }
 
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, CudaError> {

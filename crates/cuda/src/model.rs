@@ -3199,190 +3199,6 @@ fn experts_staged(gpu: &Gpu, ex: &ExpertsDev<'_>, xg: &CudaSlice<u8>, kslots: us
     })
 }
 
-/// The staged down's shared-expert arguments (device addresses, 0 where absent): its output
-/// `sy`, or its parts (gate and up products `sg`, `su`, Q8_0 down weight `sw` with rows of
-/// `sff` and `swrb` bytes), and its gate `sgate`.
-struct StagedShared {
-    sy: u64,
-    sgate: u64,
-    sg: u64,
-    su: u64,
-    sw: u64,
-    sff: i32,
-    swrb: u64,
-    /// The bytes its parts make the down read (0 for an output).
-    bytes: usize,
-}
-
-fn staged_shared(
-    gpu: &Gpu,
-    k: &str,
-    shared: Option<&SharedAdd<'_>>,
-    nt: usize,
-    h: usize,
-) -> Result<StagedShared, CudaError> {
-    let mut a = StagedShared {
-        sy: 0,
-        sgate: 0,
-        sg: 0,
-        su: 0,
-        sw: 0,
-        sff: 0,
-        swrb: 0,
-        bytes: 0,
-    };
-    if let Some(sh) = shared {
-        need(k, "shared gate", sh.gate.len(), nt)?;
-        a.sgate = addr(gpu, sh.gate);
-        match &sh.y {
-            SharedY::Out(y) => {
-                need(k, "shared", y.len(), nt * h)?;
-                a.sy = addr(gpu, *y);
-            }
-            SharedY::Parts { g, u, down } => {
-                need(k, "shared g", g.len(), nt * down.k)?;
-                need(k, "shared u", u.len(), nt * down.k)?;
-                need(k, "shared down", down.bytes.len(), h * down.row_bytes()?)?;
-                (a.sg, a.su, a.sw) = (addr(gpu, *g), addr(gpu, *u), addr(gpu, &down.bytes));
-                (a.sff, a.swrb) = (i32_of(k, down.k)?, u64_of(down.row_bytes()?));
-                a.bytes = h * down.row_bytes()? + 8 * nt * down.k;
-            }
-        }
-    }
-    Ok(a)
-}
-
-/// Dynamic shared memory of gemv.cu's moe_experts_q2s (at least its MEX_SMEM, which a
-/// static_assert there binds to this).
-const EXPERTS_ONE_SMEM: u32 = 96 << 10;
-
-/// Whether the routed experts of settled decode rows run as one launch (gemv.cu
-/// `moe_experts_q2s`: the staged gate/up and down blocks in one co-resident grid with a grid
-/// barrier between them; the same bits) where its grid fits the device at once.
-/// `STRATA_CUDA_MOE_ONE=0` keeps the two launches, for an A/B.
-fn experts_one_on() -> bool {
-    crate::device::switch_on("STRATA_CUDA_MOE_ONE")
-}
-
-/// The blocks of moe_experts_q2s for `nt` rows of `ks` slots: one per gate/up block (ff / 32 a
-/// pair) or per down block (h / 16 a row), whichever are more.
-pub fn experts_one_blocks(nt: usize, ks: usize, h: usize, ff: usize) -> usize {
-    (ff / 32 * nt * ks).max(h / DOWN_STAGED_ROWS * nt)
-}
-
-/// Whether moe_experts_q2s takes `nt` rows of `ks` slots of these (staged) experts: a Q8_0
-/// image for the down, at most 10 slots, the down's transposition within its 512 threads, and
-/// the whole grid resident on the device at once.
-pub fn experts_one_fits(
-    gpu: &Gpu,
-    ex: &ExpertsDev<'_>,
-    nt: usize,
-    ks: usize,
-) -> Result<bool, CudaError> {
-    let (h, ff) = (ex.gate.k, ex.gate.rows);
-    let module = format!("gemv_{}", product_module(ex.gate.ty)?);
-    Ok(ex.gate.ty == GgmlType::Q2_0
-        && ex.down.ty == GgmlType::Q2_0
-        && ex.down.act()? == ActFmt::Q8_0
-        && ks <= DOWN_STAGED_SLOTS
-        && ks * (ff / 32) <= 512
-        && experts_one_blocks(nt, ks, h, ff)
-            <= gpu.resident_blocks(&module, "moe_experts_q2s", 512, EXPERTS_ONE_SMEM)?)
-}
-
-/// moe_experts_q2s, where its grid is resident at once (else Ok(false): nothing launched).
-#[allow(clippy::too_many_arguments)]
-fn moe_experts_one(
-    gpu: &Gpu,
-    ex: &ExpertsDev<'_>,
-    xg: &CudaSlice<u8>,
-    ids: &CudaSlice<i32>,
-    wts: &CudaSlice<f32>,
-    nt: usize,
-    ks: usize,
-    aq: &mut CudaSlice<u8>,
-    shared: Option<&SharedAdd<'_>>,
-    out: &mut CudaSlice<f32>,
-    err: &mut CudaSlice<u32>,
-) -> Result<bool, CudaError> {
-    let k = "moe_experts_one";
-    let (h, ff) = (ex.gate.k, ex.gate.rows);
-    let module = format!("gemv_{}", product_module(ex.gate.ty)?);
-    let blocks = experts_one_blocks(nt, ks, h, ff);
-    if !experts_one_fits(gpu, ex, nt, ks)? {
-        return Ok(false);
-    }
-    let np = nt * ks;
-    need(
-        k,
-        "down",
-        ex.down.bytes.len(),
-        ex.down.slab_bytes()? * ex.down.n_expert,
-    )?;
-    let sh = staged_shared(gpu, k, shared, nt, h)?;
-    let (gslab, gwrb, gxrb) = (
-        u64_of(ex.gate.slab_bytes()?),
-        u64_of(ex.gate.row_bytes()?),
-        u64_of(ex.gate.act_row_bytes()?),
-    );
-    let (dslab, dwrb) = (u64_of(ex.down.slab_bytes()?), u64_of(ex.down.row_bytes()?));
-    let (ffi, ne, ksi, nti, hi) = (
-        i32_of(k, ff)?,
-        i32_of(k, ex.gate.n_expert)?,
-        i32_of(k, ks)?,
-        i32_of(k, nt)?,
-        i32_of(k, h)?,
-    );
-    // Each pair's gate and up rows and activation row, its down rows and image, the shared
-    // expert's parts.
-    gpu.note_bytes(
-        np * (2 * ff * ex.gate.row_bytes()? + ex.gate.act_row_bytes()?)
-            + np * (h * ex.down.row_bytes()? + ex.down.act_row_bytes()?)
-            + sh.bytes,
-    );
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (512, 1, 1),
-        shared_mem_bytes: EXPERTS_ONE_SMEM,
-    };
-    launch!(
-        gpu,
-        &module,
-        "moe_experts_q2s",
-        cfg,
-        [
-            &ex.gate.bytes,
-            &ex.up.bytes,
-            &gslab,
-            &gwrb,
-            xg,
-            &gxrb,
-            &ffi,
-            &ex.down.bytes,
-            &dslab,
-            ids,
-            &ne,
-            &mut *aq,
-            wts,
-            &ksi,
-            &nti,
-            out,
-            &sh.sy,
-            &sh.sgate,
-            &hi,
-            &dwrb,
-            err,
-            &sh.sg,
-            &sh.su,
-            &sh.sw,
-            &sh.sff,
-            &sh.swrb,
-            gpu.grid_barrier()
-        ]
-    )?;
-    Ok(true)
-}
-
 /// [`moe_experts_fused`] from the gate weight's activation image `xg` already prepared, with
 /// the shared expert's add when given.
 #[allow(clippy::too_many_arguments)]
@@ -3444,14 +3260,6 @@ pub fn moe_experts_fused_on(
     }
     let settled = shared.as_ref().is_some_and(|s| s.settled) && early_experts();
     let early = i32::from(settled);
-    if settled
-        && staged.gate_up
-        && staged.down
-        && experts_one_on()
-        && moe_experts_one(gpu, ex, xg, ids, wts, nt, ks, aq, shared.as_ref(), out, err)?
-    {
-        return Ok(());
-    }
     match gate_up_q2t_threads(ex.gate.ty, h / 32) {
         _ if staged.gate_up => launch!(
             gpu,
@@ -3536,18 +3344,29 @@ pub fn moe_experts_fused_on(
         nt as u32,
         units_threads(ks * rb * ff / 32),
     );
+    gpu.note_bytes(np * (h * dwrb + dxrb));
     if staged.down {
-        let StagedShared {
-            sy,
-            sgate,
-            sg,
-            su,
-            sw,
-            sff,
-            swrb,
-            bytes,
-        } = staged_shared(gpu, k, shared.as_ref(), nt, h)?;
-        gpu.note_bytes(np * (h * dwrb + dxrb) + bytes);
+        // (out, gate, sg, su, sw, sff, swrb): the shared expert's output, or its parts.
+        let (mut sy, mut sgate, mut sg, mut su, mut sw, mut sff, mut swrb) =
+            (0u64, 0u64, 0, 0, 0, 0i32, 0u64);
+        if let Some(sh) = &shared {
+            need(k, "shared gate", sh.gate.len(), nt)?;
+            sgate = addr(gpu, sh.gate);
+            match &sh.y {
+                SharedY::Out(y) => {
+                    need(k, "shared", y.len(), nt * h)?;
+                    sy = addr(gpu, *y);
+                }
+                SharedY::Parts { g, u, down } => {
+                    need(k, "shared g", g.len(), nt * down.k)?;
+                    need(k, "shared u", u.len(), nt * down.k)?;
+                    need(k, "shared down", down.bytes.len(), h * down.row_bytes()?)?;
+                    (sg, su, sw) = (addr(gpu, *g), addr(gpu, *u), addr(gpu, &down.bytes));
+                    (sff, swrb) = (i32_of(k, down.k)?, u64_of(down.row_bytes()?));
+                    gpu.note_bytes(h * down.row_bytes()? + 8 * nt * down.k);
+                }
+            }
+        }
         return launch!(
             gpu,
             &format!("gemv_{dn}"),
@@ -3578,7 +3397,6 @@ pub fn moe_experts_fused_on(
             ]
         );
     }
-    gpu.note_bytes(np * (h * dwrb + dxrb));
     match shared {
         None => launch!(
             gpu,
@@ -3695,17 +3513,6 @@ pub fn moe_experts(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The one-launch experts' grid: a block per gate/up block (ff / 32 per pair) or per down
-    /// block (h / 16 per row), whichever are more — the release's decode row (ten slots of
-    /// 640 over 2560) is 200 gate/up blocks against 160 down blocks.
-    #[test]
-    fn experts_one_grid_covers_both_halves() {
-        assert_eq!(experts_one_blocks(1, 10, 2560, 640), 200);
-        assert_eq!(experts_one_blocks(1, 8, 2560, 640), 160);
-        assert_eq!(experts_one_blocks(2, 10, 2560, 640), 400);
-        assert_eq!(experts_one_blocks(1, 1, 2560, 640), 160);
-    }
 
     /// The rows per block of the unit-parallel products: a unit a thread where rows are short,
     /// within the shared contributions, never more rows than the product has.

@@ -918,16 +918,7 @@ fn fused_experts_equal_the_composed_experts() {
                 let sg = up(g, &tame(rng.f32_vec_special(nt, 1.0)));
                 let mut o2 = up(g, &down(g, &o0));
                 m::add_sigmoid_gated(g, &mut o2, &sy, &sg, nt, h).unwrap();
-                // Settled decode rows of the staged experts run as one launch where its grid
-                // fits the device at once (moe_experts_q2s: one row of ten slots on the H200),
-                // else as two; both are bound here (`one` false: STRATA_CUDA_MOE_ONE=0).
-                let one_fits = stage && staged.down && m::experts_one_fits(g, &ex, nt, ks).unwrap();
-                if stage && q2 && nt == 1 {
-                    assert!(one_fits, "{what}: one row's experts fit one launch");
-                }
-                for (settled, one) in [(false, true), (true, false), (true, true)] {
-                    sw_one(one);
-                    let what = format!("{what} one={}", one && one_fits);
+                for settled in [false, true] {
                     let mut o3 = g.zeros::<f32>(nt * h).unwrap();
                     let add = m::SharedAdd {
                         y: m::SharedY::Out(&sy),
@@ -962,9 +953,7 @@ fn fused_experts_equal_the_composed_experts() {
                 m::product(g, &sdown, &hq, nt, &mut ysh).unwrap();
                 let mut o4 = up(g, &down(g, &o0));
                 m::add_sigmoid_gated(g, &mut o4, &ysh, &sg, nt, h).unwrap();
-                for (settled, one) in [(false, true), (true, false), (true, true)] {
-                    sw_one(one);
-                    let what = format!("{what} one={}", one && one_fits);
+                for settled in [false, true] {
                     let mut o5 = g.zeros::<f32>(nt * h).unwrap();
                     let add = m::SharedAdd {
                         y: m::SharedY::Parts {
@@ -1027,49 +1016,9 @@ fn fused_experts_equal_the_composed_experts() {
                 down(g, &o).iter().all(|v| v.is_nan()),
                 "a bad expert id makes its row NaN (staged={stage})"
             );
-            // The same with the shared expert's add settled: the one-launch experts where
-            // staged (the gate/up's NaN block, the error bit, every block at the barrier).
-            for one in [false, true] {
-                sw_one(one);
-                let mut err = g.zeros::<u32>(1).unwrap();
-                let mut o = g.zeros::<f32>(h).unwrap();
-                let (sy, sg) = (up(g, &vec![0.25f32; h]), up(g, &[0.5f32]));
-                let add = m::SharedAdd {
-                    y: m::SharedY::Out(&sy),
-                    gate: &sg,
-                    settled: true,
-                };
-                m::moe_experts_fused(
-                    g,
-                    &ex,
-                    &up(g, &vec![0.5f32; h]),
-                    &up(g, &bad_ids),
-                    &up(g, &wts),
-                    &mut scratch,
-                    Some(add),
-                    &mut o,
-                    &mut err,
-                )
-                .unwrap();
-                assert_eq!(
-                    g.download(&err).unwrap()[0] & 2,
-                    2,
-                    "a bad expert id sets the error word (staged={stage}, settled, one={one})"
-                );
-                assert!(
-                    down(g, &o).iter().all(|v| v.is_nan()),
-                    "a bad expert id makes its row NaN (staged={stage}, settled, one={one})"
-                );
-            }
-            strata_cuda::device::set_switch("STRATA_CUDA_MOE_ONE", None).unwrap();
         }
         m::set_experts_stage(None);
     }
-}
-
-/// STRATA_CUDA_MOE_ONE for the tests that bind the one-launch experts to the two launches.
-fn sw_one(on: bool) {
-    strata_cuda::device::set_switch("STRATA_CUDA_MOE_ONE", Some(on)).unwrap();
 }
 
 #[test]
